@@ -1,0 +1,118 @@
+"""``hotfit`` command line: global options, sub-command dispatch, error → exit-code mapping.
+
+Each sub-command lives in its own module here with ``add_parser(subparsers, parents)`` and
+``run(args, ctx) -> int``. Errors from ``pipeline.errors`` become their exit code; with ``--json``
+the error is printed as ``{"error": {...}}`` on stdout so scripts can read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TextIO
+
+from pipeline import log
+from pipeline.errors import HotfitError, Interrupted, UsageError
+from pipeline.settings import Settings, load_settings
+
+EXIT_CODES_HELP = """exit codes:
+  0    success
+  2    usage or configuration error (bad argument, env var, registry file)
+  3    no model qualifies (fail closed; the message names what would)
+  4    download / verify failure (Hub error, pin or size mismatch, checksum, disk space, template)
+  5    load / tool-call probe / hot-allocation re-check failure
+  6    locked: another hotfit holds this --home (its PID is named)
+  7    hardware probe failure (NVML present but failing)
+  130  interrupted (SIGINT/SIGTERM); a rerun resumes
+"""
+
+
+@dataclass
+class CliContext:
+    settings: Settings
+    json: bool
+    log_format: str | None
+    verbosity: int
+    out: TextIO
+
+    def emit(self, data: Any, text: str | None = None) -> None:
+        """Print ``data`` as JSON with --json, else the human ``text`` (or the JSON if none)."""
+        if self.json or text is None:
+            self.out.write(json.dumps(data, indent=2, default=str) + "\n")
+        else:
+            self.out.write(text.rstrip("\n") + "\n")
+        self.out.flush()
+
+
+def _commands() -> list[Any]:
+    from pipeline.cli import auto, plan, probe, pull, registry, serve, status
+
+    return [probe, plan, registry, pull, auto, status, serve]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable JSON on stdout")
+    parser = argparse.ArgumentParser(
+        prog="hotfit",
+        description="Provision, unattended, the best local LLM this machine can run as a tool-calling agent.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--home", metavar="DIR",
+                        help="state and model directory (default: $HOTFIT_HOME or ~/.local/share/hotfit)")
+    parser.add_argument("--llama-server", metavar="PATH",
+                        help="llama-server binary (default: $HOTFIT_LLAMA_SERVER, the build cache, then PATH)")
+    parser.add_argument("--log-format", choices=("json", "console"), default=None,
+                        help="log renderer on stderr (default: console on a TTY, json otherwise)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log detail")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="warnings and errors only")
+    parser.add_argument("--json", action="store_true", default=False, help="machine-readable JSON on stdout")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in _commands():
+        module.add_parser(sub, [common])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or usage error (2)
+        return int(exc.code or 0)
+    want_json = bool(getattr(args, "json", False))
+    try:
+        settings = load_settings(home=args.home, llama_server=args.llama_server)
+        verbosity = args.verbose - args.quiet
+        log.configure(args.log_format, verbosity, settings.log_path)
+        ctx = CliContext(settings=settings, json=want_json, log_format=args.log_format,
+                         verbosity=verbosity, out=out)
+        handler: Callable[[argparse.Namespace, CliContext], int] = args.handler
+        return handler(args, ctx)
+    except HotfitError as exc:
+        return _report(exc, want_json, out)
+    except KeyboardInterrupt:
+        return _report(Interrupted("interrupted; rerun the same command to resume"), want_json, out)
+
+
+def _report(exc: HotfitError, want_json: bool, out: TextIO) -> int:
+    if want_json:
+        out.write(json.dumps({"error": exc.to_json()}, indent=2, default=str) + "\n")
+        out.flush()
+    sys.stderr.write(f"hotfit: error: {exc}\n")
+    return exc.exit_code
+
+
+def not_implemented(name: str) -> Callable[[argparse.Namespace, CliContext], int]:
+    def handler(_args: argparse.Namespace, _ctx: CliContext) -> int:
+        raise UsageError(f"'hotfit {name}' is not implemented yet")
+
+    return handler
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

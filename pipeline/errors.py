@@ -1,0 +1,153 @@
+"""Every error hotfit raises on purpose, and the exit code each one maps to.
+
+The tree (an operator can catch any level; the CLI maps the class to an exit code)::
+
+    HotfitError                        exit 1   (never raised bare)
+    ├── UsageError                     exit 2   bad CLI argument, env var or config value
+    │   └── RegistryError              exit 2   curated registry file fails its schema
+    ├── NoModelQualifies               exit 3   fail closed: nothing agentic fits this budget
+    ├── TransferError                  exit 4   fetch-weights / fetch-template / verify
+    │   ├── HubError                   exit 4   the Hub answered with an error (repo, revision, entry, gated)
+    │   ├── PinMismatch                exit 4   X-Repo-Commit or size differs from the pinned value
+    │   ├── DiskSpaceError             exit 4   not enough free disk for what must be written
+    │   ├── IntegrityError             exit 4   sha256 / size / GGUF header disagree with the registry
+    │   └── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
+    ├── BackendError                   exit 5   load / probe-tool-call / re-check
+    │   ├── BackendNotFound            exit 5   no llama-server binary could be found
+    │   ├── LoadError                  exit 5   llama-server did not come up (log lines quoted)
+    │   ├── ToolCallProbeFailed        exit 5   the probe call did not parse as a tool call
+    │   └── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
+    ├── LockedError                    exit 6   another hotfit holds the lock (its PID is named)
+    ├── HardwareProbeError             exit 7   NVML (or another probe) present but failing
+    └── Interrupted                    exit 130 SIGINT/SIGTERM; state marked interrupted, rerun resumes
+
+Each error carries ``what`` happened, ``hint`` (what to do) and ``details`` (machine-readable
+facts for ``--json``). Messages never contain secrets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "EXIT_OK",
+    "HotfitError",
+    "UsageError",
+    "RegistryError",
+    "NoModelQualifies",
+    "TransferError",
+    "HubError",
+    "PinMismatch",
+    "DiskSpaceError",
+    "IntegrityError",
+    "TemplateError",
+    "BackendError",
+    "BackendNotFound",
+    "LoadError",
+    "ToolCallProbeFailed",
+    "AllocationMismatch",
+    "LockedError",
+    "HardwareProbeError",
+    "Interrupted",
+]
+
+EXIT_OK = 0
+
+
+class HotfitError(Exception):
+    """Base of every deliberate hotfit failure."""
+
+    exit_code: int = 1
+    code: str = "error"
+
+    def __init__(self, what: str, *, hint: str | None = None, **details: Any) -> None:
+        super().__init__(what)
+        self.what = what
+        self.hint = hint
+        self.details = details
+
+    def __str__(self) -> str:
+        return self.what if not self.hint else f"{self.what}\n  → {self.hint}"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "message": self.what, "exit_code": self.exit_code}
+        if self.hint:
+            out["hint"] = self.hint
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+class UsageError(HotfitError):
+    exit_code = 2
+    code = "usage"
+
+
+class RegistryError(UsageError):
+    code = "registry"
+
+
+class NoModelQualifies(HotfitError):
+    exit_code = 3
+    code = "no_model_qualifies"
+
+
+class TransferError(HotfitError):
+    exit_code = 4
+    code = "transfer"
+
+
+class HubError(TransferError):
+    code = "hub"
+
+
+class PinMismatch(TransferError):
+    code = "pin_mismatch"
+
+
+class DiskSpaceError(TransferError):
+    code = "disk_space"
+
+
+class IntegrityError(TransferError):
+    code = "integrity"
+
+
+class TemplateError(TransferError):
+    code = "template"
+
+
+class BackendError(HotfitError):
+    exit_code = 5
+    code = "backend"
+
+
+class BackendNotFound(BackendError):
+    code = "backend_not_found"
+
+
+class LoadError(BackendError):
+    code = "load"
+
+
+class ToolCallProbeFailed(BackendError):
+    code = "tool_call_probe"
+
+
+class AllocationMismatch(BackendError):
+    code = "allocation_mismatch"
+
+
+class LockedError(HotfitError):
+    exit_code = 6
+    code = "locked"
+
+
+class HardwareProbeError(HotfitError):
+    exit_code = 7
+    code = "hardware_probe"
+
+
+class Interrupted(HotfitError):
+    exit_code = 130
+    code = "interrupted"

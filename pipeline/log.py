@@ -1,0 +1,86 @@
+"""structlog set-up: events are stable names plus key/value facts.
+
+One renderer is chosen at start-up: JSON lines (machines, log pipelines) or console (a person at
+a TTY). JSON events always go to ``<home>/logs/hotfit.jsonl`` as well. Secrets are scrubbed by a
+processor so no token or API key reaches a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+SECRET_KEYS = frozenset({"token", "hf_token", "api_key", "authorization", "password", "secret"})
+_VERBOSITY_LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
+
+
+def _scrub_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    for key in list(event):
+        if key.lower() in SECRET_KEYS and event[key] is not None:
+            event[key] = "***"
+    return event
+
+
+def configure(
+    log_format: str | None = None,
+    verbosity: int = 0,
+    log_file: Path | None = None,
+    stream: TextIO | None = None,
+) -> None:
+    """Configure structlog once per process. ``log_format`` None = console on a TTY, else json."""
+    stream = stream or sys.stderr
+    if log_format is None:
+        log_format = "console" if stream.isatty() else "json"
+    level = _VERBOSITY_LEVELS[max(-1, min(1, verbosity))]
+    file_sink: TextIO | None = None
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_sink = open(log_file, "a", buffering=1, encoding="utf-8")  # line-buffered: one event, one write
+
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _scrub_secrets,
+    ]
+    console_renderer = (
+        structlog.dev.ConsoleRenderer(colors=stream.isatty()) if log_format == "console" else None
+    )
+
+    def emit(_logger: Any, _name: str, event: dict[str, Any]) -> str:
+        line = json.dumps(event, default=str, sort_keys=False)
+        if file_sink is not None:
+            file_sink.write(line + "\n")
+        if console_renderer is not None:
+            return console_renderer(_logger, _name, dict(event))
+        return line
+
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, emit],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(**initial: Any) -> Any:
+    return structlog.get_logger("hotfit", **initial)
+
+
+def bind(**facts: Any) -> None:
+    """Bind run-wide facts (run_id, stage, plan_id) to every following event of this task."""
+    structlog.contextvars.bind_contextvars(**facts)
+
+
+def unbind(*keys: str) -> None:
+    structlog.contextvars.unbind_contextvars(*keys)
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"

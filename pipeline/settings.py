@@ -1,0 +1,130 @@
+"""Configuration read from the environment, once, into a frozen object.
+
+Environment variables (all optional):
+
+==============================  ===============================================================
+``HOTFIT_HOME``                 state/model directory (default ``$XDG_DATA_HOME/hotfit`` or
+                                ``~/.local/share/hotfit``); ``--home`` overrides it
+``HOTFIT_LLAMA_SERVER``         path to a llama-server binary (after ``--llama-server``)
+``HOTFIT_LLAMA_CACHE``          where ``scripts/install-llama-server`` builds
+                                (default ``$XDG_CACHE_HOME/hotfit/llama.cpp``)
+``HOTFIT_DOWNLOAD_CONNECTIONS``  parallel byte ranges per large file (default 4)
+``CONTENOX_LLAMA_KV_CACHE_TYPE``  KV cache type the worker runs (unset = f16); the same
+                                variable contenox's modeld reads, so plan and worker agree
+``HF_ENDPOINT``                 Hub (or mirror) base URL (default https://huggingface.co)
+``HF_TOKEN``                    Hub token; else huggingface_hub's token store
+``HF_HUB_OFFLINE``              1 = never touch the network
+==============================  ===============================================================
+
+On-disk layout under the home directory (the one place it is written down)::
+
+    <home>/
+      state.db                 SQLite (WAL) stage state, one row per (run, stage)
+      pipeline.lock            flock held by the running pipeline (holder PID inside)
+      logs/hotfit.jsonl        JSON event log, appended by every command
+      models/<entry>/          verified weights, projector, chat_template.jinja
+      models/<entry>/.partial/ partial downloads + JSON sidecars (resume state)
+      runs/<run_id>/           per-run files (llama-server logs, probe transcript)
+      manifest.json            the last successful provisioning
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"
+DEFAULT_DOWNLOAD_CONNECTIONS = 4
+KV_CACHE_ENV = "CONTENOX_LLAMA_KV_CACHE_TYPE"
+LLAMA_SDIST_VERSION = "0.3.36"  # keep in step with scripts/install-llama-server
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def default_home(env: Mapping[str, str]) -> Path:
+    if env.get("HOTFIT_HOME"):
+        return Path(env["HOTFIT_HOME"]).expanduser()
+    base = env.get("XDG_DATA_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".local" / "share")
+    return Path(base) / "hotfit"
+
+
+def default_llama_cache(env: Mapping[str, str]) -> Path:
+    if env.get("HOTFIT_LLAMA_CACHE"):
+        return Path(env["HOTFIT_LLAMA_CACHE"]).expanduser()
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".cache")
+    return Path(base) / "hotfit" / "llama.cpp"
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    llama_server: Path | None
+    llama_cache: Path
+    hf_endpoint: str
+    hf_offline: bool
+    kv_cache_type_raw: str | None  # None = unset (planner uses f16); validated by registry.kv
+    download_connections: int
+
+    @property
+    def state_db(self) -> Path:
+        return self.home / "state.db"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.home / "pipeline.lock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / "logs" / "hotfit.jsonl"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.home / "runs"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.home / "manifest.json"
+
+    def model_dir(self, entry_name: str) -> Path:
+        return self.models_dir / entry_name
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None,
+    *,
+    home: str | os.PathLike[str] | None = None,
+    llama_server: str | os.PathLike[str] | None = None,
+) -> Settings:
+    """Read the environment once; explicit arguments (CLI flags) win over it."""
+    from pipeline.errors import UsageError
+
+    env = os.environ if env is None else env
+    raw_conn = env.get("HOTFIT_DOWNLOAD_CONNECTIONS")
+    try:
+        connections = int(raw_conn) if raw_conn else DEFAULT_DOWNLOAD_CONNECTIONS
+        if not 1 <= connections <= 32:
+            raise ValueError
+    except ValueError:
+        raise UsageError(
+            f"HOTFIT_DOWNLOAD_CONNECTIONS={raw_conn!r} is not a whole number from 1 to 32",
+            hint="unset it (default 4) or set e.g. HOTFIT_DOWNLOAD_CONNECTIONS=4",
+        ) from None
+    server = llama_server or env.get("HOTFIT_LLAMA_SERVER") or None
+    kv_raw = env.get(KV_CACHE_ENV)
+    return Settings(
+        home=Path(home).expanduser() if home else default_home(env),
+        llama_server=Path(server).expanduser() if server else None,
+        llama_cache=default_llama_cache(env),
+        hf_endpoint=(env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/"),
+        hf_offline=_truthy(env.get("HF_HUB_OFFLINE")),
+        kv_cache_type_raw=kv_raw if kv_raw not in (None, "") else None,
+        download_connections=connections,
+    )

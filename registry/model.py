@@ -1,0 +1,107 @@
+"""Frozen records of the curated registry (pure data, no I/O).
+
+A field that could not be verified from a public source is ``None``; an entry with an unknown
+fact that selection needs is never auto-eligible (spec: "Unknown context or KV metadata excludes
+a model from automatic selection").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["llama", "openvino"]
+Origin = Literal["us", "eu", "china", "gus"]
+AgenticTier = Literal["agentic", "tool-chat", "none"]
+
+BACKENDS: tuple[str, ...] = ("llama", "openvino")
+ORIGINS: tuple[str, ...] = ("us", "eu", "china", "gus")
+AGENTIC_TIERS: tuple[str, ...] = ("agentic", "tool-chat", "none")
+PERMISSIVE_LICENSES: tuple[str, ...] = ("Apache-2.0", "MIT")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Why an agentic tier was assigned: a measured multi-turn result, or training provenance."""
+
+    kind: Literal["measured", "provenance"]
+    summary: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A Hub file pinned to a commit. ``file`` is None for a whole-repository snapshot (OpenVINO)."""
+
+    repo: str
+    revision: str | None  # 40-hex commit; None = not yet pinned (`hotfit registry lock`)
+    file: str | None
+    size_bytes: int | None
+    sha256: str | None
+
+
+@dataclass(frozen=True)
+class TemplateSource:
+    """Where the tool-capable chat template lives: a ``.jinja`` file or a ``tokenizer_config.json``."""
+
+    repo: str
+    revision: str | None
+    file: str
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """``count`` layers that share one KV shape. ``window_tokens`` set = sliding-window layers."""
+
+    count: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    window_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Architecture facts from the publisher's config.json (``source`` says which)."""
+
+    n_layers: int | None
+    layer_groups: tuple[LayerGroup, ...] | None  # None = KV geometry not verified
+    mla: bool = False  # multi-head latent attention: budgeted as dense (spec)
+    recurrent: bool = False  # hybrid recurrent / linear attention: budgeted as dense (spec)
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    display_name: str
+    backend: Backend
+    origin: Origin
+    license: str | None
+    params_total_b: float | None
+    params_active_b: float | None
+    release_date: str | None  # ISO date; recorded, never a tiebreak
+    architecture: str | None  # llama.cpp architecture name (llama backend)
+    agentic_tier: AgenticTier
+    evidence: tuple[Evidence, ...]
+    auto_eligible: bool
+    ineligible_reason: str | None
+    artifact: Artifact | None
+    projector: Artifact | None
+    chat_template: TemplateSource | None
+    config: SourceConfig
+    context_limit: int | None  # verified context ceiling (tokens)
+    tool_parser: str | None = None
+    notes: str | None = None
+
+    @property
+    def weights_bytes(self) -> int | None:
+        """All weights the device must hold: artifact plus projector (spec: 'including a projector')."""
+        if self.artifact is None or self.artifact.size_bytes is None:
+            return None
+        projector = 0
+        if self.projector is not None:
+            if self.projector.size_bytes is None:
+                return None
+            projector = self.projector.size_bytes
+        return self.artifact.size_bytes + projector
