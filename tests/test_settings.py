@@ -1,0 +1,42 @@
+"""Settings are read once from the environment; flags win; bad values are usage errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import UsageError
+from pipeline.settings import DEFAULT_HF_ENDPOINT, load_settings
+
+
+def test_defaults_follow_xdg() -> None:
+    s = load_settings({"HOME": "/home/op"})
+    assert s.home == Path("/home/op/.local/share/hotfit")
+    assert s.llama_cache == Path("/home/op/.cache/hotfit/llama.cpp")
+    assert s.hf_endpoint == DEFAULT_HF_ENDPOINT
+    assert s.kv_cache_type_raw is None and s.download_connections == 4 and not s.hf_offline
+    assert s.state_db == s.home / "state.db" and s.log_path == s.home / "logs" / "hotfit.jsonl"
+
+
+def test_env_and_flags() -> None:
+    env = {"HOME": "/h", "HOTFIT_HOME": "/data/hf", "XDG_CACHE_HOME": "/c", "HF_ENDPOINT": "http://mirror:8080/",
+           "HF_HUB_OFFLINE": "1", "CONTENOX_LLAMA_KV_CACHE_TYPE": "q8_0", "HOTFIT_DOWNLOAD_CONNECTIONS": "8",
+           "HOTFIT_LLAMA_SERVER": "/opt/ls"}
+    s = load_settings(env)
+    assert s.home == Path("/data/hf") and s.llama_cache == Path("/c/hotfit/llama.cpp")
+    assert s.hf_endpoint == "http://mirror:8080" and s.hf_offline
+    assert s.kv_cache_type_raw == "q8_0" and s.download_connections == 8
+    assert s.llama_server == Path("/opt/ls")
+    flagged = load_settings(env, home="/flag/home", llama_server="/flag/ls")
+    assert flagged.home == Path("/flag/home") and flagged.llama_server == Path("/flag/ls")
+
+
+def test_empty_kv_type_means_unset() -> None:
+    assert load_settings({"HOME": "/h", "CONTENOX_LLAMA_KV_CACHE_TYPE": ""}).kv_cache_type_raw is None
+
+
+@pytest.mark.parametrize("raw", ["0", "33", "four", "-1"])
+def test_bad_connection_count_names_the_variable(raw: str) -> None:
+    with pytest.raises(UsageError, match="HOTFIT_DOWNLOAD_CONNECTIONS"):
+        load_settings({"HOME": "/h", "HOTFIT_DOWNLOAD_CONNECTIONS": raw})
