@@ -1,0 +1,394 @@
+"""Durable stage state: SQLite in WAL mode, one record per (run, stage).
+
+Why SQLite/WAL (issue 6, item 2): every write is one transaction, a crash or power cut rolls an
+unfinished transaction back, and WAL lets ``hotfit status`` read while ``hotfit auto`` writes.
+``synchronous=FULL`` makes a commit durable before it returns, so the order "stage files fsynced
+and renamed into place, then the record says done" holds across a power cut: a record never
+claims more than what is on disk (the stages own the fsync of their files; the runner only marks
+a stage done after the stage function has returned).
+
+The stdlib ``sqlite3`` module blocks, so the async API runs every call in a worker thread
+(``anyio.to_thread``); one connection, serialised by a lock, is shared by those threads.
+
+Nothing secret is stored: outputs and errors are the stages' ``to_json()`` dictionaries, which
+carry paths, sizes, hashes and verdicts, never tokens or API keys.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import anyio.to_thread
+
+StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
+RunStatus = Literal["running", "done", "failed", "interrupted"]
+STAGE_STATUSES: tuple[str, ...] = ("pending", "running", "done", "failed", "skipped", "interrupted")
+
+SCHEMA_VERSION = 1
+# How long a writer waits for another process's transaction before giving up (the pipeline lock
+# keeps writers to one; readers such as `hotfit status` only ever wait this long).
+BUSY_TIMEOUT_MS = 10_000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id      TEXT PRIMARY KEY,
+    seq         INTEGER NOT NULL,
+    status      TEXT NOT NULL,
+    started_at  REAL NOT NULL,
+    finished_at REAL,
+    plan_id     TEXT,
+    args_json   TEXT NOT NULL DEFAULT '{}',
+    error_json  TEXT
+);
+CREATE TABLE IF NOT EXISTS stages (
+    run_id      TEXT NOT NULL REFERENCES runs(run_id),
+    stage       TEXT NOT NULL,
+    position    INTEGER NOT NULL,
+    status      TEXT NOT NULL,
+    inputs_hash TEXT,
+    plan_id     TEXT,
+    outputs_json TEXT,
+    error_json  TEXT,
+    started_at  REAL,
+    finished_at REAL,
+    attempts    INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (run_id, stage)
+);
+CREATE INDEX IF NOT EXISTS stages_by_hash ON stages (stage, inputs_hash, status);
+"""
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    run_id: str
+    stage: str
+    position: int
+    status: StageStatus
+    inputs_hash: str | None
+    plan_id: str | None
+    outputs: dict[str, Any] | None
+    error: dict[str, Any] | None
+    started_at: float | None
+    finished_at: float | None
+    attempts: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "status": self.status,
+            "inputs_hash": self.inputs_hash,
+            "plan_id": self.plan_id,
+            "outputs": self.outputs,
+            "error": self.error,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "attempts": self.attempts,
+        }
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    seq: int
+    status: RunStatus
+    started_at: float
+    finished_at: float | None
+    plan_id: str | None
+    args: dict[str, Any]
+    error: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "status": self.status,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "plan_id": self.plan_id,
+            "args": self.args,
+            "error": self.error,
+        }
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True, default=str)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def new_run_id() -> str:
+    # Sortable by time for a person reading logs, unique without coordination.
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+
+
+class SyncStateStore:
+    """The blocking core. Every public method is one transaction."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a transaction takes the
+        # write lock up front instead of failing half-way on an upgrade.
+        self._conn = sqlite3.connect(
+            str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+        self._conn.row_factory = sqlite3.Row
+        with self._lock:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
+                    self._conn.execute(statement)
+                self._conn.execute(
+                    "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
+                )
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- transactions ---------------------------------------------------------------------------
+
+    def _write(self, statements: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements:
+                    self._conn.execute(sql, params)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return list(self._conn.execute(sql, params))
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    def create_run(self, stages: Sequence[str], args: dict[str, Any] | None = None,
+                   run_id: str | None = None) -> RunRecord:
+        """A new run with every stage pending, in one transaction."""
+        run_id = run_id or new_run_id()
+        now = time.time()
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                seq = self._conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM runs").fetchone()[0]
+                self._conn.execute(
+                    "INSERT INTO runs(run_id, seq, status, started_at, args_json) VALUES (?,?,?,?,?)",
+                    (run_id, seq, "running", now, _dumps(args or {})),
+                )
+                for position, stage in enumerate(stages):
+                    self._conn.execute(
+                        "INSERT INTO stages(run_id, stage, position, status) VALUES (?,?,?,'pending')",
+                        (run_id, stage, position),
+                    )
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        run = self.get_run(run_id)
+        assert run is not None
+        return run
+
+    def reopen_run(self, run_id: str) -> None:
+        """Continue an unfinished run (a rerun after a crash, a signal or a failure)."""
+        self._write([("UPDATE runs SET status='running', finished_at=NULL, error_json=NULL WHERE run_id=?",
+                      (run_id,))])
+
+    def finish_run(self, run_id: str, status: RunStatus, error: dict[str, Any] | None = None) -> None:
+        self._write([("UPDATE runs SET status=?, finished_at=?, error_json=? WHERE run_id=?",
+                      (status, time.time(), _dumps(error), run_id))])
+
+    def set_run_plan(self, run_id: str, plan_id: str) -> None:
+        self._write([("UPDATE runs SET plan_id=? WHERE run_id=?", (plan_id, run_id))])
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        rows = self._read("SELECT * FROM runs WHERE run_id=?", (run_id,))
+        return _run(rows[0]) if rows else None
+
+    def latest_run(self) -> RunRecord | None:
+        rows = self._read("SELECT * FROM runs ORDER BY seq DESC LIMIT 1")
+        return _run(rows[0]) if rows else None
+
+    def latest_done_run(self) -> RunRecord | None:
+        rows = self._read("SELECT * FROM runs WHERE status='done' ORDER BY seq DESC LIMIT 1")
+        return _run(rows[0]) if rows else None
+
+    def mark_stale_runs_interrupted(self) -> int:
+        """A run still 'running' when the pipeline lock is free was killed (kill -9, power cut)."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                now = time.time()
+                cur = self._conn.execute(
+                    "UPDATE stages SET status='interrupted', finished_at=? WHERE status='running'", (now,))
+                count = cur.rowcount
+                self._conn.execute(
+                    "UPDATE runs SET status='interrupted', finished_at=? WHERE status='running'", (now,))
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        return count
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    def stage_running(self, run_id: str, stage: str, inputs_hash: str | None, plan_id: str | None) -> None:
+        self._write([(
+            "UPDATE stages SET status='running', inputs_hash=?, plan_id=?, error_json=NULL, "
+            "outputs_json=NULL, started_at=?, finished_at=NULL, attempts=attempts+1 "
+            "WHERE run_id=? AND stage=?",
+            (inputs_hash, plan_id, time.time(), run_id, stage),
+        )])
+
+    def stage_done(self, run_id: str, stage: str, outputs: dict[str, Any] | None) -> None:
+        """Call only after the stage's files are durably in place (fsynced, renamed)."""
+        self._write([(
+            "UPDATE stages SET status='done', outputs_json=?, error_json=NULL, finished_at=? "
+            "WHERE run_id=? AND stage=?",
+            (_dumps(outputs), time.time(), run_id, stage),
+        )])
+
+    def stage_skipped(self, run_id: str, stage: str, inputs_hash: str | None, plan_id: str | None,
+                      outputs: dict[str, Any] | None, reason: str) -> None:
+        now = time.time()
+        self._write([(
+            "UPDATE stages SET status='skipped', inputs_hash=?, plan_id=?, outputs_json=?, "
+            "error_json=?, started_at=?, finished_at=? WHERE run_id=? AND stage=?",
+            (inputs_hash, plan_id, _dumps(outputs), _dumps({"skip_reason": reason}), now, now, run_id, stage),
+        )])
+
+    def stage_failed(self, run_id: str, stage: str, error: dict[str, Any],
+                     status: StageStatus = "failed") -> None:
+        self._write([(
+            "UPDATE stages SET status=?, error_json=?, finished_at=? WHERE run_id=? AND stage=?",
+            (status, _dumps(error), time.time(), run_id, stage),
+        )])
+
+    def reset_stages(self, run_id: str, stages: Sequence[str]) -> None:
+        """Downstream of a changed plan: back to pending, outputs dropped (one transaction)."""
+        self._write([(
+            "UPDATE stages SET status='pending', outputs_json=NULL, error_json=NULL, inputs_hash=NULL "
+            "WHERE run_id=? AND stage=?", (run_id, s)) for s in stages])
+
+    def stages(self, run_id: str) -> list[StageRecord]:
+        rows = self._read("SELECT * FROM stages WHERE run_id=? ORDER BY position", (run_id,))
+        return [_stage(r) for r in rows]
+
+    def get_stage(self, run_id: str, stage: str) -> StageRecord | None:
+        rows = self._read("SELECT * FROM stages WHERE run_id=? AND stage=?", (run_id, stage))
+        return _stage(rows[0]) if rows else None
+
+    def find_done(self, stage: str, inputs_hash: str) -> StageRecord | None:
+        """The newest completed record of ``stage`` with these inputs, in any run.
+
+        A 'skipped' record carries the outputs it reused, so it counts as done here too."""
+        rows = self._read(
+            "SELECT s.* FROM stages s JOIN runs r ON r.run_id = s.run_id "
+            "WHERE s.stage=? AND s.inputs_hash=? AND s.status IN ('done','skipped') "
+            "AND s.outputs_json IS NOT NULL ORDER BY r.seq DESC, s.finished_at DESC LIMIT 1",
+            (stage, inputs_hash),
+        )
+        return _stage(rows[0]) if rows else None
+
+
+def _run(row: sqlite3.Row) -> RunRecord:
+    return RunRecord(
+        run_id=row["run_id"], seq=row["seq"], status=row["status"], started_at=row["started_at"],
+        finished_at=row["finished_at"], plan_id=row["plan_id"], args=_loads(row["args_json"]) or {},
+        error=_loads(row["error_json"]),
+    )
+
+
+def _stage(row: sqlite3.Row) -> StageRecord:
+    return StageRecord(
+        run_id=row["run_id"], stage=row["stage"], position=row["position"], status=row["status"],
+        inputs_hash=row["inputs_hash"], plan_id=row["plan_id"], outputs=_loads(row["outputs_json"]),
+        error=_loads(row["error_json"]), started_at=row["started_at"], finished_at=row["finished_at"],
+        attempts=row["attempts"],
+    )
+
+
+class StateStore:
+    """Async facade: each call runs the blocking core in a worker thread, off the event loop."""
+
+    def __init__(self, sync: SyncStateStore) -> None:
+        self.sync = sync
+
+    @classmethod
+    async def open(cls, path: Path) -> "StateStore":
+        return cls(await anyio.to_thread.run_sync(SyncStateStore, path))
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.sync.close)
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # abandon_on_cancel=False (the default): a cancelled caller still waits for the commit or
+        # rollback, so a transaction is never left half-done by a signal.
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+    async def create_run(self, stages: Sequence[str], args: dict[str, Any] | None = None) -> RunRecord:
+        return await self._call(self.sync.create_run, stages, args)
+
+    async def reopen_run(self, run_id: str) -> None:
+        await self._call(self.sync.reopen_run, run_id)
+
+    async def finish_run(self, run_id: str, status: RunStatus, error: dict[str, Any] | None = None) -> None:
+        await self._call(self.sync.finish_run, run_id, status, error)
+
+    async def set_run_plan(self, run_id: str, plan_id: str) -> None:
+        await self._call(self.sync.set_run_plan, run_id, plan_id)
+
+    async def latest_run(self) -> RunRecord | None:
+        return await self._call(self.sync.latest_run)
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        return await self._call(self.sync.get_run, run_id)
+
+    async def mark_stale_runs_interrupted(self) -> int:
+        return await self._call(self.sync.mark_stale_runs_interrupted)
+
+    async def stage_running(self, run_id: str, stage: str, inputs_hash: str | None, plan_id: str | None) -> None:
+        await self._call(self.sync.stage_running, run_id, stage, inputs_hash, plan_id)
+
+    async def stage_done(self, run_id: str, stage: str, outputs: dict[str, Any] | None) -> None:
+        await self._call(self.sync.stage_done, run_id, stage, outputs)
+
+    async def stage_skipped(self, run_id: str, stage: str, inputs_hash: str | None, plan_id: str | None,
+                            outputs: dict[str, Any] | None, reason: str) -> None:
+        await self._call(self.sync.stage_skipped, run_id, stage, inputs_hash, plan_id, outputs, reason)
+
+    async def stage_failed(self, run_id: str, stage: str, error: dict[str, Any],
+                           status: StageStatus = "failed") -> None:
+        await self._call(self.sync.stage_failed, run_id, stage, error, status)
+
+    async def reset_stages(self, run_id: str, stages: Sequence[str]) -> None:
+        await self._call(self.sync.reset_stages, run_id, stages)
+
+    async def stages(self, run_id: str) -> list[StageRecord]:
+        return await self._call(self.sync.stages, run_id)
+
+    async def get_stage(self, run_id: str, stage: str) -> StageRecord | None:
+        return await self._call(self.sync.get_stage, run_id, stage)
+
+    async def find_done(self, stage: str, inputs_hash: str) -> StageRecord | None:
+        return await self._call(self.sync.find_done, stage, inputs_hash)

@@ -1,0 +1,168 @@
+"""state.store: durable, transactional stage records (issue 6, item 2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from state.store import StateStore, SyncStateStore
+
+STAGES = ["probe", "plan", "fetch-weights", "verify"]
+
+
+def test_database_is_wal_with_full_sync(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    store.create_run(STAGES)
+    conn = sqlite3.connect(tmp_path / "state.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    # synchronous is per connection; read it from the store's own connection
+    assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_run_lifecycle_records_every_field(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    run = store.create_run(STAGES, {"origin": "us"})
+    assert [r.status for r in store.stages(run.run_id)] == ["pending"] * 4
+    store.stage_running(run.run_id, "probe", "h-probe", None)
+    store.stage_done(run.run_id, "probe", {"free_bytes": 123})
+    store.stage_running(run.run_id, "plan", "h-plan", "plan-1")
+    store.stage_failed(run.run_id, "plan", {"code": "no_model_qualifies"})
+    store.stage_running(run.run_id, "plan", "h-plan", "plan-1")
+    store.stage_done(run.run_id, "plan", {"entry": "m"})
+    recs = {r.stage: r for r in store.stages(run.run_id)}
+    assert recs["probe"].outputs == {"free_bytes": 123} and recs["probe"].attempts == 1
+    assert recs["plan"].attempts == 2 and recs["plan"].error is None and recs["plan"].status == "done"
+    assert recs["plan"].plan_id == "plan-1" and recs["plan"].inputs_hash == "h-plan"
+    assert recs["plan"].started_at <= recs["plan"].finished_at
+    assert store.get_run(run.run_id).args == {"origin": "us"}
+    store.finish_run(run.run_id, "done")
+    assert store.latest_run().status == "done"
+    assert store.latest_done_run().run_id == run.run_id
+
+
+def test_find_done_reaches_across_runs_and_ignores_failed(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    first = store.create_run(STAGES)
+    store.stage_running(first.run_id, "verify", "h1", "p")
+    store.stage_done(first.run_id, "verify", {"sha256": "aa"})
+    second = store.create_run(STAGES)
+    store.stage_running(second.run_id, "verify", "h1", "p")
+    store.stage_failed(second.run_id, "verify", {"code": "integrity"})
+    found = store.find_done("verify", "h1")
+    assert found is not None and found.run_id == first.run_id and found.outputs == {"sha256": "aa"}
+    assert store.find_done("verify", "other-hash") is None
+    # a skip that reused the outputs counts as the newest completed record
+    store.stage_skipped(second.run_id, "fetch-weights", "h2", "p", {"path": "x"}, "inputs unchanged")
+    assert store.find_done("fetch-weights", "h2").run_id == second.run_id
+
+
+def test_failed_transaction_leaves_nothing_behind(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    run = store.create_run(STAGES)
+    with pytest.raises(sqlite3.IntegrityError):
+        # two statements, the second violates the primary key: the first must roll back too
+        store._write([
+            ("UPDATE stages SET status='done' WHERE run_id=? AND stage='probe'", (run.run_id,)),
+            ("INSERT INTO stages(run_id, stage, position, status) VALUES (?, 'plan', 9, 'x')", (run.run_id,)),
+        ])
+    assert store.get_stage(run.run_id, "probe").status == "pending"
+
+
+def test_duplicate_run_id_rolls_back_its_stage_rows(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    store.create_run(["a"], run_id="r1")
+    with pytest.raises(sqlite3.IntegrityError):
+        store.create_run(["a", "b"], run_id="r1")
+    assert [s.stage for s in store.stages("r1")] == ["a"]
+
+
+def test_stale_running_records_become_interrupted(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    run = store.create_run(STAGES)
+    store.stage_running(run.run_id, "probe", "h", None)
+    assert store.mark_stale_runs_interrupted() == 1
+    assert store.get_stage(run.run_id, "probe").status == "interrupted"
+    assert store.get_run(run.run_id).status == "interrupted"
+    store.reopen_run(run.run_id)
+    assert store.get_run(run.run_id).status == "running"
+
+
+def test_reset_stages_drops_outputs(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    run = store.create_run(STAGES)
+    store.stage_running(run.run_id, "verify", "h", "p")
+    store.stage_done(run.run_id, "verify", {"ok": True})
+    store.reset_stages(run.run_id, ["verify"])
+    rec = store.get_stage(run.run_id, "verify")
+    assert rec.status == "pending" and rec.outputs is None and rec.inputs_hash is None
+    assert store.find_done("verify", "h") is None
+
+
+@pytest.mark.anyio
+async def test_async_facade_runs_off_the_event_loop(tmp_path: Path) -> None:
+    store = await StateStore.open(tmp_path / "state.db")
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+    original = store.sync.stages
+
+    def spy(run_id: str):  # records which thread the blocking call ran on
+        seen.append(threading.get_ident())
+        return original(run_id)
+
+    store.sync.stages = spy  # type: ignore[method-assign]
+    run = await store.create_run(STAGES)
+    await store.stage_running(run.run_id, "probe", "h", None)
+    await store.stage_done(run.run_id, "probe", {"a": 1})
+    records = await store.stages(run.run_id)
+    assert records[0].status == "done"
+    assert seen and all(t != loop_thread for t in seen)
+    await store.aclose()
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from state.store import SyncStateStore
+    store = SyncStateStore(Path(sys.argv[1]))
+    run = store.create_run(["s%d" % i for i in range(50)], run_id="crash")
+    print("ready", flush=True)
+    i = 0
+    while True:
+        stage = "s%d" % (i % 50)
+        store.stage_running("crash", stage, "h%d" % i, "p")
+        store.stage_done("crash", stage, {"i": i, "blob": "x" * 2000})
+        i += 1
+""")
+
+
+def test_kill_9_mid_write_leaves_a_consistent_database(tmp_path: Path) -> None:
+    """SIGKILL while committing in a loop: the file passes integrity_check and every record is
+    whole (a done record always carries its outputs; no half-written row)."""
+    root = Path(__file__).resolve().parent.parent
+    for attempt in range(3):
+        db = tmp_path / f"state-{attempt}.db"
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(db)], stdout=subprocess.PIPE,
+                                cwd=root, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        threading.Event().wait(0.05 * (attempt + 1))  # let it commit a few rounds, then kill
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        conn = sqlite3.connect(db)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        conn.close()
+        store = SyncStateStore(db)
+        records = store.stages("crash")
+        assert len(records) == 50
+        for rec in records:
+            assert rec.status in ("pending", "running", "done")
+            if rec.status == "done":
+                assert rec.outputs is not None and rec.outputs["blob"] == "x" * 2000
+        store.close()
