@@ -68,6 +68,8 @@ class Settings:
     hf_offline: bool
     kv_cache_type_raw: str | None  # None = unset (planner uses f16); validated by registry.kv
     download_connections: int
+    # where llama_server came from: "flag" (--llama-server), "env" (HOTFIT_LLAMA_SERVER) or None
+    llama_server_source: str | None = None
 
     @property
     def state_db(self) -> Path:
@@ -127,4 +129,5 @@ def load_settings(
         hf_offline=_truthy(env.get("HF_HUB_OFFLINE")),
         kv_cache_type_raw=kv_raw if kv_raw not in (None, "") else None,
         download_connections=connections,
+        llama_server_source=("flag" if llama_server else "env") if server else None,
     )

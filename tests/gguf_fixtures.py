@@ -1,0 +1,488 @@
+"""Tiny but real GGUF models for tests, benchmarks and the demo (issue 2 item 7, issue 5 item 4).
+
+Every writer builds a file with the ``gguf`` package that the pinned llama-server loads in a
+fraction of a second, and returns a frozen :class:`FixtureInfo` saying what was written, so a test
+can compare it with what llama-server reports.
+
+Writers
+-------
+- :func:`write_llama_model` — llama architecture, byte-level BPE vocabulary (256 byte tokens, no
+  merges) plus the chat special tokens (``<|im_start|>``, ``<|im_end|>``, ``<tool_call>``,
+  ``</tool_call>``, ``<think>``, ``</think>``); configurable layers / heads / KV heads / head dim /
+  embedding size / trained context; optional embedded ``tokenizer.chat_template``; seeded random
+  weights.
+- :func:`write_gemma3_swa_model` — gemma3 with ``attention.sliding_window`` and a sliding-window
+  pattern, which llama.cpp budgets per layer type (sliding layers get a small KV cache).
+- :func:`write_unsupported_arch_model` — a well-formed GGUF whose ``general.architecture`` llama.cpp
+  does not know (load must fail with "unknown model architecture").
+- :func:`write_truncated_copy` / :func:`write_garbage_file` — broken files for load-error tests.
+- :func:`write_tool_call_model` — the deterministic tool-call model (recipe in its docstring).
+
+Helpers
+-------
+- :func:`require_llama_server` — the llama-server to test against, via ``pipeline.backend``;
+  ``pytest.skip`` only when none exists and ``HOTFIT_REQUIRE_LLAMA`` is unset (CI sets it).
+- :func:`llama_server` — context manager that starts llama-server on a model with nothing left to
+  its defaults that matters here (``--fit off -np 1``), waits for ``/health`` and always kills it.
+- :func:`pinned_template` / :func:`pinned_source_tree` — files of the pinned llama.cpp tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import gguf
+import numpy as np
+
+__all__ = [
+    "FixtureInfo",
+    "SPECIAL_TOKENS",
+    "PROBE_TOOL",
+    "QWEN3_TEMPLATE_NAME",
+    "REQUIRE_ENV",
+    "write_llama_model",
+    "byte_token_text",
+    "require_llama_server",
+    "pinned_source_tree",
+    "pinned_template",
+    "free_port",
+    "RunningServer",
+    "llama_server",
+]
+
+REQUIRE_ENV = "HOTFIT_REQUIRE_LLAMA"
+QWEN3_TEMPLATE_NAME = "Qwen-Qwen3-0.6B.jinja"
+
+# Chat special tokens after the 256 byte tokens, in id order. CONTROL tokens are never printed as
+# text; USER_DEFINED ones are (Qwen's tokenizer marks <tool_call>/<think> "special": false, so its
+# GGUFs carry them as user-defined and the server sees them in the generated text).
+_CONTROL = gguf.TokenType.CONTROL
+_USER = gguf.TokenType.USER_DEFINED
+SPECIAL_TOKENS: tuple[tuple[str, gguf.TokenType], ...] = (
+    ("<|endoftext|>", _CONTROL),
+    ("<|im_start|>", _CONTROL),
+    ("<|im_end|>", _CONTROL),
+    ("<tool_call>", _USER),
+    ("</tool_call>", _USER),
+    ("<think>", _USER),
+    ("</think>", _USER),
+)
+N_BYTE_TOKENS = 256
+TOKEN_ID = {text: N_BYTE_TOKENS + i for i, (text, _) in enumerate(SPECIAL_TOKENS)}
+N_VOCAB = N_BYTE_TOKENS + len(SPECIAL_TOKENS)
+BOS_ID = TOKEN_ID["<|endoftext|>"]
+EOS_ID = TOKEN_ID["<|im_end|>"]  # Qwen-style: end of turn is also eos/eot
+PAD_ID = TOKEN_ID["<|endoftext|>"]
+
+# The probe tool the deterministic model was checked with (issue 5 item 2): one required string
+# parameter, one optional boolean parameter.
+PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "hotfit_probe",
+        "description": "Echo a short text back. Harmless; used to check that tool calls parse.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "text": {"type": "string", "description": "text to echo"},
+                "loud": {"type": "boolean", "description": "echo in capitals"},
+            },
+            "required": ["text"],
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class FixtureInfo:
+    """What a writer put in the file (figures as llama.cpp will read them)."""
+
+    path: Path
+    kind: str  # "llama" | "gemma3-swa" | "unsupported" | "tool-call"
+    architecture: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    n_embd: int
+    n_ctx_train: int
+    n_vocab: int
+    tensor_type: str  # "f32" | "f16"
+    has_chat_template: bool
+    size_bytes: int
+    sliding_window_tokens: int | None = None
+    # per layer, True = sliding-window layer (empty for models without sliding window)
+    swa_layers: tuple[bool, ...] = field(default_factory=tuple)
+    eos_token_id: int = EOS_ID
+
+    @property
+    def n_swa_layers(self) -> int:
+        return sum(self.swa_layers)
+
+    @property
+    def n_full_layers(self) -> int:
+        return self.n_layers - self.n_swa_layers
+
+    def kv_bytes_per_token_f16(self, layers: str = "all") -> int:
+        """K+V bytes per cached token at f16 over the chosen layers ("all", "full", "swa")."""
+        per_layer = self.n_kv_heads * (self.head_dim_k + self.head_dim_v) * 2
+        if layers == "all":
+            return per_layer * self.n_layers
+        if layers == "full":
+            return per_layer * self.n_full_layers
+        if layers == "swa":
+            return per_layer * self.n_swa_layers
+        raise ValueError(layers)
+
+
+# ---------------------------------------------------------------- vocabulary
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map (what byte-level BPE vocabularies store)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+_BYTE_TEXT = _bytes_to_unicode()
+
+
+def byte_token_text(byte: int) -> str:
+    """The vocabulary text of byte token ``byte`` (its id is the byte value)."""
+    return _BYTE_TEXT[byte]
+
+
+def _add_vocab(w: gguf.GGUFWriter) -> None:
+    tokens = [_BYTE_TEXT[b] for b in range(N_BYTE_TOKENS)] + [t for t, _ in SPECIAL_TOKENS]
+    types = [gguf.TokenType.NORMAL] * N_BYTE_TOKENS + [ty for _, ty in SPECIAL_TOKENS]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    # Byte-level BPE without real merges: every byte is its own token. llama.cpp insists on the
+    # merges key and gguf refuses an empty array, so write one merge of two special tokens, which
+    # are split off before BPE runs and so never merge.
+    w.add_token_merges(["<|endoftext|> <|endoftext|>"])
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_eot_token_id(EOS_ID)
+    w.add_pad_token_id(PAD_ID)
+    w.add_add_bos_token(False)
+
+
+# ---------------------------------------------------------------- writers
+
+
+_DTYPES = {"f32": np.float32, "f16": np.float16}
+_FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
+
+
+def _tensor(w: gguf.GGUFWriter, name: str, array: np.ndarray, tensor_type: str) -> None:
+    # Norm weights stay f32 the way converters write them; matrices take the chosen type.
+    dtype = np.float32 if array.ndim == 1 else _DTYPES[tensor_type]
+    w.add_tensor(name, np.ascontiguousarray(array, dtype=dtype))
+
+
+def _finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _check_shape(n_heads: int, n_kv_heads: int, head_dim: int, tensor_type: str) -> None:
+    if tensor_type not in _DTYPES:
+        raise ValueError(f"tensor_type must be one of {sorted(_DTYPES)}, not {tensor_type!r}")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    # Quantized KV caches store blocks of 32 values (q8_0: 34 bytes per 32), per head row.
+    if head_dim < 32 or head_dim % 32:
+        raise ValueError(f"head_dim must be a multiple of 32 (quantized KV blocks), not {head_dim}")
+
+
+def _common_kv(
+    w: gguf.GGUFWriter,
+    *,
+    name: str,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    n_embd: int,
+    n_ff: int,
+    n_ctx_train: int,
+    tensor_type: str,
+    chat_template: str | None,
+) -> None:
+    w.add_name(name)
+    w.add_file_type(_FILE_TYPES[tensor_type])
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    _add_vocab(w)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
+def write_llama_model(
+    path: str | os.PathLike[str],
+    *,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 64,
+    n_embd: int = 64,
+    n_ff: int = 128,
+    n_ctx_train: int = 65536,
+    chat_template: str | None = None,
+    tensor_type: str = "f16",
+    seed: int = 0,
+    name: str = "hotfit-fixture-llama",
+) -> FixtureInfo:
+    """A llama-architecture model with seeded random weights (output is noise, shapes are real).
+
+    ``head_dim`` is written as ``attention.key_length``/``value_length``, so it need not equal
+    ``n_embd / n_heads``. Defaults make a ~100 KB file."""
+    _check_shape(n_heads, n_kv_heads, head_dim, tensor_type)
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.02, size=shape)
+
+    w = gguf.GGUFWriter(path, "llama")
+    _common_kv(
+        w,
+        name=name,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_ctx_train=n_ctx_train,
+        tensor_type=tensor_type,
+        chat_template=chat_template,
+    )
+    # numpy shapes are ggml's ne reversed: ggml {n_embd, n_vocab} is numpy (n_vocab, n_embd).
+    _tensor(w, "token_embd.weight", rand(N_VOCAB, n_embd), tensor_type)
+    _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
+    _tensor(w, "output.weight", rand(N_VOCAB, n_embd), tensor_type)
+    for i in range(n_layers):
+        _llama_block(w, i, rand, n_heads, n_kv_heads, head_dim, n_embd, n_ff, tensor_type)
+    _finish(w)
+    return FixtureInfo(
+        path=path,
+        kind="llama",
+        architecture="llama",
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim,
+        n_embd=n_embd,
+        n_ctx_train=n_ctx_train,
+        n_vocab=N_VOCAB,
+        tensor_type=tensor_type,
+        has_chat_template=chat_template is not None,
+        size_bytes=path.stat().st_size,
+    )
+
+
+def _llama_block(
+    w: gguf.GGUFWriter,
+    i: int,
+    rand: Any,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    n_embd: int,
+    n_ff: int,
+    tensor_type: str,
+    *,
+    zero_out: bool = False,
+) -> None:
+    """One llama block. ``zero_out``: attention output and FFN down are zero, so the block adds
+    nothing to the residual stream (the deterministic model's trick)."""
+    p = f"blk.{i}."
+    _tensor(w, p + "attn_norm.weight", np.ones(n_embd), tensor_type)
+    _tensor(w, p + "attn_q.weight", rand(n_heads * head_dim, n_embd), tensor_type)
+    _tensor(w, p + "attn_k.weight", rand(n_kv_heads * head_dim, n_embd), tensor_type)
+    _tensor(w, p + "attn_v.weight", rand(n_kv_heads * head_dim, n_embd), tensor_type)
+    out = np.zeros((n_embd, n_heads * head_dim)) if zero_out else rand(n_embd, n_heads * head_dim)
+    _tensor(w, p + "attn_output.weight", out, tensor_type)
+    _tensor(w, p + "ffn_norm.weight", np.ones(n_embd), tensor_type)
+    _tensor(w, p + "ffn_gate.weight", rand(n_ff, n_embd), tensor_type)
+    _tensor(w, p + "ffn_up.weight", rand(n_ff, n_embd), tensor_type)
+    down = np.zeros((n_embd, n_ff)) if zero_out else rand(n_embd, n_ff)
+    _tensor(w, p + "ffn_down.weight", down, tensor_type)
+
+
+# ---------------------------------------------------------------- llama-server helpers
+
+
+def pinned_source_tree() -> Path:
+    """The pinned llama.cpp source tree (kept by scripts/install-llama-server)."""
+    from pipeline.backend import pinned_source_tree as tree
+    from pipeline.settings import load_settings
+
+    return tree(load_settings())
+
+
+def pinned_template(name: str = QWEN3_TEMPLATE_NAME) -> Path:
+    """A chat template from the pinned tree's ``models/templates`` (skip/fail like the server)."""
+    path = pinned_source_tree() / "models" / "templates" / name
+    if not path.is_file():
+        _absent(f"pinned llama.cpp template {path} not found (run scripts/install-llama-server)")
+    return path
+
+
+def _absent(why: str) -> None:
+    import pytest
+
+    if os.environ.get(REQUIRE_ENV):
+        pytest.fail(f"{why}; {REQUIRE_ENV} is set, so this is a failure, not a skip")
+    pytest.skip(why)
+
+
+def require_llama_server() -> Path:
+    """The llama-server tests run (found the way hotfit finds it: pipeline.backend).
+
+    Skips the calling test only when no binary exists and ``HOTFIT_REQUIRE_LLAMA`` is unset;
+    with it set (CI) a missing binary fails loudly."""
+    from pipeline.backend import find_llama_server
+    from pipeline.errors import BackendNotFound
+    from pipeline.settings import load_settings
+
+    try:
+        return find_llama_server(load_settings()).server_path
+    except BackendNotFound as exc:
+        _absent(f"llama-server not available: {exc.what}")
+        raise  # unreachable: _absent skips or fails
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningServer:
+    """A started llama-server (see :func:`llama_server`)."""
+
+    process: subprocess.Popen[bytes]
+    base_url: str
+    log_path: Path
+
+    def get_json(self, route: str, timeout_s: float = 10.0) -> Any:
+        with urllib.request.urlopen(self.base_url + route, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def post_json(self, route: str, body: Any, timeout_s: float = 60.0) -> Any:
+        req = urllib.request.Request(
+            self.base_url + route,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+
+class ServerFailedToStart(RuntimeError):
+    def __init__(self, message: str, log: str, returncode: int | None) -> None:
+        super().__init__(message)
+        self.log = log
+        self.returncode = returncode
+
+
+@contextlib.contextmanager
+def llama_server(
+    model: str | os.PathLike[str],
+    *,
+    n_ctx: int,
+    extra_args: Sequence[str] = (),
+    server: Path | None = None,
+    log_path: Path | None = None,
+    startup_timeout_s: float = 60.0,
+) -> Iterator[RunningServer]:
+    """Start ``llama-server -m MODEL -c N --fit off -np 1`` on 127.0.0.1:<free port>, wait for
+    ``/health``, yield, and always kill and reap it. A server that exits or never gets healthy
+    raises :class:`ServerFailedToStart` carrying its log."""
+    server = server or require_llama_server()
+    port = free_port()
+    if log_path is None:
+        log_path = Path(model).with_suffix(f".server-{port}.log")
+    cmd = [
+        str(server),
+        "-m", str(model),
+        "-c", str(n_ctx),
+        "--fit", "off",  # llama.cpp's default (on) may shrink the context: anchors.md §11.1
+        "-np", "1",  # the default (auto = 4 slots) would divide -c across slots
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "-t", "1",
+        "--no-warmup",
+        *extra_args,
+    ]  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
+        running = RunningServer(process=proc, base_url=base_url, log_path=log_path)
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise ServerFailedToStart(
+                        f"llama-server exited with {proc.returncode} before it was healthy",
+                        running.log_text(),
+                        proc.returncode,
+                    )
+                try:
+                    with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    pass  # not listening yet, or 503 while loading
+                if time.monotonic() > deadline:
+                    raise ServerFailedToStart(
+                        f"llama-server not healthy after {startup_timeout_s:.0f} s", running.log_text(), None
+                    )
+                time.sleep(0.05)
+            yield running
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
