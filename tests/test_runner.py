@@ -1,0 +1,385 @@
+"""pipeline.runner: ordered stages, skip on unchanged inputs, invalidation, sessions, signals.
+
+The stages here are small real async functions that write real files; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from pipeline import log as hlog
+from pipeline.errors import Interrupted, TransferError
+from pipeline.runner import Runner, Stage, StageContext
+from state.store import StateStore, SyncStateStore
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class FakeSettings:
+    home: Path
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.home / "runs"
+
+
+@dataclass(frozen=True)
+class TinyPlan:
+    model: str
+    window: int
+
+    @property
+    def plan_id(self) -> str:
+        return f"{self.model}-{self.window}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "window": self.window}
+
+
+@dataclass(frozen=True)
+class FileResult:
+    path: str
+    size_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size_bytes": self.size_bytes}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "FileResult":
+        return cls(d["path"], d["size_bytes"])
+
+
+class World:
+    """What the stages see and do: the plan to choose, counters of real executions."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.model = "alpha"
+        self.window = 40000
+        self.calls: list[str] = []
+        self.fail_in: str | None = None
+        self.sessions_open = 0
+
+    def stages(self) -> list[Stage]:
+        async def probe(ctx: StageContext) -> dict[str, Any]:
+            self.calls.append("probe")
+            return {"free_bytes": 1000}
+
+        async def plan(ctx: StageContext) -> TinyPlan:
+            self.calls.append("plan")
+            assert ctx.results["probe"]["free_bytes"] == 1000
+            return TinyPlan(self.model, self.window)
+
+        async def fetch(ctx: StageContext) -> FileResult:
+            self.calls.append("fetch")
+            if self.fail_in == "fetch":
+                raise TransferError("hub said no", hint="try later")
+            target = self.home / "models" / f"{ctx.plan.model}.bin"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(b"w" * 64)
+            return FileResult(str(target), 64)
+
+        async def verify(ctx: StageContext) -> dict[str, Any]:
+            self.calls.append("verify")
+            fetched: FileResult = ctx.results["fetch"]
+            assert isinstance(fetched, FileResult)  # decoded on skip, live otherwise
+            return {"ok": Path(fetched.path).stat().st_size == fetched.size_bytes}
+
+        @asynccontextmanager
+        async def session():
+            self.sessions_open += 1
+            try:
+                yield "server-handle"
+            finally:
+                self.sessions_open -= 1
+
+        async def load(ctx: StageContext) -> dict[str, Any]:
+            self.calls.append("load")
+            handle = await ctx.enter_context(session())
+            return {"handle": handle, "window": ctx.plan.window}
+
+        async def check(ctx: StageContext) -> dict[str, Any]:
+            self.calls.append("check")
+            assert self.sessions_open == 1  # the session stays open across its stages
+            if self.fail_in == "check":
+                raise TransferError("check failed")
+            return {"window_opened": ctx.results["load"]["window"]}
+
+        def fetch_inputs(ctx: StageContext) -> Any:
+            return {"model": ctx.plan.model}  # the window does not change the file
+
+        def still_on_disk(out: dict[str, Any]) -> bool:
+            p = Path(out["path"])
+            return p.is_file() and p.stat().st_size == out["size_bytes"]
+
+        return [
+            Stage("probe", probe, always_run=True),
+            Stage("plan", plan, deps=("probe",), always_run=True),
+            Stage("fetch", fetch, inputs=fetch_inputs, decode=FileResult.from_json, still_valid=still_on_disk),
+            Stage("verify", verify, deps=("fetch",), inputs=fetch_inputs),
+            Stage("load", load, deps=("verify",), session="server"),
+            Stage("check", check, deps=("load",), session="server"),
+        ]
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path / "home")
+
+
+@pytest.fixture
+def events() -> io.StringIO:
+    stream = io.StringIO()
+    hlog.configure("json", 0, None, stream=stream)
+    return stream
+
+
+async def run_once(world: World, **kw: Any):
+    store = await StateStore.open(world.home / "state.db")
+    try:
+        runner = Runner(world.stages(), store, FakeSettings(world.home), handle_signals=False, **kw)
+        return await runner.run()
+    finally:
+        await store.aclose()
+
+
+def parsed(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+
+
+@pytest.mark.anyio
+async def test_fresh_run_executes_every_stage_in_order(world: World, events: io.StringIO) -> None:
+    outcome = await run_once(world)
+    assert world.calls == ["probe", "plan", "fetch", "verify", "load", "check"]
+    assert outcome.ran == ("probe", "plan", "fetch", "verify", "load", "check")
+    assert outcome.plan == TinyPlan("alpha", 40000)
+    assert outcome.results["check"] == {"window_opened": 40000}
+    assert world.sessions_open == 0  # the session was closed at the end of the pipeline
+    with pytest.raises(TypeError):
+        outcome.results["x"] = 1  # type: ignore[index]
+    store = SyncStateStore(world.home / "state.db")
+    recs = store.stages(outcome.run_id)
+    assert [r.status for r in recs] == ["done"] * 6
+    assert all(r.attempts == 1 for r in recs)
+    assert store.get_run(outcome.run_id).status == "done"
+    assert store.get_run(outcome.run_id).plan_id == "alpha-40000"
+    evs = parsed(events)
+    names = [e["event"] for e in evs]
+    assert names[0] == "run.start" and names[-1] == "run.done"
+    assert names.count("stage.start") == 6 and names.count("stage.done") == 6
+    assert all(e["run_id"] == outcome.run_id for e in evs)
+    assert all("stage" in e for e in evs if e["event"].startswith("stage."))
+    # plan_id is bound from the plan stage on
+    fetch_start = next(e for e in evs if e["event"] == "stage.start" and e["stage"] == "fetch")
+    assert fetch_start["plan_id"] == "alpha-40000"
+
+
+@pytest.mark.anyio
+async def test_rerun_skips_done_stages_and_logs_the_skip(world: World, events: io.StringIO) -> None:
+    await run_once(world)
+    world.calls.clear()
+    outcome = await run_once(world)
+    assert world.calls == ["probe", "plan"]  # everything else reused
+    assert outcome.skipped == ("fetch", "verify", "load", "check")
+    assert isinstance(outcome.results["fetch"], FileResult)
+    skips = [e for e in parsed(events) if e["event"] == "stage.skip"]
+    assert [e["stage"] for e in skips][-4:] == ["fetch", "verify", "load", "check"]
+    store = SyncStateStore(world.home / "state.db")
+    assert [r.status for r in store.stages(outcome.run_id)] == ["done", "done"] + ["skipped"] * 4
+
+
+@pytest.mark.anyio
+async def test_changed_plan_reruns_downstream_but_not_unaffected_files(world: World) -> None:
+    await run_once(world)
+    world.calls.clear()
+    world.window = 50000  # same model, new window: the file stays, the session re-runs
+    await run_once(world)
+    assert world.calls == ["probe", "plan", "load", "check"]
+    world.calls.clear()
+    world.model = "beta"  # a new model: everything downstream runs
+    await run_once(world)
+    assert world.calls == ["probe", "plan", "fetch", "verify", "load", "check"]
+
+
+@pytest.mark.anyio
+async def test_missing_file_on_disk_is_fetched_again(world: World) -> None:
+    first = await run_once(world)
+    Path(first.results["fetch"].path).unlink()
+    world.calls.clear()
+    await run_once(world)
+    assert "fetch" in world.calls
+
+
+@pytest.mark.anyio
+async def test_failure_is_recorded_and_rerun_resumes_same_run(world: World, events: io.StringIO) -> None:
+    world.fail_in = "check"
+    with pytest.raises(TransferError):
+        await run_once(world)
+    assert world.sessions_open == 0  # closed on failure too
+    store = SyncStateStore(world.home / "state.db")
+    run = store.latest_run()
+    assert run.status == "failed" and run.error["code"] == "transfer"
+    check = store.get_stage(run.run_id, "check")
+    assert check.status == "failed" and check.error["message"] == "check failed"
+    fail = [e for e in parsed(events) if e["event"] == "stage.fail"]
+    assert fail and fail[0]["stage"] == "check" and fail[0]["error"]["code"] == "transfer"
+
+    world.fail_in = None
+    world.calls.clear()
+    outcome = await run_once(world)
+    assert outcome.run_id == run.run_id and outcome.resumed
+    # fetch/verify reused; load re-runs because its session partner had not completed
+    assert world.calls == ["probe", "plan", "load", "check"]
+    assert store.get_stage(run.run_id, "check").attempts == 2
+    assert store.get_run(run.run_id).status == "done"
+
+
+@pytest.mark.anyio
+async def test_forced_stages_run_again(world: World) -> None:
+    await run_once(world)
+    world.calls.clear()
+    await run_once(world, force=("load", "check"))
+    assert world.calls == ["probe", "plan", "load", "check"]
+
+
+@pytest.mark.anyio
+async def test_interrupted_run_with_changed_plan_resets_downstream(world: World, events: io.StringIO) -> None:
+    world.fail_in = "fetch"
+    with pytest.raises(TransferError):
+        await run_once(world)
+    world.fail_in = None
+    world.model = "beta"
+    outcome = await run_once(world)
+    assert outcome.resumed
+    changed = [e for e in parsed(events) if e["event"] == "plan.changed"]
+    assert changed and changed[0]["previous_plan_id"] == "alpha-40000"
+    assert "fetch" in changed[0]["invalidated"]
+
+
+_SIGNAL_SCRIPT = textwrap.dedent("""
+    import subprocess, sys
+    from contextlib import asynccontextmanager
+    from pathlib import Path
+    import anyio
+    from pipeline import log
+    from pipeline.errors import Interrupted
+    from pipeline.runner import Runner, Stage
+    from state.store import StateStore
+
+    home = Path(sys.argv[1])
+    log.configure("json", 0, home / "log.jsonl")
+
+    class S:
+        runs_dir = home / "runs"
+
+    @asynccontextmanager
+    async def child():
+        proc = subprocess.Popen(["sleep", "600"])
+        (home / "child.pid").write_text(str(proc.pid))
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    async def quick(ctx):
+        return {"ok": True}
+
+    async def hold(ctx):
+        await ctx.enter_context(child())
+        print("holding", flush=True)
+        await anyio.sleep(600)
+        return {"never": True}
+
+    async def main():
+        store = await StateStore.open(home / "state.db")
+        stages = [Stage("quick", quick), Stage("hold", hold, deps=("quick",))]
+        await Runner(stages, store, S()).run()
+
+    try:
+        anyio.run(main)
+    except Interrupted as exc:
+        print("interrupted", exc.exit_code, flush=True)
+        sys.exit(exc.exit_code)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_reaps_child_and_marks_interrupted(tmp_path: Path, signum: int) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(home)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    child_pid = int((home / "child.pid").read_text())
+    os.kill(proc.pid, signum)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)  # reaped, not merely signalled (a zombie would still answer)
+    store = SyncStateStore(home / "state.db")
+    run = store.latest_run()
+    assert run.status == "interrupted"
+    statuses = {r.stage: r.status for r in store.stages(run.run_id)}
+    assert statuses == {"quick": "done", "hold": "interrupted"}
+    events = [json.loads(line) for line in (home / "log.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events][-3:] == ["run.signal", "stage.interrupted", "run.done"]
+    assert events[-1]["status"] == "interrupted"
+
+
+def test_kill_9_leaves_state_the_next_run_resumes(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(home)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    child_pid = int((home / "child.pid").read_text())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    os.kill(child_pid, signal.SIGKILL)  # kill -9 cannot reap; the orphan is the test's to clean
+    store = SyncStateStore(home / "state.db")
+    run = store.latest_run()
+    assert run.status == "running"
+    assert store.get_stage(run.run_id, "hold").status == "running"
+
+    calls: list[str] = []
+
+    async def quick(ctx: StageContext) -> dict[str, Any]:
+        calls.append("quick")
+        return {"ok": True}
+
+    async def hold(ctx: StageContext) -> dict[str, Any]:
+        calls.append("hold")
+        return {"done": True}
+
+    async def again() -> Any:
+        s = await StateStore.open(home / "state.db")
+        try:
+            return await Runner([Stage("quick", quick), Stage("hold", hold, deps=("quick",))], s,
+                                FakeSettings(home), handle_signals=False).run()
+        finally:
+            await s.aclose()
+
+    outcome = anyio.run(again)
+    assert outcome.run_id == run.run_id and outcome.resumed
+    assert calls == ["hold"]  # quick was done before the kill
+    assert store.get_stage(run.run_id, "hold").attempts == 2
+    assert store.get_run(run.run_id).status == "done"
+
+
+def test_interrupted_is_exit_130() -> None:
+    assert Interrupted("x").exit_code == 130
