@@ -51,6 +51,7 @@ __all__ = [
     "QWEN3_TEMPLATE_NAME",
     "REQUIRE_ENV",
     "write_llama_model",
+    "write_tool_call_model",
     "byte_token_text",
     "require_llama_server",
     "pinned_source_tree",
@@ -486,3 +487,119 @@ def llama_server(
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------- deterministic tool-call model
+
+
+def write_tool_call_model(
+    path: str | os.PathLike[str],
+    *,
+    embed_template: bool = False,
+    chat_template: str | None = None,
+    n_ctx_train: int = 65536,
+    tensor_type: str = "f32",
+) -> FixtureInfo:
+    """A llama model whose greedy output is fixed by construction (issue 5 item 4).
+
+    Recipe:
+
+    - every block's ``attn_output`` and ``ffn_down`` are zero, so the residual stream at a
+      position is exactly the current token's embedding: the next token depends only on the
+      current one, never on context, threads or chance;
+    - every token embedding holds a shared "default" direction (dim 0, value 1); ``<tool_call>``
+      (dim 1) and ``"`` (dim 2) add their own direction with weight 4;
+    - output rows along the default direction: end-of-turn 6 > ``<tool_call>`` 5 >
+      ``</tool_call>`` 4 > ``"`` 3 > ``}`` 2 > ``{`` 1 > other tokens 0 > whitespace -1 (so
+      optional JSON whitespace never wins a tie against ``:``); along the token directions
+      newline (after ``<tool_call>``) and ``"`` (after ``"``) get +10, beating any default.
+
+    With ``tool_choice: "required"`` llama-server's grammar forbids end-of-turn before a call,
+    and greedy decoding walks: ``<tool_call>`` → newline → ``{`` → the forced literal name part
+    → ``{"text":""}`` (the string closes at once because ``"`` prefers ``"``; ``}`` beats ``,``)
+    → ``}`` → ``</tool_call>`` → end of turn. The server parses exactly one call of the first
+    tool, arguments ``{"text":""}``, content empty, finish_reason ``tool_calls``.
+    Without a tool-capable template (llama.cpp's ChatML fallback drops ``tools``) there is no
+    grammar: the first token is end-of-turn, so the answer is an empty message with
+    finish_reason ``stop`` and no ``tool_calls``.
+
+    Why not "newline prefers ``{``" as issue 5 suggests: every generation prompt ends with
+    ``assistant\n`` and the grammar allows free content before ``<tool_call>``, so a newline
+    that prefers ``{`` puts a stray ``{`` into the content. After ``<tool_call>\n`` the grammar
+    admits only whitespace or ``{``, where ``{`` (1) beats whitespace (-1) anyway.
+
+    Checked with :data:`PROBE_TOOL` (required string ``text``, optional boolean ``loud``), the
+    pinned ``Qwen-Qwen3-0.6B.jinja`` (``--jinja --chat-template-file`` or embedded), f16 and
+    q8_0 KV with flash attention, temperature 0: identical answers on every run.
+    With ``tool_choice: "auto"`` the grammar is lazy and the model ends its turn without a call.
+
+    ``embed_template``: embed the pinned Qwen3 template (or ``chat_template`` when given) as
+    ``tokenizer.chat_template``; otherwise the file carries none and a test passes the template
+    with ``--jinja --chat-template-file``.
+    """
+    path = Path(path)
+    n_embd, n_heads, n_kv_heads, head_dim, n_ff = 64, 2, 1, 32, 32
+    template = chat_template
+    if embed_template and template is None:
+        template = pinned_template().read_text(encoding="utf-8")
+    rng = np.random.default_rng(1)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.02, size=shape)
+
+    nl, quote, lbrace, rbrace = ord("\n"), ord('"'), ord("{"), ord("}")
+    dim_default, dim_tool_call, dim_quote = 0, 1, 2
+    embd = np.zeros((N_VOCAB, n_embd))
+    embd[:, dim_default] = 1.0
+    embd[TOKEN_ID["<tool_call>"], dim_tool_call] = 4.0
+    embd[quote, dim_quote] = 4.0
+    out = np.zeros((N_VOCAB, n_embd))
+    for token, pref in (
+        (EOS_ID, 6.0),
+        (TOKEN_ID["<tool_call>"], 5.0),
+        (TOKEN_ID["</tool_call>"], 4.0),
+        (quote, 3.0),
+        (rbrace, 2.0),
+        (lbrace, 1.0),
+        # optional JSON whitespace must never win a tie against ":" or "," (both 0)
+        *((ord(ws), -1.0) for ws in " \t\n\r"),
+    ):
+        out[token, dim_default] = pref
+    out[nl, dim_tool_call] = 10.0
+    out[quote, dim_quote] = 10.0
+
+    w = gguf.GGUFWriter(path, "llama")
+    _common_kv(
+        w,
+        name="hotfit-fixture-tool-call",
+        n_layers=1,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_ctx_train=n_ctx_train,
+        tensor_type=tensor_type,
+        chat_template=template,
+    )
+    _tensor(w, "token_embd.weight", embd, tensor_type)
+    _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
+    _tensor(w, "output.weight", out, tensor_type)
+    _llama_block(w, 0, rand, n_heads, n_kv_heads, head_dim, n_embd, n_ff, tensor_type, zero_out=True)
+    _finish(w)
+    return FixtureInfo(
+        path=path,
+        kind="tool-call",
+        architecture="llama",
+        n_layers=1,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim,
+        n_embd=n_embd,
+        n_ctx_train=n_ctx_train,
+        n_vocab=N_VOCAB,
+        tensor_type=tensor_type,
+        has_chat_template=template is not None,
+        size_bytes=path.stat().st_size,
+    )
