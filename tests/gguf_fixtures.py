@@ -52,6 +52,12 @@ __all__ = [
     "REQUIRE_ENV",
     "write_llama_model",
     "write_tool_call_model",
+    "write_gemma3_swa_model",
+    "swa_layer_pattern",
+    "write_unsupported_arch_model",
+    "UNSUPPORTED_ARCHITECTURE",
+    "write_truncated_copy",
+    "write_garbage_file",
     "byte_token_text",
     "require_llama_server",
     "pinned_source_tree",
@@ -345,6 +351,166 @@ def _llama_block(
     _tensor(w, p + "ffn_up.weight", rand(n_ff, n_embd), tensor_type)
     down = np.zeros((n_embd, n_ff)) if zero_out else rand(n_embd, n_ff)
     _tensor(w, p + "ffn_down.weight", down, tensor_type)
+
+
+def swa_layer_pattern(n_layers: int, pattern: int | Sequence[bool]) -> tuple[bool, ...]:
+    """Which layers slide, the way llama.cpp expands ``attention.sliding_window_pattern``.
+
+    An integer ``n`` means "every n-th layer is full attention, the rest slide" (llama.cpp
+    ``llama_hparams::set_swa_pattern``: layer ``il`` slides when ``il % n < n - 1``; 0 = all
+    slide); a sequence gives the flag per layer."""
+    if isinstance(pattern, int):
+        return tuple(pattern == 0 or (il % pattern < pattern - 1) for il in range(n_layers))
+    flags = tuple(bool(x) for x in pattern)
+    if len(flags) != n_layers:
+        raise ValueError(f"sliding-window pattern has {len(flags)} entries for {n_layers} layers")
+    return flags
+
+
+def write_gemma3_swa_model(
+    path: str | os.PathLike[str],
+    *,
+    n_layers: int = 6,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 64,
+    n_embd: int = 64,
+    n_ff: int = 128,
+    n_ctx_train: int = 131072,
+    sliding_window_tokens: int = 512,
+    swa_pattern: int | Sequence[bool] = 3,
+    chat_template: str | None = None,
+    tensor_type: str = "f16",
+    seed: int = 0,
+    name: str = "hotfit-fixture-gemma3-swa",
+) -> FixtureInfo:
+    """A gemma3 model with interleaved sliding-window attention.
+
+    llama.cpp reads ``gemma3.attention.sliding_window`` (window in tokens) and
+    ``gemma3.attention.sliding_window_pattern`` (an integer period, default 6, or one bool per
+    layer) and keeps two KV caches: sliding layers hold only about a window of cells, full layers
+    the whole context (``src/models/gemma3.cpp``, ``llama-kv-cache-iswa``). ``swa_pattern`` is
+    written as given (int → uint32, sequence → bool array); ``FixtureInfo.swa_layers`` is the
+    per-layer expansion."""
+    _check_shape(n_heads, n_kv_heads, head_dim, tensor_type)
+    if sliding_window_tokens <= 0:
+        raise ValueError("sliding_window_tokens must be positive (0 disables sliding in llama.cpp)")
+    swa_layers = swa_layer_pattern(n_layers, swa_pattern)
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.02, size=shape)
+
+    w = gguf.GGUFWriter(path, "gemma3")
+    _common_kv(
+        w,
+        name=name,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_ctx_train=n_ctx_train,
+        tensor_type=tensor_type,
+        chat_template=chat_template,
+    )
+    w.add_sliding_window(sliding_window_tokens)
+    if isinstance(swa_pattern, int):
+        w.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch="gemma3"), swa_pattern)
+    else:
+        w.add_sliding_window_pattern(list(swa_layers))
+    _tensor(w, "token_embd.weight", rand(N_VOCAB, n_embd), tensor_type)
+    _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
+    for i in range(n_layers):
+        _llama_block(w, i, rand, n_heads, n_kv_heads, head_dim, n_embd, n_ff, tensor_type)
+        p = f"blk.{i}."
+        _tensor(w, p + "post_attention_norm.weight", np.ones(n_embd), tensor_type)
+        _tensor(w, p + "attn_q_norm.weight", np.ones(head_dim), tensor_type)
+        _tensor(w, p + "attn_k_norm.weight", np.ones(head_dim), tensor_type)
+        _tensor(w, p + "post_ffw_norm.weight", np.ones(n_embd), tensor_type)
+    _finish(w)
+    return FixtureInfo(
+        path=path,
+        kind="gemma3-swa",
+        architecture="gemma3",
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim,
+        n_embd=n_embd,
+        n_ctx_train=n_ctx_train,
+        n_vocab=N_VOCAB,
+        tensor_type=tensor_type,
+        has_chat_template=chat_template is not None,
+        size_bytes=path.stat().st_size,
+        sliding_window_tokens=sliding_window_tokens,
+        swa_layers=swa_layers,
+    )
+
+
+UNSUPPORTED_ARCHITECTURE = "hotfit-no-such-arch"
+
+
+def write_unsupported_arch_model(
+    path: str | os.PathLike[str], *, architecture: str = UNSUPPORTED_ARCHITECTURE, n_ctx_train: int = 4096
+) -> FixtureInfo:
+    """A well-formed GGUF whose ``general.architecture`` llama.cpp does not know; loading it
+    fails with ``unknown model architecture: '<name>'``."""
+    path = Path(path)
+    n_embd = 64
+    w = gguf.GGUFWriter(path, architecture)
+    w.add_name("hotfit-fixture-unsupported")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(1)
+    w.add_head_count(1)
+    _add_vocab(w)
+    _tensor(w, "token_embd.weight", np.zeros((N_VOCAB, n_embd)), "f32")
+    _finish(w)
+    return FixtureInfo(
+        path=path,
+        kind="unsupported",
+        architecture=architecture,
+        n_layers=1,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim_k=n_embd,
+        head_dim_v=n_embd,
+        n_embd=n_embd,
+        n_ctx_train=n_ctx_train,
+        n_vocab=N_VOCAB,
+        tensor_type="f32",
+        has_chat_template=False,
+        size_bytes=path.stat().st_size,
+    )
+
+
+def write_truncated_copy(
+    source: str | os.PathLike[str], dest: str | os.PathLike[str], *, keep_bytes: int | None = None
+) -> Path:
+    """Copy the first ``keep_bytes`` (default: half) of a GGUF: a download cut short. The header
+    still parses; the tensor data runs past the end of the file."""
+    data = Path(source).read_bytes()
+    keep = len(data) // 2 if keep_bytes is None else keep_bytes
+    if not 0 <= keep < len(data):
+        raise ValueError(f"keep_bytes must be in [0, {len(data)}), not {keep}")
+    dest = Path(dest)
+    dest.write_bytes(data[:keep])
+    return dest
+
+
+def write_garbage_file(path: str | os.PathLike[str], *, size_bytes: int = 4096, gguf_magic: bool = False) -> Path:
+    """Seeded random bytes (optionally behind a valid ``GGUF`` magic and version 3)."""
+    rng = np.random.default_rng(7)
+    body = rng.integers(0, 256, size=size_bytes, dtype=np.uint8).tobytes()
+    if gguf_magic:
+        body = b"GGUF" + (3).to_bytes(4, "little") + body[8:]
+    path = Path(path)
+    path.write_bytes(body)
+    return path
 
 
 # ---------------------------------------------------------------- llama-server helpers
