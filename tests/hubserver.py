@@ -314,12 +314,14 @@ class HubStore:
         message: str = "update",
         move_branch: bool = True,
     ) -> str:
-        """A new commit on top of ``parent`` (default: ``branch``'s head) adding/replacing ``files``
+        """A new commit on top of ``parent`` (default: ``branch``'s head, or ``main``'s for a new branch)
+        adding/replacing ``files``
         (a ``None`` value deletes the path); moves ``branch`` to it unless ``move_branch=False``.
         The old commit stays resolvable by its id. Returns the new commit id."""
         with self._lock:
             if parent is None:
-                parent = self.refs(repo_id).get(branch)
+                refs = self.refs(repo_id)
+                parent = refs.get(branch, refs.get("main"))
             return self._commit(
                 repo_id, files, parent=parent, branch=branch if move_branch else None, lfs=lfs, message=message
             )
@@ -449,19 +451,23 @@ class Fault:
         if self.file is not None and (req.file is None or not fnmatch.fnmatchcase(req.file, self.file)):
             return False
         is_get = req.method == "GET"
+        is_file = req.file is not None and req.kind != "api-tree"
+        has_body = req.direct if is_file else True
         effects = [
             self.status is not None,
-            is_get and (self.close_after_bytes is not None or self.throughput_bps is not None),
-            req.file is not None and (self.ignore_range or self.advertise_size is not None),
-            req.file is not None and is_get and self.corrupt,
-            req.file is not None and req.where == "hub" and req.kind == "resolve" and self.redirect_to_cdn,
+            is_get and has_body and (self.close_after_bytes is not None or self.throughput_bps is not None),
+            is_file and req.direct and self.ignore_range,
+            is_file and self.advertise_size is not None,
+            is_file and req.direct and is_get and self.corrupt,
+            req.kind == "resolve" and req.direct and self.redirect_to_cdn,
         ]
         return any(effects)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class RequestRecord:
-    """One answered request, in arrival-of-answer order."""
+    """One answered request. The log is in the order responses were (about to be) completed, so a
+    redirect's record always precedes the request that followed it."""
 
     method: str
     url_path: str  # raw path, query excluded
@@ -475,6 +481,7 @@ class RequestRecord:
     body_bytes: int  # body bytes actually written
     authorization: bool  # whether an Authorization header came
     faults: int  # how many faults were applied
+    client_port: int  # the client's source port: equal ports = one keep-alive connection
 
 
 @dataclasses.dataclass
@@ -487,6 +494,7 @@ class _RequestInfo:
     file: str | None = None
     revision: str | None = None
     tree_path: str = ""
+    direct: bool = False  # a file request answered with the file's bytes (not a redirect)
 
 
 @dataclasses.dataclass
@@ -553,52 +561,67 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.server.hub
         split = urlsplit(self.path)
         self._method = method
+        self._split = split
         self._body_bytes = 0
         self._status = 0
         self._effects = _Effects()
-        req = _RequestInfo(method, split.path, "hub", "other")
+        self._rec: RequestRecord | None = None
+        self._req = _RequestInfo(method, split.path, "hub", "other")
         try:
-            req = hub._route(method, split.path, self.headers.get("Host", ""))
-            self._effects = hub._take_effects(req)
+            self._req = hub._route(method, split.path)
+            self._effects = hub._take_effects(self._req)
             if self._effects.status is not None:
                 raise _HubError(self._effects.status, None, f"injected {self._effects.status}")
             if method not in ("GET", "HEAD"):
                 raise _HubError(405, None, f"{method} not supported by the local hub")
-            self._dispatch(req, split.query)
+            self._dispatch(self._req, split.query)
         except _HubError as e:
             self._send_error(e)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         finally:
-            hub._record(
-                RequestRecord(
-                    method=method,
-                    url_path=split.path,
-                    query=split.query,
-                    where=req.where,
-                    repo_id=req.repo_id,
-                    file=req.file,
-                    revision=req.revision,
-                    range=self.headers.get("Range"),
-                    status=self._status,
-                    body_bytes=self._body_bytes,
-                    authorization=self.headers.get("Authorization") is not None,
-                    faults=self._effects.count,
-                )
-            )
+            self._record()
+            assert self._rec is not None
+            self._rec.body_bytes = self._body_bytes  # the truth, if a write broke after recording
 
-    def _start(self, status: int, headers: Mapping[str, str]) -> None:
+    def _record(self) -> None:
+        """Log this request. Called just before the client can see the end of the response, so a test
+        that asserts on ``hub.requests`` right after its call returns always finds it."""
+        if self._rec is not None:
+            return
+        req = self._req
+        self._rec = RequestRecord(
+            method=self._method,
+            url_path=self._split.path,
+            query=self._split.query,
+            where=req.where,
+            repo_id=req.repo_id,
+            file=req.file,
+            revision=req.revision,
+            range=self.headers.get("Range"),
+            status=self._status,
+            body_bytes=self._body_bytes,
+            authorization=self.headers.get("Authorization") is not None,
+            faults=self._effects.count,
+            client_port=self.client_address[1],
+        )
+        self.server.hub._record(self._rec)
+
+    def _start(self, status: int, headers: Mapping[str, str], *, body_follows: bool) -> None:
         self._status = status
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, v)
+        if not body_follows:
+            self._record()
         self.end_headers()
 
     def _send_bytes(self, status: int, headers: dict[str, str], body: bytes) -> None:
         headers = {**headers, "Content-Length": str(len(body))}
-        self._start(status, headers)
-        if self._method != "HEAD" and body:
-            self._write_body_from(io.BytesIO(body).read, len(body), len(body))
+        body_follows = self._method != "HEAD" and bool(body)
+        self._start(status, headers, body_follows=body_follows)
+        if body_follows:
+            self._write_body(io.BytesIO(body).read, len(body), len(body))
 
     def _send_json(self, data: Any, headers: Mapping[str, str] | None = None) -> None:
         body = json.dumps(data).encode()
@@ -614,9 +637,9 @@ class _Handler(BaseHTTPRequestHandler):
             headers["Retry-After"] = str(self._effects.retry_after)
         self._send_bytes(e.status, headers, json.dumps({"error": e.message}).encode())
 
-    def _write_body_from(self, read: Any, n_available: int, n_declared: int, file: BinaryIO | None = None,
-                         offset: int = 0) -> None:
-        """Write up to ``n_available`` body bytes, applying cut/pace/corrupt; close the connection if
+    def _write_body(self, read: Any, n_available: int, n_declared: int, file: BinaryIO | None = None,
+                    offset: int = 0) -> None:
+        """Write up to ``n_available`` body bytes, applying cut/pace/corrupt; drop the connection if
         fewer than ``n_declared`` (the Content-Length) went out, so the client sees a short body."""
         eff = self._effects
         hub = self.server.hub
@@ -626,33 +649,40 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if file is not None and eff.throughput_bps is None and not eff.corrupt:
                 # Fast path: the kernel copies file → socket (benchmarks measure the client, not us).
-                while self._body_bytes < limit:
-                    sent = self.connection.sendfile(file, offset + self._body_bytes, limit - self._body_bytes)
+                # All but the last byte, then log, then the last byte (see `_record`).
+                while self._body_bytes < limit - 1:
+                    sent = self.connection.sendfile(file, offset + self._body_bytes, limit - 1 - self._body_bytes)
                     if sent == 0:
                         break
                     self._body_bytes += sent
-            else:
-                chunk = _CHUNK_BYTES
-                if eff.throughput_bps:
-                    chunk = max(1, min(chunk, int(eff.throughput_bps * _MAX_SLEEP_S)))
-                t0 = time.monotonic()
-                while self._body_bytes < limit and not hub._stopping.is_set():
-                    data = read(min(chunk, limit - self._body_bytes))
-                    if not data:
-                        break
-                    if eff.corrupt and self._body_bytes == 0:
-                        data = bytes([data[0] ^ 0xFF]) + data[1:]
-                    self.wfile.write(data)
+                file.seek(offset + self._body_bytes)
+                read = file.read
+            chunk = _CHUNK_BYTES
+            if eff.throughput_bps:
+                chunk = max(1, min(chunk, int(eff.throughput_bps * _MAX_SLEEP_S)))
+            t0, sent0 = time.monotonic(), self._body_bytes
+            while self._body_bytes < limit and not hub._stopping.is_set():
+                data = read(min(chunk, limit - self._body_bytes))
+                if not data:
+                    break
+                if eff.corrupt and self._body_bytes == 0:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                if self._body_bytes + len(data) >= limit:
                     self._body_bytes += len(data)
-                    if eff.throughput_bps:
-                        ahead_s = self._body_bytes / eff.throughput_bps - (time.monotonic() - t0)
-                        if ahead_s > 0:
-                            hub._stopping.wait(min(ahead_s, _MAX_SLEEP_S * 4))
+                    self._record()
+                    self._body_bytes -= len(data)
+                self.wfile.write(data)
+                self._body_bytes += len(data)
+                if eff.throughput_bps:
+                    ahead_s = (self._body_bytes - sent0) / eff.throughput_bps - (time.monotonic() - t0)
+                    if ahead_s > 0:
+                        hub._stopping.wait(min(ahead_s, _MAX_SLEEP_S * 4))
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
             return
         if self._body_bytes < n_declared:
             # The body is shorter than promised: the only honest thing left is to drop the connection.
+            self._record()
             self.close_connection = True
             try:
                 self.wfile.flush()
@@ -819,14 +849,14 @@ class _Handler(BaseHTTPRequestHandler):
             status, length = 206, end - start + 1
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         headers["Content-Length"] = str(length)
-        self._start(status, headers)
-        if self._method == "HEAD":
+        self._start(status, headers, body_follows=self._method != "HEAD" and length > 0)
+        if self._method == "HEAD" or length == 0:
             return
         obj = hub.store.object_path(entry.sha256)
         with obj.open("rb") as f:
             f.seek(start)
             available = max(0, min(length, entry.size_bytes - start))
-            self._write_body_from(f.read, available, length, file=f, offset=start)
+            self._write_body(f.read, available, length, file=f, offset=start)
 
 
 # --------------------------------------------------------------------------- the server object
@@ -1042,11 +1072,11 @@ class LocalHub:
                 return repo_id, rest
         return candidates[0] if candidates else None
 
-    def _route(self, method: str, raw_path: str, host_header: str) -> _RequestInfo:
+    def _route(self, method: str, raw_path: str) -> _RequestInfo:
         segs = raw_path.lstrip("/").split("/")
         req = _RequestInfo(method, raw_path, "hub", "other")
         if segs[0] == "cdn" and len(segs) >= 4:
-            req.where, req.kind = "cdn", "cdn"
+            req.where, req.kind, req.direct = "cdn", "cdn", True
             req.repo_id, req.revision = unquote(segs[1]), segs[2]
             req.file = unquote("/".join(segs[3:]))
             return req
@@ -1056,6 +1086,7 @@ class LocalHub:
             for n in (2, 1):
                 if len(rest) > n + 1 and is_commit_id(rest[n]):
                     req.kind, req.repo_id, req.revision = "resolve-cache", "/".join(rest[:n]), rest[n]
+                    req.direct = True
                     req.file = unquote("/".join(rest[n + 1:]))
                     if self.store.repo_exists(req.repo_id):
                         break
@@ -1079,8 +1110,23 @@ class LocalHub:
             req.kind, req.repo_id = "resolve", split[0]
             req.revision = unquote(split[1][0])
             req.file = unquote("/".join(split[1][1:]))
-            return self._check_repo(req)
+            self._check_repo(req)
+            if req.kind == "resolve":
+                req.direct = not self._redirects(req)
+            return req
         return req
+
+    def _redirects(self, req: _RequestInfo) -> bool:
+        """Whether a hub resolve of this file answers with a redirect (by policy, before faults)."""
+        assert req.repo_id is not None and req.revision is not None and req.file is not None
+        try:
+            commit = self.store.resolve_revision(req.repo_id, req.revision)
+        except (OSError, ValueError):
+            return False
+        entry = commit.files.get(req.file) if commit else None
+        if entry is None:
+            return False
+        return (entry.lfs and self.redirect_lfs) or (not entry.lfs and self.redirect_small)
 
     def _check_repo(self, req: _RequestInfo) -> _RequestInfo:
         if req.repo_id is not None and not self.store.repo_exists(req.repo_id):
