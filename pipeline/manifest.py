@@ -1,0 +1,183 @@
+"""The manifest: what the last successful ``hotfit auto`` provisioned, for ``serve`` and operators.
+
+Written once, after every stage passed (issue 6, item 7), atomically (temp file, fsync, rename,
+fsync of the directory), so ``<home>/manifest.json`` is either the previous provisioning or the
+new one, never half of either.
+
+It records the facts ``serve`` needs (model path, template path, projector, KV type, the entry's
+registry record, the device planned for) and the *measurements* of the verified session: the
+window llama-server opened, the KV bytes it allocated, the tool-call verdict and the speeds. The
+opened window is a measurement, not a setting to freeze: contenox writes no context window into
+configuration because a measured figure would freeze one reading of free memory
+(contenox-auto-facts.md, "The `auto` command"); ``serve`` checks it against the device as it is
+when it starts and re-plans when it must.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    plan_id: str
+    written_at: str
+    entry_name: str
+    model_path: str
+    model_size_bytes: int | None
+    model_sha256: str | None
+    template_path: str | None
+    projector_path: str | None
+    kv_cache_type: str
+    planned_hot_context_tokens: int
+    measured: Mapping[str, Any]  # opened window, KV bytes estimated/actual/ratio (a measurement)
+    probe_verdict: Mapping[str, Any]  # tool-call probe: passed, tool, speeds
+    llama_cpp: Mapping[str, Any]  # binary, version, commit
+    device: Mapping[str, Any]  # what the plan was made for
+    plan: Mapping[str, Any]  # the full frozen plan (entry facts serve needs to re-plan)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "run_id": self.run_id,
+            "plan_id": self.plan_id,
+            "written_at": self.written_at,
+            "entry_name": self.entry_name,
+            "model_path": self.model_path,
+            "model_size_bytes": self.model_size_bytes,
+            "model_sha256": self.model_sha256,
+            "template_path": self.template_path,
+            "projector_path": self.projector_path,
+            "kv_cache_type": self.kv_cache_type,
+            "planned_hot_context_tokens": self.planned_hot_context_tokens,
+            "measured": dict(self.measured),
+            "probe_verdict": dict(self.probe_verdict),
+            "llama_cpp": dict(self.llama_cpp),
+            "device": dict(self.device),
+            "plan": dict(self.plan),
+            **({"extra": dict(self.extra)} if self.extra else {}),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Manifest":
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"manifest schema {data.get('schema')!r} is not {SCHEMA}")
+        return cls(
+            run_id=data["run_id"], plan_id=data["plan_id"], written_at=data["written_at"],
+            entry_name=data["entry_name"], model_path=data["model_path"],
+            model_size_bytes=data.get("model_size_bytes"), model_sha256=data.get("model_sha256"),
+            template_path=data.get("template_path"), projector_path=data.get("projector_path"),
+            kv_cache_type=data["kv_cache_type"],
+            planned_hot_context_tokens=int(data["planned_hot_context_tokens"]),
+            measured=data.get("measured") or {}, probe_verdict=data.get("probe_verdict") or {},
+            llama_cpp=data.get("llama_cpp") or {}, device=data.get("device") or {},
+            plan=data.get("plan") or {}, extra=data.get("extra") or {},
+        )
+
+    @property
+    def opened_context_tokens(self) -> int | None:
+        value = self.measured.get("opened_context_tokens")
+        return int(value) if value is not None else None
+
+    def files_in_place(self) -> list[str]:
+        """What is missing or the wrong size on disk ([] = all in place)."""
+        problems: list[str] = []
+        model = Path(self.model_path)
+        if not model.is_file():
+            problems.append(f"model file missing: {model}")
+        elif self.model_size_bytes is not None and model.stat().st_size != self.model_size_bytes:
+            problems.append(f"model file has {model.stat().st_size} bytes, expected {self.model_size_bytes}")
+        if self.template_path and not Path(self.template_path).is_file():
+            problems.append(f"chat template missing: {self.template_path}")
+        if self.projector_path and not Path(self.projector_path).is_file():
+            problems.append(f"projector missing: {self.projector_path}")
+        return problems
+
+
+def utc_now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def write_manifest(path: Path, manifest: Manifest) -> None:
+    """Atomic replace: a reader (or a power cut) sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(manifest.to_json(), indent=2, sort_keys=True, default=str) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_manifest(path: Path) -> Manifest | None:
+    """The last provisioning, or None when there is none (or it is unreadable: treated as none)."""
+    try:
+        return Manifest.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# -- rebuilding the frozen plan from its JSON (serve re-plans from the manifest alone) ----------
+
+
+def entry_from_json(d: Mapping[str, Any]) -> Any:
+    """Inverse of ``dataclasses.asdict(Entry)`` (as ``Plan.to_json`` writes it)."""
+    from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+
+    def artifact(a: Mapping[str, Any] | None) -> Artifact | None:
+        return None if a is None else Artifact(**a)
+
+    cfg = dict(d["config"])
+    groups = cfg.get("layer_groups")
+    cfg["layer_groups"] = None if groups is None else tuple(LayerGroup(**g) for g in groups)
+    fields = dict(d)
+    fields.update(
+        evidence=tuple(Evidence(**e) for e in d.get("evidence") or ()),
+        artifact=artifact(d.get("artifact")),
+        projector=artifact(d.get("projector")),
+        chat_template=None if d.get("chat_template") is None else TemplateSource(**d["chat_template"]),
+        config=SourceConfig(**cfg),
+    )
+    return Entry(**fields)
+
+
+def plan_from_json(d: Mapping[str, Any]) -> Any:
+    """Inverse of ``Plan.to_json`` (its ``plan_id`` comes out the same)."""
+    from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
+
+    probe = d["probe"]
+    return Plan(
+        entry=entry_from_json(d["entry"]),
+        probe=ProbeResult(devices=tuple(Device(**dev) for dev in probe["devices"]),
+                          selected=probe["selected"], notes=tuple(probe.get("notes") or ())),
+        kv_cache_type=d["kv_cache_type"],
+        kv_cache_type_source=d["kv_cache_type_source"],
+        hot_context_tokens=d["hot_context_tokens"],
+        estimated_kv_bytes=d["estimated_kv_bytes"],
+        budget=BudgetBreakdown(**d["budget"]),
+        origin=d.get("origin"),
+        reused_previous=d.get("reused_previous", False),
+        explicit_model=d.get("explicit_model", False),
+    )
