@@ -544,14 +544,20 @@ def require_llama_server() -> Path:
     """The llama-server tests run (found the way hotfit finds it: pipeline.backend).
 
     Skips the calling test only when no binary exists and ``HOTFIT_REQUIRE_LLAMA`` is unset;
-    with it set (CI) a missing binary fails loudly."""
+    with it set (CI) a missing binary fails loudly. A binary named by ``HOTFIT_LLAMA_SERVER``
+    that is unusable always fails: someone asked for that one."""
+    import pytest
+
     from pipeline.backend import find_llama_server
     from pipeline.errors import BackendNotFound
     from pipeline.settings import load_settings
 
+    settings = load_settings()
     try:
-        return find_llama_server(load_settings()).server_path
+        return find_llama_server(settings).server_path
     except BackendNotFound as exc:
+        if settings.llama_server is not None:
+            pytest.fail(f"HOTFIT_LLAMA_SERVER is unusable: {exc}")
         _absent(f"llama-server not available: {exc.what}")
         raise  # unreachable: _absent skips or fails
 
