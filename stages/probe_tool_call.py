@@ -1,0 +1,277 @@
+"""probe-tool-call: prove that one tool call parses in the opened session (issue 5 item 2).
+
+Spec ("Selection and hot context"): the check is a single probe tool with one required
+parameter; it certifies that a call parses, not that the model selects and fills calls across
+turns. The probe tool has one required string parameter and one optional boolean: a schema with
+no required parameter cannot fail under llama.cpp's generated grammar.
+
+Why the check must be live: llama-server accepts ``tools`` and silently drops them when the chat
+template cannot express tool calls (ggml-org/llama.cpp#27129, anchors.md §4), answering in prose
+with HTTP 200. ``tool_choice: "required"`` and temperature 0 make the answer a deterministic
+function of the model, the template and the grammar.
+
+The request, the answer, the verdict and the server's measured prompt and generation speed are
+written to ``probe-tool-call.json`` in the run directory: a fitting estimate is no throughput
+guarantee (spec), so the operator gets the measured figure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from pipeline.errors import ToolCallProbeFailed
+from pipeline.log import get_logger
+from stages.load import LoadedServer, relevant_log_lines
+
+__all__ = [
+    "PROBE_TOOL",
+    "PROBE_TOOL_NAME",
+    "PROBE_REQUIRED_PARAM",
+    "PROBE_MAX_TOKENS",
+    "PROBE_TIMEOUT_S",
+    "ToolCallVerdict",
+    "ProbeToolCallResult",
+    "probe_request",
+    "judge_answer",
+    "probe_tool_call",
+]
+
+log = get_logger()
+
+PROBE_TOOL_NAME = "hotfit_probe"
+PROBE_REQUIRED_PARAM = "text"
+# Harmless by construction: nothing executes it; hotfit only checks that the call parses.
+PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": PROBE_TOOL_NAME,
+        "description": "Echo a short text back. Harmless; used to check that tool calls parse.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                PROBE_REQUIRED_PARAM: {"type": "string", "description": "text to echo"},
+                "loud": {"type": "boolean", "description": "echo in capitals"},
+            },
+            "required": [PROBE_REQUIRED_PARAM],
+        },
+    },
+}
+# A call with a short argument is a few dozen tokens; thinking models may spend some first.
+PROBE_MAX_TOKENS = 512
+# Prompt processing of the tool catalogue plus the call on a CPU-only large model takes a while;
+# beyond this the session is not usable as an agent anyway.
+PROBE_TIMEOUT_S = 300.0
+PROBE_FILE = "probe-tool-call.json"
+_WATCH_POLL_S = 0.1
+
+
+def probe_request(max_tokens: int = PROBE_MAX_TOKENS) -> dict[str, Any]:
+    """The chat-completions body (pure; no key: that travels in a header)."""
+    return {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant. Use the provided tool."},
+            {
+                "role": "user",
+                "content": f'Call the {PROBE_TOOL_NAME} tool with {PROBE_REQUIRED_PARAM} set to "ping".',
+            },
+        ],
+        "tools": [PROBE_TOOL],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": False,
+    }
+
+
+@dataclass(frozen=True)
+class ToolCallVerdict:
+    passed: bool
+    reason: str  # "parsed" or why not
+    tool_name: str | None = None
+    arguments: dict[str, Any] | None = None
+    content: str | None = None
+    finish_reason: str | None = None
+
+
+def judge_answer(answer: dict[str, Any]) -> ToolCallVerdict:
+    """Pure: pass only for a parsed call of the probe tool whose arguments are a JSON object
+    holding the required string parameter."""
+    try:
+        choice = answer["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        return ToolCallVerdict(False, "the answer has no choices[0].message")
+    content = message.get("content")
+    finish = choice.get("finish_reason")
+    calls = message.get("tool_calls") or []
+    if not calls:
+        return ToolCallVerdict(False, "answered in prose: no parsed tool call", content=content, finish_reason=finish)
+    fn = (calls[0] or {}).get("function") or {}
+    name = fn.get("name")
+    if name != PROBE_TOOL_NAME:
+        return ToolCallVerdict(False, f"called {name!r}, not {PROBE_TOOL_NAME!r}", name, None, content, finish)
+    raw = fn.get("arguments")
+    try:
+        args = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return ToolCallVerdict(False, f"arguments are not valid JSON: {raw!r}", name, None, content, finish)
+    if not isinstance(args, dict):
+        return ToolCallVerdict(False, f"arguments are not a JSON object: {raw!r}", name, None, content, finish)
+    if not isinstance(args.get(PROBE_REQUIRED_PARAM), str):
+        return ToolCallVerdict(
+            False, f"arguments lack the required string {PROBE_REQUIRED_PARAM!r}: {raw!r}", name, args, content, finish
+        )
+    return ToolCallVerdict(True, "parsed", name, args, content, finish)
+
+
+@dataclass(frozen=True)
+class ProbeToolCallResult:
+    verdict: ToolCallVerdict
+    template: str  # TemplateUsed.describe()
+    supports_tools: bool | None  # /props chat_template_caps, for the record
+    prompt_tokens_per_s: float | None
+    generation_tokens_per_s: float | None
+    prompt_tokens: int | None
+    generated_tokens: int | None
+    request: dict[str, Any]
+    answer: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def probe_tool_call(
+    server: LoadedServer,
+    *,
+    timeout_s: float = PROBE_TIMEOUT_S,
+    max_tokens: int = PROBE_MAX_TOKENS,
+) -> ProbeToolCallResult:
+    """Send the probe to ``server``; return the result or raise :class:`ToolCallProbeFailed`."""
+    request = probe_request(max_tokens)
+    template = server.template.describe()
+    outcome: dict[str, Any] = {}
+
+    async with server.client(timeout_s) as client:
+        supports_tools = await _supports_tools(client)
+        with anyio.move_on_after(timeout_s) as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def send() -> None:
+                    try:
+                        outcome["response"] = await client.post("/v1/chat/completions", json=request)
+                    except httpx.HTTPError as exc:
+                        outcome["error"] = exc
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:  # a dead server must not look like a slow one
+                    while server.returncode() is None:
+                        await anyio.sleep(_WATCH_POLL_S)
+                    await anyio.sleep(0.5)  # let send() see the closed connection first
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(send)
+                tg.start_soon(watch)
+
+    def fail(what: str, hint: str, **details: Any) -> ToolCallProbeFailed:
+        log.error("probe_tool_call.failed", what=what, template=template, **details)
+        return ToolCallProbeFailed(what, hint=hint, template=template, log_path=str(server.log_path), **details)
+
+    if "error" in outcome:  # a dropped connection: give a dying server a moment to be seen dead
+        with anyio.move_on_after(1.0):
+            while server.returncode() is None:
+                await anyio.sleep(0.05)
+    if server.returncode() is not None:
+        lines = relevant_log_lines(server.log_lines())
+        raise fail(
+            f"llama-server {server.describe_exit()} during the tool-call probe",
+            "the server died while answering; its last log lines are quoted in details "
+            f"(full log: {server.log_path}). Memory pressure (the OOM killer) is the usual cause",
+            cause="server_exited",
+            returncode=server.returncode(),
+            log_lines=lines,
+        )
+    if "response" not in outcome:
+        if scope.cancelled_caught or "error" not in outcome:
+            raise fail(
+                f"no answer to the tool-call probe within {timeout_s:.0f} s",
+                "the session is too slow to serve as an agent on this device, or the server hangs",
+                cause="timeout",
+            )
+        raise fail(
+            f"the tool-call probe request failed: {outcome['error']!r}",
+            f"see the server log {server.log_path}",
+            cause="transport",
+        )
+    response: httpx.Response = outcome["response"]
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = {"raw": response.text[:4000]}
+    if response.status_code != 200:
+        raise fail(
+            f"llama-server answered the tool-call probe with HTTP {response.status_code}: "
+            f"{json.dumps(answer)[:500]}",
+            "the chat template or the request was rejected; see the server log",
+            cause="http_status",
+            status=response.status_code,
+            answer=answer,
+        )
+
+    verdict = judge_answer(answer)
+    timings = answer.get("timings") or {}
+    result = ProbeToolCallResult(
+        verdict=verdict,
+        template=template,
+        supports_tools=supports_tools,
+        prompt_tokens_per_s=timings.get("prompt_per_second"),
+        generation_tokens_per_s=timings.get("predicted_per_second"),
+        prompt_tokens=timings.get("prompt_n"),
+        generated_tokens=timings.get("predicted_n"),
+        request=request,
+        answer=answer,
+    )
+    record = {"verdict": "pass" if verdict.passed else "fail", **result.to_json()}
+    (server.run_dir / PROBE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    if not verdict.passed:
+        prose = verdict.reason.startswith("answered in prose")
+        likely = (
+            "the chat template cannot express tool calls, so llama-server dropped the tools "
+            f"(template used: {template}; supports_tools={supports_tools})"
+            if prose
+            else f"the model's call did not match the probe schema (template used: {template})"
+        )
+        raise fail(
+            f"tool-call probe failed: {verdict.reason}",
+            f"likely cause: {likely}. Fetch the registry's tool-capable chat template "
+            "(`hotfit pull NAME`) and load it with --chat-template-file",
+            cause="prose" if prose else "bad_call",
+            reason=verdict.reason,
+            content=(verdict.content or "")[:500],
+            finish_reason=verdict.finish_reason,
+            supports_tools=supports_tools,
+            record=str(server.run_dir / PROBE_FILE),
+        )
+    log.info(
+        "probe_tool_call.passed",
+        tool=verdict.tool_name,
+        arguments=verdict.arguments,
+        template=template,
+        prompt_tokens_per_s=result.prompt_tokens_per_s,
+        generation_tokens_per_s=result.generation_tokens_per_s,
+    )
+    return result
+
+
+async def _supports_tools(client: httpx.AsyncClient) -> bool | None:
+    try:
+        props = (await client.get("/props")).json()
+        caps = props.get("chat_template_caps") or {}
+        value = caps.get("supports_tools")
+        return bool(value) if value is not None else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None

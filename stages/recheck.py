@@ -1,0 +1,368 @@
+"""re-check hot allocation: what the opened session really holds (issue 5 item 3).
+
+Spec ("Selection and hot context"): after download and a tool-call check, setup reads the opened
+session's hot allocation; an earlier estimate is not treated as a verified allocation. So this
+stage reads, from the running llama-server:
+
+- ``/props`` and ``/slots``: the window each slot opened (``n_ctx``), the slot count, the chat
+  template's capabilities and the build;
+- its log: the KV cache records libllama prints while creating the context
+  (``src/llama-kv-cache.cpp``)::
+
+      llama_kv_cache:        CPU KV buffer size =    17.00 MiB
+      llama_kv_cache: size =   17.00 MiB ( 32768 cells,   2 layers,  1/1 seqs), K (q8_0):    8.50 MiB, V (q8_0):    8.50 MiB
+
+  and, for sliding-window models, one such record per cache, each announced by
+  ``llama_kv_cache_iswa: creating non-SWA KV cache, size = N cells`` / ``creating     SWA KV
+  cache, ...`` (``src/llama-kv-cache-iswa.cpp``).
+
+It fails closed (:class:`AllocationMismatch`) when the opened window is below the plan or below
+the agentic floor, when the KV bytes exceed the estimate by more than
+:data:`KV_EXCESS_TOLERANCE`, when the cache type differs from the plan, when an accelerator plan
+finds KV buffers or layers on the host, or when the allocation cannot be read at all. A session
+holding less than half the estimate is reported with a warning event.
+
+Precision: llama.cpp prints these sizes as ``%.2f`` MiB of a 32-bit float, so each figure is
+exact to ±(0.005 MiB + half a float32 step); :func:`mib_half_step_bytes` computes that bound
+and the report carries it (``actual_kv_bytes_uncertainty``). The exit-time
+``fit_memory_breakdown`` record is whole MiB and only written when the server stops, so it is
+not used here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import anyio
+import httpx
+
+from pipeline.errors import AllocationMismatch
+from pipeline.log import get_logger
+from pipeline.plan import Plan
+from stages.load import LoadedServer, LogLine, read_server_log
+
+try:  # the floor is selection's constant (spec: MinAgenticHotContext)
+    from registry.select import MIN_AGENTIC_HOT_CONTEXT
+except ImportError:  # pragma: no cover - registry.select not present in this checkout
+    MIN_AGENTIC_HOT_CONTEXT = 32768  # TODO: import from registry.select once it lands
+
+__all__ = [
+    "KV_EXCESS_TOLERANCE",
+    "KV_SHORTFALL_WARN_RATIO",
+    "MIN_AGENTIC_HOT_CONTEXT",
+    "KvCacheRecord",
+    "KvBufferRecord",
+    "LogAllocation",
+    "AllocationReport",
+    "mib_half_step_bytes",
+    "parse_log_allocation",
+    "judge_allocation",
+    "recheck_allocation",
+]
+
+log = get_logger()
+
+MiB = 1 << 20
+# registry.kv mirrors llama.cpp's allocation byte for byte, so the real KV should equal the
+# estimate; 1 % absorbs the log's MiB rounding and nothing a real excess would hide behind.
+KV_EXCESS_TOLERANCE = 0.01
+# Less than half the estimate means the plan's arithmetic and llama.cpp disagree (a window that
+# shrank, layers without KV): not unsafe, but worth an operator's look.
+KV_SHORTFALL_WARN_RATIO = 0.5
+RECHECK_FILE = "recheck.json"
+
+# llama_kv_cache: size =   17.00 MiB ( 32768 cells,   2 layers,  1/1 seqs), K (q8_0):    8.50 MiB, V (q8_0):    8.50 MiB
+_KV_SIZE_RE = re.compile(
+    r"llama_kv_cache: size =\s*(?P<total>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
+    r"\s*(?P<seqs>\d+)/(?P<streams>\d+) seqs\), K \((?P<k_type>\w+)\):\s*(?P<k>[\d.]+) MiB,"
+    r" V \((?P<v_type>\w+)\):\s*(?P<v>[\d.]+) MiB"
+)
+# llama_kv_cache:        CPU KV buffer size =    17.00 MiB
+_KV_BUFFER_RE = re.compile(r"llama_kv_cache:\s*(?P<buffer>\S+) KV buffer size =\s*(?P<mib>[\d.]+) MiB")
+# llama_kv_cache_iswa: creating     SWA KV cache, size = 1024 cells
+_ISWA_RE = re.compile(r"llama_kv_cache_iswa: creating\s+(?P<kind>non-SWA|SWA) KV cache, size = (?P<cells>\d+) cells")
+# load_tensors: offloaded 29/29 layers to GPU
+_OFFLOAD_RE = re.compile(r"offloaded (?P<done>\d+)/(?P<total>\d+) layers to GPU")
+_N_CTX_RE = re.compile(r"llama_context: n_ctx\s+=\s+(?P<n>\d+)")
+_N_CTX_SEQ_RE = re.compile(r"llama_context: n_ctx_seq\s+=\s+(?P<n>\d+)")
+_FLASH_RE = re.compile(r"llama_context: flash_attn\s+=\s+(?P<v>\S+)")
+
+
+def mib_half_step_bytes(mib: float) -> int:
+    """Half the resolution of a ``%.2f`` MiB figure printed from a float32, in bytes (rounded
+    up): the printed value is within this many bytes of the true size."""
+    f32 = struct.unpack("f", struct.pack("f", mib))[0]
+    ulp = math.ulp(f32) * (1 << 29) if f32 else 0.0  # float32 step = float64 step × 2^29
+    return math.ceil((0.005 + ulp / 2) * MiB)
+
+
+@dataclass(frozen=True)
+class KvCacheRecord:
+    """One ``llama_kv_cache: size = ...`` record (one cache; SWA models have two)."""
+
+    role: str  # "kv" (plain cache), "non-swa" or "swa" (ISWA caches)
+    cells: int
+    layers: int
+    seqs: int
+    k_type: str
+    v_type: str
+    size_mib: float
+    k_mib: float
+    v_mib: float
+
+    @property
+    def size_bytes(self) -> int:
+        return round(self.size_mib * MiB)
+
+
+@dataclass(frozen=True)
+class KvBufferRecord:
+    buffer: str  # backend buffer name: "CPU", "CUDA0", ...
+    mib: float
+
+    @property
+    def on_host(self) -> bool:
+        return self.buffer.upper().startswith("CPU")
+
+
+@dataclass(frozen=True)
+class LogAllocation:
+    """What the log says the context allocated (pure parse result)."""
+
+    caches: tuple[KvCacheRecord, ...]
+    buffers: tuple[KvBufferRecord, ...]
+    n_ctx: int | None
+    n_ctx_seq: int | None
+    flash_attn: str | None
+    offloaded_layers: tuple[int, int] | None  # (on GPU, total); None when not printed (CPU)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.size_bytes for c in self.caches)
+
+    @property
+    def kv_bytes_uncertainty(self) -> int:
+        return sum(mib_half_step_bytes(c.size_mib) for c in self.caches)
+
+
+def parse_log_allocation(lines: Sequence[LogLine]) -> LogAllocation:
+    """Pure: the KV records of the *last* context created in the log (a restart appends)."""
+    caches: list[KvCacheRecord] = []
+    buffers: list[KvBufferRecord] = []
+    n_ctx = n_ctx_seq = None
+    flash = None
+    offload = None
+    pending_role = "kv"
+    for ln in lines:
+        msg = ln.msg
+        if m := _N_CTX_RE.search(msg):
+            # A new context: forget records of an earlier one in the same log.
+            n_ctx, caches, buffers, pending_role = int(m["n"]), [], [], "kv"
+        elif m := _N_CTX_SEQ_RE.search(msg):
+            n_ctx_seq = int(m["n"])
+        elif m := _FLASH_RE.search(msg):
+            flash = m["v"]
+        elif m := _OFFLOAD_RE.search(msg):
+            offload = (int(m["done"]), int(m["total"]))
+        elif m := _ISWA_RE.search(msg):
+            pending_role = "swa" if m["kind"] == "SWA" else "non-swa"
+        elif m := _KV_BUFFER_RE.search(msg):
+            buffers.append(KvBufferRecord(m["buffer"], float(m["mib"])))
+        elif m := _KV_SIZE_RE.search(msg):
+            caches.append(
+                KvCacheRecord(
+                    role=pending_role,
+                    cells=int(m["cells"]),
+                    layers=int(m["layers"]),
+                    seqs=int(m["seqs"]),
+                    k_type=m["k_type"],
+                    v_type=m["v_type"],
+                    size_mib=float(m["total"]),
+                    k_mib=float(m["k"]),
+                    v_mib=float(m["v"]),
+                )
+            )
+            pending_role = "kv"
+    return LogAllocation(tuple(caches), tuple(buffers), n_ctx, n_ctx_seq, flash, offload)
+
+
+@dataclass(frozen=True)
+class AllocationReport:
+    """The verified hot allocation (``actual_*``) beside the plan's estimate — never merged."""
+
+    verdict: str  # "pass" | "fail"
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+    planned_hot_context_tokens: int
+    floor_tokens: int
+    opened_n_ctx_per_slot: tuple[int, ...]  # from /slots
+    props_n_ctx: int | None  # /props default_generation_settings.n_ctx
+    total_slots: int | None
+    kv_cache_type: str
+    estimated_kv_bytes: int
+    actual_kv_bytes: int | None  # from the log; None = could not be read
+    actual_kv_bytes_uncertainty: int | None  # ± bytes from the log's %.2f MiB rounding
+    ratio: float | None  # actual / estimate
+    tolerance: float
+    caches: tuple[dict[str, Any], ...]
+    kv_buffers: tuple[dict[str, Any], ...]
+    offloaded_layers: tuple[int, int] | None
+    flash_attn: str | None
+    chat_template_caps: dict[str, Any] = field(default_factory=dict)
+    build_info: str | None = None
+    model_path: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def judge_allocation(
+    *,
+    planned_tokens: int,
+    floor_tokens: int,
+    kv_cache_type: str,
+    estimated_kv_bytes: int,
+    accelerator: bool,
+    slot_n_ctx: Sequence[int],
+    observed: LogAllocation,
+    tolerance: float = KV_EXCESS_TOLERANCE,
+) -> tuple[list[str], list[str]]:
+    """Pure: (problems, warnings). Any problem fails the stage."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    if not slot_n_ctx:
+        problems.append("/slots reported no slot: the opened window cannot be verified")
+    for i, n in enumerate(slot_n_ctx):
+        if n < planned_tokens:
+            problems.append(f"slot {i} opened {n} tokens, below the planned {planned_tokens}")
+        if n < floor_tokens:
+            problems.append(f"slot {i} opened {n} tokens, below the agentic floor of {floor_tokens}")
+    if not observed.caches:
+        problems.append(
+            "no KV cache record in the llama-server log: the real allocation cannot be verified "
+            "(is the log verbosity below 4?)"
+        )
+    else:
+        for c in observed.caches:
+            if c.k_type != kv_cache_type or c.v_type != kv_cache_type:
+                problems.append(
+                    f"{c.role} cache holds K {c.k_type} / V {c.v_type}, the plan said {kv_cache_type}"
+                )
+        actual = observed.kv_bytes
+        if estimated_kv_bytes <= 0:
+            problems.append(f"the plan carries no KV estimate ({estimated_kv_bytes} bytes) to check against")
+        else:
+            ratio = actual / estimated_kv_bytes
+            if ratio > 1 + tolerance:
+                problems.append(
+                    f"llama-server allocated {actual} KV bytes, {ratio:.4f}× the estimate of "
+                    f"{estimated_kv_bytes} (tolerance {tolerance:.0%})"
+                )
+            elif ratio < KV_SHORTFALL_WARN_RATIO:
+                warnings.append(
+                    f"llama-server allocated {actual} KV bytes, only {ratio:.3f}× the estimate of "
+                    f"{estimated_kv_bytes}"
+                )
+    if accelerator:
+        host = [b.buffer for b in observed.buffers if b.on_host]
+        if host:
+            problems.append(f"KV buffers on the host ({', '.join(host)}) although the plan is for an accelerator")
+        if observed.offloaded_layers is not None:
+            done, total = observed.offloaded_layers
+            if done < total:
+                problems.append(f"only {done}/{total} layers were offloaded to the accelerator")
+        else:
+            problems.append("the log does not say how many layers were offloaded to the accelerator")
+    return problems, warnings
+
+
+async def recheck_allocation(
+    server: LoadedServer,
+    plan: Plan | None = None,
+    *,
+    timeout_s: float = 30.0,
+    tolerance: float = KV_EXCESS_TOLERANCE,
+    floor_tokens: int = MIN_AGENTIC_HOT_CONTEXT,
+) -> AllocationReport:
+    """Read ``/props``, ``/slots`` and the log of ``server``; judge them against ``plan``
+    (default: the plan it was opened with). Writes ``recheck.json`` to the run directory."""
+    plan = plan or server.plan
+    async with server.client(timeout_s) as client:
+        try:
+            props = (await client.get("/props")).raise_for_status().json()
+            slots = (await client.get("/slots")).raise_for_status().json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise AllocationMismatch(
+                f"could not read /props and /slots from llama-server ({server.describe_exit()}): {exc}",
+                hint=f"the session cannot be verified; see the server log {server.log_path}",
+                log_path=str(server.log_path),
+            ) from None
+    lines = await anyio.to_thread.run_sync(read_server_log, server.run_dir)
+    observed = parse_log_allocation(lines)
+    slot_n_ctx = tuple(int(s.get("n_ctx", 0)) for s in slots) if isinstance(slots, list) else ()
+    accelerator = plan.probe.device.kind != "cpu"
+    problems, warnings = judge_allocation(
+        planned_tokens=plan.hot_context_tokens,
+        floor_tokens=floor_tokens,
+        kv_cache_type=plan.kv_cache_type,
+        estimated_kv_bytes=plan.estimated_kv_bytes,
+        accelerator=accelerator,
+        slot_n_ctx=slot_n_ctx,
+        observed=observed,
+        tolerance=tolerance,
+    )
+    actual = observed.kv_bytes if observed.caches else None
+    report = AllocationReport(
+        verdict="fail" if problems else "pass",
+        problems=tuple(problems),
+        warnings=tuple(warnings),
+        planned_hot_context_tokens=plan.hot_context_tokens,
+        floor_tokens=floor_tokens,
+        opened_n_ctx_per_slot=slot_n_ctx,
+        props_n_ctx=(props.get("default_generation_settings") or {}).get("n_ctx"),
+        total_slots=props.get("total_slots"),
+        kv_cache_type=plan.kv_cache_type,
+        estimated_kv_bytes=plan.estimated_kv_bytes,
+        actual_kv_bytes=actual,
+        actual_kv_bytes_uncertainty=observed.kv_bytes_uncertainty if observed.caches else None,
+        ratio=(actual / plan.estimated_kv_bytes) if actual is not None and plan.estimated_kv_bytes > 0 else None,
+        tolerance=tolerance,
+        caches=tuple(asdict(c) | {"size_bytes": c.size_bytes} for c in observed.caches),
+        kv_buffers=tuple(asdict(b) for b in observed.buffers),
+        offloaded_layers=observed.offloaded_layers,
+        flash_attn=observed.flash_attn,
+        chat_template_caps=dict(props.get("chat_template_caps") or {}),
+        build_info=props.get("build_info"),
+        model_path=props.get("model_path"),
+    )
+    (server.run_dir / RECHECK_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    facts = dict(
+        verdict=report.verdict,
+        planned_hot_context_tokens=report.planned_hot_context_tokens,
+        opened_n_ctx_per_slot=list(slot_n_ctx),
+        estimated_kv_bytes=report.estimated_kv_bytes,
+        actual_kv_bytes=report.actual_kv_bytes,
+        actual_kv_bytes_uncertainty=report.actual_kv_bytes_uncertainty,
+        ratio=round(report.ratio, 6) if report.ratio is not None else None,
+        kv_cache_type=report.kv_cache_type,
+    )
+    for w in warnings:
+        log.warning("recheck.kv_below_estimate", detail=w, **facts)
+    if problems:
+        log.error("recheck.failed", problems=problems, **facts)
+        raise AllocationMismatch(
+            "the opened llama-server session does not hold what was planned: " + "; ".join(problems),
+            hint=(
+                "hotfit will not hand over a session it cannot verify; re-plan against the memory "
+                f"free now (`hotfit plan`), and see {server.run_dir / RECHECK_FILE} and the server log"
+            ),
+            **report.to_json(),
+        )
+    log.info("recheck.passed", **facts)
+    return report
