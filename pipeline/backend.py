@@ -60,8 +60,12 @@ VERSION_TIMEOUT_S = 15.0
 
 Source = Literal["flag", "env", "cache", "path"]
 
-# "version: 0.5.0-dev (build 1, commit 0c1e570)" (llama.cpp's common print_build_info)
-_VERSION_RE = re.compile(r"version:\s*(?P<version>\S+)(?:\s*\(build\s*(?P<build>\d+),\s*commit\s*(?P<commit>[0-9a-fA-F]+)\))?")
+# "version: 0.5.0-dev (build 1, commit 0c1e570)" (the pinned sdist's build) or upstream's
+# "version: 7016 (abcdef12)"
+_VERSION_RE = re.compile(
+    r"version:\s*(?P<version>\S+)"
+    r"(?:\s*\((?:build\s*(?P<build>\d+),\s*commit\s*(?P<commit>[0-9a-fA-F]+)|(?P<bare_commit>[0-9a-fA-F]{6,40}))\))?"
+)
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,7 @@ def parse_version_text(text: str) -> BuildInfo:
         origin="--version",
         version=match.group("version"),
         build_number=int(build) if build else None,
-        commit=match.group("commit"),
+        commit=match.group("commit") or match.group("bare_commit"),
     )
 
 
