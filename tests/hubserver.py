@@ -26,6 +26,16 @@ serves the same repos, and a branch moved by the test process is seen at once::
     root/repos/<repo_id>/commits/<id>.json   {"id", "parent", "message", "created_at", "files": {...}}
 
 Faults (``LocalHub.inject``) and counters (``requests``, ``bytes_sent``) live in the serving process.
+
+Use::
+
+    from tests.hubserver import LocalHub, local_hub  # `local_hub`: a pytest fixture (import it to use it)
+
+    def test_x(local_hub: LocalHub) -> None:
+        commit = local_hub.create_repo("org/m", {"config.json": "{}", "m.gguf": Path(big)}, lfs=["m.gguf"])
+        local_hub.inject(file="m.gguf", where="cdn", close_after_bytes=1 << 20)  # next CDN GET is cut
+        ...  # point the client at local_hub.endpoint (or HF_ENDPOINT=local_hub.endpoint)
+        assert len(local_hub.requests_for(file="m.gguf", method="GET", where="cdn")) <= 2
 """
 
 from __future__ import annotations
@@ -165,6 +175,11 @@ def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None |
 def _directory_oid(path: str, children: Iterable[str]) -> str:
     # A stable 40-hex id for a folder; clients only need it to be present.
     return hashlib.sha1("\n".join([path, *sorted(children)]).encode()).hexdigest()
+
+
+def _header_safe(text: str) -> str:
+    # Header values go out as latin-1; keep them ASCII and free of quotes and line breaks.
+    return text.encode("ascii", "backslashreplace").decode().replace('"', "'").replace("\r", " ").replace("\n", " ")
 
 
 def _iso(ts: float) -> str:
@@ -433,6 +448,12 @@ class Fault:
     redirect_to_cdn: bool = False
     hits: int = 0
 
+    def __post_init__(self) -> None:
+        if self.where not in (None, "hub", "cdn"):
+            raise ValueError(f"where must be 'hub', 'cdn' or None, not {self.where!r}")
+        if self.method is not None:
+            self.method = self.method.upper()
+
     @property
     def spent(self) -> bool:
         return self.times is not None and self.hits >= self.times
@@ -522,6 +543,7 @@ class _HubError(Exception):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # many parallel range connections must not wait on SYN retransmits
     hub: LocalHub
 
 
@@ -628,7 +650,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_bytes(200, {"Content-Type": "application/json; charset=utf-8", **(headers or {})}, body)
 
     def _send_error(self, e: _HubError) -> None:
-        headers = {"Content-Type": "application/json; charset=utf-8", "X-Error-Message": e.message}
+        headers = {"Content-Type": "application/json; charset=utf-8", "X-Error-Message": _header_safe(e.message)}
         if e.code:
             headers["X-Error-Code"] = e.code
         if e.commit:
@@ -832,7 +854,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "ETag": etag,
                 "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
-                "Content-Disposition": f"inline; filename*=UTF-8''{quote(name)}; filename=\"{name}\";",
+                "Content-Disposition": f"inline; filename*=UTF-8''{quote(name)}; filename=\"{_header_safe(name)}\";",
                 "Cache-Control": "public, max-age=31536000, immutable" if req.kind == "cdn" else "private",
             }
         )
@@ -886,6 +908,8 @@ class LocalHub:
         redirect_small: bool = False,
         tree_page_size: int = 1000,
     ):
+        if host == cdn_host:
+            raise ValueError("cdn_host must differ from host: clients tell the CDN apart by host name")
         self._tmpdir = None if root is not None else tempfile.mkdtemp(prefix="localhub-")
         self.store = HubStore(root if root is not None else self._tmpdir, lfs_threshold_bytes=lfs_threshold_bytes)
         self.host = host

@@ -433,3 +433,52 @@ def test_runs_as_a_process_sharing_the_store(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_parallel_ranges_on_separate_connections(repo: tuple[LocalHub, str]) -> None:
+    hub, commit = repo
+    url = f"{hub.cdn_endpoint}/cdn/org%2Ftiny/{commit}/model.gguf"
+    parts = [(i * 2048, i * 2048 + 2047) for i in range(5)]
+
+    def fetch(rng: tuple[int, int]) -> bytes:
+        r = httpx.get(url, headers={"Range": f"bytes={rng[0]}-{rng[1]}"})
+        assert r.status_code == 206
+        return r.content
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(5) as pool:
+        body = b"".join(pool.map(fetch, parts))
+    assert body == WEIGHTS
+    assert len({r.client_port for r in hub.requests}) == 5
+    assert hub.bytes_sent("model.gguf") == len(WEIGHTS)
+
+
+def test_bad_configuration_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        LocalHub(tmp_path, cdn_host="127.0.0.1")
+    hub = LocalHub(tmp_path)
+    with pytest.raises(ValueError):
+        hub.inject(where="elsewhere", status=500)
+    with pytest.raises(TypeError):
+        hub.inject(close_after=3)  # a misspelt effect must not silently do nothing
+    with pytest.raises(TypeError):
+        hub.create_repo("m", {"x": 3})  # type: ignore[dict-item]
+
+
+def test_hf_endpoint_env_in_a_fresh_client_process(repo: tuple[LocalHub, str], tmp_path: Path) -> None:
+    # huggingface_hub reads HF_ENDPOINT once at import: a new interpreter is the honest way to use it.
+    hub, commit = repo
+    script = (
+        "import sys; from huggingface_hub import hf_hub_download, HfApi\n"
+        "print(HfApi().model_info('org/tiny').sha)\n"
+        "print(hf_hub_download('org/tiny', 'model.gguf', cache_dir=sys.argv[1]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | hub.env()
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "cache")], env=env, capture_output=True, text=True,
+        timeout=60, check=True,
+    ).stdout.split()
+    assert out[0] == commit
+    assert Path(out[1]).read_bytes() == WEIGHTS
+    assert [r.where for r in hub.requests_for(file="model.gguf")] == ["hub", "cdn"]
