@@ -482,3 +482,27 @@ def test_hf_endpoint_env_in_a_fresh_client_process(repo: tuple[LocalHub, str], t
     assert out[0] == commit
     assert Path(out[1]).read_bytes() == WEIGHTS
     assert [r.where for r in hub.requests_for(file="model.gguf")] == ["hub", "cdn"]
+
+
+@pytest.mark.anyio
+async def test_async_client_resumes_with_one_range(repo: tuple[LocalHub, str]) -> None:
+    # The pattern hotfit's downloader follows: HEAD without redirects, GET the CDN URL, resume by Range.
+    hub, commit = repo
+    hub.inject(file="model.gguf", where="cdn", close_after_bytes=3000)
+    got = bytearray()
+    async with httpx.AsyncClient(headers={"Accept-Encoding": "identity"}) as client:
+        head = await client.head(hub.url("org/tiny", "model.gguf", revision=commit))
+        location, size = head.headers["Location"], int(head.headers["X-Linked-Size"])
+        while len(got) < size:
+            headers = {"Range": f"bytes={len(got)}-"} if got else {}
+            try:
+                async with client.stream("GET", location, headers=headers) as r:
+                    assert r.status_code == (206 if got else 200)
+                    async for chunk in r.aiter_raw():
+                        got += chunk
+            except httpx.RemoteProtocolError:
+                continue
+    assert bytes(got) == WEIGHTS
+    cdn_gets = hub.requests_for(file="model.gguf", where="cdn")
+    assert [r.range for r in cdn_gets] == [None, "bytes=3000-"]
+    assert hub.bytes_sent("model.gguf") == len(WEIGHTS)
