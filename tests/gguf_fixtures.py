@@ -25,6 +25,8 @@ Helpers
 - :func:`llama_server` — context manager that starts llama-server on a model with nothing left to
   its defaults that matters here (``--fit off -np 1``), waits for ``/health`` and always kills it.
 - :func:`pinned_template` / :func:`pinned_source_tree` — files of the pinned llama.cpp tree.
+
+``python -m tests.gguf_fixtures KIND OUT.gguf`` writes one fixture and prints its record as JSON.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ __all__ = [
     "pinned_template",
     "free_port",
     "RunningServer",
+    "ServerFailedToStart",
     "llama_server",
+    "main",
 ]
 
 REQUIRE_ENV = "HOTFIT_REQUIRE_LLAMA"
@@ -775,3 +779,28 @@ def write_tool_call_model(
         has_chat_template=template is not None,
         size_bytes=path.stat().st_size,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tests.gguf_fixtures KIND OUT.gguf``: write one fixture (demo, benchmarks)."""
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser(prog="python -m tests.gguf_fixtures", description=main.__doc__)
+    parser.add_argument("kind", choices=["llama", "gemma3-swa", "unsupported", "tool-call"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--embed-template", action="store_true", help="tool-call: embed the Qwen3 template")
+    args = parser.parse_args(argv)
+    writers = {
+        "llama": lambda: write_llama_model(args.out),
+        "gemma3-swa": lambda: write_gemma3_swa_model(args.out),
+        "unsupported": lambda: write_unsupported_arch_model(args.out),
+        "tool-call": lambda: write_tool_call_model(args.out, embed_template=args.embed_template),
+    }
+    info = writers[args.kind]()
+    print(json.dumps(dataclasses.asdict(info), default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -138,6 +138,14 @@ def test_truncated_and_garbage_helpers(tmp_path: Path) -> None:
     assert junk.read_bytes()[:4] == b"GGUF" and junk.stat().st_size == 512
 
 
+def test_command_line_writes_a_fixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli.gguf"
+    assert gf.main(["gemma3-swa", str(out)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["path"] == str(out) and record["architecture"] == "gemma3"
+    assert _field(gguf.GGUFReader(out), "gemma3.attention.sliding_window") == record["sliding_window_tokens"]
+
+
 def test_require_llama_server_skips_or_fails_by_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -216,7 +224,7 @@ def test_embedded_template_reaches_the_server(tmp_path: Path) -> None:
 
 @pytest.mark.llama
 def test_gemma3_fixture_budgets_kv_per_layer_type(tmp_path: Path) -> None:
-    info = gf.write_gemma3_swa_model(tmp_path / "g.gguf", n_layers=6, swa_pattern=3, sliding_window_tokens=512)
+    info = gf.write_gemma3_swa_model(tmp_path / "g.gguf", n_layers=6, swa_pattern=3, sliding_window_tokens=300)
     n_ctx = 8192
     with gf.llama_server(info.path, n_ctx=n_ctx, extra_args=["-lv", "4"]) as server:
         assert server.get_json("/slots")[0]["n_ctx"] == n_ctx
@@ -224,8 +232,11 @@ def test_gemma3_fixture_budgets_kv_per_layer_type(tmp_path: Path) -> None:
     assert f"n_swa                 = {info.sliding_window_tokens}" in log
     full, swa = _kv_records(log)  # llama_kv_cache_iswa creates the full cache first
     assert full == (n_ctx * info.kv_bytes_per_token_f16("full") / MiB, n_ctx, info.n_full_layers)
-    # sliding layers keep fewer cells than the context: the window plus one micro-batch (512)
-    assert swa[2] == info.n_swa_layers and info.sliding_window_tokens < swa[1] < n_ctx
+    # sliding layers keep the window plus one micro-batch (default 512), padded to 256 cells:
+    # pad256(min(n_ctx, n_swa + n_ubatch)) in src/llama-kv-cache-iswa.cpp
+    n_ubatch = 512
+    expected_cells = -(-min(n_ctx, info.sliding_window_tokens + n_ubatch) // 256) * 256
+    assert (swa[1], swa[2]) == (expected_cells, info.n_swa_layers)
     assert swa[0] == swa[1] * info.kv_bytes_per_token_f16("swa") / MiB
 
 
