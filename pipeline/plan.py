@@ -26,6 +26,8 @@ class Device:
     name: str
     total_bytes: int
     free_bytes: int
+    uuid: str | None = None  # NVIDIA: pin llama-server to this device (CUDA_VISIBLE_DEVICES=<uuid>)
+    processes_used_bytes: int | None = None  # held by other processes (NVML), informational
 
 
 @dataclass(frozen=True)

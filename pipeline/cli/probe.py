@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from pipeline.cli import not_implemented
+from pipeline.cli import CliContext
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("probe", parents=parents, help="probe device memory",
                        description="Probe device memory: NVIDIA via NVML, AMD via sysfs, else host RAM.")
     p.add_argument("--save", metavar="FILE", help="also write the probe JSON to FILE (for --probe-file)")
-    p.set_defaults(handler=not_implemented("probe"))
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    from stages.probe import describe, probe_devices, save_probe
+
+    result = probe_devices()
+    if args.save:
+        save_probe(result, Path(args.save))
+    text = describe(result) + (f"\nsaved to {args.save}" if args.save else "")
+    ctx.emit(result.to_json(), text)
+    return 0

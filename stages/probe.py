@@ -1,0 +1,441 @@
+"""Probe stage: what memory this machine offers, device by device (effectful, thin).
+
+Sources, in order (spec "Selection and hot context": the input budget is the hardware probe's
+usable memory after device reservations):
+
+1. NVIDIA through NVML (``pynvml`` from nvidia-ml-py): name, UUID, total, free and the memory
+   other processes hold, for the devices ``CUDA_VISIBLE_DEVICES`` leaves visible (indices or
+   UUID prefixes, parsed like CUDA: the list stops at its first invalid entry). NVML not
+   installed (ImportError, or ``NVMLError_LibraryNotFound``) → skipped with a note and a log
+   event; NVML present but failing → ``HardwareProbeError``, never a silent fallback.
+   Indices are NVML's (PCI bus order), which is CUDA's order under CUDA_DEVICE_ORDER=PCI_BUS_ID;
+   the UUID recorded per device is what later stages pin llama-server to.
+2. AMD through DRM sysfs: ``/sys/class/drm/cardN/device/mem_info_vram_total`` and
+   ``mem_info_vram_used`` of vendor 0x1002 cards. GTT (system memory the GPU may map) is never
+   added: it is host RAM.
+3. Host memory: ``/proc/meminfo`` MemAvailable, bounded by every cgroup v2 (``memory.max`` −
+   ``memory.current`` + reclaimable ``inactive_file``) or v1 (``memory.limit_in_bytes`` −
+   ``memory.usage_in_bytes`` + ``total_inactive_file``) level above this process. Listed always;
+   selected only when no accelerator was found.
+
+RAM and device memory are never added together: one device is planned for, the accelerator with
+the largest usable budget (registry.select.device_budget). Roots (/proc, /sys, the cgroup mount)
+and the NVML module are parameters so tests feed real files and a stand-in ``pynvml``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
+
+from pipeline.errors import HardwareProbeError, UsageError
+from pipeline.log import get_logger
+from pipeline.plan import Device, ProbeResult
+from registry.select import device_budget
+
+log = get_logger()
+
+PROBE_SCHEMA = 1
+AMD_PCI_VENDOR = "0x1002"
+# cgroup v1 reports "no limit" as LONG_MAX rounded down to a page; anything this large is unlimited.
+CGROUP_V1_UNLIMITED = 1 << 60
+DEVICE_KINDS = ("nvidia", "amd", "cpu")
+
+
+class _ImportPynvml:
+    """Default for ``nvml=``: import the real module."""
+
+
+IMPORT_PYNVML: Any = _ImportPynvml()
+
+
+# --------------------------------------------------------------------------- NVIDIA (NVML)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _library_missing(nvml: Any, exc: BaseException) -> bool:
+    cls = getattr(nvml, "NVMLError_LibraryNotFound", None)
+    if cls is not None and isinstance(exc, cls):
+        return True
+    code = getattr(nvml, "NVML_ERROR_LIBRARY_NOT_FOUND", 12)
+    return getattr(exc, "value", None) == code
+
+
+def _nvml_failure(what: str, exc: BaseException) -> HardwareProbeError:
+    return HardwareProbeError(
+        f"NVML is installed but failing: {what}: {exc}",
+        hint="fix the NVIDIA driver (nvidia-smi must work), or hide NVIDIA devices with CUDA_VISIBLE_DEVICES= "
+             "to plan for other memory, or plan from a saved probe with --probe-file",
+        nvml_error=str(exc),
+    )
+
+
+def _visible_handles(nvml: Any, raw: str | None, notes: list[str]) -> list[Any]:
+    """Handles in CUDA order for CUDA_VISIBLE_DEVICES (None = all, by NVML index)."""
+    count = nvml.nvmlDeviceGetCount()
+    all_handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    if raw is None:
+        return all_handles
+    uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in all_handles]
+    chosen: list[Any] = []
+    seen: set[str] = set()
+    for token in (t.strip() for t in raw.split(",")):
+        handle = None
+        key = token
+        if re.fullmatch(r"\d+", token) and int(token) < count:
+            handle, key = all_handles[int(token)], uuids[int(token)]
+        elif token.startswith("GPU-"):
+            matches = [i for i, u in enumerate(uuids) if u.startswith(token)]
+            if len(matches) == 1:
+                handle, key = all_handles[matches[0]], uuids[matches[0]]
+        elif token.startswith("MIG-"):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(token)
+            except nvml.NVMLError:
+                handle = None
+        if handle is None:
+            # CUDA ignores the rest of the list after the first entry it cannot resolve.
+            notes.append(f"CUDA_VISIBLE_DEVICES entry {token!r} matches no NVIDIA device; later entries ignored")
+            break
+        if key not in seen:
+            seen.add(key)
+            chosen.append(handle)
+    return chosen
+
+
+def _hides_all(raw: str | None) -> bool:
+    """CUDA_VISIBLE_DEVICES set so that no device can be visible ('', '-1', 'NoDevFiles', ...)."""
+    if raw is None:
+        return False
+    first = raw.split(",")[0].strip()
+    return not (re.fullmatch(r"\d+", first) or first.startswith(("GPU-", "MIG-")))
+
+
+def probe_nvidia(nvml: Any, env: Mapping[str, str], notes: list[str]) -> list[Device]:
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if _hides_all(raw):
+        notes.append(f"CUDA_VISIBLE_DEVICES={raw!r} hides every NVIDIA device; NVML not queried")
+        log.info("probe.nvml_skipped", reason="CUDA_VISIBLE_DEVICES hides all devices", value=raw)
+        return []
+    if nvml is IMPORT_PYNVML:
+        try:
+            import pynvml as nvml  # nvidia-ml-py
+        except ImportError as exc:
+            notes.append(f"NVML not available (pynvml not importable: {exc}); NVIDIA devices not probed")
+            log.info("probe.nvml_absent", reason="pynvml not importable", error=str(exc))
+            return []
+    elif nvml is None:
+        notes.append("NVML not available (pynvml not installed); NVIDIA devices not probed")
+        log.info("probe.nvml_absent", reason="pynvml not installed")
+        return []
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        if _library_missing(nvml, exc):
+            notes.append(f"NVML library not found ({exc}); NVIDIA devices not probed")
+            log.info("probe.nvml_absent", reason="NVML shared library not found", error=str(exc))
+            return []
+        raise _nvml_failure("nvmlInit", exc) from exc
+    devices: list[Device] = []
+    try:
+        handles = _visible_handles(nvml, raw, notes)
+        if raw is not None and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(handles) > 1:
+            notes.append("CUDA_VISIBLE_DEVICES indices were read in NVML (PCI bus) order; set "
+                         "CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA numbers devices the same way")
+        for handle in handles:
+            name = _text(nvml.nvmlDeviceGetName(handle))
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            devices.append(Device(index=-1, kind="nvidia", name=name, total_bytes=int(mem.total),
+                                  free_bytes=int(mem.free), uuid=uuid,
+                                  processes_used_bytes=_processes_used(nvml, handle)))
+    except nvml.NVMLError as exc:
+        raise _nvml_failure("reading device memory", exc) from exc
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+    if not devices and raw is None:
+        notes.append("NVML found no NVIDIA device")
+    return devices
+
+
+def _processes_used(nvml: Any, handle: Any) -> int | None:
+    """Memory other processes hold on the device (None when the driver does not say)."""
+    total = 0
+    known = False
+    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        fn = getattr(nvml, getter, None)
+        if fn is None:
+            continue
+        try:
+            procs = fn(handle)
+        except nvml.NVMLError:
+            continue  # informational only: free memory already excludes what they hold
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is not None:
+                total += int(used)
+                known = True
+    return total if known else None
+
+
+# --------------------------------------------------------------------------- AMD (DRM sysfs)
+
+
+def _read_int(path: Path) -> int:
+    return int(path.read_text().strip())
+
+
+def probe_amd(sys_root: Path, notes: list[str]) -> list[Device]:
+    drm = sys_root / "class" / "drm"
+    if not drm.is_dir():
+        return []
+    devices: list[Device] = []
+    seen: set[Path] = set()
+    cards = sorted((p for p in drm.iterdir() if re.fullmatch(r"card\d+", p.name)), key=lambda p: int(p.name[4:]))
+    for card in cards:
+        dev = card / "device"
+        total_file, used_file = dev / "mem_info_vram_total", dev / "mem_info_vram_used"
+        if not total_file.exists():
+            continue
+        real = dev.resolve()
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            vendor = (dev / "vendor").read_text().strip().lower() if (dev / "vendor").exists() else AMD_PCI_VENDOR
+            if vendor != AMD_PCI_VENDOR:
+                continue
+            total = _read_int(total_file)
+            used = _read_int(used_file)
+        except (OSError, ValueError) as exc:
+            notes.append(f"{card.name}: VRAM counters unreadable ({exc}); skipped")
+            log.warning("probe.amd_unreadable", card=card.name, error=str(exc))
+            continue
+        name_file = dev / "product_name"
+        name = ""
+        if name_file.exists():
+            try:
+                name = name_file.read_text().strip()
+            except OSError:
+                name = ""
+        if not name:
+            pci = (dev / "device").read_text().strip() if (dev / "device").exists() else "?"
+            name = f"AMD GPU {card.name} (PCI device {pci})"
+        devices.append(Device(index=-1, kind="amd", name=name, total_bytes=total,
+                              free_bytes=max(total - used, 0)))
+    return devices
+
+
+# --------------------------------------------------------------------------- host memory
+
+
+def _meminfo(proc_root: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in (proc_root / "meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key.strip()] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    return out
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v.strip())
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _levels(base: Path, rel: str) -> list[Path]:
+    """The cgroup directory of this process and every ancestor up to the mount (existing ones)."""
+    parts = [p for p in rel.strip("/").split("/") if p]
+    out = []
+    for i in range(len(parts), -1, -1):
+        d = base.joinpath(*parts[:i])
+        if d.is_dir():
+            out.append(d)
+    return out
+
+
+def cgroup_limits(proc_root: Path, cgroup_root: Path) -> tuple[int | None, int | None]:
+    """(tightest limit, least room left under any limit) over the cgroup levels; None = unlimited."""
+    try:
+        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None, None
+    limit: int | None = None
+    room: int | None = None
+
+    def take(lim: int, usage: int, inactive: int) -> None:
+        nonlocal limit, room
+        left = max(lim - usage + inactive, 0)
+        limit = lim if limit is None else min(limit, lim)
+        room = left if room is None else min(room, left)
+
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            base = cgroup_root if (cgroup_root / "cgroup.controllers").exists() else cgroup_root / "unified"
+            for d in _levels(base, path):
+                max_file = d / "memory.max"
+                if not max_file.exists():
+                    continue
+                raw = max_file.read_text().strip()
+                if raw == "max":
+                    continue
+                take(int(raw), _read_int(d / "memory.current"), _stat_value(d / "memory.stat", "inactive_file"))
+        elif "memory" in controllers.split(","):
+            for d in _levels(cgroup_root / "memory", path):
+                lim_file = d / "memory.limit_in_bytes"
+                if not lim_file.exists():
+                    continue
+                lim = _read_int(lim_file)
+                if lim >= CGROUP_V1_UNLIMITED:
+                    continue
+                take(lim, _read_int(d / "memory.usage_in_bytes"),
+                     _stat_value(d / "memory.stat", "total_inactive_file"))
+    return limit, room
+
+
+def probe_host(proc_root: Path, cgroup_root: Path, notes: list[str]) -> Device:
+    info = _meminfo(proc_root)
+    if "MemTotal" not in info or "MemAvailable" not in info:
+        raise HardwareProbeError(f"{proc_root / 'meminfo'} has no MemTotal/MemAvailable",
+                                 hint="plan from a saved probe with --probe-file")
+    total, free = info["MemTotal"], info["MemAvailable"]
+    limit, room = cgroup_limits(proc_root, cgroup_root)
+    name = "host memory"
+    if limit is not None and room is not None and (limit < total or room < free):
+        total, free = min(total, limit), min(free, room)
+        name = "host memory (cgroup limit)"
+        notes.append(f"host memory bounded by a cgroup limit of {limit} bytes")
+    return Device(index=-1, kind="cpu", name=name, total_bytes=total, free_bytes=min(free, total))
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def probe_devices(
+    *,
+    env: Mapping[str, str] | None = None,
+    nvml: ModuleType | Any = IMPORT_PYNVML,
+    proc_root: Path = Path("/proc"),
+    sys_root: Path = Path("/sys"),
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+) -> ProbeResult:
+    """Every device with its memory, and the one planned for (largest usable budget)."""
+    env = os.environ if env is None else env
+    notes: list[str] = []
+    found = probe_nvidia(nvml, env, notes) + probe_amd(sys_root, notes)
+    host = probe_host(proc_root, cgroup_root, notes)
+    devices = tuple(Device(index=i, kind=d.kind, name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
+                           uuid=d.uuid, processes_used_bytes=d.processes_used_bytes)
+                    for i, d in enumerate([*found, host]))
+    accelerators = [d for d in devices if d.kind != "cpu"]
+    pool = accelerators or [devices[-1]]
+    best = max(pool, key=lambda d: (device_budget(d.kind, d.total_bytes, d.free_bytes).usable_bytes, -d.index))
+    if not accelerators:
+        notes.append("no accelerator found: planning for host memory")
+    for d in devices:
+        log.info("probe.device", index=d.index, kind=d.kind, name=d.name, total_bytes=d.total_bytes,
+                 free_bytes=d.free_bytes, processes_used_bytes=d.processes_used_bytes)
+    log.info("probe.selected", index=best.index, kind=best.kind, name=best.name)
+    return ProbeResult(devices=devices, selected=best.index, notes=tuple(notes))
+
+
+# --------------------------------------------------------------------------- saved probes
+
+
+def save_probe(result: ProbeResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _bad(path: Path, field: str, why: str) -> UsageError:
+    return UsageError(f"probe file {path}: {field} {why}",
+                      hint="write it with 'hotfit probe --save FILE' (schema 1)", file=str(path), field=field)
+
+
+def _int_field(path: Path, obj: Mapping[str, Any], key: str, where: str, minimum: int) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise _bad(path, f"{where}.{key}", f"must be a whole number ≥ {minimum}, got {v!r}")
+    return v
+
+
+def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
+    """A saved probe (``hotfit probe --save``), validated field by field."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise UsageError(f"probe file {p}: cannot be read ({exc.strerror or exc})", file=str(p), field=None) from exc
+    except json.JSONDecodeError as exc:
+        raise _bad(p, "(document)", f"is not JSON ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(data, dict):
+        raise _bad(p, "(document)", "must be a JSON object")
+    if data.get("schema") != PROBE_SCHEMA:
+        raise _bad(p, "schema", f"must be {PROBE_SCHEMA}, got {data.get('schema')!r}")
+    raw_devices = data.get("devices")
+    if not isinstance(raw_devices, list) or not raw_devices:
+        raise _bad(p, "devices", "must be a non-empty list")
+    devices: list[Device] = []
+    for i, d in enumerate(raw_devices):
+        where = f"devices[{i}]"
+        if not isinstance(d, dict):
+            raise _bad(p, where, "must be an object")
+        index = _int_field(p, d, "index", where, 0)
+        if d.get("kind") not in DEVICE_KINDS:
+            raise _bad(p, f"{where}.kind", f"must be one of {', '.join(DEVICE_KINDS)}, got {d.get('kind')!r}")
+        if not isinstance(d.get("name"), str):
+            raise _bad(p, f"{where}.name", f"must be a string, got {d.get('name')!r}")
+        total = _int_field(p, d, "total_bytes", where, 1)
+        free = _int_field(p, d, "free_bytes", where, 0)
+        if free > total:
+            raise _bad(p, f"{where}.free_bytes", f"({free}) exceeds total_bytes ({total})")
+        uuid = d.get("uuid")
+        if uuid is not None and not isinstance(uuid, str):
+            raise _bad(p, f"{where}.uuid", f"must be a string or null, got {uuid!r}")
+        used = d.get("processes_used_bytes")
+        if used is not None:
+            used = _int_field(p, d, "processes_used_bytes", where, 0)
+        if any(x.index == index for x in devices):
+            raise _bad(p, f"{where}.index", f"{index} appears twice")
+        devices.append(Device(index=index, kind=d["kind"], name=d["name"], total_bytes=total, free_bytes=free,
+                              uuid=uuid, processes_used_bytes=used))
+    selected = data.get("selected")
+    if not isinstance(selected, int) or isinstance(selected, bool) or all(d.index != selected for d in devices):
+        raise _bad(p, "selected", f"must be the index of a listed device, got {selected!r}")
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise _bad(p, "notes", "must be a list of strings")
+    return ProbeResult(devices=tuple(devices), selected=selected, notes=(*notes, f"probe read from {p}"))
+
+
+def describe(result: ProbeResult) -> str:
+    """Human summary of a probe."""
+    lines = []
+    for d in result.devices:
+        mark = "*" if d.index == result.selected else " "
+        extra = "" if d.processes_used_bytes is None else f", {d.processes_used_bytes / (1 << 30):.2f} GiB held by other processes"
+        lines.append(f"{mark} [{d.index}] {d.kind:6} {d.name}: {d.free_bytes / (1 << 30):.2f} GiB free of "
+                     f"{d.total_bytes / (1 << 30):.2f} GiB{extra}")
+    lines += [f"  note: {n}" for n in result.notes]
+    return "\n".join(lines)
