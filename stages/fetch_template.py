@@ -1,0 +1,228 @@
+"""fetch-template: the tool-capable chat template, written as ``chat_template.jinja`` beside the weights.
+
+Why (spec, "Most community GGUF quants … carry no tokenizer.chat_template"): without the publisher's
+template llama.cpp falls back to ChatML, which declares no tool-call markers, and the model's calls
+come back as prose. So where the registry entry names a template source it is mandatory:
+
+- a ``.jinja`` file is taken as is; a ``tokenizer_config.json`` gives ``chat_template`` as a string,
+  or as a list of ``{"name", "template"}`` — ``tool_use`` when present, else ``default`` (issue 4 §3);
+- the template must be able to express tool calls: it references the ``tools`` variable or a
+  tool-call marker (:func:`check_tool_capable`), else :class:`TemplateError`;
+- whether the GGUF embeds ``tokenizer.chat_template`` is recorded (from the verified weights' header);
+- the file is written atomically (temp + fsync + rename).
+
+A template failure fails this stage but keeps the verified weights: nothing already downloaded is
+lost, and a rerun fetches only the template. Parsing is bounded and fuzzed
+(``tests/test_fuzz_inputs.py``): oversized or garbage input gives TemplateError quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import HubError, TemplateError, TransferError
+from pipeline.log import get_logger
+from pipeline.settings import Settings
+from registry.model import Entry
+from stages.transfer import (
+    HubSession,
+    TransferOptions,
+    discard_partial,
+    download_to_partial,
+    is_commit,
+    partial_paths,
+    write_text_atomic,
+)
+from state.locks import FileLock
+
+log = get_logger()
+
+__all__ = ["TemplateResult", "fetch_template", "extract_template", "check_tool_capable", "TEMPLATE_FILENAME"]
+
+TEMPLATE_FILENAME = "chat_template.jinja"
+MAX_TEMPLATE_SOURCE_BYTES = 8 << 20  # real tokenizer_config.json files are ≤ ~1 MiB (with added tokens)
+MAX_TEMPLATE_BYTES = 1 << 20  # real templates are ≤ ~50 KiB
+
+# A template can express tool calls when it renders the ``tools`` variable or emits a call marker.
+# (Markers from llama.cpp's common/chat.cpp dialects: Hermes/Qwen, Mistral, Llama 3.x, functionary,
+# DeepSeek, Command-R, gpt-oss harmony, Gemma 4, GLM, MiniCPM…)
+_TOOLS_WORD_RE = re.compile(r"\btools\b")
+_TOOL_MARKERS = (
+    "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call", "<tool_calls>", "tool_calls",
+    "<|action_start|>", "<function=", "<｜tool▁calls▁begin｜>", "<|start_header_id|>ipython",
+    "<start_function_call>", "<|tool_calls_section_begin|>", "to=functions.", "<|tool_call_start|>",
+)
+
+
+@dataclass(frozen=True)
+class TemplateResult:
+    entry: str
+    path: str | None  # chat_template.jinja written (None when the entry names no template)
+    source: str | None  # "<repo>@<revision>/<file>"
+    variant: str | None  # "jinja", "tokenizer_config:string", "tokenizer_config:tool_use", …
+    sha256: str | None  # of the written template text
+    tool_markers: tuple[str, ...]
+    gguf_embeds_chat_template: bool | None
+    size_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- pure core
+
+
+def extract_template(filename: str, data: bytes) -> tuple[str, str]:
+    """(template text, variant) from a ``.jinja`` file or a ``tokenizer_config.json``; TemplateError."""
+    if len(data) > MAX_TEMPLATE_SOURCE_BYTES:
+        raise TemplateError(f"{filename}: {len(data)} bytes is too large for a template source",
+                            hint="point the entry at the template file itself", file=filename)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TemplateError(f"{filename}: not UTF-8 ({exc.reason} at byte {exc.start})",
+                            hint="the template source is corrupt or binary", file=filename) from None
+    if not filename.endswith(".json"):
+        return _bounded(text, filename), "jinja"
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise TemplateError(f"{filename}: not valid JSON ({str(exc)[:120]})",
+                            hint="the template source is corrupt", file=filename) from None
+    if not isinstance(config, dict):
+        raise TemplateError(f"{filename}: top level is {type(config).__name__}, not an object", file=filename)
+    value = config.get("chat_template")
+    if value is None:
+        raise TemplateError(f"{filename} has no chat_template",
+                            hint="name a source that carries the tool-capable template (a .jinja file)",
+                            file=filename)
+    if isinstance(value, str):
+        return _bounded(value, filename), "tokenizer_config:string"
+    if isinstance(value, list):
+        named: dict[str, str] = {}
+        for item in value:
+            if (isinstance(item, dict) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("template"), str)):
+                named.setdefault(item["name"], item["template"])
+        for name in ("tool_use", "default"):
+            if name in named:
+                return _bounded(named[name], filename), f"tokenizer_config:{name}"
+        raise TemplateError(f"{filename}: chat_template list has neither 'tool_use' nor 'default' "
+                            f"(names: {sorted(named)[:8]})", file=filename)
+    raise TemplateError(f"{filename}: chat_template is {type(value).__name__}, not a string or list",
+                        file=filename)
+
+
+def _bounded(text: str, filename: str) -> str:
+    if not text.strip():
+        raise TemplateError(f"{filename}: the chat template is empty", file=filename)
+    if len(text) > MAX_TEMPLATE_BYTES:
+        raise TemplateError(f"{filename}: chat template of {len(text)} characters exceeds {MAX_TEMPLATE_BYTES}",
+                            file=filename)
+    return text
+
+
+def _references_tools(text: str) -> bool:
+    """``tools`` inside a ``{{ … }}`` / ``{% … %}`` tag. A linear scan, not a backtracking regex over
+    the whole text, so a hostile template cannot make it quadratic."""
+    pos, n = 0, len(text)
+    while True:
+        i = text.find("{", pos)
+        if i < 0 or i + 1 >= n:
+            return False
+        if text[i + 1] not in "{%":
+            pos = i + 1
+            continue
+        j = text.find("}", i + 2)
+        if j < 0:
+            return False
+        if _TOOLS_WORD_RE.search(text, i + 2, j):
+            return True
+        pos = j + 1
+
+
+def check_tool_capable(text: str, *, source: str) -> tuple[str, ...]:
+    """The tool-call evidence found in a template, or TemplateError when there is none."""
+    found: list[str] = []
+    if _references_tools(text):
+        found.append("tools")
+    found.extend(m for m in _TOOL_MARKERS if m in text)
+    if not found:
+        raise TemplateError(
+            f"{source}: the chat template cannot express tool calls (no 'tools' variable, no tool-call marker)",
+            hint="name the publisher's tool-capable template in the registry entry (a .jinja file or the "
+                 "tokenizer_config.json with the tool_use template)", source=source)
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- stage
+
+
+def _gguf_embeds_template(weights_path: Path | None) -> bool | None:
+    if weights_path is None or not weights_path.is_file():
+        return None
+    from stages.verify import read_gguf_header
+
+    try:
+        return read_gguf_header(weights_path).has_chat_template
+    except TransferError:
+        return None
+
+
+async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, weights_path: Path | None = None,
+                         wait: bool = False, options: TransferOptions | None = None) -> TemplateResult:
+    """Fetch the entry's pinned template source and write ``<dest_dir>/chat_template.jinja``.
+
+    ``weights_path`` (the verified GGUF) is only read for its header, to record whether it embeds
+    ``tokenizer.chat_template``. Raises TemplateError / HubError / PinMismatch; never touches weights.
+    """
+    import hashlib
+
+    dest_dir = Path(dest_dir)
+    embeds = _gguf_embeds_template(weights_path)
+    src = entry.chat_template
+    if src is None:
+        log.info("template.none", entry=entry.name, gguf_embeds_chat_template=embeds)
+        return TemplateResult(entry=entry.name, path=None, source=None, variant=None, sha256=None,
+                              tool_markers=(), gguf_embeds_chat_template=embeds)
+    if not is_commit(src.revision):
+        raise TemplateError(f"entry {entry.name}: chat template source {src.repo}/{src.file} is not pinned "
+                            f"to a commit ({src.revision!r})", hint="pin it (hotfit registry lock)",
+                            entry=entry.name)
+    assert src.revision is not None
+    partial_dir = dest_dir / ".partial"
+    _partial, sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
+    async with FileLock(lock_path, wait=wait, what=f"chat template of {entry.name}").async_held():
+        async with HubSession(settings, options) as session:
+            try:
+                outcome = await download_to_partial(
+                    session, repo=src.repo, revision=src.revision, path=src.file, expected_size=None,
+                    expected_sha256=None, partial_dir=partial_dir, connections=1, git_sha1=True)
+            except HubError as exc:
+                raise TemplateError(f"entry {entry.name}: chat template {src.repo}/{src.file} could not be "
+                                    f"fetched: {exc.what}", hint=exc.hint or "rerun; the weights are kept",
+                                    entry=entry.name, **exc.details) from exc
+        try:
+            if outcome.etag and outcome.git_sha1 and outcome.hub_lfs_sha256 is None and outcome.etag != outcome.git_sha1:
+                raise TemplateError(f"{src.file}: git blob id {outcome.git_sha1} differs from the Hub's {outcome.etag}",
+                                    hint="the download is corrupt; rerun", entry=entry.name)
+            if outcome.hub_lfs_sha256 and outcome.sha256 != outcome.hub_lfs_sha256:
+                raise TemplateError(f"{src.file}: sha256 differs from the Hub's LFS sha256",
+                                    hint="the download is corrupt; rerun", entry=entry.name)
+            data = outcome.partial_path.read_bytes()
+        finally:
+            discard_partial(outcome.partial_path, sidecar)
+        text, variant = extract_template(src.file, data)
+        markers = check_tool_capable(text, source=f"{src.repo}/{src.file}")
+        final = dest_dir / TEMPLATE_FILENAME
+        write_text_atomic(final, text)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    log.info("template.written", entry=entry.name, variant=variant, markers=list(markers),
+             gguf_embeds_chat_template=embeds, size_bytes=len(text.encode()))
+    return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{src.revision}/{src.file}",
+                          variant=variant, sha256=digest, tool_markers=markers,
+                          gguf_embeds_chat_template=embeds, size_bytes=len(text.encode()))

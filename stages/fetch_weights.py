@@ -1,0 +1,462 @@
+"""fetch-weights: the entry's pinned weights (and projector), verified before they are put in place.
+
+Entry point::
+
+    result = await fetch_weights(entry, settings.model_dir(entry.name), settings=settings,
+                                 connections=None, progress=True, wait=False)
+
+- **llama entries** (GGUF): ``entry.artifact`` is fetched by ``stages.transfer`` (resumable, pinned,
+  parallel ranges, sha256 while streaming) into ``<dest>/.partial/``; then ``stages.verify`` checks
+  size, sha256 (Hub LFS + registry) and the GGUF header against the registry facts. Only then is it
+  fsync'd and renamed to ``<dest>/<file>`` and a receipt written (``<dest>/.verified/``). A sha256 or
+  size mismatch discards the partial and fetches again, at most ``integrity_retries`` times; a header
+  mismatch fails closed at once (the same bytes would fail again) and keeps the partial.
+- The **projector** (``entry.projector``) goes the same way; when the Hub says it does not exist (or
+  is gated) that is not fatal: ``vision`` is False, a warning is logged and recorded (spec: "a missing
+  projector costs images").
+- **OpenVINO entries** (``artifact.file is None``): the repository snapshot is listed through the Hub
+  tree API at the *current* commit of ``artifact.revision`` (default ``main``; spec: OpenVINO downloads
+  follow their current repository snapshots) — the commit is recorded — and every file is fetched
+  resumably into ``<dest>/snapshot/``, checked by size and LFS sha256, or git blob id for small non-LFS
+  files. A listed path that would escape the directory (absolute, ``..``) refuses the whole snapshot.
+  ``<dest>/snapshot.json`` lists what was verified.
+
+Idempotent: a file whose receipt matches the pin is not touched (no network; works offline).
+A per-target lock (``state.locks.FileLock``) keeps two processes off one partial file; the second
+waits (``wait=True``) or gets LockedError naming the holder PID.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from pipeline.errors import HubError, IntegrityError, RegistryError, TransferError
+from pipeline.log import get_logger
+from pipeline.settings import Settings
+from registry.model import Artifact, Entry
+from stages import verify as verify_mod
+from stages.transfer import (
+    DownloadOutcome,
+    HubSession,
+    ProgressReporter,
+    TransferOptions,
+    check_disk_space,
+    discard_partial,
+    download_to_partial,
+    finalize_file,
+    is_commit,
+    partial_paths,
+    resolve_token,
+    safe_relpath,
+    write_text_atomic,
+)
+from state.locks import FileLock
+
+log = get_logger()
+
+__all__ = ["FileResult", "FetchResult", "SnapshotResult", "fetch_weights", "fetch_artifact",
+           "fetch_snapshot", "verify_snapshot_dir", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST"]
+
+DEFAULT_INTEGRITY_RETRIES = 2  # a corrupt download is fetched again at most this many times
+SNAPSHOT_DIRNAME = "snapshot"
+SNAPSHOT_MANIFEST = "snapshot.json"
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """One file now verified in place."""
+
+    repo: str
+    revision: str
+    file: str
+    path: str
+    size_bytes: int
+    sha256: str
+    verified_against: tuple[str, ...]  # "registry", "hub_lfs", "hub_git_blob"
+    bytes_transferred: int  # this run
+    bytes_reread: int  # read back for hashing: resume prefix + spills (0 on a clean single run)
+    resumed_from_bytes: int
+    connections: int
+    attempts: int
+    already_present: bool
+    integrity_retries: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    repo: str
+    revision_requested: str
+    commit: str
+    directory: str
+    files: int
+    size_bytes: int
+    bytes_transferred: int
+    bytes_reread: int
+    files_already_present: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    entry: str
+    backend: str
+    weights: FileResult | None
+    projector: FileResult | None
+    vision: bool
+    snapshot: SnapshotResult | None = None
+    header_checks: tuple[verify_mod.FieldCheck, ...] = ()
+    gguf_embeds_chat_template: bool | None = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def weights_path(self) -> Path | None:
+        if self.weights is not None:
+            return Path(self.weights.path)
+        return Path(self.snapshot.directory) if self.snapshot else None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["header_checks"] = [asdict(c) for c in self.header_checks]
+        return out
+
+
+def _reporter_factory(enabled: bool, label: str) -> Any:
+    if not enabled:
+        return None
+    return lambda total, done: ProgressReporter(label, total, done_bytes=done)
+
+
+def _require_pinned(entry: Entry, artifact: Artifact, role: str) -> tuple[str, str]:
+    if not is_commit(artifact.revision):
+        raise RegistryError(f"entry {entry.name}: {role} {artifact.repo} is not pinned to a commit "
+                            f"({artifact.revision!r})", hint="pin it with `hotfit registry lock`", entry=entry.name)
+    if not artifact.file:
+        raise RegistryError(f"entry {entry.name}: {role} names no file", entry=entry.name)
+    try:
+        safe_relpath(artifact.file)
+    except ValueError:
+        raise RegistryError(f"entry {entry.name}: {role} file {artifact.file!r} escapes the model directory",
+                            entry=entry.name) from None
+    assert artifact.revision is not None
+    return artifact.revision, artifact.file
+
+
+async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, dest_dir: Path, *,
+                         role: str = "weights", connections: int | None = None, progress: bool = True,
+                         wait: bool = False, integrity_retries: int = DEFAULT_INTEGRITY_RETRIES,
+                         check_header: bool = True) -> tuple[FileResult, tuple[verify_mod.FieldCheck, ...], bool | None]:
+    """Fetch + verify + put in place one pinned file. Returns (result, header checks, embeds template)."""
+    revision, file = _require_pinned(entry, artifact, role)
+    final = dest_dir / file
+    partial_dir = dest_dir / ".partial"
+    partial, sidecar, lock_path = partial_paths(partial_dir, artifact.repo, file)
+    is_gguf = file.endswith(".gguf")
+    async with FileLock(lock_path, wait=wait, what=f"{role} of {entry.name} ({file})").async_held():
+        receipt = verify_mod.read_receipt(dest_dir, file)
+        if verify_mod.receipt_matches(receipt, artifact, final):
+            assert receipt is not None
+            checks: tuple[verify_mod.FieldCheck, ...] = ()
+            embeds = None
+            if is_gguf:
+                header = await anyio.to_thread.run_sync(verify_mod.read_gguf_header, final)
+                embeds = header.has_chat_template
+                if check_header:
+                    checks = verify_mod.check_header_against_entry(header, entry)
+                    verify_mod.ensure_header_matches(checks, file=file, entry_name=entry.name)
+            log.info("fetch.already_present", entry=entry.name, file=file, size_bytes=receipt["size_bytes"])
+            return FileResult(repo=artifact.repo, revision=revision, file=file, path=str(final),
+                              size_bytes=receipt["size_bytes"], sha256=receipt["sha256"],
+                              verified_against=tuple(receipt.get("verified_against", ())), bytes_transferred=0,
+                              bytes_reread=0, resumed_from_bytes=0, connections=0, attempts=0,
+                              already_present=True), checks, embeds
+        if final.exists():
+            log.warning("fetch.unverified_file", file=str(final),
+                        detail="present without a matching receipt; fetching a verified copy over it")
+        total_transferred = total_reread = 0
+        for retry in range(integrity_retries + 1):
+            outcome = await download_to_partial(
+                session, repo=artifact.repo, revision=revision, path=file, expected_size=artifact.size_bytes,
+                expected_sha256=artifact.sha256, partial_dir=partial_dir, connections=connections,
+                progress=_reporter_factory(progress, file), git_sha1=False)
+            total_transferred += outcome.bytes_transferred
+            total_reread += outcome.bytes_reread
+            try:
+                matched = verify_mod.check_integrity(
+                    file=file, size_bytes=os.path.getsize(outcome.partial_path), sha256=outcome.sha256,
+                    expected_size=artifact.size_bytes, registry_sha256=artifact.sha256,
+                    hub_sha256=outcome.hub_lfs_sha256)
+            except IntegrityError as exc:
+                discard_partial(partial, sidecar)  # bad bytes must never be resumed from
+                log.warning("verify.integrity_failed", file=file, field=exc.details.get("field"), retry=retry,
+                            of=integrity_retries)
+                if retry >= integrity_retries:
+                    raise
+                continue
+            break
+        checks = ()
+        embeds = None
+        if is_gguf:
+            header = await anyio.to_thread.run_sync(verify_mod.read_gguf_header, outcome.partial_path)
+            embeds = header.has_chat_template
+            if check_header:
+                checks = verify_mod.check_header_against_entry(header, entry)
+                verify_mod.ensure_header_matches(checks, file=file, entry_name=entry.name)
+        await anyio.to_thread.run_sync(finalize_file, outcome.partial_path, final)
+        verify_mod.write_receipt(dest_dir, file, {
+            "repo": artifact.repo, "revision": revision, "file": file, "size_bytes": outcome.size_bytes,
+            "sha256": outcome.sha256, "hub_lfs_sha256": outcome.hub_lfs_sha256,
+            "verified_against": list(matched)})
+        discard_partial(partial, sidecar)
+        log.info("fetch.done", entry=entry.name, file=file, size_bytes=outcome.size_bytes,
+                 bytes_transferred=total_transferred, bytes_reread=total_reread,
+                 resumed_from_bytes=outcome.resumed_from_bytes, connections=outcome.connections,
+                 verified_against=list(matched))
+        return FileResult(repo=artifact.repo, revision=revision, file=file, path=str(final),
+                          size_bytes=outcome.size_bytes, sha256=outcome.sha256, verified_against=matched,
+                          bytes_transferred=total_transferred, bytes_reread=total_reread,
+                          resumed_from_bytes=outcome.resumed_from_bytes, connections=outcome.connections,
+                          attempts=outcome.attempts, already_present=False, integrity_retries=retry), checks, embeds
+
+
+async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
+                        progress: bool = True, wait: bool = False,
+                        options: TransferOptions | None = None,
+                        integrity_retries: int = DEFAULT_INTEGRITY_RETRIES) -> FetchResult:
+    """The fetch-weights stage for one registry entry (see the module docstring)."""
+    dest_dir = Path(dest_dir)
+    artifact = entry.artifact
+    if artifact is None:
+        raise RegistryError(f"entry {entry.name} has no downloadable artifact", entry=entry.name)
+    options = options or TransferOptions(connections=connections or settings.download_connections)
+    if entry.backend == "openvino" or artifact.file is None:
+        snap = await fetch_snapshot(entry, dest_dir, settings=settings, connections=connections,
+                                    progress=progress, wait=wait, options=options)
+        return FetchResult(entry=entry.name, backend=entry.backend, weights=None, projector=None, vision=False,
+                           snapshot=snap)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    warnings: list[str] = []
+    async with HubSession(settings, options) as session:
+        weights, checks, embeds = await fetch_artifact(
+            session, entry, artifact, dest_dir, role="weights", connections=connections, progress=progress,
+            wait=wait, integrity_retries=integrity_retries)
+        projector = None
+        if entry.projector is not None:
+            try:
+                projector, _c, _e = await fetch_artifact(
+                    session, entry, entry.projector, dest_dir, role="projector", connections=connections,
+                    progress=progress, wait=wait, integrity_retries=integrity_retries, check_header=False)
+            except HubError as exc:  # not found / gated: images lost, tool calls intact
+                warnings.append(f"projector unavailable: {exc.what}")
+                log.warning("fetch.projector_missing", entry=entry.name, reason=exc.what, vision=False)
+    return FetchResult(entry=entry.name, backend=entry.backend, weights=weights, projector=projector,
+                       vision=projector is not None, header_checks=checks, gguf_embeds_chat_template=embeds,
+                       warnings=tuple(warnings))
+
+
+# --------------------------------------------------------------------------- OpenVINO snapshot
+
+
+@dataclass(frozen=True)
+class _ListedFile:
+    path: str
+    size_bytes: int
+    blob_id: str | None
+    lfs_sha256: str | None
+
+
+def _hub_exception_to_error(exc: Exception, repo: str, revision: str) -> Exception:
+    from huggingface_hub import errors as hf
+
+    details = {"repo": repo, "revision": revision}
+    if isinstance(exc, hf.OfflineModeIsEnabled):
+        return HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
+                        hint="unset HF_HUB_OFFLINE to download", **details)
+    if isinstance(exc, hf.GatedRepoError):
+        return HubError(f"{repo} is gated: its files require accepting the licence",
+                        hint=f"accept the licence at https://huggingface.co/{repo}, set HF_TOKEN (or `hf auth "
+                             "login`) and rerun", **details)
+    if isinstance(exc, hf.RevisionNotFoundError):
+        return HubError(f"revision {revision} not found in {repo}", hint="fix the entry's revision", **details)
+    if isinstance(exc, hf.RepositoryNotFoundError):
+        return HubError(f"repository {repo} not found (or private)",
+                        hint="check the entry's repo; for a private repo set HF_TOKEN", **details)
+    return exc
+
+
+def _retryable_hub_exception(exc: BaseException) -> bool:
+    from huggingface_hub import errors as hf
+
+    if isinstance(exc, hf.HfHubHTTPError) and not isinstance(exc, (hf.RepositoryNotFoundError,
+                                                                   hf.RevisionNotFoundError,
+                                                                   hf.EntryNotFoundError)):
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        return status in (408, 429, 500, 502, 503, 504)
+    return type(exc).__module__.startswith(("httpx", "httpx2")) and "Error" in type(exc).__name__
+
+
+def _list_snapshot_sync(settings: Settings, repo: str, revision: str, token: str | None) -> tuple[str, list[_ListedFile]]:
+    """Resolve ``revision`` to its current commit and list every file there (huggingface_hub metadata)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(endpoint=settings.hf_endpoint, token=token or False)
+    commit = revision if is_commit(revision) else api.model_info(repo, revision=revision).sha
+    if not commit or not is_commit(commit):
+        raise HubError(f"{repo}@{revision}: the Hub did not name the commit", repo=repo, revision=revision)
+    files: list[_ListedFile] = []
+    for item in api.list_repo_tree(repo, revision=commit, recursive=True):
+        if isinstance(item, RepoFile):
+            files.append(_ListedFile(path=item.path, size_bytes=int(item.size), blob_id=item.blob_id,
+                                     lfs_sha256=item.lfs.sha256 if item.lfs else None))
+    return commit, files
+
+
+async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[str, list[_ListedFile]]:
+    if settings.hf_offline:
+        raise HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
+                       hint="unset HF_HUB_OFFLINE to download", repo=repo)
+    token = resolve_token()
+    try:
+        async for attempt in AsyncRetrying(retry=retry_if_exception(_retryable_hub_exception),
+                                           stop=stop_after_attempt(5),
+                                           wait=wait_exponential_jitter(initial=0.5, max=10), reraise=True):
+            with attempt:
+                return await anyio.to_thread.run_sync(_list_snapshot_sync, settings, repo, revision, token)
+    except TransferError:
+        raise
+    except Exception as exc:
+        mapped = _hub_exception_to_error(exc, repo, revision)
+        if mapped is exc:
+            raise HubError(f"listing {repo}@{revision} failed: {exc}", hint="check HF_ENDPOINT and rerun",
+                           repo=repo, revision=revision) from exc
+        raise mapped from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str) -> bool:
+    final = dest_dir / SNAPSHOT_DIRNAME / rel
+    r = verify_mod.read_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{rel}")
+    return (r is not None and final.is_file() and final.stat().st_size == f.size_bytes
+            and r.get("size_bytes") == f.size_bytes
+            # unchanged content from an earlier commit is kept: the hash is what identifies it
+            and (r.get("sha256") == f.lfs_sha256 if f.lfs_sha256 else r.get("git_sha1") == f.blob_id))
+
+
+async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
+                         progress: bool = True, wait: bool = False,
+                         options: TransferOptions | None = None) -> SnapshotResult:
+    """Fetch the current snapshot of an OpenVINO repository into ``<dest>/snapshot/`` (see module doc)."""
+    artifact = entry.artifact
+    assert artifact is not None
+    dest_dir = Path(dest_dir)
+    revision = artifact.revision or "main"
+    snap_dir = dest_dir / SNAPSHOT_DIRNAME
+    partial_dir = dest_dir / ".partial"
+    lock_path = partial_dir / "snapshot.lock"
+    async with FileLock(lock_path, wait=wait, what=f"snapshot of {entry.name}").async_held():
+        commit, listed = await _list_snapshot(settings, artifact.repo, revision)
+        for f in listed:  # refuse the whole listing before writing anything
+            try:
+                safe_relpath(f.path)
+            except ValueError:
+                raise IntegrityError(f"{artifact.repo}@{commit}: listed path {f.path!r} would escape {snap_dir}",
+                                     hint="refusing this snapshot; report the repository", field="path",
+                                     repo=artifact.repo, path=f.path) from None
+        if not listed:
+            raise HubError(f"{artifact.repo}@{commit} lists no files", repo=artifact.repo)
+        todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit)]
+        partial_dir.mkdir(parents=True, exist_ok=True)
+        check_disk_space(partial_dir, sum(f.size_bytes for f in todo), f"{artifact.repo} snapshot")
+        transferred = reread = 0
+        async with HubSession(settings, options) as session:
+            for f in todo:
+                outcome: DownloadOutcome | None = None
+                for retry in range(DEFAULT_INTEGRITY_RETRIES + 1):
+                    outcome = await download_to_partial(
+                        session, repo=artifact.repo, revision=commit, path=f.path, expected_size=f.size_bytes,
+                        expected_sha256=f.lfs_sha256, partial_dir=partial_dir,
+                        connections=connections, progress=_reporter_factory(progress, f.path),
+                        git_sha1=f.lfs_sha256 is None)
+                    transferred += outcome.bytes_transferred
+                    reread += outcome.bytes_reread
+                    try:
+                        verify_mod.check_integrity(
+                            file=f.path, size_bytes=os.path.getsize(outcome.partial_path), sha256=outcome.sha256,
+                            expected_size=f.size_bytes, registry_sha256=None, hub_sha256=f.lfs_sha256,
+                            git_sha1=outcome.git_sha1, hub_git_sha1=None if f.lfs_sha256 else f.blob_id)
+                    except IntegrityError:
+                        _p, side, _l = partial_paths(partial_dir, artifact.repo, f.path)
+                        discard_partial(outcome.partial_path, side)
+                        if retry >= DEFAULT_INTEGRITY_RETRIES:
+                            raise
+                        continue
+                    break
+                assert outcome is not None
+                final = snap_dir / f.path
+                await anyio.to_thread.run_sync(finalize_file, outcome.partial_path, final)
+                verify_mod.write_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{f.path}", {
+                    "repo": artifact.repo, "revision": commit, "commit_listed": commit, "file": f.path,
+                    "size_bytes": f.size_bytes, "sha256": outcome.sha256, "git_sha1": outcome.git_sha1})
+                _p, side, _l = partial_paths(partial_dir, artifact.repo, f.path)
+                discard_partial(_p, side)
+        # Files of an older snapshot that the current commit no longer lists are removed.
+        keep = {f.path for f in listed}
+        if snap_dir.is_dir():
+            for path in sorted(snap_dir.rglob("*"), reverse=True):
+                rel = path.relative_to(snap_dir).as_posix()
+                if path.is_file() and rel not in keep:
+                    path.unlink()
+        manifest = {"schema": 1, "repo": artifact.repo, "revision_requested": revision, "commit": commit,
+                    "files": [{"path": f.path, "size_bytes": f.size_bytes, "lfs_sha256": f.lfs_sha256,
+                               "blob_id": f.blob_id} for f in listed]}
+        import json
+
+        write_text_atomic(dest_dir / SNAPSHOT_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    total = sum(f.size_bytes for f in listed)
+    log.info("fetch.snapshot_done", entry=entry.name, repo=artifact.repo, commit=commit, files=len(listed),
+             size_bytes=total, bytes_transferred=transferred, files_already_present=len(listed) - len(todo))
+    return SnapshotResult(repo=artifact.repo, revision_requested=revision, commit=commit, directory=str(snap_dir),
+                          files=len(listed), size_bytes=total, bytes_transferred=transferred, bytes_reread=reread,
+                          files_already_present=len(listed) - len(todo))
+
+
+def verify_snapshot_dir(dest_dir: Path, *, rehash: bool = False) -> tuple[int, int]:
+    """Every file of ``snapshot.json`` present with its size (and, with ``rehash``, its hash)."""
+    import hashlib
+    import json
+
+    try:
+        manifest = json.loads((dest_dir / SNAPSHOT_MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise IntegrityError(f"{dest_dir / SNAPSHOT_MANIFEST} is missing or unreadable",
+                             hint="rerun `hotfit pull`", field="manifest") from None
+    total = 0
+    for f in files:
+        rel = safe_relpath(f["path"])
+        path = dest_dir / SNAPSHOT_DIRNAME / rel
+        if not path.is_file() or path.stat().st_size != f["size_bytes"]:
+            raise IntegrityError(f"{path} is missing or has the wrong size", hint="rerun `hotfit pull`",
+                                 field="size_bytes", file=str(path))
+        if rehash:
+            h = hashlib.sha256() if f.get("lfs_sha256") else hashlib.sha1(b"blob %d\0" % f["size_bytes"])
+            with open(path, "rb") as fh:
+                while chunk := fh.read(8 << 20):
+                    h.update(chunk)
+            if h.hexdigest() != (f.get("lfs_sha256") or f.get("blob_id")):
+                raise IntegrityError(f"{path}: hash differs from the Hub's", hint="rerun `hotfit pull`",
+                                     field="sha256", file=str(path))
+        total += f["size_bytes"]
+    return total, len(files)
+

@@ -1,0 +1,998 @@
+"""The download engine shared by fetch-weights, fetch-template and the OpenVINO snapshot.
+
+Ours, on ``httpx``: ``huggingface_hub`` ≥ 1.18 no longer resumes across processes and never hashes
+(``../shared/reference/hf-protocol.md`` §1.5, anchors.md §5), so it serves only for the token store
+and metadata calls. What this module guarantees for one pinned Hub file:
+
+- **Pinned.** URLs name the 40-hex commit; a HEAD (fresh before every run and every retry — real CDN
+  links are signed and expire) must answer ``X-Repo-Commit`` == the pin and the registry's size, else
+  :class:`PinMismatch` before a byte is written (issue 4 §1).
+- **Resumable.** Bytes go to ``<dir>/.partial/<name>.part`` at absolute offsets; a JSON sidecar beside it
+  (``.json``: URL, commit, size, expected sha256, per-block ``done`` bytes) is rewritten atomically at
+  most every ``checkpoint_interval_s``. Its ``done`` counts are only raised after the bytes were
+  ``pwrite``-n, so after ``kill -9`` the sidecar never claims bytes the page cache does not hold; each
+  connection re-sends at most what it received since the last checkpoint (< one block). A reboot that
+  loses unflushed pages is caught by the sha256 check (the file is then discarded and re-fetched).
+- **Parallel.** A file ≥ ``min_parallel_bytes`` is cut into blocks handed out *in file order* to
+  ``connections`` workers, each block one ``Range`` request on a pooled connection, each resumable.
+- **Hashed while streaming** (:class:`OrderedHasher`): sha256 must see bytes in order, ranges arrive
+  out of order. A hashing thread consumes the contiguous prefix: chunks at the frontier are hashed
+  as they arrive; chunks ahead of it wait in a bounded memory buffer (``hash_buffer_bytes``) and are
+  hashed once the frontier reaches them; what does not fit is *spilled* — already on disk, read back
+  once when the frontier arrives (hot in the page cache: written moments before). On resume the
+  bytes already on disk are read back once. Every byte read back is counted in ``bytes_reread``;
+  no second pass over a completed file ever happens.
+- **Range-ignoring servers** (200 to a ranged GET) are detected; the transfer restarts as one stream
+  from byte 0 writing at absolute offsets, so nothing is appended in the wrong place.
+- **Retries** (tenacity): exponential backoff with jitter, ``Retry-After`` honoured on 429/503 (capped),
+  the attempt counter reset whenever bytes arrived, and a bounded total time per file.
+- **Disk**: free space is checked before starting (``statvfs``); ENOSPC/EFBIG mid-write stops every
+  connection, checkpoints the sidecar and raises :class:`DiskSpaceError` — the partial is kept.
+
+Entry points: :class:`HubSession` (HEAD/GET with pinning, errors, token), :func:`download_to_partial`,
+:func:`finalize_file` (fsync + atomic rename + fsync dir), :class:`ProgressReporter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import queue
+import re
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import quote, urljoin, urlsplit
+
+import anyio
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    wait_exponential_jitter,
+)
+
+from pipeline.errors import DiskSpaceError, HubError, PinMismatch, TransferError
+from pipeline.log import get_logger
+from pipeline.settings import Settings
+
+__all__ = [
+    "TransferOptions",
+    "HubSession",
+    "RemoteFile",
+    "DownloadOutcome",
+    "OrderedHasher",
+    "ProgressReporter",
+    "download_to_partial",
+    "finalize_file",
+    "discard_partial",
+    "partial_paths",
+    "resolve_token",
+    "is_commit",
+    "safe_relpath",
+]
+
+log = get_logger()
+
+MiB = 1024 * 1024
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+SIDECAR_SCHEMA = 1
+# Keep this much free beyond what the file needs: a filesystem at 100 % misbehaves for everyone.
+DISK_MARGIN_BYTES = 64 * MiB
+
+
+def is_commit(revision: str | None) -> bool:
+    return bool(revision) and bool(_COMMIT_RE.match(revision or ""))
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """Knobs of the engine; defaults suit 1–20 GB files over a WAN link."""
+
+    connections: int = 4
+    block_bytes: int | None = None  # None: size / (connections × 4), clamped to [1, 64] MiB
+    min_parallel_bytes: int = 2 * MiB  # below this one stream beats the per-request overhead
+    max_attempts_without_progress: int = 6
+    max_total_retry_s: float = 900.0  # one file gives up after this much time spent failing
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    retry_after_cap_s: float = 120.0  # a Retry-After beyond this is treated as "give up"
+    checkpoint_interval_s: float = 1.0
+    hash_buffer_bytes: int = 64 * MiB  # out-of-order bytes held for in-stream hashing
+    connect_timeout_s: float = 15.0
+    read_timeout_s: float = 60.0  # a stalled stream is retried after this
+    chunk_bytes: int = 1 * MiB
+
+    def block_size_for(self, size_bytes: int, connections: int) -> int:
+        if self.block_bytes:
+            return self.block_bytes
+        return max(1 * MiB, min(64 * MiB, size_bytes // max(1, connections * 4) or 1))
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def safe_relpath(path: str) -> str:
+    """A repository path that stays inside its directory, or ``ValueError`` (absolute, ``..``, NUL…)."""
+    if not path or "\x00" in path or "\\" in path or path.startswith("/") or len(path) > 4096:
+        raise ValueError(f"unsafe path {path!r}")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"unsafe path {path!r}")
+    return path
+
+
+def _partial_stem(repo: str, path: str) -> str:
+    # Unique per (repo, path), readable, one path component.
+    digest = hashlib.sha1(f"{repo}\0{path}".encode()).hexdigest()[:10]
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", path.rsplit("/", 1)[-1])[:120]
+    return f"{base}.{digest}"
+
+
+def partial_paths(partial_dir: Path, repo: str, path: str) -> tuple[Path, Path, Path]:
+    """(partial data file, sidecar JSON, lock file) for one target."""
+    stem = _partial_stem(repo, path)
+    return partial_dir / f"{stem}.part", partial_dir / f"{stem}.json", partial_dir / f"{stem}.lock"
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    m = _CONTENT_RANGE_RE.match((value or "").strip())
+    if not m:
+        return None
+    total = None if m.group(3) == "*" else int(m.group(3))
+    return int(m.group(1)), int(m.group(2)), total
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        when = parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+def resolve_token() -> str | None:
+    """``HF_TOKEN`` or the huggingface_hub token store (never logged)."""
+    try:
+        from huggingface_hub import get_token
+
+        return get_token()
+    except Exception:  # a broken token store must not break anonymous downloads
+        return os.environ.get("HF_TOKEN") or None
+
+
+# --------------------------------------------------------------------------- errors (internal)
+
+
+class _Retryable(Exception):
+    """A failure worth another attempt; ``retry_after_s`` from the server when it said so."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class _RangeIgnored(Exception):
+    """The server answered 200 (whole body) to a ranged GET."""
+
+
+def hub_error_from_response(resp: httpx.Response, *, repo: str, revision: str, path: str | None) -> Exception:
+    """Map an error response to a typed error (hf-protocol.md §3.1), or a retryable one."""
+    status = resp.status_code
+    code = resp.headers.get("x-error-code", "")
+    message = resp.headers.get("x-error-message", "")
+    target = f"{repo}@{revision[:12]}" + (f" {path}" if path else "")
+    if status in _RETRYABLE_STATUS:
+        return _Retryable(f"HTTP {status} for {target}" + (f": {message}" if message else ""),
+                          parse_retry_after(resp.headers.get("retry-after")))
+    details = {"repo": repo, "revision": revision, "file": path, "status": status, "hub_code": code or None}
+    if code == "GatedRepo" or (status in (401, 403) and "gated" in message.lower()):
+        return HubError(
+            f"{repo} is gated: access to {path or 'it'} requires accepting its licence",
+            hint=f"accept the licence at https://huggingface.co/{repo} with your account, then set HF_TOKEN "
+                 "(or run `hf auth login`) on this machine and rerun",
+            **details)
+    if code == "RepoNotFound" or (status == 401 and not code):
+        return HubError(f"repository {repo} not found (or private)",
+                        hint="check the registry entry's repo; for a private repo set HF_TOKEN", **details)
+    if code == "RevisionNotFound":
+        return HubError(f"revision {revision} not found in {repo}",
+                        hint="the pinned commit no longer exists; re-pin the entry (hotfit registry lock)",
+                        **details)
+    if code == "EntryNotFound" or status == 404:
+        return HubError(f"{path or 'file'} not found in {repo} at {revision[:12]}",
+                        hint="the file was renamed or removed at that revision; fix the registry entry",
+                        **details)
+    return HubError(f"Hub answered HTTP {status} for {target}" + (f": {message}" if message else ""),
+                    hint="check HF_ENDPOINT and the network, then rerun", **details)
+
+
+# --------------------------------------------------------------------------- Hub session
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """What a HEAD on the pinned resolve URL said."""
+
+    resolve_url: str
+    download_url: str  # CDN Location when the Hub redirects off-origin, else the resolve URL
+    commit: str
+    etag: str | None  # sha256 for LFS files, git blob sha1 otherwise
+    size_bytes: int | None
+    lfs_sha256: str | None  # from X-Linked-Etag when it is a sha256
+    accept_ranges: bool
+
+
+class HubSession:
+    """An ``httpx.AsyncClient`` bound to one endpoint and token. Use ``async with``."""
+
+    def __init__(self, settings: Settings, options: TransferOptions | None = None,
+                 token: str | None | bool = None) -> None:
+        self.endpoint = settings.hf_endpoint.rstrip("/")
+        self.offline = settings.hf_offline
+        self.options = options or TransferOptions(connections=settings.download_connections)
+        self._token = resolve_token() if token is None else (token or None)
+        self._origin = _origin(self.endpoint)
+        limits = httpx.Limits(max_connections=max(8, self.options.connections * 2),
+                              max_keepalive_connections=max(8, self.options.connections * 2))
+        timeout = httpx.Timeout(self.options.read_timeout_s, connect=self.options.connect_timeout_s)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=False,
+                                        headers={"user-agent": "hotfit/0.1"}, trust_env=False)
+
+    async def __aenter__(self) -> "HubSession":
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.client.aclose()
+
+    def resolve_url(self, repo: str, revision: str, path: str) -> str:
+        return f"{self.endpoint}/{repo}/resolve/{quote(revision, safe='')}/{quote(path)}"
+
+    def headers_for(self, url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Authorization only to the endpoint's origin (never to a CDN)."""
+        headers = {"accept-encoding": "identity"}
+        if self._token and _origin(url) == self._origin:
+            headers["authorization"] = f"Bearer {self._token}"
+        if extra:
+            headers.update(extra)
+        return headers
+
+    def _check_online(self, what: str) -> None:
+        if self.offline:
+            raise HubError(f"HF_HUB_OFFLINE is set and {what} is not on disk",
+                           hint="unset HF_HUB_OFFLINE (or set it to 0) to download, or copy the files in")
+
+    async def head(self, repo: str, revision: str, path: str) -> RemoteFile:
+        """HEAD the resolve URL, following same-origin redirects by hand (hf-protocol.md §6)."""
+        self._check_online(f"{repo}/{path}")
+        url = resolve = self.resolve_url(repo, revision, path)
+        commit = etag = linked_etag = None
+        size: int | None = None
+        accept_ranges = False
+        for _hop in range(10):
+            try:
+                resp = await self.client.head(url, headers=self.headers_for(url))
+            except httpx.TransportError as exc:
+                raise _Retryable(f"HEAD {repo}/{path}: {exc.__class__.__name__}: {exc}") from exc
+            commit = resp.headers.get("x-repo-commit") or commit
+            linked_etag = resp.headers.get("x-linked-etag") or linked_etag
+            etag = resp.headers.get("etag") or etag
+            if resp.headers.get("x-linked-size", "").isdigit():
+                size = int(resp.headers["x-linked-size"])
+            if resp.headers.get("accept-ranges", "").lower() == "bytes":
+                accept_ranges = True
+            if resp.is_redirect:
+                target = urljoin(url, resp.headers.get("location", ""))
+                if _origin(target) == self._origin:
+                    url = target
+                    continue
+                url = target  # off-origin: a CDN; its signed URL is where the bytes come from
+                break
+            if resp.status_code >= 400:
+                raise hub_error_from_response(resp, repo=repo, revision=revision, path=path)
+            if size is None and resp.headers.get("content-length", "").isdigit():
+                size = int(resp.headers["content-length"])
+            break
+        else:
+            raise HubError(f"too many redirects resolving {repo}/{path}", repo=repo, file=path)
+        if not commit:
+            raise HubError(f"the Hub did not name the commit (X-Repo-Commit) for {repo}/{path}",
+                           hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)",
+                           repo=repo, file=path)
+        tag = _normalize_etag(linked_etag or etag)
+        lfs = _normalize_etag(linked_etag)
+        return RemoteFile(resolve_url=resolve, download_url=url, commit=commit, etag=tag, size_bytes=size,
+                          lfs_sha256=lfs if lfs and _SHA256_RE.match(lfs) else None,
+                          accept_ranges=accept_ranges)
+
+    async def head_pinned(self, repo: str, revision: str, path: str, expected_size: int | None) -> RemoteFile:
+        """HEAD and fail closed unless the commit is the pin and the size the registry's (issue 4 §1)."""
+        remote = await self.head(repo, revision, path)
+        if remote.commit != revision:
+            raise PinMismatch(
+                f"{repo}/{path}: the Hub served commit {remote.commit} but the registry pins {revision}",
+                hint="the pinned revision is not what the server resolves; re-pin the entry after review "
+                     "(hotfit registry lock) — a moved branch is never accepted silently",
+                repo=repo, file=path, pinned=revision, served=remote.commit)
+        if expected_size is not None and remote.size_bytes is not None and remote.size_bytes != expected_size:
+            raise PinMismatch(
+                f"{repo}/{path}: the Hub reports {remote.size_bytes} bytes, the registry pins {expected_size}",
+                hint="the registry's size is wrong for this commit; fix the entry after review",
+                repo=repo, file=path, expected_size_bytes=expected_size, served_size_bytes=remote.size_bytes)
+        return remote
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
+
+
+def _normalize_etag(value: str | None) -> str | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.startswith("W/"):
+        value = value[2:]
+    return value.strip('"') or None
+
+
+# --------------------------------------------------------------------------- ordered hashing
+
+
+class OrderedHasher:
+    """sha256 (and optionally git blob sha1) of a file whose bytes arrive out of order.
+
+    ``feed(offset, data)`` is called from the event loop *after* ``data`` was written at ``offset``;
+    it only enqueues. A daemon thread keeps the frontier: data at the frontier is hashed, data ahead
+    of it is buffered (bounded by ``buffer_bytes``) or, past the bound, remembered as an on-disk
+    interval and read back with ``pread`` when the frontier reaches it (counted in ``reread_bytes``).
+    ``mark_on_disk(start, end)`` declares bytes written by an earlier run (resume).
+    """
+
+    _STOP = object()
+
+    def __init__(self, fd: int, size_bytes: int, *, buffer_bytes: int, git_sha1: bool = False) -> None:
+        self._fd = fd
+        self.size_bytes = size_bytes
+        self._buffer_limit = buffer_bytes
+        self._sha256 = hashlib.sha256()
+        self._sha1 = hashlib.sha1(b"blob %d\0" % size_bytes) if git_sha1 else None
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued_bytes = 0  # data bytes sitting in the queue (memory held)
+        self.frontier = 0
+        self.reread_bytes = 0
+        self._pending: dict[int, bytes] = {}
+        self._pending_bytes = 0
+        self._on_disk: dict[int, int] = {}  # start -> end of intervals to read back
+        self._error: BaseException | None = None
+        self._abort = False
+        self._thread = threading.Thread(target=self._run, name="hotfit-hash", daemon=True)
+        self._thread.start()
+
+    def feed(self, offset: int, data: bytes) -> None:
+        n = len(data)
+        with self._lock:
+            over = self._queued_bytes + n > self._buffer_limit
+            if not over:
+                self._queued_bytes += n
+        if over:  # bound memory: the bytes are on disk already, read them back later
+            self._queue.put((offset, offset + n, None))
+        else:
+            self._queue.put((offset, offset + n, data))
+
+    def mark_on_disk(self, start: int, end: int) -> None:
+        if end > start:
+            self._queue.put((start, end, None))
+
+    def _hash(self, data: bytes | memoryview) -> None:
+        self._sha256.update(data)
+        if self._sha1 is not None:
+            self._sha1.update(data)
+
+    def _read_back(self, start: int, end: int) -> None:
+        pos = start
+        while pos < end:
+            chunk = os.pread(self._fd, min(8 * MiB, end - pos), pos)
+            if not chunk:
+                raise OSError(errno.EIO, f"short read at byte {pos} while hashing")
+            self._hash(chunk)
+            pos += len(chunk)
+        self.reread_bytes += end - start
+
+    def _drain(self) -> None:
+        while True:
+            data = self._pending.pop(self.frontier, None)
+            if data is not None:
+                self._pending_bytes -= len(data)
+                self._hash(data)
+                self.frontier += len(data)
+                continue
+            end = self._on_disk.pop(self.frontier, None)
+            if end is not None:
+                self._read_back(self.frontier, end)
+                self.frontier = end
+                continue
+            return
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is self._STOP or self._abort:
+                    return
+                start, end, data = item
+                if data is not None:
+                    with self._lock:
+                        self._queued_bytes -= len(data)
+                if end <= self.frontier:
+                    continue  # already hashed (cannot happen with a correct caller; harmless)
+                if start < self.frontier:  # overlap: keep only the unhashed tail
+                    if data is not None:
+                        data = data[self.frontier - start:]
+                    start = self.frontier
+                if start == self.frontier:
+                    if data is not None:
+                        self._hash(data)
+                    else:
+                        self._read_back(start, end)
+                    self.frontier = end
+                    self._drain()
+                elif data is not None and self._pending_bytes + len(data) <= self._buffer_limit:
+                    self._pending[start] = data
+                    self._pending_bytes += len(data)
+                else:
+                    self._on_disk[start] = end
+        except BaseException as exc:  # surfaced by finish()
+            self._error = exc
+
+    def abort(self) -> None:
+        self._abort = True
+        self._queue.put(self._STOP)
+
+    def finish(self) -> tuple[str, str | None]:
+        """Block until every byte is hashed; (sha256 hex, git sha1 hex or None)."""
+        self._queue.put(self._STOP)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self.frontier != self.size_bytes:
+            raise TransferError(f"internal: hashed {self.frontier} of {self.size_bytes} bytes",
+                                hint="rerun; the partial file resumes")
+        return self._sha256.hexdigest(), (self._sha1.hexdigest() if self._sha1 else None)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ProgressReporter:
+    """One file's progress: a bar on a TTY, else throttled ``download.progress`` events (issue 4 §6).
+
+    Events go out at most once per ``min_interval_s`` and only after ≥ 1 % more of the file, plus
+    one at the end — never per chunk.
+    """
+
+    def __init__(self, label: str, total_bytes: int, *, done_bytes: int = 0, tty: bool | None = None,
+                 stream: Any = None, min_interval_s: float = 1.0) -> None:
+        self.label = label
+        self.total_bytes = max(1, total_bytes)
+        self.done_bytes = done_bytes
+        self._start_done = done_bytes
+        self._stream = stream or sys.stderr
+        self.tty = (self._stream.isatty() and os.environ.get("TERM") != "dumb") if tty is None else tty
+        self._interval = 0.1 if self.tty else min_interval_s
+        self._t0 = time.monotonic()
+        self._last_t = 0.0
+        self._last_done = done_bytes
+        self.events = 0
+
+    def advance(self, n: int) -> None:
+        self.done_bytes += n
+        now = time.monotonic()
+        if now - self._last_t < self._interval:
+            return
+        if not self.tty and (self.done_bytes - self._last_done) * 100 < self.total_bytes:
+            return
+        self._emit(now)
+
+    def _rate(self, now: float) -> float:
+        return (self.done_bytes - self._start_done) / max(1e-6, now - self._t0)
+
+    def _emit(self, now: float, final: bool = False) -> None:
+        self._last_t, self._last_done = now, self.done_bytes
+        self.events += 1
+        rate = self._rate(now)
+        left = self.total_bytes - self.done_bytes
+        eta = left / rate if rate > 0 else None
+        if self.tty:
+            frac = min(1.0, self.done_bytes / self.total_bytes)
+            bar = "#" * int(frac * 30)
+            eta_text = f"{eta:5.0f}s" if eta is not None else "    ?"
+            self._stream.write(f"\r{self.label[:32]:32} [{bar:30}] {frac * 100:5.1f}% "
+                               f"{_human(self.done_bytes)}/{_human(self.total_bytes)} "
+                               f"{_human(rate)}/s ETA {eta_text}" + ("\n" if final else ""))
+            self._stream.flush()
+        else:
+            log.info("download.progress", file=self.label, done_bytes=self.done_bytes,
+                     total_bytes=self.total_bytes, percent=round(100 * self.done_bytes / self.total_bytes, 1),
+                     rate_bytes_per_s=int(rate), eta_s=None if eta is None else round(eta, 1))
+
+    def close(self) -> None:
+        self._emit(time.monotonic(), final=True)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f}{unit}" if unit != "B" else f"{int(n)}B"
+        n /= 1024
+    return f"{n:.1f}GiB"
+
+
+# --------------------------------------------------------------------------- download
+
+
+@dataclass
+class _Block:
+    start: int
+    end: int  # exclusive
+    done: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def complete(self) -> bool:
+        return self.done >= self.length
+
+
+@dataclass(frozen=True)
+class DownloadOutcome:
+    """A complete, hashed partial file, not yet renamed into place."""
+
+    partial_path: Path
+    repo: str
+    revision: str
+    file: str
+    size_bytes: int
+    sha256: str
+    git_sha1: str | None
+    hub_lfs_sha256: str | None
+    etag: str | None
+    bytes_transferred: int  # body bytes received by this run
+    bytes_reread: int  # bytes read back from disk for hashing (resume prefix + spills)
+    resumed_from_bytes: int  # bytes already on disk when this run started
+    connections: int
+    ranges_supported: bool
+    attempts: int  # HTTP attempts, retries included
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["partial_path"] = str(self.partial_path)
+        return out
+
+
+@dataclass
+class _Sidecar:
+    url: str
+    repo: str
+    revision: str
+    file: str
+    size_bytes: int
+    expected_sha256: str | None
+    etag: str | None
+    ranges_supported: bool
+    blocks: list[list[int]] = field(default_factory=list)  # [start, end, done]
+
+    def matches(self, other: "_Sidecar") -> bool:
+        return (self.url, self.repo, self.revision, self.file, self.size_bytes, self.expected_sha256) == (
+            other.url, other.repo, other.revision, other.file, other.size_bytes, other.expected_sha256)
+
+
+def _read_sidecar(path: Path) -> _Sidecar | None:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw.get("schema") != SIDECAR_SCHEMA:
+            return None
+        blocks = [[int(a), int(b), int(c)] for a, b, c in raw["blocks"]]
+        side = _Sidecar(url=raw["url"], repo=raw["repo"], revision=raw["revision"], file=raw["file"],
+                        size_bytes=int(raw["size_bytes"]), expected_sha256=raw.get("expected_sha256"),
+                        etag=raw.get("etag"), ranges_supported=bool(raw.get("ranges_supported", True)),
+                        blocks=blocks)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # A sidecar must tile [0, size) exactly with sane counters, else it is not trusted.
+    pos = 0
+    for start, end, done in side.blocks:
+        if start != pos or end <= start or not 0 <= done <= end - start:
+            return None
+        pos = end
+    return side if pos == side.size_bytes and side.size_bytes > 0 else None
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def _sidecar_json(side: _Sidecar, blocks: list[_Block]) -> dict[str, Any]:
+    return {"schema": SIDECAR_SCHEMA, "url": side.url, "repo": side.repo, "revision": side.revision,
+            "file": side.file, "size_bytes": side.size_bytes, "expected_sha256": side.expected_sha256,
+            "etag": side.etag, "ranges_supported": side.ranges_supported,
+            "blocks": [[b.start, b.end, b.done] for b in blocks],
+            "done_bytes": sum(b.done for b in blocks)}
+
+
+def _plan_blocks(size: int, connections: int, options: TransferOptions, ranges: bool) -> list[_Block]:
+    if not ranges or connections <= 1 or size < options.min_parallel_bytes:
+        return [_Block(0, size)]
+    step = options.block_size_for(size, connections)
+    return [_Block(s, min(size, s + step)) for s in range(0, size, step)]
+
+
+def discard_partial(partial: Path, sidecar: Path) -> None:
+    for p in (sidecar, partial):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def check_disk_space(directory: Path, needed_bytes: int, what: str) -> None:
+    """Fail before starting when ``needed_bytes`` (+ margin) exceed free space (issue 4 §1)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if needed_bytes + DISK_MARGIN_BYTES > free:
+        raise DiskSpaceError(
+            f"not enough disk space in {directory} for {what}: need {needed_bytes} bytes "
+            f"(+{DISK_MARGIN_BYTES} margin), {free} free",
+            hint="free space on that filesystem or point --home / HOTFIT_HOME at a larger one, then rerun",
+            directory=str(directory), needed_bytes=needed_bytes, free_bytes=free)
+
+
+class _StopPolicy:
+    """Stop after N consecutive attempts without new bytes, or past the total deadline."""
+
+    def __init__(self, options: TransferOptions, progress_fn: Callable[[], int], deadline: float) -> None:
+        self._max = options.max_attempts_without_progress
+        self._deadline = deadline
+        self._cap = options.retry_after_cap_s
+        self._progress_fn = progress_fn
+        self._last = progress_fn()
+        self._fails = 0
+
+    def __call__(self, state: RetryCallState) -> bool:
+        now_done = self._progress_fn()
+        if now_done > self._last:
+            self._fails, self._last = 1, now_done
+        else:
+            self._fails += 1
+        exc = state.outcome.exception() if state.outcome else None
+        retry_after = getattr(exc, "retry_after_s", None)
+        if retry_after is not None and retry_after > self._cap:
+            return True
+        return self._fails >= self._max or time.monotonic() >= self._deadline
+
+
+def _wait_policy(options: TransferOptions) -> Callable[[RetryCallState], float]:
+    backoff = wait_exponential_jitter(initial=options.backoff_initial_s, max=options.backoff_max_s,
+                                      jitter=options.backoff_initial_s)
+
+    def wait(state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        retry_after = getattr(exc, "retry_after_s", None)
+        if retry_after is not None:
+            return min(retry_after, options.retry_after_cap_s)
+        return backoff(state)
+
+    return wait
+
+
+def _retrying(options: TransferOptions, progress_fn: Callable[[], int], deadline: float) -> AsyncRetrying:
+    return AsyncRetrying(
+        retry=retry_if_exception_type((_Retryable, httpx.TransportError)),
+        stop=_StopPolicy(options, progress_fn, deadline),
+        wait=_wait_policy(options),
+        reraise=True,
+    )
+
+
+def _disk_error(exc: OSError, partial: Path, offset: int) -> DiskSpaceError:
+    reason = "file size limit reached" if exc.errno == errno.EFBIG else "disk full"
+    return DiskSpaceError(
+        f"{reason} writing {partial} at byte {offset} ({os.strerror(exc.errno or 0)})",
+        hint="free disk space (or raise the file-size limit), then rerun the same command: "
+             "the partial file is kept and the download resumes where it stopped",
+        partial=str(partial), offset_bytes=offset, errno=exc.errno)
+
+
+async def download_to_partial(
+    session: HubSession,
+    *,
+    repo: str,
+    revision: str,
+    path: str,
+    expected_size: int | None,
+    expected_sha256: str | None,
+    partial_dir: Path,
+    connections: int | None = None,
+    progress: Callable[[int, int], ProgressReporter] | None = None,
+    git_sha1: bool = False,
+) -> DownloadOutcome:
+    """Bring ``<repo>@<revision>/<path>`` into a complete, hashed partial file (see the module doc).
+
+    ``progress(total, done)`` builds a reporter. The caller holds the per-target lock and decides
+    what the hashes mean (verify); nothing is renamed here.
+    """
+    if not is_commit(revision):
+        raise PinMismatch(f"{repo}/{path}: revision {revision!r} is not a 40-hex commit",
+                          hint="pin the entry to a commit (hotfit registry lock)", repo=repo, file=path)
+    options = session.options
+    conns = max(1, connections or options.connections)
+    partial_dir.mkdir(parents=True, exist_ok=True)
+    partial, sidecar_path, _lock = partial_paths(partial_dir, repo, path)
+    # One deadline for the whole file: retries of every block and HEAD share it.
+    counters = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
+
+    remote = await _head_with_retry(session, repo, revision, path, expected_size, counters)
+    size = remote.size_bytes if remote.size_bytes is not None else expected_size
+    if size is None:
+        raise HubError(f"{repo}/{path}: the Hub did not report a size and the registry has none",
+                       hint="pin the entry's size_bytes", repo=repo, file=path)
+    if expected_sha256 and remote.lfs_sha256 and remote.lfs_sha256 != expected_sha256:
+        raise PinMismatch(
+            f"{repo}/{path}: the Hub's LFS sha256 {remote.lfs_sha256} differs from the registry's {expected_sha256}",
+            hint="the registry pins a different file than this commit holds; fix the entry after review",
+            repo=repo, file=path, hub_sha256=remote.lfs_sha256, registry_sha256=expected_sha256)
+
+    wanted = _Sidecar(url=remote.resolve_url, repo=repo, revision=revision, file=path, size_bytes=size,
+                      expected_sha256=expected_sha256, etag=remote.etag, ranges_supported=True)
+    side = _read_sidecar(sidecar_path) if partial.exists() else None
+    if side is not None and not side.matches(wanted):
+        log.info("download.partial_discarded", file=path, reason="sidecar is for another target or pin")
+        side = None
+    if side is None:
+        discard_partial(partial, sidecar_path)
+        side = wanted
+        blocks = _plan_blocks(size, conns, options, ranges=True)
+    elif not side.ranges_supported:  # this server cannot resume: every run starts at byte 0
+        blocks = [_Block(0, size)]
+    else:
+        blocks = [_Block(s, e, d) for s, e, d in side.blocks]
+        if os.path.getsize(partial) < max((b.start + b.done for b in blocks), default=0):
+            log.warning("download.partial_short", file=path)  # truncated behind our back: start over
+            blocks = _plan_blocks(size, conns, options, ranges=side.ranges_supported)
+    resumed = sum(b.done for b in blocks)
+    check_disk_space(partial_dir, size - resumed, f"{repo}/{path}")
+    if resumed:
+        log.info("download.resume", file=path, done_bytes=resumed, size_bytes=size, blocks=len(blocks))
+
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    restarts = 0
+    try:
+        while True:
+            reporter = progress(size, sum(b.done for b in blocks)) if progress else None
+            hasher = OrderedHasher(fd, size, buffer_bytes=options.hash_buffer_bytes, git_sha1=git_sha1)
+            for b in blocks:  # bytes from an earlier run: read back once when the frontier gets there
+                hasher.mark_on_disk(b.start, b.start + b.done)
+            try:
+                await _run_blocks(session, remote, side, blocks, fd, partial, sidecar_path, hasher,
+                                  reporter, conns, counters, expected_size)
+            except _RangeIgnored:
+                hasher.abort()
+                restarts += 1
+                if restarts > options.max_attempts_without_progress:
+                    raise TransferError(
+                        f"{repo}/{path}: the server ignores Range and the stream keeps breaking",
+                        hint="rerun later or use another HF_ENDPOINT mirror", repo=repo, file=path) from None
+                log.warning("download.range_ignored", file=path,
+                            detail="server answered 200 to a ranged GET; restarting as one stream from byte 0")
+                side.ranges_supported = False
+                blocks = [_Block(0, size)]
+                _write_json_atomic(sidecar_path, _sidecar_json(side, blocks))
+                continue
+            except BaseException:
+                hasher.abort()
+                raise
+            if reporter:
+                reporter.close()
+            sha256, sha1 = await anyio.to_thread.run_sync(hasher.finish)
+            break
+        os.fsync(fd)
+        if os.fstat(fd).st_size != size:  # a wrong-size server cannot leave a longer file behind
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return DownloadOutcome(
+        partial_path=partial, repo=repo, revision=revision, file=path, size_bytes=size, sha256=sha256,
+        git_sha1=sha1, hub_lfs_sha256=remote.lfs_sha256, etag=remote.etag,
+        bytes_transferred=counters["transferred"], bytes_reread=hasher.reread_bytes,
+        resumed_from_bytes=resumed, connections=conns if len(blocks) > 1 else 1,
+        ranges_supported=side.ranges_supported, attempts=counters["attempts"])
+
+
+async def _head_with_retry(session: HubSession, repo: str, revision: str, path: str,
+                           expected_size: int | None, counters: dict[str, Any]) -> RemoteFile:
+    async for attempt in _retrying(session.options, lambda: 0, counters["deadline"]):
+        with attempt:
+            counters["attempts"] += 1
+            return await session.head_pinned(repo, revision, path, expected_size)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, blocks: list[_Block], fd: int,
+                      partial: Path, sidecar_path: Path, hasher: OrderedHasher,
+                      reporter: ProgressReporter | None, conns: int, counters: dict[str, Any],
+                      expected_size: int | None) -> None:
+    """Run the workers over the pending blocks, checkpointing the sidecar; the last checkpoint is
+    written even on failure or cancellation so a rerun resumes."""
+    pending = [b for b in blocks if not b.complete]
+    cursor = iter(pending)
+    state = {"url": remote.download_url, "fresh": False}
+    lock = anyio.Lock()
+
+    def checkpoint() -> None:
+        _write_json_atomic(sidecar_path, _sidecar_json(side, blocks))
+
+    async def fresh_url() -> str:
+        """Re-HEAD before a resume (CDN links expire); re-checks the pin and size each time."""
+        async with lock:
+            again = await session.head_pinned(side.repo, side.revision, side.file, expected_size)
+            state["url"] = again.download_url
+            return again.download_url
+
+    async def worker() -> None:
+        for block in cursor:
+            await _fetch_block(block)
+
+    async def _fetch_block(block: _Block) -> None:
+        first = True
+        async for attempt in _retrying(session.options, lambda: block.done, counters["deadline"]):
+            with attempt:
+                counters["attempts"] += 1
+                url = state["url"] if first else await fresh_url()
+                first = False
+                await _stream_block(block, url)
+
+    async def _stream_block(block: _Block, url: str) -> None:
+        offset = block.start + block.done
+        whole = len(blocks) == 1
+        extra = {} if (whole and block.done == 0) else {"range": f"bytes={offset}-{block.end - 1}"}
+        async with session.client.stream("GET", url, headers=session.headers_for(url, extra),
+                                         follow_redirects=True) as resp:
+            if resp.status_code == 206:
+                cr = parse_content_range(resp.headers.get("content-range"))
+                if cr is None or cr[0] != offset or cr[1] >= block.end or (cr[2] is not None and cr[2] != side.size_bytes):
+                    raise PinMismatch(
+                        f"{side.file}: server answered range {resp.headers.get('content-range')!r} "
+                        f"to bytes={offset}-{block.end - 1} of a {side.size_bytes}-byte file",
+                        hint="the server's file differs from the pinned one; nothing was written",
+                        repo=side.repo, file=side.file)
+            elif resp.status_code == 200:
+                if offset != 0 or not whole:
+                    raise _RangeIgnored()
+                length = resp.headers.get("content-length", "")
+                if length.isdigit() and int(length) != side.size_bytes:
+                    raise PinMismatch(
+                        f"{side.file}: server sends {length} bytes, the pin says {side.size_bytes}",
+                        hint="the served file is not the pinned one; fix the registry entry after review",
+                        repo=side.repo, file=side.file, served_size_bytes=int(length),
+                        expected_size_bytes=side.size_bytes)
+            elif resp.status_code == 416:
+                raise PinMismatch(
+                    f"{side.file}: server refused bytes={offset}- ({resp.headers.get('content-range')})",
+                    hint="the served file is shorter than the pin says; fix the registry entry after review",
+                    repo=side.repo, file=side.file)
+            else:
+                raise hub_error_from_response(resp, repo=side.repo, revision=side.revision, path=side.file)
+            encoding = resp.headers.get("content-encoding", "identity").lower()
+            if encoding not in ("identity", ""):
+                raise TransferError(f"{side.file}: server compressed the body ({encoding}); byte offsets unusable",
+                                    hint="use an endpoint that serves raw bytes", file=side.file)
+            pos = offset
+            async for chunk in resp.aiter_raw(session.options.chunk_bytes):
+                room = block.end - pos
+                if room <= 0:
+                    raise PinMismatch(f"{side.file}: server sent more than {side.size_bytes} bytes",
+                                      hint="the served file is not the pinned one", repo=side.repo, file=side.file)
+                if len(chunk) > room:
+                    chunk = chunk[:room]
+                try:
+                    os.pwrite(fd, chunk, pos)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                        raise _disk_error(exc, partial, pos) from exc
+                    raise
+                hasher.feed(pos, chunk)
+                n = len(chunk)
+                pos += n
+                block.done += n
+                counters["transferred"] += n
+                if reporter:
+                    reporter.advance(n)
+        if not block.complete:
+            raise _Retryable(f"{side.file}: connection closed at byte {pos} of block ending {block.end}")
+
+    async def checkpointer() -> None:
+        while True:
+            await anyio.sleep(session.options.checkpoint_interval_s)
+            checkpoint()
+
+    checkpoint()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(checkpointer)
+            async with anyio.create_task_group() as workers:
+                for _ in range(min(conns, len(pending)) or 1):
+                    workers.start_soon(worker)
+            tg.cancel_scope.cancel()
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(OSError):
+                checkpoint()
+        raise _unwrap(exc) from None
+    checkpoint()
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The first meaningful error out of nested task-group exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        preferred = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+        exc = (preferred or list(exc.exceptions))[0]
+    return exc
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finalize_file(partial: Path, final: Path) -> None:
+    """fsync the verified file, rename it into place atomically, fsync the directory (issue 4 §2)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(partial, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, final)
+    fsync_dir(final.parent)
+
+
+def write_text_atomic(final: Path, text: str) -> None:
+    """Write a small text file via temp + fsync + rename + dir fsync."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def remove_tree_quietly(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
