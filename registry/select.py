@@ -16,7 +16,7 @@ Per model (``model_fit``)::
     hot tokens = context_for_budget(kv_budget) at the worker's KV type,
                  capped at min(verified ceiling, 286720)
 
-A model qualifies when it is agentic, auto-eligible (permissive licence, release date recorded),
+A model qualifies when it is agentic, auto-eligible (and of a permissive licence),
 of the planned backend and origin, with known metadata, and holds ≥ 32768 hot tokens. The larger
 model (parameters) wins, then the larger hot context, then the name; a still-qualifying
 ``previous`` model is kept. When nothing qualifies, ``Refusal`` names the smallest agentic model
@@ -255,8 +255,6 @@ def _eligibility_problem(entry: Entry) -> str | None:
         return f"not auto-eligible: {entry.ineligible_reason or 'no reason recorded'}"
     if entry.license not in PERMISSIVE_LICENSES:
         return f"licence {entry.license!r} is not {' or '.join(PERMISSIVE_LICENSES)}"
-    if not entry.release_date:
-        return "release date not recorded"
     return None
 
 

@@ -217,7 +217,6 @@ def test_unknown_metadata_is_excluded_with_that_reason(kwargs: dict) -> None:
 @pytest.mark.parametrize("kwargs, code", [
     ({"auto_eligible": False}, "eligibility"),
     ({"license": "Gemma"}, "eligibility"),
-    ({"release_date": None}, "eligibility"),
     ({"tier": "none"}, "tier"),
     ({"backend": "openvino"}, "backend"),
 ])
@@ -248,6 +247,15 @@ def test_capability_first_ordering_across_budgets_4_to_80_gib() -> None:
     assert ranks == sorted(ranks)
     assert names[-1] == "qwen3.8-27b"
     assert "qwen3.5-9b" in names and "minicpm5-2b" in names
+
+
+def test_release_date_is_not_a_tiebreak() -> None:
+    old = entry("old-model", params_b=8.0, release_date="2024-01-01")
+    new = entry("new-model", params_b=8.0, release_date="2026-09-01")
+    undated = entry("undated", params_b=8.0, release_date=None)
+    s = select_auto([new, undated, old], DeviceBudget.from_usable(12 * GiB), F16)
+    assert s.chosen is not None and s.chosen.entry.name == "new-model"  # same window → by name
+    assert all(v.verdict != "excluded" for v in s.verdicts)
 
 
 def test_ties_break_on_hot_context_then_name() -> None:
