@@ -18,6 +18,11 @@ BACKENDS: tuple[str, ...] = ("llama", "openvino")
 ORIGINS: tuple[str, ...] = ("us", "eu", "china", "gus")
 AGENTIC_TIERS: tuple[str, ...] = ("agentic", "tool-chat", "none")
 PERMISSIVE_LICENSES: tuple[str, ...] = ("Apache-2.0", "MIT")
+# Why an entry is not auto-eligible, as a machine-checkable category (the prose is
+# ``Entry.ineligible_reason``). "architecture" is checked against the pinned llama.cpp tree by
+# tests/test_registry_arch.py: an entry excluded for its architecture must be absent from it.
+IneligibleCause = Literal["architecture", "tool-parser", "license", "unverified", "vision-path"]
+INELIGIBLE_CAUSES: tuple[str, ...] = ("architecture", "tool-parser", "license", "unverified", "vision-path")
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,13 @@ class LayerGroup:
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """Architecture facts from the publisher's config.json (``source`` says which)."""
+    """Architecture facts from the publisher's config.json (``source`` says which).
+
+    ``layer_groups`` lists the layers that own a KV cache, grouped by shape. For a hybrid
+    (``recurrent``) model they are its full-attention layers only and may cover fewer than
+    ``n_layers``; the planner budgets such models (and MLA ones) dense over all ``n_layers``
+    (spec, "Selection and hot context").
+    """
 
     n_layers: int | None
     layer_groups: tuple[LayerGroup, ...] | None  # None = KV geometry not verified
@@ -93,6 +104,7 @@ class Entry:
     context_limit: int | None  # verified context ceiling (tokens)
     tool_parser: str | None = None
     notes: str | None = None
+    ineligible_cause: IneligibleCause | None = None  # set exactly when not auto_eligible
 
     @property
     def weights_bytes(self) -> int | None:
