@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from pipeline.cli import not_implemented
+from pipeline.cli import CliContext
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -21,4 +22,26 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     add_plan_options(p)
     p.add_argument("--origin", metavar="ORIGIN", help="publisher origin: us, eu, china, gus, or auto (default: any)")
     p.add_argument("--previous", metavar="NAME", help="keep this model while it still qualifies")
-    p.set_defaults(handler=not_implemented("plan"))
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    from registry.catalog import load_registry
+    from registry.select import normalize_origin
+    from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
+    from stages.probe import load_probe_file, probe_devices
+
+    # Validate the cheap inputs before probing hardware.
+    cache_type, source = resolve_kv_cache_type(args.kv_cache_type, ctx.settings.kv_cache_type_raw)
+    origin = normalize_origin(args.origin)
+    registry = load_registry(args.registry)
+    probe = load_probe_file(args.probe_file) if args.probe_file else probe_devices()
+    outcome = build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=args.backend,
+                         previous=args.previous)
+    ctx.emit(outcome_json(outcome), describe(outcome))
+    refusal = outcome.selection.refusal
+    if outcome.plan is None and refusal is not None:
+        err = refusal.error()
+        sys.stderr.write(f"hotfit: error: {refusal.message.splitlines()[0]}\n")
+        return err.exit_code
+    return 0

@@ -1,0 +1,207 @@
+"""stages.plan and ``hotfit plan``: the frozen Plan, the --json document, exit codes, and the
+spec's claims run end to end against the bundled registry with saved probe files."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.errors import UsageError
+from pipeline.plan import Device, ProbeResult
+from registry.kv import KV_CACHE_TYPES
+from registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
+from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
+from tests.entries import MINICPM5_2B, GiB, entry
+
+F16 = KV_CACHE_TYPES["f16"]
+
+
+def probe_of(total: int, free: int, kind: str = "nvidia", name: str = "Test GPU") -> ProbeResult:
+    return ProbeResult(devices=(Device(0, kind, name, total, free),), selected=0)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- stages.plan (pure)
+
+
+def test_build_plan_makes_a_frozen_plan_with_a_stable_id() -> None:
+    probe = probe_of(6 * GiB, 56 * GiB // 10)
+    out = build_plan(probe, [MINICPM5_2B], F16, "default")
+    plan = out.plan
+    assert plan is not None and plan.entry.name == "minicpm5-2b"
+    assert plan.kv_cache_type == "f16" and plan.kv_cache_type_source == "default"
+    b = plan.budget
+    assert b.usable_bytes == b.free_bytes - b.reserve_bytes - b.headroom_bytes
+    assert b.kv_budget_bytes == b.usable_bytes - b.weights_bytes - b.allowance_bytes
+    assert plan.hot_context_tokens == b.hot_context_tokens >= MIN_AGENTIC_HOT_CONTEXT
+    assert 0 < plan.estimated_kv_bytes <= b.kv_budget_bytes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.hot_context_tokens = 1  # type: ignore[misc]
+    again = build_plan(probe, [MINICPM5_2B], F16, "default").plan
+    assert again is not None and again.plan_id == plan.plan_id
+    # A different KV type is a different plan.
+    q8 = build_plan(probe, [MINICPM5_2B], KV_CACHE_TYPES["q8_0"], "flag").plan
+    assert q8 is not None and q8.plan_id != plan.plan_id
+
+
+def test_outcome_json_shape_and_refusal() -> None:
+    out = build_plan(probe_of(4 * GiB, 2 * GiB), [MINICPM5_2B, entry("tc", tier="tool-chat", params_b=0.8,
+                                                                     weights=500_000_000)], F16)
+    data = outcome_json(out)
+    assert out.plan is None and data["selected"] is None
+    assert {"kv_cache_type", "budget", "selected", "candidates", "error"} <= set(data)
+    assert all({"name", "verdict", "reason", "hot_context"} <= set(c) for c in data["candidates"])
+    err = data["error"]
+    assert err["code"] == "no_model_qualifies" and err["smallest"]["name"] == "minicpm5-2b"
+    assert isinstance(err["smallest"]["required_free_bytes"], int) and err["alternatives"]
+    assert "minicpm5-2b" in describe(out)
+
+
+def test_kv_cache_type_resolution() -> None:
+    assert resolve_kv_cache_type(None, None) == (F16, "default")
+    assert resolve_kv_cache_type(None, "q8_0") == (KV_CACHE_TYPES["q8_0"], "env")
+    assert resolve_kv_cache_type("q4_0", "q8_0") == (KV_CACHE_TYPES["q4_0"], "flag")
+    with pytest.raises(UsageError, match="CONTENOX_LLAMA_KV_CACHE_TYPE"):
+        resolve_kv_cache_type(None, "fp8")
+    with pytest.raises(UsageError, match="--kv-cache-type"):
+        resolve_kv_cache_type("q3", None)
+
+
+# ----------------------------------------------------------------------------- the CLI, bundled registry
+
+
+def load_bundled():
+    return pytest.importorskip("registry.catalog").load_registry()
+
+
+def write_probe(tmp_path: Path, total: int, free: int, kind: str = "nvidia") -> Path:
+    path = tmp_path / f"probe-{kind}-{total}-{free}.json"
+    path.write_text(json.dumps({"schema": 1, "devices": [
+        {"index": 0, "kind": kind, "name": "Test GPU", "total_bytes": total, "free_bytes": free}], "selected": 0}))
+    return path
+
+
+def plan_cli(*argv: str) -> tuple[int, dict]:
+    out = io.StringIO()
+    rc = main(["plan", "--json", *argv], out=out)
+    return rc, json.loads(out.getvalue())
+
+
+@pytest.fixture(autouse=True)
+def _home(request: pytest.FixtureRequest, hotfit_home: Path) -> None:
+    if "tmp_path" in request.fixturenames:  # the CLI tests need the bundled registry
+        pytest.importorskip("registry.catalog")
+
+
+def test_spec_small_device_class_end_to_end(tmp_path: Path) -> None:
+    # Spec: a 6 GiB card with 5.6 GiB free picks minicpm5-2b with ~75K f16 tokens.
+    rc, data = plan_cli("--probe-file", str(write_probe(tmp_path, 6 * GiB, 56 * GiB // 10)))
+    assert rc == 0 and data["error"] is None
+    assert data["kv_cache_type"] == "f16"
+    assert data["selected"]["name"] == "minicpm5-2b"
+    assert 70_000 <= data["selected"]["hot_context"] <= 80_000
+    b = data["budget"]
+    for key in ("free_bytes", "reserve_bytes", "headroom_bytes", "usable_bytes", "weights_bytes",
+                "allowance_bytes", "kv_budget_bytes", "hot_context_tokens"):
+        assert isinstance(b[key], int), key
+    names = {c["name"] for c in data["candidates"]}
+    assert {e.name for e in load_bundled().entries} == names  # every candidate listed
+    # The unverified nanbeige stays listed, excluded with its reason.
+    nan = next(c for c in data["candidates"] if c["name"].startswith("nanbeige"))
+    assert nan["verdict"] == "excluded" and nan["reason"]
+
+
+def test_no_fit_exits_3_with_the_error_object_and_the_number_is_exact(tmp_path: Path) -> None:
+    total = 4 * GiB
+    rc, data = plan_cli("--origin", "china", "--probe-file", str(write_probe(tmp_path, total, 3 * GiB)))
+    assert rc == 3 and data["selected"] is None
+    err = data["error"]
+    assert err["code"] == "no_model_qualifies"
+    assert err["smallest"]["name"] == "minicpm5-2b"
+    msg = err["message"]
+    for needle in ("origin china", "backend llama", "f16", "minicpm5-2b", "weights", "runtime allowance",
+                   "KV for 32768 tokens", "reserve", "headroom"):
+        assert needle in msg
+    alts = " ".join(err["alternatives"])
+    assert "raise the memory budget" in alts and "another origin" in alts and "hosted backend" in alts
+    need = err["smallest"]["required_free_bytes"]
+    assert need <= total
+    rc, ok = plan_cli("--origin", "china", "--probe-file", str(write_probe(tmp_path, total, need)))
+    assert rc == 0 and ok["selected"]["name"] == "minicpm5-2b"
+    assert ok["selected"]["hot_context"] >= MIN_AGENTIC_HOT_CONTEXT
+    rc, short = plan_cli("--origin", "china", "--probe-file", str(write_probe(tmp_path, total, need - 1)))
+    assert rc == 3 and short["selected"] is None
+
+
+def test_kv_type_from_env_and_flag_and_unknown_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    probe = str(write_probe(tmp_path, 12 * GiB, 12 * GiB))
+    rc, f16 = plan_cli("--probe-file", probe)
+    monkeypatch.setenv("CONTENOX_LLAMA_KV_CACHE_TYPE", "q8_0")
+    rc2, q8 = plan_cli("--probe-file", probe)
+    assert rc == rc2 == 0 and q8["kv_cache_type"] == "q8_0" and q8["kv_cache_type_source"] == "env"
+    same = f16["selected"]["name"]
+    c16 = next(c for c in f16["candidates"] if c["name"] == same)
+    c8 = next(c for c in q8["candidates"] if c["name"] == same)
+    assert c8["hot_context"] >= c16["hot_context"]
+    rc, flag = plan_cli("--probe-file", probe, "--kv-cache-type", "f16")
+    assert rc == 0 and flag["kv_cache_type"] == "f16" and flag["kv_cache_type_source"] == "flag"
+    monkeypatch.setenv("CONTENOX_LLAMA_KV_CACHE_TYPE", "q7")
+    out = io.StringIO()
+    assert main(["plan", "--json", "--probe-file", probe], out=out) == 2
+    err = json.loads(out.getvalue())["error"]
+    assert "q7" in err["message"] and "q8_0" in err["message"] and "f16" in err["message"]
+
+
+def test_origin_errors_and_isolation(tmp_path: Path) -> None:
+    probe = str(write_probe(tmp_path, 80 * GiB, 80 * GiB))
+    out = io.StringIO()
+    assert main(["plan", "--json", "--probe-file", probe, "--origin", "mars"], out=out) == 2
+    assert "us, eu, china, gus" in json.loads(out.getvalue())["error"]["message"]
+    rc, gus = plan_cli("--probe-file", probe, "--origin", "gus")
+    assert rc == 3 and gus["error"]["smallest"] is None and "at any budget" in gus["error"]["message"]
+    rc, eu_ov = plan_cli("--probe-file", probe, "--origin", "eu", "--backend", "openvino")
+    assert rc == 3 and eu_ov["selected"] is None
+    for origin in ("us", "eu", "china"):
+        rc, data = plan_cli("--probe-file", probe, "--origin", origin)
+        assert rc == 0 and data["selected"]["origin"] == origin
+
+
+def test_previous_is_kept_and_tool_chat_never_picked(tmp_path: Path) -> None:
+    probe = str(write_probe(tmp_path, 48 * GiB, 48 * GiB))
+    rc, fresh = plan_cli("--probe-file", probe, "--origin", "china")
+    assert rc == 0 and fresh["selected"]["name"] != "qwen3.5-4b"
+    rc, kept = plan_cli("--probe-file", probe, "--origin", "china", "--previous", "qwen3.5-4b")
+    assert rc == 0 and kept["selected"]["name"] == "qwen3.5-4b" and kept["selected"]["reused_previous"]
+    smoke = next(c for c in fresh["candidates"] if c["name"] == "qwen3.5-0.8b")
+    assert smoke["verdict"] == "excluded" and "tier" in smoke["reason"]
+    assert smoke["hot_context"] >= fresh["selected"]["hot_context"]  # the larger window, still not picked
+
+
+def test_human_output_lists_candidates_budget_and_kv_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = io.StringIO()
+    rc = main(["plan", "--probe-file", str(write_probe(tmp_path, 8 * GiB, 8 * GiB))], out=out)
+    text = out.getvalue()
+    assert rc == 0
+    assert "KV cache f16" in text and "usable" in text and "reserve" in text and "headroom" in text
+    for e in load_bundled().entries:
+        assert e.name in text
+
+
+def test_bad_probe_file_is_a_usage_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": 1, "devices": [{"index": 0, "kind": "gpu", "name": "x",
+                                                         "total_bytes": 1, "free_bytes": 1}], "selected": 0}))
+    out = io.StringIO()
+    assert main(["plan", "--json", "--probe-file", str(bad)], out=out) == 2
+    msg = json.loads(out.getvalue())["error"]["message"]
+    assert str(bad) in msg and "devices[0].kind" in msg
+
+
+def test_host_memory_probe_plans_with_the_host_reserve(tmp_path: Path) -> None:
+    total = 32 * GiB
+    rc, data = plan_cli("--probe-file", str(write_probe(tmp_path, total, 20 * GiB, kind="cpu")))
+    assert rc == 0 and data["budget"]["reserve_bytes"] == reserve_bytes("cpu", total)
