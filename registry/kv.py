@@ -214,3 +214,23 @@ def layer_profile(entry: Entry, max_context_tokens: int | None = None) -> LayerK
 
     shapes = tuple(KVLayerShape(g.count, *footprint(g), g.window_tokens) for g in groups)
     return LayerKVProfile(shapes, ceiling, "exact (per layer group)")
+
+
+def allocation_kv_bytes(entry: Entry, tokens: int, cache_type: KVCacheType | str,
+                        ubatch_tokens: int = LLAMA_UBATCH_TOKENS) -> int | None:
+    """What llama.cpp itself should allocate for the recorded KV-owning layers — the exact
+    per-group figure, without the spec's conservative Gemma/MLA/recurrent rules. For checking a
+    real allocation (stages/recheck), never for budgeting. None when the recorded geometry cannot
+    predict it: MLA (llama.cpp caches a compressed latent the registry does not record), or a
+    non-hybrid model whose groups do not cover every layer. Gemma's shared-KV layers (E2B/E4B) are
+    not recorded either, so for those this is still an upper bound."""
+    ct = KV_CACHE_TYPES[cache_type] if isinstance(cache_type, str) else cache_type
+    cfg = entry.config
+    if cfg.mla or not cfg.layer_groups:
+        return None
+    covered = sum(g.count for g in cfg.layer_groups)
+    if not cfg.recurrent and cfg.n_layers is not None and covered != cfg.n_layers:
+        return None
+    shapes = tuple(KVLayerShape(g.count, g.n_kv_heads * g.head_dim_k, g.n_kv_heads * g.head_dim_v, g.window_tokens)
+                   for g in cfg.layer_groups)
+    return kv_bytes(LayerKVProfile(shapes, max(tokens, 1), "allocation"), tokens, ct, ubatch_tokens)

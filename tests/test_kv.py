@@ -173,3 +173,19 @@ def test_kv_bytes_is_monotonic(p: LayerKVProfile, a: int, b: int) -> None:
     lo, hi = sorted((a, b))
     f16 = KV_CACHE_TYPES["f16"]
     assert kv_bytes(p, lo, f16) <= kv_bytes(p, hi, f16)
+
+
+def test_allocation_estimate_is_exact_per_group_not_conservative() -> None:
+    from registry.kv import allocation_kv_bytes
+
+    f16 = KV_CACHE_TYPES["f16"]
+    # Qwen3.5-like hybrid: llama.cpp allocates KV for the 8 full-attention layers only.
+    hybrid = entry("q35", groups=(LayerGroup(8, 4, 256, 256),), n_layers=32, recurrent=True)
+    assert allocation_kv_bytes(hybrid, 32768, "f16") == 8 * 2 * 4 * 256 * 2 * 32768
+    budgeted = layer_profile(hybrid)
+    assert isinstance(budgeted, LayerKVProfile)
+    assert kv_bytes(budgeted, 32768, f16) == 4 * allocation_kv_bytes(hybrid, 32768, f16)
+    # A dense model: budget and allocation agree exactly.
+    assert allocation_kv_bytes(MINICPM5_2B, 75520, f16) == kv_bytes(layer_profile(MINICPM5_2B), 75520, f16)  # type: ignore[arg-type]
+    # MLA cannot be predicted from the recorded geometry.
+    assert allocation_kv_bytes(entry("mla", mla=True), 32768, f16) is None
