@@ -476,3 +476,16 @@ def test_unverified_model_is_listed_but_not_auto_eligible(bundled: tuple) -> Non
     s = select_auto(bundled, card(6, 5.6), F16)
     nan = next(v for v in s.verdicts if v.entry.name.startswith("nanbeige"))
     assert nan.verdict == "excluded" and nan.reason_code in ("eligibility", "unknown_metadata")
+
+
+@pytest.mark.parametrize("usable_bytes", [0, -5 * GiB])
+def test_a_budget_of_nothing_fails_closed_naming_what_would_fit(usable_bytes: int) -> None:
+    s = select_auto(CATALOGUE, DeviceBudget.from_usable(usable_bytes), F16, origin="china")
+    assert s.chosen is None and s.refusal is not None and s.refusal.smallest is not None
+    assert s.refusal.smallest.name == "minicpm5-2b"
+    with pytest.raises(NoModelQualifies) as exc:
+        s.raise_if_refused()
+    assert exc.value.exit_code == 3
+    # Free memory below the reserve is a budget of 0, never negative.
+    b = card(8, 0.25)
+    assert b.usable_bytes == 0 and select_auto(CATALOGUE, b, F16).chosen is None
