@@ -235,7 +235,7 @@ async def probe_tool_call(
         request=request,
         answer=answer,
     )
-    record = {"verdict": "pass" if verdict.passed else "fail", **result.to_json()}
+    record = {"outcome": "pass" if verdict.passed else "fail", **result.to_json()}
     (server.run_dir / PROBE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     if not verdict.passed:
         prose = verdict.reason.startswith("answered in prose")
