@@ -79,6 +79,9 @@ class Stage:
     still_valid: Callable[[dict[str, Any]], bool] | None = None  # are recorded outputs on disk?
     encode: Callable[[Any], dict[str, Any] | None] = _to_json
     figures: Callable[[Any], dict[str, Any]] | None = None  # key figures for stage.done
+    # What downstream stages hash of this stage's outputs (default: all of them). Lets volatile
+    # facts (bytes transferred this run, a server's port) stay out of the inputs downstream.
+    fingerprint: Callable[[Mapping[str, Any]], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,18 @@ class PipelineOutcome:
     ran: tuple[str, ...]
 
 
-def inputs_hash(stage: Stage, ctx: StageContext, outputs: Mapping[str, Any]) -> str:
+def inputs_hash(stage: Stage, ctx: StageContext, fingerprints: Mapping[str, Any]) -> str:
+    """sha256 of what ``stage`` depends on: its own inputs (default: the plan id) and the
+    fingerprints of the upstream stages it names."""
     own = stage.inputs(ctx) if stage.inputs else {"plan_id": ctx.plan.plan_id if ctx.plan else None}
-    doc = {"stage": stage.name, "inputs": own, "upstream": {d: outputs.get(d) for d in stage.deps}}
+    doc = {"stage": stage.name, "inputs": own, "upstream": {d: fingerprints.get(d) for d in stage.deps}}
     return hashlib.sha256(canonical_json(doc).encode()).hexdigest()
 
 
-class _Signalled(Exception):
-    pass
+def _fingerprint(stage: Stage, outputs: Mapping[str, Any] | None) -> Any:
+    if outputs is None or stage.fingerprint is None:
+        return outputs
+    return stage.fingerprint(outputs)
 
 
 class Runner:
@@ -200,6 +207,7 @@ class Runner:
                           previous_plan_id: str | None) -> PipelineOutcome:
         results: dict[str, Any] = {}
         outputs: dict[str, dict[str, Any] | None] = {}
+        fingerprints: dict[str, Any] = {}
         skipped: list[str] = []
         ran: list[str] = []
         plan: Any = None
@@ -219,13 +227,13 @@ class Runner:
                     ctx = context()
                     if stage.session and stage.session not in session_skip:
                         session_skip[stage.session] = await self._session_reusable(
-                            [s for s in self.stages[index:] if s.session == stage.session], ctx, outputs)
+                            [s for s in self.stages[index:] if s.session == stage.session], ctx, fingerprints)
                     reuse: tuple[str, StageRecord] | None
                     if stage.session:
                         reuse = session_skip[stage.session].get(stage.name)
-                        digest = reuse[0] if reuse else inputs_hash(stage, ctx, outputs)
+                        digest = reuse[0] if reuse else inputs_hash(stage, ctx, fingerprints)
                     else:
-                        digest = inputs_hash(stage, ctx, outputs)
+                        digest = inputs_hash(stage, ctx, fingerprints)
                         reuse = await self._reusable(stage, digest)
                     plan_id = plan.plan_id if plan is not None else None
                     if reuse is not None:
@@ -234,6 +242,7 @@ class Runner:
                         results[stage.name] = stage.decode(record.outputs) if stage.decode else \
                             MappingProxyType(record.outputs)
                         outputs[stage.name] = record.outputs
+                        fingerprints[stage.name] = _fingerprint(stage, record.outputs)
                         await self.store.stage_skipped(run_id, stage.name, digest, plan_id, record.outputs,
                                                        f"inputs unchanged since run {record.run_id}")
                         log.info("stage.skip", reason="inputs_unchanged", from_run=record.run_id,
@@ -254,6 +263,7 @@ class Runner:
                     log.info("stage.done", duration_s=round(time.monotonic() - t0, 3), **figures)
                     results[stage.name] = result
                     outputs[stage.name] = encoded
+                    fingerprints[stage.name] = _fingerprint(stage, encoded)
                     ran.append(stage.name)
                     if stage.name == self.plan_stage:
                         plan = result
@@ -298,14 +308,364 @@ class Runner:
         return digest, record
 
     async def _session_reusable(self, group: list[Stage], ctx: StageContext,
-                                outputs: Mapping[str, Any]) -> dict[str, tuple[str, StageRecord]]:
+                                fingerprints: Mapping[str, Any]) -> dict[str, tuple[str, StageRecord]]:
         """All of a session's stages reusable (chained through their recorded outputs), or none."""
-        tentative = dict(outputs)
+        tentative = dict(fingerprints)
         found: dict[str, tuple[str, StageRecord]] = {}
         for stage in group:
             hit = await self._reusable(stage, inputs_hash(stage, ctx, tentative))
             if hit is None:
                 return {}
             found[stage.name] = hit
-            tentative[stage.name] = hit[1].outputs
+            tentative[stage.name] = _fingerprint(stage, hit[1].outputs)
         return found
+
+
+# ============================================================================ the hotfit stages
+#
+# probe → plan → fetch-weights → fetch-template → verify → load → probe-tool-call → re-check.
+# Each adapter below is thin: it pulls what the stage module needs out of the context and calls
+# it. The stage modules own the work; the runner owns state, skip and cleanup.
+
+STAGE_NAMES: tuple[str, ...] = (
+    "probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check",
+)
+SESSION_STAGES: tuple[str, ...] = ("load", "probe-tool-call", "re-check")
+SERVER_SESSION = "llama-server"
+# Spec (contenox `auto`): free disk for artifact + projector + this margin before downloading.
+DISK_MARGIN_BYTES = 512 * 1024 * 1024
+
+
+def _pins(ctx: StageContext) -> dict[str, Any]:
+    """What the downloaded bytes depend on: the pinned artifacts, not the window or budget."""
+    import dataclasses as _dc
+
+    entry = ctx.plan.entry
+    return {
+        "entry": entry.name,
+        "artifact": _dc.asdict(entry.artifact) if entry.artifact else None,
+        "projector": _dc.asdict(entry.projector) if entry.projector else None,
+        "models_dir": str(ctx.settings.models_dir),
+    }
+
+
+def _template_pin(ctx: StageContext) -> dict[str, Any]:
+    import dataclasses as _dc
+
+    entry = ctx.plan.entry
+    return {"entry": entry.name, "chat_template": _dc.asdict(entry.chat_template) if entry.chat_template else None,
+            "models_dir": str(ctx.settings.models_dir)}
+
+
+def _verify_inputs(ctx: StageContext) -> dict[str, Any]:
+    import dataclasses as _dc
+
+    entry = ctx.plan.entry
+    # verify cross-checks the GGUF header against the entry's architecture facts too
+    return {**_pins(ctx), "architecture": entry.architecture, "config": _dc.asdict(entry.config),
+            "context_limit": entry.context_limit}
+
+
+def _files_still_there(outputs: Mapping[str, Any]) -> bool:
+    """A recorded download/verify is reusable only while its files are on disk at their size."""
+    found = False
+    for path, size in _recorded_files(outputs):
+        found = True
+        p = Path(path)
+        if not p.is_file() or (size is not None and p.stat().st_size != size):
+            return False
+    return True  # nothing on disk to check
+
+
+def _recorded_files(outputs: Any) -> list[tuple[str, int | None]]:
+    """(path, size) pairs anywhere in a stage's outputs: ``{"path": ..., "size_bytes": ...}``
+    objects and ``*_path`` keys (size unknown)."""
+    found: list[tuple[str, int | None]] = []
+    if isinstance(outputs, Mapping):
+        if isinstance(outputs.get("path"), str):
+            size = outputs.get("size_bytes")
+            found.append((outputs["path"], size if isinstance(size, int) else None))
+        for key, value in outputs.items():
+            if key.endswith("_path") and isinstance(value, str) and key not in ("log_path", "stderr_path"):
+                found.append((value, None))
+            elif isinstance(value, (Mapping, list, tuple)):
+                found.extend(_recorded_files(value))
+    elif isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            found.extend(_recorded_files(item))
+    return found
+
+
+def _opts(ctx: StageContext) -> Any:
+    return ctx.options["auto"]
+
+
+def compute_plan(opts: Any, settings: Any, probe: Any, previous: str | None) -> Any:
+    """Selection for ``probe`` (stages.plan). Returns the ``PlanOutcome``; raises the fail-closed
+    :class:`NoModelQualifies` (logged as ``plan.rejected``) when nothing qualifies."""
+    from pipeline.errors import NoModelQualifies
+    from registry.catalog import load_registry
+    from stages.plan import build_plan, resolve_kv_cache_type
+
+    registry = load_registry(opts.registry_file)
+    cache_type, source = resolve_kv_cache_type(opts.kv_cache_type_flag, settings.kv_cache_type_raw)
+    try:
+        outcome = build_plan(probe, registry.entries, cache_type, source, origin=opts.origin,
+                             backend=opts.backend, previous=previous, model=opts.model)
+        if outcome.plan is None:
+            outcome.selection.raise_if_refused()
+    except NoModelQualifies as exc:
+        log.error("plan.rejected", kv_cache_type=cache_type.name, origin=opts.origin or "auto",
+                  backend=opts.backend, model=opts.model, error=exc.to_json())
+        raise
+    return outcome
+
+
+async def _probe_stage(ctx: StageContext) -> Any:
+    from stages.probe import load_probe_file, probe_devices
+
+    path = _opts(ctx).probe_file
+    if path is not None:
+        return await anyio.to_thread.run_sync(load_probe_file, path)
+    return await anyio.to_thread.run_sync(probe_devices)
+
+
+def _probe_figures(probe: Any) -> dict[str, Any]:
+    d = probe.device
+    return {"device_kind": d.kind, "device_name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes}
+
+
+async def _plan_stage(ctx: StageContext) -> Any:
+    outcome = compute_plan(_opts(ctx), ctx.settings, ctx.results["probe"], ctx.options.get("previous"))
+    return outcome.plan
+
+
+def _plan_figures(plan: Any) -> dict[str, Any]:
+    return {"model": plan.entry.name, "hot_context_tokens": plan.hot_context_tokens,
+            "kv_cache_type": plan.kv_cache_type, "kv_cache_type_source": plan.kv_cache_type_source,
+            "estimated_kv_bytes": plan.estimated_kv_bytes, "usable_bytes": plan.budget.usable_bytes,
+            "reused_previous": plan.reused_previous, "explicit_model": plan.explicit_model,
+            "new_plan_id": plan.plan_id}
+
+
+def _present_bytes(directory: Path) -> int:
+    total = 0
+    if directory.is_dir():
+        for p in directory.rglob("*"):
+            try:
+                if p.is_file():
+                    total += p.stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def disk_needed_bytes(entry: Any, present_bytes: int) -> int:
+    """Pure: free disk the fetch still needs (spec: artifact + projector + 512 MiB), less what a
+    previous attempt already left in the model directory."""
+    size = (entry.artifact.size_bytes or 0) if entry.artifact else 0
+    if entry.projector is not None:
+        size += entry.projector.size_bytes or 0
+    return max(size - present_bytes, 0) + DISK_MARGIN_BYTES
+
+
+def check_disk(entry: Any, dest: Path) -> None:
+    import shutil as _shutil
+
+    from pipeline.errors import DiskSpaceError
+
+    probe_dir = dest
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    needed = disk_needed_bytes(entry, _present_bytes(dest))
+    free = _shutil.disk_usage(probe_dir).free
+    log.info("fetch.disk_check", needed_bytes=needed, free_bytes=free, directory=str(dest))
+    if free < needed:
+        raise DiskSpaceError(
+            f"{dest} needs {needed} bytes free (artifact + projector + 512 MiB margin, less what is "
+            f"already there) but the file system has {free}",
+            hint="free disk space or point --home / HOTFIT_HOME at a larger file system",
+            needed_bytes=needed, free_bytes=free, directory=str(dest),
+        )
+
+
+def _model_lock(ctx: StageContext) -> Any:
+    from state.locks import FileLock
+
+    dest = ctx.settings.model_dir(ctx.plan.entry.name)
+    # the lock `hotfit pull` takes, so a pull of the same entry never writes beside us
+    return FileLock(dest / ".partial" / "pull.lock", wait=_opts(ctx).wait,
+                    what=f"model directory {dest}").async_held()
+
+
+async def _fetch_weights_stage(ctx: StageContext) -> Any:
+    from stages.fetch_weights import fetch_weights
+
+    entry = ctx.plan.entry
+    dest = ctx.settings.model_dir(entry.name)
+    await anyio.to_thread.run_sync(check_disk, entry, dest)
+    async with _model_lock(ctx):
+        return await fetch_weights(entry, dest, settings=ctx.settings, wait=_opts(ctx).wait)
+
+
+def _file_fp(f: Mapping[str, Any] | None) -> Any:
+    return None if f is None else {k: f.get(k) for k in ("path", "size_bytes", "sha256")}
+
+
+def _fetch_fingerprint(out: Mapping[str, Any]) -> Any:
+    snap = out.get("snapshot")
+    return {"weights": _file_fp(out.get("weights")), "projector": _file_fp(out.get("projector")),
+            "snapshot": None if snap is None else {k: snap.get(k) for k in ("commit", "directory", "size_bytes")}}
+
+
+def _fetch_figures(result: Any) -> dict[str, Any]:
+    w = result.weights
+    if w is None:
+        return {"vision": result.vision}
+    return {"file": w.file, "size_bytes": w.size_bytes, "bytes_transferred": w.bytes_transferred,
+            "resumed_from_bytes": w.resumed_from_bytes, "already_present": w.already_present,
+            "sha256": w.sha256, "vision": result.vision}
+
+
+def _weights_path(ctx: StageContext) -> Path | None:
+    entry = ctx.plan.entry
+    if entry.artifact is None or entry.artifact.file is None:
+        return None
+    return ctx.settings.model_dir(entry.name) / entry.artifact.file
+
+
+async def _fetch_template_stage(ctx: StageContext) -> Any:
+    from stages.fetch_template import fetch_template
+
+    entry = ctx.plan.entry
+    async with _model_lock(ctx):
+        return await fetch_template(entry, ctx.settings.model_dir(entry.name), settings=ctx.settings,
+                                    weights_path=_weights_path(ctx), wait=_opts(ctx).wait)
+
+
+def _template_fingerprint(out: Mapping[str, Any]) -> Any:
+    return {k: out.get(k) for k in ("path", "sha256", "source")}
+
+
+def _template_still_there(out: Mapping[str, Any]) -> bool:
+    path = out.get("path")
+    return path is None or Path(path).is_file()
+
+
+async def _verify_stage(ctx: StageContext) -> Any:
+    from stages.verify import verify
+
+    entry = ctx.plan.entry
+    async with _model_lock(ctx):
+        return await verify(entry, ctx.settings.model_dir(entry.name))
+
+
+def _verify_fingerprint(out: Mapping[str, Any]) -> Any:
+    return {k: out.get(k) for k in ("weights_path", "size_bytes", "sha256", "chat_template_path")}
+
+
+def _verify_still_there(out: Mapping[str, Any]) -> bool:
+    path = out.get("weights_path")
+    if path is None:
+        return False
+    p = Path(path)
+    if p.is_dir():
+        return True
+    return p.is_file() and p.stat().st_size == out.get("size_bytes")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """The live llama-server (valid until the pipeline ends) and the binary it runs."""
+
+    server: Any  # stages.load.LoadedServer
+    backend: Any  # pipeline.backend.Backend
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.server.to_json(), "backend": self.backend.to_json()}
+
+
+async def _load_stage(ctx: StageContext) -> LoadResult:
+    from pipeline.backend import find_llama_server
+    from stages.load import open_server
+
+    plan = ctx.plan
+    backend = await anyio.to_thread.run_sync(find_llama_server, ctx.settings)
+    verified = ctx.results["verify"]
+    weights = verified["weights_path"] if isinstance(verified, Mapping) else verified.weights_path
+    template_path = verified["chat_template_path"] if isinstance(verified, Mapping) else verified.chat_template_path
+    server = await ctx.enter_context(open_server(
+        plan, Path(weights), binary=backend.server_path, run_dir=ctx.run_dir,
+        template_path=Path(template_path) if template_path else None))
+    return LoadResult(server=server, backend=backend)
+
+
+def _load_fingerprint(out: Mapping[str, Any]) -> Any:
+    # the port, pid and timing change every start; the command line without the port does not
+    argv = list(out.get("argv") or [])
+    if "--port" in argv:
+        i = argv.index("--port")
+        del argv[i:i + 2]
+    return {"argv": argv, "template": out.get("template")}
+
+
+def _load_figures(result: LoadResult) -> dict[str, Any]:
+    s = result.server
+    return {"pid": s.pid, "load_seconds": round(s.load_seconds, 3), "template": s.template.describe(),
+            "llama_server": str(result.backend.server_path)}
+
+
+async def _probe_tool_call_stage(ctx: StageContext) -> Any:
+    from stages.probe_tool_call import probe_tool_call
+
+    return await probe_tool_call(ctx.results["load"].server)
+
+
+def _probe_call_figures(result: Any) -> dict[str, Any]:
+    return {"passed": result.verdict.passed, "reason": result.verdict.reason, "tool": result.verdict.tool_name,
+            "prompt_tokens_per_s": result.prompt_tokens_per_s,
+            "generation_tokens_per_s": result.generation_tokens_per_s}
+
+
+def _probe_call_fingerprint(out: Mapping[str, Any]) -> Any:
+    verdict = out.get("verdict") or {}
+    return {"passed": verdict.get("passed"), "template": out.get("template")}
+
+
+async def _recheck_stage(ctx: StageContext) -> Any:
+    from stages.recheck import recheck_allocation
+
+    report = await recheck_allocation(ctx.results["load"].server, ctx.plan)
+    opened = min(report.opened_n_ctx_per_slot) if report.opened_n_ctx_per_slot else None
+    # contenox `auto`: an opened session holding less than half the estimate is worth a warning
+    if opened is not None and opened * 2 < ctx.plan.hot_context_tokens:
+        log.warning("recheck.below_half_estimate", opened_context_tokens=opened,
+                    planned_hot_context_tokens=ctx.plan.hot_context_tokens)
+    return report
+
+
+def _recheck_figures(report: Any) -> dict[str, Any]:
+    return {"verdict": report.verdict, "opened_context_tokens": list(report.opened_n_ctx_per_slot),
+            "planned_hot_context_tokens": report.planned_hot_context_tokens,
+            "estimated_kv_bytes": report.estimated_kv_bytes, "actual_kv_bytes": report.actual_kv_bytes,
+            "ratio": round(report.ratio, 6) if report.ratio is not None else None}
+
+
+def hotfit_stages() -> list[Stage]:
+    """The pipeline of ``hotfit auto``, in order (issue 6)."""
+    return [
+        Stage("probe", _probe_stage, always_run=True, figures=_probe_figures),
+        Stage("plan", _plan_stage, deps=("probe",), always_run=True, figures=_plan_figures),
+        Stage("fetch-weights", _fetch_weights_stage, inputs=_pins, still_valid=_files_still_there,
+              fingerprint=_fetch_fingerprint, figures=_fetch_figures),
+        Stage("fetch-template", _fetch_template_stage, deps=("fetch-weights",), inputs=_template_pin,
+              still_valid=_template_still_there, fingerprint=_template_fingerprint),
+        Stage("verify", _verify_stage, deps=("fetch-weights", "fetch-template"), inputs=_verify_inputs,
+              still_valid=_verify_still_there, fingerprint=_verify_fingerprint),
+        Stage("load", _load_stage, deps=("verify",), session=SERVER_SESSION, fingerprint=_load_fingerprint,
+              figures=_load_figures),
+        Stage("probe-tool-call", _probe_tool_call_stage, deps=("load",), session=SERVER_SESSION,
+              fingerprint=_probe_call_fingerprint, figures=_probe_call_figures),
+        Stage("re-check", _recheck_stage, deps=("load", "probe-tool-call"), session=SERVER_SESSION,
+              figures=_recheck_figures),
+    ]
