@@ -1,0 +1,351 @@
+"""``hotfit registry lock``: pin what the registry leaves open, from the Hub API (online).
+
+For every entry whose artifact, projector or chat-template source has a null revision (or an artifact
+with a null size or sha256), ask the Hub (``HfApi.model_info(..., files_metadata=True)``: commit sha,
+file sizes, LFS sha256) and fill the nulls. Rules:
+
+* a value already recorded is never overwritten; if the Hub disagrees the disagreement is reported
+  (``mismatch``) and nothing of that artifact is written — a revision resolved from ``main`` must not
+  be paired with bytes recorded from another snapshot;
+* an unpinned revision resolves to the repository's current ``main`` commit;
+* a file missing at the revision, an unknown repository or revision, a gated repository are reported
+  (``error``) and leave the entry as it was;
+* the result is re-checked against the schema, then written atomically (temp file in the same
+  directory, fsync, rename, fsync of the directory): a crash leaves the old file or the new one.
+
+The pure part (``apply_hub_facts``) decides from already-fetched ``HubFacts``; ``lock_registry`` does
+the I/O. The registry is a JSON document, edited as such so unknown top-level keys survive.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import stat
+import tempfile
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from pipeline.errors import HubError, PinMismatch, UsageError
+from pipeline.log import get_logger
+from registry.catalog import bundled_registry_path, parse_registry
+
+log = get_logger()
+
+ARTIFACT_KEYS = ("artifact", "projector")
+TEMPLATE_KEY = "chat_template"
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    size_bytes: int
+    sha256: str | None  # the LFS oid; None for a file kept in git (the Hub gives only its git blob id)
+
+
+@dataclass(frozen=True)
+class HubFacts:
+    """What the Hub says about one repository at one revision."""
+
+    repo: str
+    commit: str
+    files: Mapping[str, FileFacts]
+
+
+@dataclass(frozen=True)
+class LockChange:
+    entry: str
+    field: str
+    new: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entry": self.entry, "field": self.field, "new": self.new}
+
+
+@dataclass(frozen=True)
+class LockProblem:
+    entry: str
+    field: str
+    kind: str  # "mismatch" (a recorded value disagrees with the Hub) | "error" (the Hub could not answer)
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entry": self.entry, "field": self.field, "kind": self.kind, "message": self.message}
+
+
+@dataclass(frozen=True)
+class LockReport:
+    source: str
+    output: str | None  # where the registry was written; None = nothing to write
+    checked: tuple[str, ...]
+    changes: tuple[LockChange, ...] = ()
+    problems: tuple[LockProblem, ...] = ()
+
+    @property
+    def exit_code(self) -> int:
+        if any(p.kind == "mismatch" for p in self.problems):
+            return PinMismatch.exit_code
+        if self.problems:
+            return HubError.exit_code
+        return 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "output": self.output,
+            "checked": list(self.checked),
+            "changes": [c.to_json() for c in self.changes],
+            "problems": [p.to_json() for p in self.problems],
+        }
+
+
+# --------------------------------------------------------------------------- pure core
+
+
+def needs_lock(entry: Mapping[str, Any]) -> bool:
+    """True when the entry leaves a revision (or an artifact's size/sha256) to be resolved."""
+    for key in ARTIFACT_KEYS:
+        art = entry.get(key)
+        if art and (art.get("revision") is None or art.get("size_bytes") is None
+                    or (art.get("file") is not None and art.get("sha256") is None)):
+            return True
+    tpl = entry.get(TEMPLATE_KEY)
+    return bool(tpl and tpl.get("revision") is None)
+
+
+def queries_for(entry: Mapping[str, Any], *, verify_pinned: bool = False) -> list[tuple[str, str | None]]:
+    """The (repo, revision-or-None) pairs the Hub must answer for this entry."""
+    out: list[tuple[str, str | None]] = []
+    for key in (*ARTIFACT_KEYS, TEMPLATE_KEY):
+        comp = entry.get(key)
+        if not comp:
+            continue
+        if key == TEMPLATE_KEY:
+            open_ = comp.get("revision") is None
+        else:
+            open_ = (comp.get("revision") is None or comp.get("size_bytes") is None
+                     or (comp.get("file") is not None and comp.get("sha256") is None))
+        if open_ or verify_pinned:
+            pair = (comp["repo"], comp.get("revision"))
+            if pair not in out:
+                out.append(pair)
+    return out
+
+
+def apply_hub_facts(
+    entry: dict[str, Any],
+    lookup: Callable[[str, str | None], HubFacts | str],
+    *,
+    verify_pinned: bool = False,
+) -> tuple[list[LockChange], list[LockProblem]]:
+    """Fill ``entry``'s open values from ``lookup`` (repo, revision) → facts or an error text.
+
+    Mutates ``entry`` in place; returns what changed and what disagreed or failed (pure: no I/O).
+    """
+    name = entry.get("name", "?")
+    changes: list[LockChange] = []
+    problems: list[LockProblem] = []
+    for key in ARTIFACT_KEYS:
+        art = entry.get(key)
+        if not art:
+            continue
+        is_open = (art.get("revision") is None or art.get("size_bytes") is None
+                   or (art.get("file") is not None and art.get("sha256") is None))
+        if not (is_open or verify_pinned):
+            continue
+        facts = lookup(art["repo"], art.get("revision"))
+        if isinstance(facts, str):
+            problems.append(LockProblem(name, key, "error", facts))
+            continue
+        updates, comp_problems = _artifact_updates(name, key, art, facts)
+        problems.extend(comp_problems)
+        if any(p.kind == "mismatch" for p in comp_problems):
+            continue  # never pair recorded bytes with another snapshot's commit
+        for fld, value in updates.items():
+            art[fld] = value
+            changes.append(LockChange(name, f"{key}.{fld}", value))
+    tpl = entry.get(TEMPLATE_KEY)
+    if tpl and (tpl.get("revision") is None or verify_pinned):
+        facts = lookup(tpl["repo"], tpl.get("revision"))
+        if isinstance(facts, str):
+            problems.append(LockProblem(name, TEMPLATE_KEY, "error", facts))
+        elif tpl["file"] not in facts.files:
+            problems.append(LockProblem(
+                name, f"{TEMPLATE_KEY}.file", "error",
+                f"{tpl['file']} is not in {tpl['repo']} at {facts.commit}; correct the template source"))
+        elif tpl.get("revision") is None:
+            tpl["revision"] = facts.commit
+            changes.append(LockChange(name, f"{TEMPLATE_KEY}.revision", facts.commit))
+    return changes, problems
+
+
+def _artifact_updates(name: str, key: str, art: Mapping[str, Any],
+                      facts: HubFacts) -> tuple[dict[str, Any], list[LockProblem]]:
+    updates: dict[str, Any] = {}
+    problems: list[LockProblem] = []
+    where = f"{art['repo']}@{facts.commit}"
+    if art.get("file") is None:  # a whole-repository snapshot (OpenVINO)
+        size = sum(f.size_bytes for f in facts.files.values())
+        sha = None
+    else:
+        found = facts.files.get(art["file"])
+        if found is None:
+            return {}, [LockProblem(name, f"{key}.file", "error",
+                                    f"{art['file']} is not in {where}; correct the file name or the revision")]
+        size, sha = found.size_bytes, found.sha256
+    if art.get("size_bytes") is None:
+        updates["size_bytes"] = size
+    elif art["size_bytes"] != size:
+        problems.append(LockProblem(name, f"{key}.size_bytes", "mismatch",
+                                    f"recorded {art['size_bytes']} bytes, the Hub has {size} at {where}"))
+    if art.get("file") is not None and sha is not None:
+        if art.get("sha256") is None:
+            updates["sha256"] = sha
+        elif art["sha256"] != sha:
+            problems.append(LockProblem(name, f"{key}.sha256", "mismatch",
+                                        f"recorded sha256 {art['sha256']}, the Hub has {sha} at {where}"))
+    if art.get("revision") is None:
+        updates["revision"] = facts.commit
+    return updates, problems
+
+
+# --------------------------------------------------------------------------- effectful shell
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_name, mode)
+        os.replace(tmp_name, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def render_registry(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
+    """Ask the Hub for one repository at one revision (None = main); an error comes back as text."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        info = api.model_info(repo, revision=revision, files_metadata=True)
+    except GatedRepoError:
+        return f"{repo} is gated: accept its terms on the Hub and log in (HF_TOKEN) before locking"
+    except RepositoryNotFoundError:
+        return f"repository {repo} not found on the Hub (renamed, private or deleted?)"
+    except RevisionNotFoundError:
+        return f"revision {revision} not found in {repo} (the pinned commit is gone?)"
+    except HfHubHTTPError as exc:
+        return f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}"
+    except OSError as exc:  # connection refused, DNS, TLS, timeouts (httpx errors derive from it or wrap it)
+        return f"cannot reach the Hub for {repo}: {exc}"
+    except Exception as exc:  # httpx transport errors are not OSError subclasses
+        if type(exc).__module__.startswith(("httpx", "httpcore")):
+            return f"cannot reach the Hub for {repo}: {exc}"
+        raise
+    files: dict[str, FileFacts] = {}
+    for sib in info.siblings or ():
+        lfs = getattr(sib, "lfs", None)
+        size = lfs.size if lfs is not None else sib.size
+        if size is None:
+            return f"the Hub gave no size for {repo}/{sib.rfilename}; retry later"
+        files[sib.rfilename] = FileFacts(size_bytes=int(size), sha256=lfs.sha256 if lfs is not None else None)
+    return HubFacts(repo=repo, commit=info.sha, files=files)
+
+
+@dataclass
+class _Cache:
+    api: Any
+    seen: dict[tuple[str, str | None], HubFacts | str] = field(default_factory=dict)
+
+    def __call__(self, repo: str, revision: str | None) -> HubFacts | str:
+        key = (repo, revision)
+        if key not in self.seen:
+            log.info("registry.lock.query", repo=repo, revision=revision or "main")
+            self.seen[key] = hub_facts(self.api, repo, revision)
+        return self.seen[key]
+
+
+def lock_registry(
+    source: Path | None,
+    output: Path | None,
+    *,
+    endpoint: str,
+    offline: bool = False,
+    verify_pinned: bool = False,
+    api: Any = None,
+) -> LockReport:
+    """Resolve open revisions/sizes/sha256 of ``source`` (None = bundled) and write ``output``
+    (None = in place). Writes only when something changed or ``output`` differs from ``source``."""
+    if offline:
+        raise UsageError("'hotfit registry lock' asks the Hub and HF_HUB_OFFLINE is set",
+                         hint="unset HF_HUB_OFFLINE (or set HF_ENDPOINT to a reachable mirror) and rerun")
+    src_path = Path(source) if source is not None else bundled_registry_path()
+    label = str(src_path)
+    try:
+        text = src_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{label}: cannot be read ({exc.strerror or exc})",
+                         hint="pass an existing registry file with --registry") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = None
+    from registry.catalog import parse_registry_text
+
+    parse_registry_text(text, label)  # a broken file fails here, before any request
+    assert isinstance(doc, dict)
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=endpoint)
+    lookup = _Cache(api)
+
+    new_doc = copy.deepcopy(doc)
+    changes: list[LockChange] = []
+    problems: list[LockProblem] = []
+    checked: list[str] = []
+    for entry in new_doc["entries"]:
+        if not (needs_lock(entry) or verify_pinned):
+            continue
+        checked.append(entry["name"])
+        c, p = apply_hub_facts(entry, lookup, verify_pinned=verify_pinned)
+        changes.extend(c)
+        problems.extend(p)
+
+    dest = Path(output) if output is not None else src_path
+    written: str | None = None
+    if changes or dest != src_path:
+        parse_registry(new_doc, f"{label} (locked)")  # the result must still pass the schema
+        write_atomic(dest, render_registry(new_doc))
+        written = str(dest)
+    for change in changes:
+        log.info("registry.lock.pinned", entry=change.entry, field=change.field, value=change.new)
+    for problem in problems:
+        log.warning("registry.lock.problem", entry=problem.entry, field=problem.field, kind=problem.kind,
+                    message=problem.message)
+    return LockReport(source=label, output=written, checked=tuple(checked),
+                      changes=tuple(changes), problems=tuple(problems))

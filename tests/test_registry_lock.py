@@ -1,0 +1,270 @@
+"""registry.lock / `hotfit registry lock`: pin open revisions, sizes and sha256 from a (local) Hub."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.errors import UsageError
+from registry.catalog import bundled_registry_path, load_registry
+from registry.lock import (
+    FileFacts,
+    HubFacts,
+    apply_hub_facts,
+    lock_registry,
+    needs_lock,
+    write_atomic,
+)
+from tests.hubserver import LocalHub
+
+GGUF = b"GGUF" + bytes(range(256)) * 64  # content is irrelevant; the Hub reports its size and sha256
+TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+BUNDLED = json.loads(bundled_registry_path().read_text(encoding="utf-8"))
+
+
+def _entry(name: str, *, artifact: dict[str, Any], template: dict[str, Any] | None) -> dict[str, Any]:
+    """A schema-valid, not-auto-eligible entry (so null facts are allowed) pointing at local repos."""
+    base = copy.deepcopy(next(e for e in BUNDLED["entries"] if e["name"] == "gpt-oss-20b"))
+    base.update(name=name, auto_eligible=False, ineligible_cause="unverified",
+                ineligible_reason="not yet pinned", artifact=artifact, chat_template=template)
+    return base
+
+
+def _art(repo: str, revision: str | None, file: str | None, size: int | None = None,
+         sha: str | None = None) -> dict[str, Any]:
+    return {"repo": repo, "revision": revision, "file": file, "size_bytes": size, "sha256": sha}
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[LocalHub]:
+    with LocalHub(tmp_path / "localhub") as running:
+        yield running
+
+
+@pytest.fixture
+def repos(hub: LocalHub) -> dict[str, str]:
+    """org/m-GGUF (two commits: the file changed), org/m (template), org/snap (OpenVINO-like snapshot)."""
+    first = hub.store.create_repo("org/m-GGUF", {"m-Q4_K_M.gguf": GGUF}, lfs=["m-Q4_K_M.gguf"])
+    second = hub.store.commit("org/m-GGUF", {"m-Q4_K_M.gguf": GGUF + b"requant"}, lfs=["m-Q4_K_M.gguf"])
+    tpl = hub.store.create_repo("org/m", {"chat_template.jinja": TEMPLATE, "config.json": "{}"})
+    snap = hub.store.create_repo("org/snap", {"openvino_model.bin": b"\0" * 5000, "tokenizer_config.json": "{}"},
+                                 lfs=["openvino_model.bin"])
+    return {"first": first, "second": second, "tpl": tpl, "snap": snap}
+
+
+def _write(tmp_path: Path, entries: list[dict[str, Any]]) -> Path:
+    path = tmp_path / "registry.json"
+    path.write_text(json.dumps({"schema": 1, "description": "kept", "entries": entries}, indent=2))
+    return path
+
+
+def _by_name(path: Path) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in json.loads(path.read_text())["entries"]}
+
+
+# --------------------------------------------------------------------------- against the local Hub
+
+
+def test_lock_fills_open_values_from_the_hub_and_keeps_the_rest(tmp_path: Path, hub: LocalHub,
+                                                                   repos: dict[str, str]) -> None:
+    requant = GGUF + b"requant"
+    src = _write(tmp_path, [
+        _entry("open", artifact=_art("org/m-GGUF", None, "m-Q4_K_M.gguf"),
+               template={"repo": "org/m", "revision": None, "file": "chat_template.jinja"}),
+        _entry("pinned-old", artifact=_art("org/m-GGUF", repos["first"], "m-Q4_K_M.gguf"),
+               template={"repo": "org/m", "revision": repos["tpl"], "file": "chat_template.jinja"}),
+        _entry("snapshot", artifact=_art("org/snap", None, None, 5002), template=None),
+    ])
+    before = src.read_text()
+    out = tmp_path / "locked.json"
+    report = lock_registry(src, out, endpoint=hub.endpoint)
+
+    assert report.problems == () and report.exit_code == 0
+    assert src.read_text() == before, "--output leaves the source untouched"
+    locked = _by_name(out)
+    # unpinned → main's head, with that commit's bytes and LFS sha256
+    assert locked["open"]["artifact"] == _art("org/m-GGUF", repos["second"], "m-Q4_K_M.gguf",
+                                              len(requant), hashlib.sha256(requant).hexdigest())
+    assert locked["open"]["chat_template"]["revision"] == repos["tpl"]
+    # pinned to the older commit → its own (older) bytes, never main's
+    assert locked["pinned-old"]["artifact"]["revision"] == repos["first"]
+    assert locked["pinned-old"]["artifact"]["size_bytes"] == len(GGUF)
+    assert locked["pinned-old"]["artifact"]["sha256"] == hashlib.sha256(GGUF).hexdigest()
+    # a snapshot: the whole repository, recorded total confirmed, revision pinned
+    assert locked["snapshot"]["artifact"]["revision"] == repos["snap"]
+    assert locked["snapshot"]["artifact"]["size_bytes"] == 5002
+    assert json.loads(out.read_text())["description"] == "kept"
+    assert load_registry(out).get("open").artifact.revision == repos["second"]  # still schema-valid
+    assert {c.field for c in report.changes if c.entry == "open"} == {
+        "artifact.revision", "artifact.size_bytes", "artifact.sha256", "chat_template.revision"}
+
+
+def test_a_recorded_value_that_disagrees_is_reported_never_overwritten(tmp_path: Path, hub: LocalHub,
+                                                                       repos: dict[str, str]) -> None:
+    wrong_sha = "0" * 64
+    src = _write(tmp_path, [
+        _entry("bad-size", artifact=_art("org/m-GGUF", repos["first"], "m-Q4_K_M.gguf", 123), template=None),
+        _entry("bad-sha", artifact=_art("org/m-GGUF", None, "m-Q4_K_M.gguf", None, wrong_sha), template=None),
+        _entry("bad-snapshot", artifact=_art("org/snap", None, None, 999), template=None),
+    ])
+    report = lock_registry(src, None, endpoint=hub.endpoint)
+
+    locked = _by_name(src)  # in place
+    assert locked["bad-size"]["artifact"]["size_bytes"] == 123
+    assert locked["bad-size"]["artifact"]["sha256"] is None, "nothing of a disagreeing artifact is written"
+    assert locked["bad-sha"]["artifact"]["sha256"] == wrong_sha
+    assert locked["bad-sha"]["artifact"]["revision"] is None, "main's commit is not paired with other bytes"
+    assert locked["bad-snapshot"]["artifact"]["revision"] is None
+    kinds = {(p.entry, p.field, p.kind) for p in report.problems}
+    assert kinds == {("bad-size", "artifact.size_bytes", "mismatch"),
+                     ("bad-sha", "artifact.sha256", "mismatch"),
+                     ("bad-snapshot", "artifact.size_bytes", "mismatch")}
+    assert report.exit_code == 4 and report.output is None
+    assert any(str(len(GGUF)) in p.message for p in report.problems if p.entry == "bad-size")
+
+
+def test_missing_repo_file_or_template_is_reported_and_left_alone(tmp_path: Path, hub: LocalHub,
+                                                                  repos: dict[str, str]) -> None:
+    src = _write(tmp_path, [
+        _entry("no-repo", artifact=_art("org/missing", None, "x.gguf"), template=None),
+        _entry("no-file", artifact=_art("org/m-GGUF", None, "other.gguf"), template=None),
+        _entry("no-template", artifact=_art("org/m-GGUF", repos["first"], "m-Q4_K_M.gguf", len(GGUF),
+                                            hashlib.sha256(GGUF).hexdigest()),
+               template={"repo": "org/m", "revision": None, "file": "tokenizer_config.json"}),
+        _entry("no-revision", artifact=_art("org/m-GGUF", "f" * 40, "m-Q4_K_M.gguf"), template=None),
+    ])
+    before = src.read_text()
+    report = lock_registry(src, None, endpoint=hub.endpoint)
+    assert src.read_text() == before
+    by_entry = {p.entry: p for p in report.problems}
+    assert set(by_entry) == {"no-repo", "no-file", "no-template", "no-revision"}
+    assert all(p.kind == "error" for p in report.problems)
+    assert "not found" in by_entry["no-repo"].message
+    assert "other.gguf is not in org/m-GGUF" in by_entry["no-file"].message
+    assert "tokenizer_config.json is not in org/m" in by_entry["no-template"].message
+    assert "f" * 40 in by_entry["no-revision"].message
+    assert report.exit_code == 4
+
+
+def test_cli_lock_json_report_and_exit_code(tmp_path: Path, hub: LocalHub, repos: dict[str, str],
+                                            monkeypatch: pytest.MonkeyPatch, hotfit_home: Path) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m-Q4_K_M.gguf"), template=None)])
+    out = tmp_path / "out.json"
+    buf = io.StringIO()
+    code = main(["--json", "registry", "lock", "--registry", str(src), "--output", str(out)], out=buf)
+    data = json.loads(buf.getvalue())
+    assert code == 0 and data["exit_code"] == 0
+    assert data["output"] == str(out) and data["checked"] == ["open"]
+    assert {c["field"] for c in data["changes"]} == {"artifact.revision", "artifact.size_bytes", "artifact.sha256"}
+    assert _by_name(out)["open"]["artifact"]["revision"] == repos["second"]
+
+
+def test_cli_lock_verify_reports_a_pinned_value_the_hub_contradicts(tmp_path: Path, hub: LocalHub,
+                                                                    repos: dict[str, str],
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    hotfit_home: Path) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    src = _write(tmp_path, [_entry("full", artifact=_art("org/m-GGUF", repos["first"], "m-Q4_K_M.gguf",
+                                                         len(GGUF), "1" * 64), template=None)])
+    buf = io.StringIO()
+    assert main(["registry", "lock", "--registry", str(src)], out=buf) == 0  # nothing open: nothing asked
+    assert "none needed it" in buf.getvalue()
+    buf = io.StringIO()
+    code = main(["registry", "lock", "--registry", str(src), "--verify"], out=buf)
+    assert code == 4 and "mismatch: full artifact.sha256" in buf.getvalue()
+    assert _by_name(src)["full"]["artifact"]["sha256"] == "1" * 64
+
+
+def test_lock_refuses_offline_and_a_broken_registry_before_any_request(tmp_path: Path) -> None:
+    src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None)])
+    with pytest.raises(UsageError, match="HF_HUB_OFFLINE"):
+        lock_registry(src, None, endpoint="http://127.0.0.1:9", offline=True)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"schema": 1, "entries": [{"name": "x"}]}')
+    with pytest.raises(UsageError, match="'display_name' is missing"):
+        lock_registry(broken, None, endpoint="http://127.0.0.1:9")  # nothing listens there: never asked
+
+
+def test_unreachable_hub_is_an_error_per_entry(tmp_path: Path) -> None:
+    src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None)])
+    report = lock_registry(src, None, endpoint="http://127.0.0.1:9")  # discard port: connection refused
+    assert [p.kind for p in report.problems] == ["error"] and report.exit_code == 4
+    assert "cannot reach the Hub" in report.problems[0].message
+
+
+# --------------------------------------------------------------------------- pure core
+
+
+def test_needs_lock_only_for_open_values() -> None:
+    full = _entry("x", artifact=_art("o/r", "a" * 40, "m.gguf", 1, "b" * 64),
+                  template={"repo": "o/r", "revision": "c" * 40, "file": "chat_template.jinja"})
+    assert not needs_lock(full)
+    for path, value in (("revision", None), ("size_bytes", None), ("sha256", None)):
+        e = copy.deepcopy(full)
+        e["artifact"][path] = value
+        assert needs_lock(e), path
+    e = copy.deepcopy(full)
+    e["chat_template"]["revision"] = None
+    assert needs_lock(e)
+    snapshot = _entry("s", artifact=_art("o/r", "a" * 40, None, 5), template=None)
+    assert not needs_lock(snapshot), "a snapshot has no per-file sha256 to resolve"
+
+
+def test_apply_hub_facts_is_pure_and_never_overwrites() -> None:
+    facts = HubFacts("o/r", "d" * 40, {"m.gguf": FileFacts(10, "e" * 64), "t.jinja": FileFacts(3, None)})
+    asked: list[tuple[str, str | None]] = []
+
+    def lookup(repo: str, revision: str | None) -> HubFacts | str:
+        asked.append((repo, revision))
+        return facts
+
+    entry = _entry("x", artifact=_art("o/r", None, "m.gguf", 10, None),
+                   template={"repo": "o/r", "revision": None, "file": "t.jinja"})
+    changes, problems = apply_hub_facts(entry, lookup)
+    assert problems == []
+    assert entry["artifact"] == _art("o/r", "d" * 40, "m.gguf", 10, "e" * 64)
+    assert entry["chat_template"]["revision"] == "d" * 40
+    assert [c.field for c in changes] == ["artifact.sha256", "artifact.revision", "chat_template.revision"]
+    assert asked == [("o/r", None), ("o/r", None)]
+
+    disagreeing = _entry("y", artifact=_art("o/r", None, "m.gguf", 11, None), template=None)
+    changes, problems = apply_hub_facts(disagreeing, lambda r, v: facts)
+    assert changes == [] and [p.kind for p in problems] == ["mismatch"]
+    assert disagreeing["artifact"]["revision"] is None and disagreeing["artifact"]["sha256"] is None
+
+
+# --------------------------------------------------------------------------- atomic write
+
+
+def test_write_atomic_replaces_whole_file_keeps_mode_and_leaves_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    path.write_text("old")
+    os.chmod(path, 0o640)
+    write_atomic(path, "new content\n")
+    assert path.read_text() == "new content\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["reg.json"]
+
+
+def test_write_atomic_failure_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "reg.json"
+    path.write_text("old")
+
+    def crash(src: str, dst: str) -> None:  # the rename never happens (power cut before it)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        write_atomic(path, "new")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["reg.json"]
