@@ -276,3 +276,56 @@ def test_a_non_eligible_entry_may_leave_unverified_facts_null() -> None:
     entry["artifact"].update(revision=None, size_bytes=None, sha256=None)
     reg = parse_registry(_doc_with(entry), "x.json")
     assert reg.entries[0].weights_bytes is None and not reg.entries[0].auto_eligible
+
+
+# --------------------------------------------------------------------------- `hotfit registry list`
+
+
+def test_cli_registry_list_json_lists_downloadable_entries_with_their_facts(hotfit_home: Path) -> None:
+    import io
+
+    from pipeline.cli import main
+
+    buf = io.StringIO()
+    assert main(["--json", "registry", "list"], out=buf) == 0
+    data = json.loads(buf.getvalue())
+    rows = {r["name"]: r for r in data["entries"]}
+    assert set(rows) == {e["name"] for e in BUNDLED_JSON["entries"] if e["artifact"] is not None}
+    minicpm = rows["minicpm5-2b"]
+    assert minicpm["agentic_tier"] == "agentic" and minicpm["origin"] == "china" and minicpm["backend"] == "llama"
+    assert minicpm["download_bytes"] == 1561318368 and minicpm["context_limit"] == 131072
+    assert minicpm["auto_eligible"] is True and minicpm["ineligible_reason"] is None
+    assert rows["nanbeige4-3b-thinking"]["auto_eligible"] is False
+    assert "geometry" in rows["nanbeige4-3b-thinking"]["ineligible_reason"]
+
+
+def test_cli_registry_list_text_and_custom_file(tmp_path: Path, hotfit_home: Path) -> None:
+    import io
+
+    from pipeline.cli import main
+
+    entry = _valid_entry()
+    entry.update(auto_eligible=False, ineligible_cause="license", ineligible_reason="custom licence", license="Other")
+    path = tmp_path / "reg.json"
+    path.write_text(json.dumps(_doc_with(entry)))
+    buf = io.StringIO()
+    assert main(["registry", "list", "--registry", str(path)], out=buf) == 0
+    text = buf.getvalue()
+    assert "gpt-oss-20b" in text and "11.28 GiB" in text and "128K" in text
+    assert "gpt-oss-20b: custom licence" in text and str(path) in text
+
+
+def test_cli_registry_list_broken_file_exits_2_naming_the_field(tmp_path: Path, hotfit_home: Path) -> None:
+    import io
+
+    from pipeline.cli import main
+
+    entry = _valid_entry()
+    entry["backend"] = "vllm"
+    path = tmp_path / "reg.json"
+    path.write_text(json.dumps(_doc_with(entry)))
+    buf = io.StringIO()
+    assert main(["--json", "registry", "list", "--registry", str(path)], out=buf) == 2
+    error = json.loads(buf.getvalue())["error"]
+    assert error["code"] == "registry" and "'backend'" in error["message"]
+    assert error["details"]["entry"] == "gpt-oss-20b" and error["details"]["field"] == "backend"
