@@ -287,7 +287,7 @@ _CAUSES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ),
     (
         "out_of_memory",
-        re.compile(r"out of memory|failed to allocate|cudaMalloc|unable to allocate|alloc.*failed|OOM", re.I),
+        re.compile(r"out of memory|insufficient memory|failed to allocate|cudaMalloc|unable to allocate|alloc.*failed|OOM", re.I),
         "the device did not have the memory the plan counted on (another process may hold it): "
         "free memory, or re-plan (`hotfit plan`) against the memory free now",
     ),
@@ -380,15 +380,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _PR_SET_PDEATHSIG = 1
+try:  # resolved here, in the parent: the forked child must not dlopen or import anything
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the context manager's reaping still applies
+    _prctl = None
 
 
 def _child_setup(parent_pid: int) -> None:
     """Runs in the child between fork and exec: die with hotfit, even on SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except Exception:
-        pass  # not Linux: the context manager's reaping still applies
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != parent_pid:  # hotfit died before prctl took effect
         os._exit(1)
 

@@ -349,6 +349,26 @@ async def test_broken_file_is_a_load_error(llama_model: FixtureInfo, tmp_path: P
 
 @pytest.mark.llama
 @pytest.mark.anyio
+async def test_memory_cap_is_an_out_of_memory_load_error(tmp_path: Path) -> None:
+    """A 4 GiB KV cache under a 1 GB address-space cap (RLIMIT_AS): the allocation really fails."""
+    capped = tmp_path / "llama-server-capped"
+    capped.write_text(f'#!/bin/sh\nulimit -v 1000000\nexec {require_llama_server()} "$@"\n')
+    capped.chmod(0o755)
+    info = write_llama_model(tmp_path / "wide.gguf", n_layers=4, n_heads=8, n_kv_heads=8, head_dim=128, n_ctx_train=262144)
+    plan = fixture_plan(info, 262144, "f16")
+    assert plan.estimated_kv_bytes == 4 << 30
+    with pytest.raises(LoadError) as caught:
+        async with open_server(plan, info.path, binary=capped, run_dir=tmp_path / "run", threads=1, warmup=False):
+            pytest.fail("a KV cache larger than the cap must not load")
+    err = caught.value
+    assert err.details["cause"] == "out_of_memory"
+    assert any("failed to allocate buffer for kv cache" in line for line in err.details["log_lines"])
+    assert "memory" in (err.hint or "")
+    assert children_of(os.getpid()) == []
+
+
+@pytest.mark.llama
+@pytest.mark.anyio
 async def test_not_healthy_in_time_is_a_load_error_and_the_process_is_reaped(
     llama_model: FixtureInfo, tmp_path: Path
 ) -> None:
