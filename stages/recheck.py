@@ -205,10 +205,12 @@ class AllocationReport:
     props_n_ctx: int | None  # /props default_generation_settings.n_ctx
     total_slots: int | None
     kv_cache_type: str
-    estimated_kv_bytes: int
+    estimated_kv_bytes: int  # what the plan budgeted (may be conservative: Gemma, MLA, hybrid)
+    predicted_kv_bytes: int | None  # registry.kv's exact model of llama.cpp's allocation, if any
     actual_kv_bytes: int | None  # from the log; None = could not be read
     actual_kv_bytes_uncertainty: int | None  # ± bytes from the log's %.2f MiB rounding
     ratio: float | None  # actual / estimate
+    predicted_ratio: float | None  # actual / predicted: how well registry.kv models llama.cpp
     tolerance: float
     caches: tuple[dict[str, Any], ...]
     kv_buffers: tuple[dict[str, Any], ...]
@@ -282,6 +284,19 @@ def judge_allocation(
     return problems, warnings
 
 
+def _predicted_kv_bytes(plan: Plan, observed: LogAllocation) -> int | None:
+    """registry.kv's exact prediction for the window llama.cpp opened (None where it has none)."""
+    try:
+        from registry.kv import allocation_kv_bytes
+    except ImportError:  # pragma: no cover - older registry.kv
+        return None
+    tokens = observed.n_ctx or plan.hot_context_tokens
+    try:
+        return allocation_kv_bytes(plan.entry, tokens, plan.kv_cache_type)
+    except (KeyError, ValueError):
+        return None
+
+
 async def recheck_allocation(
     server: LoadedServer,
     plan: Plan | None = None,
@@ -318,6 +333,14 @@ async def recheck_allocation(
         tolerance=tolerance,
     )
     actual = observed.kv_bytes if observed.caches else None
+    predicted = _predicted_kv_bytes(plan, observed)
+    predicted_ratio = actual / predicted if actual is not None and predicted else None
+    if predicted_ratio is not None and abs(predicted_ratio - 1) > tolerance:
+        # not unsafe while the estimate holds, but registry.kv no longer models this build
+        warnings.append(
+            f"llama-server allocated {actual} KV bytes, {predicted_ratio:.4f}× registry.kv's exact "
+            f"prediction of {predicted}"
+        )
     report = AllocationReport(
         verdict="fail" if problems else "pass",
         problems=tuple(problems),
@@ -329,9 +352,11 @@ async def recheck_allocation(
         total_slots=props.get("total_slots"),
         kv_cache_type=plan.kv_cache_type,
         estimated_kv_bytes=plan.estimated_kv_bytes,
+        predicted_kv_bytes=predicted,
         actual_kv_bytes=actual,
         actual_kv_bytes_uncertainty=observed.kv_bytes_uncertainty if observed.caches else None,
         ratio=(actual / plan.estimated_kv_bytes) if actual is not None and plan.estimated_kv_bytes > 0 else None,
+        predicted_ratio=predicted_ratio,
         tolerance=tolerance,
         caches=tuple(asdict(c) | {"size_bytes": c.size_bytes} for c in observed.caches),
         kv_buffers=tuple(asdict(b) for b in observed.buffers),
@@ -347,13 +372,15 @@ async def recheck_allocation(
         planned_hot_context_tokens=report.planned_hot_context_tokens,
         opened_n_ctx_per_slot=list(slot_n_ctx),
         estimated_kv_bytes=report.estimated_kv_bytes,
+        predicted_kv_bytes=report.predicted_kv_bytes,
         actual_kv_bytes=report.actual_kv_bytes,
         actual_kv_bytes_uncertainty=report.actual_kv_bytes_uncertainty,
         ratio=round(report.ratio, 6) if report.ratio is not None else None,
         kv_cache_type=report.kv_cache_type,
     )
     for w in warnings:
-        log.warning("recheck.kv_below_estimate", detail=w, **facts)
+        event = "recheck.kv_prediction_off" if "prediction" in w else "recheck.kv_below_estimate"
+        log.warning(event, detail=w, **facts)
     if problems:
         log.error("recheck.failed", problems=problems, **facts)
         raise AllocationMismatch(

@@ -160,6 +160,9 @@ async def test_real_allocation_matches_the_estimate(
         assert abs(report.ratio - 1) <= 0.01, report
         # stronger: equal within the log's printing precision
         assert abs(report.actual_kv_bytes - report.estimated_kv_bytes) <= report.actual_kv_bytes_uncertainty
+        # registry.kv's exact model of llama.cpp (no conservative rules) agrees as well
+        assert report.predicted_kv_bytes is not None
+        assert abs(report.actual_kv_bytes - report.predicted_kv_bytes) <= report.actual_kv_bytes_uncertainty
         if kind == "swa":
             assert {c["role"] for c in report.caches} == {"non-swa", "swa"}
         assert (tmp_path / kv / "recheck.json").is_file()
@@ -213,5 +216,6 @@ async def test_kv_far_below_the_estimate_passes_with_a_warning(fixtures: dict[st
     assert report.verdict == "pass" and report.warnings
     assert report.ratio == pytest.approx(1 / 3, rel=0.01)
     assert any(e["event"] == "recheck.kv_below_estimate" for e in events)
+    assert not any(e["event"] == "recheck.kv_prediction_off" for e in events)  # llama.cpp as modelled
     # the estimate is never reported as the verified allocation
     assert report.actual_kv_bytes != report.estimated_kv_bytes
