@@ -42,6 +42,7 @@ import httpx
 from pipeline.errors import BackendError, LoadError
 from pipeline.log import get_logger
 from pipeline.plan import Plan
+from registry.kv import LLAMA_UBATCH_TOKENS
 
 __all__ = [
     "API_KEY_ENV",
@@ -86,9 +87,9 @@ _HEALTH_POLL_S = 0.1
 TERM_GRACE_S = 10.0
 
 # llama.cpp's own defaults, passed explicitly: the SWA cache holds window + n_ubatch cells
-# (llama-kv-cache-iswa.cpp), and the compute buffer scales with n_ubatch, so these are plan facts.
+# (llama-kv-cache-iswa.cpp) and the compute buffer scales with n_ubatch, so these are plan facts;
+# the micro-batch is registry.kv's, so the estimate and the command line cannot drift apart.
 LLAMA_BATCH_TOKENS = 2048
-LLAMA_UBATCH_TOKENS = 512
 # Verbosity 4 (trace) is the lowest at which libllama's INFO lines reach the log: common/log.cpp
 # maps GGML_LOG_LEVEL_INFO to LOG_LEVEL_TRACE (4), and the default threshold is 3. The KV cache
 # size records stages.recheck reads are such lines.
@@ -105,7 +106,7 @@ STDOUT_LOG_JSONL = "llama-server.jsonl"
 STDOUT_LOG_TEXT = "llama-server.log"
 STDERR_LOG = "llama-server.stderr.log"
 
-TemplateKind = Literal["file", "embedded", "fallback"]
+TemplateKind = Literal["file", "embedded", "fallback", "unknown"]
 
 
 # ---------------------------------------------------------------- pure core
@@ -332,12 +333,16 @@ class TemplateUsed:
             return str(self.path)
         if self.kind == "embedded":
             return "embedded (the GGUF's tokenizer.chat_template)"
+        if self.kind == "unknown":
+            return "the GGUF's embedded template, or llama.cpp's ChatML fallback if it has none (header unreadable)"
         return "llama.cpp ChatML fallback (no template file, none embedded in the GGUF)"
 
 
 def template_used(template_path: Path | None, gguf_has_template: bool | None) -> TemplateUsed:
     if template_path is not None:
         return TemplateUsed("file", template_path)
+    if gguf_has_template is None:
+        return TemplateUsed("unknown")
     return TemplateUsed("embedded" if gguf_has_template else "fallback")
 
 
@@ -625,8 +630,8 @@ async def _wait_healthy(server: LoadedServer, timeout_s: float) -> None:
                 raise _load_error(server, f"llama-server {_describe_returncode(code)} before it was healthy")
             try:
                 resp = await client.get("/health")
-                if resp.status_code == 200:
-                    return
+                if resp.status_code == 200 and server.returncode() is None:
+                    return  # (a 200 while our child is dead would come from someone else's server)
             except httpx.TransportError:
                 pass  # not listening yet
             if time.monotonic() > deadline:

@@ -36,7 +36,6 @@ import math
 import re
 import struct
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import anyio

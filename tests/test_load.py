@@ -273,6 +273,7 @@ def test_template_used_names_the_source(tmp_path: Path) -> None:
     assert template_used(tmp_path / "t.jinja", True).describe() == str(tmp_path / "t.jinja")
     assert "embedded" in template_used(None, True).describe()
     assert "ChatML fallback" in template_used(None, False).describe()
+    assert template_used(None, None).kind == "unknown"  # unreadable header: say so, do not guess
 
 
 # ---------------------------------------------------------------- real llama-server
