@@ -33,6 +33,7 @@ from stages.transfer import (
     TransferOptions,
     discard_partial,
     download_to_partial,
+    head_retrying,
     is_commit,
     partial_paths,
     write_text_atomic,
@@ -189,18 +190,22 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, we
         log.info("template.none", entry=entry.name, gguf_embeds_chat_template=embeds)
         return TemplateResult(entry=entry.name, path=None, source=None, variant=None, sha256=None,
                               tool_markers=(), gguf_embeds_chat_template=embeds)
-    if not is_commit(src.revision):
-        raise TemplateError(f"entry {entry.name}: chat template source {src.repo}/{src.file} is not pinned "
-                            f"to a commit ({src.revision!r})", hint="pin it (hotfit registry lock)",
+    if src.revision is not None and not is_commit(src.revision):
+        raise TemplateError(f"entry {entry.name}: chat template source {src.repo}/{src.file} names "
+                            f"{src.revision!r}, not a 40-hex commit", hint="pin it (hotfit registry lock)",
                             entry=entry.name)
-    assert src.revision is not None
     partial_dir = dest_dir / ".partial"
     _partial, sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
     async with FileLock(lock_path, wait=wait, what=f"chat template of {entry.name}").async_held():
         async with HubSession(settings, options) as session:
             try:
+                revision = src.revision
+                if revision is None:  # not yet pinned: take main's current commit, and record it
+                    revision = (await head_retrying(session, src.repo, "main", src.file)).commit
+                    log.warning("template.unpinned", entry=entry.name, repo=src.repo, commit=revision,
+                                hint="pin it with `hotfit registry lock`")
                 outcome = await download_to_partial(
-                    session, repo=src.repo, revision=src.revision, path=src.file, expected_size=None,
+                    session, repo=src.repo, revision=revision, path=src.file, expected_size=None,
                     expected_sha256=None, partial_dir=partial_dir, connections=1, git_sha1=True)
             except HubError as exc:
                 raise TemplateError(f"entry {entry.name}: chat template {src.repo}/{src.file} could not be "
@@ -223,6 +228,6 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, we
     digest = hashlib.sha256(text.encode()).hexdigest()
     log.info("template.written", entry=entry.name, variant=variant, markers=list(markers),
              gguf_embeds_chat_template=embeds, size_bytes=len(text.encode()))
-    return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{src.revision}/{src.file}",
+    return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{revision}/{src.file}",
                           variant=variant, sha256=digest, tool_markers=markers,
                           gguf_embeds_chat_template=embeds, size_bytes=len(text.encode()))

@@ -330,7 +330,7 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[
     try:
         async for attempt in AsyncRetrying(retry=retry_if_exception(_retryable_hub_exception),
                                            stop=stop_after_attempt(5),
-                                           wait=wait_exponential_jitter(initial=0.5, max=10), reraise=True):
+                                           wait=wait_exponential_jitter(multiplier=0.5, max=10), reraise=True):
             with attempt:
                 return await anyio.to_thread.run_sync(_list_snapshot_sync, settings, repo, revision, token)
     except TransferError:

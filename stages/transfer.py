@@ -72,6 +72,7 @@ __all__ = [
     "OrderedHasher",
     "ProgressReporter",
     "download_to_partial",
+    "head_retrying",
     "finalize_file",
     "discard_partial",
     "partial_paths",
@@ -614,6 +615,8 @@ def _read_sidecar(path: Path) -> _Sidecar | None:
         raw = json.loads(path.read_text(encoding="utf-8"))
         if raw.get("schema") != SIDECAR_SCHEMA:
             return None
+        if len(raw["blocks"]) > MAX_BLOCKS:
+            return None
         blocks = [[int(a), int(b), int(c)] for a, b, c in raw["blocks"]]
         side = _Sidecar(url=raw["url"], repo=raw["repo"], revision=raw["revision"], file=raw["file"],
                         size_bytes=int(raw["size_bytes"]), expected_sha256=raw.get("expected_sha256"),
@@ -645,10 +648,18 @@ def _sidecar_json(side: _Sidecar, blocks: list[_Block]) -> dict[str, Any]:
             "done_bytes": sum(b.done for b in blocks)}
 
 
+def _done_on_disk(sidecar_path: Path, partial: Path) -> int:
+    side = _read_sidecar(sidecar_path) if partial.exists() else None
+    return sum(b[2] for b in side.blocks) if side else 0
+
+
+MAX_BLOCKS = 1 << 16  # bounds the sidecar and the plan whatever the size and block setting
+
+
 def _plan_blocks(size: int, connections: int, options: TransferOptions, ranges: bool) -> list[_Block]:
     if not ranges or connections <= 1 or size < options.min_parallel_bytes:
         return [_Block(0, size)]
-    step = options.block_size_for(size, connections)
+    step = max(options.block_size_for(size, connections), -(-size // MAX_BLOCKS))
     return [_Block(s, min(size, s + step)) for s in range(0, size, step)]
 
 
@@ -695,7 +706,7 @@ class _StopPolicy:
 
 
 def _wait_policy(options: TransferOptions) -> Callable[[RetryCallState], float]:
-    backoff = wait_exponential_jitter(initial=options.backoff_initial_s, max=options.backoff_max_s,
+    backoff = wait_exponential_jitter(multiplier=options.backoff_initial_s, max=options.backoff_max_s,
                                       jitter=options.backoff_initial_s)
 
     def wait(state: RetryCallState) -> float:
@@ -726,7 +737,25 @@ def _disk_error(exc: OSError, partial: Path, offset: int) -> DiskSpaceError:
         partial=str(partial), offset_bytes=offset, errno=exc.errno)
 
 
-async def download_to_partial(
+async def download_to_partial(session: HubSession, **kw: Any) -> DownloadOutcome:
+    """Bring ``<repo>@<revision>/<path>`` into a complete, hashed partial file (see the module doc).
+
+    Keyword arguments: ``repo, revision, path, expected_size, expected_sha256, partial_dir,
+    connections=None, progress=None, git_sha1=False``; ``progress(total, done)`` builds a reporter.
+    The caller holds the per-target lock and decides what the hashes mean (verify); nothing is
+    renamed here. Raises PinMismatch, HubError, DiskSpaceError, or TransferError once retries are
+    exhausted (the partial and its sidecar stay for the next run).
+    """
+    try:
+        return await _download_to_partial(session, **kw)
+    except (_Retryable, httpx.TransportError) as exc:
+        _p, sidecar, _l = partial_paths(kw["partial_dir"], kw["repo"], kw["path"])
+        side = _read_sidecar(sidecar)
+        done = sum(b[2] for b in side.blocks) if side else 0
+        raise _gave_up(kw["repo"], kw["path"], exc, done) from exc
+
+
+async def _download_to_partial(
     session: HubSession,
     *,
     repo: str,
@@ -739,11 +768,6 @@ async def download_to_partial(
     progress: Callable[[int, int], ProgressReporter] | None = None,
     git_sha1: bool = False,
 ) -> DownloadOutcome:
-    """Bring ``<repo>@<revision>/<path>`` into a complete, hashed partial file (see the module doc).
-
-    ``progress(total, done)`` builds a reporter. The caller holds the per-target lock and decides
-    what the hashes mean (verify); nothing is renamed here.
-    """
     if not is_commit(revision):
         raise PinMismatch(f"{repo}/{path}: revision {revision!r} is not a 40-hex commit",
                           hint="pin the entry to a commit (hotfit registry lock)", repo=repo, file=path)
@@ -765,6 +789,8 @@ async def download_to_partial(
             hint="the registry pins a different file than this commit holds; fix the entry after review",
             repo=repo, file=path, hub_sha256=remote.lfs_sha256, registry_sha256=expected_sha256)
 
+    # Before anything is planned or allocated: a size the disk cannot hold ends here.
+    check_disk_space(partial_dir, size - _done_on_disk(sidecar_path, partial), f"{repo}/{path}")
     wanted = _Sidecar(url=remote.resolve_url, repo=repo, revision=revision, file=path, size_bytes=size,
                       expected_sha256=expected_sha256, etag=remote.etag, ranges_supported=True)
     side = _read_sidecar(sidecar_path) if partial.exists() else None
@@ -783,7 +809,6 @@ async def download_to_partial(
             log.warning("download.partial_short", file=path)  # truncated behind our back: start over
             blocks = _plan_blocks(size, conns, options, ranges=side.ranges_supported)
     resumed = sum(b.done for b in blocks)
-    check_disk_space(partial_dir, size - resumed, f"{repo}/{path}")
     if resumed:
         log.info("download.resume", file=path, done_bytes=resumed, size_bytes=size, blocks=len(blocks))
 
@@ -829,6 +854,27 @@ async def download_to_partial(
         bytes_transferred=counters["transferred"], bytes_reread=hasher.reread_bytes,
         resumed_from_bytes=resumed, connections=conns if len(blocks) > 1 else 1,
         ranges_supported=side.ranges_supported, attempts=counters["attempts"])
+
+
+async def head_retrying(session: HubSession, repo: str, revision: str, path: str) -> RemoteFile:
+    """``session.head`` with the engine's retry policy; never leaks an internal retryable error."""
+    counters: dict[str, Any] = {"attempts": 0,
+                                "deadline": time.monotonic() + session.options.max_total_retry_s}
+    try:
+        async for attempt in _retrying(session.options, lambda: 0, counters["deadline"]):
+            with attempt:
+                return await session.head(repo, revision, path)
+    except (_Retryable, httpx.TransportError) as exc:
+        raise _gave_up(repo, path, exc, 0) from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _gave_up(repo: str, path: str, exc: BaseException, done_bytes: int) -> TransferError:
+    return TransferError(
+        f"{repo}/{path}: gave up after repeated failures: {exc}",
+        hint="check the network / HF_ENDPOINT and rerun the same command"
+             + (f"; the {done_bytes} bytes already on disk are kept and resumed" if done_bytes else ""),
+        repo=repo, file=path, done_bytes=done_bytes)
 
 
 async def _head_with_retry(session: HubSession, repo: str, revision: str, path: str,
@@ -909,27 +955,43 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
             if encoding not in ("identity", ""):
                 raise TransferError(f"{side.file}: server compressed the body ({encoding}); byte offsets unusable",
                                     hint="use an endpoint that serves raw bytes", file=side.file)
+            # Network-sized chunks are coalesced up to chunk_bytes before each write; whatever is
+            # buffered when the stream breaks is still written, so a cut loses no received byte.
+            buf = bytearray()
             pos = offset
-            async for chunk in resp.aiter_raw(session.options.chunk_bytes):
-                room = block.end - pos
-                if room <= 0:
-                    raise PinMismatch(f"{side.file}: server sent more than {side.size_bytes} bytes",
-                                      hint="the served file is not the pinned one", repo=side.repo, file=side.file)
-                if len(chunk) > room:
-                    chunk = chunk[:room]
+
+            def flush() -> None:
+                nonlocal pos
+                if not buf:
+                    return
+                data = bytes(buf)
+                buf.clear()
                 try:
-                    os.pwrite(fd, chunk, pos)
+                    os.pwrite(fd, data, pos)
                 except OSError as exc:
                     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                         raise _disk_error(exc, partial, pos) from exc
                     raise
-                hasher.feed(pos, chunk)
-                n = len(chunk)
+                hasher.feed(pos, data)
+                n = len(data)
                 pos += n
                 block.done += n
                 counters["transferred"] += n
                 if reporter:
                     reporter.advance(n)
+
+            try:
+                async for chunk in resp.aiter_raw():
+                    room = block.end - pos - len(buf)
+                    if room <= 0:
+                        raise PinMismatch(f"{side.file}: server sent more than {side.size_bytes} bytes",
+                                          hint="the served file is not the pinned one", repo=side.repo,
+                                          file=side.file)
+                    buf += chunk[:room]
+                    if len(buf) >= session.options.chunk_bytes:
+                        flush()
+            finally:
+                flush()
         if not block.complete:
             raise _Retryable(f"{side.file}: connection closed at byte {pos} of block ending {block.end}")
 

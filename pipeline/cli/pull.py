@@ -1,10 +1,24 @@
-"""hotfit pull NAME: fetch-weights -> fetch-template -> verify for one named entry."""
+"""hotfit pull NAME: fetch-weights -> fetch-template -> verify for one named entry.
+
+The name is explicit: no fallback to another model or origin (issue 4 §7). Files go to
+``Settings.model_dir(NAME)``; a rerun resumes an interrupted download and skips verified files.
+One pull per model directory at a time: a second one exits 6 naming the holder's PID, or queues
+behind it with ``--wait``.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from pipeline.cli import not_implemented
+import anyio
+
+from pipeline.cli import CliContext
+from pipeline.errors import UsageError
+from pipeline.settings import Settings
+from registry.model import Entry
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -14,4 +28,85 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.add_argument("--registry", metavar="FILE", help="registry file (default: the bundled one)")
     p.add_argument("--connections", type=int, metavar="N", help="parallel byte ranges per large file")
     p.add_argument("--wait", action="store_true", help="wait for another process holding the file lock")
-    p.set_defaults(handler=not_implemented("pull"))
+    p.set_defaults(handler=run)
+
+
+@dataclass(frozen=True)
+class PullResult:
+    entry: str
+    directory: str
+    fetch: Any  # stages.fetch_weights.FetchResult
+    template: Any  # stages.fetch_template.TemplateResult
+    verify: Any  # stages.verify.VerifyResult
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entry": self.entry, "directory": self.directory, "fetch": self.fetch.to_json(),
+                "template": self.template.to_json(), "verify": self.verify.to_json()}
+
+
+async def pull_entry(entry: Entry, settings: Settings, *, connections: int | None = None, wait: bool = False,
+                     progress: bool = True) -> PullResult:
+    """fetch-weights → fetch-template → verify, under one lock per model directory."""
+    from stages.fetch_template import fetch_template
+    from stages.fetch_weights import fetch_weights
+    from stages.verify import verify
+    from state.locks import FileLock
+
+    dest = settings.model_dir(entry.name)
+    async with FileLock(dest / ".partial" / "pull.lock", wait=wait, what=f"model directory {dest}").async_held():
+        fetched = await fetch_weights(entry, dest, settings=settings, connections=connections, progress=progress,
+                                      wait=wait)
+        weights_path = fetched.weights.path if fetched.weights is not None else None
+        template = await fetch_template(entry, dest, settings=settings,
+                                        weights_path=Path(weights_path) if weights_path else None, wait=wait)
+        verified = await verify(entry, dest)
+    return PullResult(entry=entry.name, directory=str(dest), fetch=fetched, template=template, verify=verified)
+
+
+def _load_entry(name: str, registry_file: str | None) -> Entry:
+    from registry.catalog import load_registry
+
+    registry = load_registry(Path(registry_file) if registry_file else None)
+    try:
+        entry = registry.get(name)
+    except KeyError:
+        entry = None
+    if entry is None:
+        raise UsageError(f"no registry entry named {name!r}",
+                         hint="list the names with `hotfit registry list` (pull never substitutes another model)",
+                         name=name)
+    return entry
+
+
+def _human(result: PullResult) -> str:
+    lines = [f"pulled {result.entry} into {result.directory}"]
+    f = result.fetch
+    if f.weights is not None:
+        w = f.weights
+        how = "already present" if w.already_present else (
+            f"{w.bytes_transferred} bytes over {w.connections} connection(s)"
+            + (f", resumed from {w.resumed_from_bytes}" if w.resumed_from_bytes else ""))
+        lines.append(f"  weights   {w.path} ({w.size_bytes} bytes, sha256 {w.sha256[:16]}…, "
+                     f"verified against {'+'.join(w.verified_against) or 'receipt'}; {how})")
+    if f.snapshot is not None:
+        s = f.snapshot
+        lines.append(f"  snapshot  {s.directory} at {s.commit} ({s.files} files, {s.size_bytes} bytes)")
+    t = result.template
+    if t.path:
+        lines.append(f"  template  {t.path} ({t.variant}; tool markers: {', '.join(t.tool_markers)})")
+    else:
+        lines.append("  template  none named by the entry"
+                     + (" (the GGUF embeds one)" if t.gguf_embeds_chat_template else ""))
+    lines.append(f"  vision    {'yes' if result.verify.vision else 'no'}")
+    for w in f.warnings:
+        lines.append(f"  warning   {w}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    if args.connections is not None and not 1 <= args.connections <= 32:
+        raise UsageError(f"--connections {args.connections} is not from 1 to 32", hint="e.g. --connections 4")
+    entry = _load_entry(args.name, args.registry)
+    result = anyio.run(lambda: pull_entry(entry, ctx.settings, connections=args.connections, wait=args.wait))
+    ctx.emit(result.to_json(), _human(result))
+    return 0

@@ -1,0 +1,382 @@
+"""fetch-weights against the local Hub: pinning, resume, parallel ranges, faults, integrity (issue 4 §1, §2, §8).
+
+The weights are real GGUF files (a header the verify stage parses plus a random-filled tensor so that
+ranges, hashes and corruption mean something), a few MiB each so the suite stays fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from pipeline.errors import DiskSpaceError, HubError, IntegrityError, LockedError, PinMismatch, RegistryError
+from pipeline.settings import Settings, load_settings
+from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+from stages.fetch_weights import fetch_weights
+from stages.transfer import TransferOptions, partial_paths
+from stages.verify import read_receipt
+from state.locks import FileLock
+from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+
+MiB = 1 << 20
+FAST = TransferOptions(connections=4, block_bytes=512 * 1024, backoff_initial_s=0.01, backoff_max_s=0.05,
+                       checkpoint_interval_s=0.05, max_attempts_without_progress=4)
+
+
+# --------------------------------------------------------------------------- builders (shared by the other test modules)
+
+
+def make_gguf(path: Path, *, arch: str = "llama", n_layers: int = 4, kv_heads: int | list[int] = 2,
+              head_dim: int = 64, ctx: int = 8192, sliding_window: int | None = None,
+              template: str | None = None, pad_bytes: int = 3 * MiB, seed: int = 0) -> Path:
+    """A valid GGUF with the given header facts and ``pad_bytes`` of random tensor data."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(head_dim * 4)
+    w.add_head_count(4)
+    w.add_head_count_kv(kv_heads)  # type: ignore[arg-type]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
+    if template is not None:
+        w.add_chat_template(template)
+    data = np.random.default_rng(seed).integers(0, 255, size=pad_bytes, dtype=np.uint8)
+    w.add_tensor("pad", data.view(np.int8), raw_dtype=gguf.GGMLQuantizationType.I8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def make_entry(name: str, repo: str, commit: str, file: str, size: int | None, sha: str | None, *,
+               n_layers: int = 4, kv_heads: int = 2, head_dim: int = 64, ctx: int = 8192,
+               window: int | None = None, template: TemplateSource | None = None,
+               projector: Artifact | None = None, backend: str = "llama", architecture: str = "llama") -> Entry:
+    groups = (LayerGroup(n_layers, kv_heads, head_dim, head_dim, window),)
+    return Entry(
+        name=name, display_name=name, backend=backend, origin="us", license="Apache-2.0",  # type: ignore[arg-type]
+        params_total_b=1.0, params_active_b=None, release_date=None, architecture=architecture,
+        agentic_tier="agentic", evidence=(Evidence("provenance", "test", "test"),), auto_eligible=True,
+        ineligible_reason=None, artifact=Artifact(repo, commit, file, size, sha), projector=projector,
+        chat_template=template,
+        config=SourceConfig(n_layers=n_layers, layer_groups=groups, source="test"), context_limit=ctx,
+    )
+
+
+def settings_for(hub: LocalHub, home: Path, **kw: Any) -> Settings:
+    env = {"HOTFIT_HOME": str(home), "HF_ENDPOINT": hub.endpoint, **kw}
+    return load_settings(env)
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    (tmp_path / "src").mkdir()
+    return make_gguf(tmp_path / "src" / "model.gguf")
+
+
+@pytest.fixture
+def repo(local_hub: LocalHub, weights: Path) -> tuple[str, str, Entry]:
+    commit = local_hub.create_repo("org/model-GGUF", {"model.gguf": weights, "README.md": "hi"},
+                                   lfs=["model.gguf"])
+    entry = make_entry("m", "org/model-GGUF", commit, "model.gguf", weights.stat().st_size, sha256_of(weights))
+    return "org/model-GGUF", commit, entry
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.anyio
+async def test_parallel_download_verifies_and_places_file(local_hub: LocalHub, repo: Any, weights: Path,
+                                                          tmp_path: Path) -> None:
+    _repo, commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    result = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    final = dest / "model.gguf"
+    assert final.read_bytes() == weights.read_bytes()
+    assert result.weights is not None and result.weights.sha256 == sha256_of(weights)
+    assert set(result.weights.verified_against) == {"registry", "hub_lfs"}
+    assert result.weights.connections == 4
+    assert result.weights.bytes_transferred == weights.stat().st_size
+    # ranged GETs on the CDN, several of them; nothing left behind in .partial
+    gets = local_hub.requests_for(file="model.gguf", method="GET", where="cdn")
+    assert len(gets) > 4 and all(r.range for r in gets)
+    assert not list((dest / ".partial").glob("*.part"))
+    assert read_receipt(dest, "model.gguf")["sha256"] == sha256_of(weights)  # type: ignore[index]
+    assert {c.field for c in result.header_checks if c.ok} >= {"architecture", "block_count", "head_count_kv",
+                                                              "key_length", "context_length"}
+    # second run: no network, same answer
+    local_hub.reset_counters()
+    again = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    assert again.weights is not None and again.weights.already_present
+    assert local_hub.requests == []
+
+
+@pytest.mark.anyio
+async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any, weights: Path,
+                                                  tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    cut = local_hub.inject(file="model.gguf", method="GET", close_after_bytes=100_000, times=3)
+    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert cut.hits == 3
+    assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
+    # every cut range is resumed from where it broke: nothing is fetched twice
+    assert local_hub.bytes_sent("model.gguf") == weights.stat().st_size
+    assert result.weights is not None and result.weights.attempts > 3
+
+
+@pytest.mark.anyio
+async def test_failed_run_leaves_partial_and_rerun_resumes_rehashing_prefix_once(
+        local_hub: LocalHub, repo: Any, weights: Path, tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    size = weights.stat().st_size
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    one_shot = replace(FAST, max_attempts_without_progress=1, connections=1, block_bytes=None)
+    local_hub.inject(file="model.gguf", method="GET", close_after_bytes=size // 3, times=1)
+    with pytest.raises(Exception) as failed:
+        await fetch_weights(entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
+    assert "rerun" in str(failed.value)
+    part, sidecar, _lock = partial_paths(dest / ".partial", "org/model-GGUF", "model.gguf")
+    side = json.loads(sidecar.read_text())
+    assert side["done_bytes"] == size // 3 and side["revision"] == entry.artifact.revision  # type: ignore[union-attr]
+    assert not (dest / "model.gguf").exists()
+
+    local_hub.reset_counters()
+    result = await fetch_weights(entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
+    w = result.weights
+    assert w is not None and w.resumed_from_bytes == size // 3
+    assert w.bytes_reread == size // 3  # the prefix on disk is hashed once, nothing else read back
+    assert local_hub.bytes_sent("model.gguf") == size - size // 3
+    assert [r.range for r in local_hub.requests_for(file="model.gguf", method="GET")] == [f"bytes={size // 3}-{size - 1}"]
+    assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
+
+
+@pytest.mark.anyio
+async def test_500_burst_and_429_are_retried(local_hub: LocalHub, repo: Any, weights: Path, tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    burst = local_hub.inject(file="model.gguf", method="GET", status=500, times=3)
+    limited = local_hub.inject(file="model.gguf", method="HEAD", status=429, retry_after=0, times=2)
+    await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert burst.hits == 3 and limited.hits == 2
+    statuses = [r.status for r in local_hub.requests_for(file="model.gguf")]
+    assert statuses.count(500) == 3 and statuses.count(429) == 2 and 206 in statuses
+    assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
+
+
+@pytest.mark.anyio
+async def test_retry_after_beyond_the_cap_gives_up_with_a_clear_error(local_hub: LocalHub, repo: Any,
+                                                                     tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(file="model.gguf", method="HEAD", status=429, retry_after=3600, times=None)
+    with pytest.raises(Exception) as exc:
+        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert "429" in str(exc.value) and exc.value.exit_code == 4  # type: ignore[attr-defined]
+    assert len(local_hub.requests_for(file="model.gguf", method="HEAD")) == 1  # no hammering
+
+
+@pytest.mark.anyio
+async def test_server_ignoring_range_restarts_as_one_stream(local_hub: LocalHub, repo: Any, weights: Path,
+                                                            tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(file="model.gguf", method="GET", ignore_range=True, times=None)
+    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
+    assert result.weights is not None and result.weights.connections == 1
+    final_get = local_hub.requests_for(file="model.gguf", method="GET")[-1]
+    assert final_get.range is None and final_get.status == 200
+
+
+@pytest.mark.anyio
+async def test_wrong_size_fails_closed_before_writing(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(file="model.gguf", advertise_size=entry.artifact.size_bytes - 10, times=None)  # type: ignore[union-attr]
+    with pytest.raises(PinMismatch, match="registry pins"):
+        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert local_hub.requests_for(file="model.gguf", method="GET") == []
+    assert not (settings.model_dir("m") / "model.gguf").exists()
+
+
+@pytest.mark.anyio
+async def test_moved_branch_is_not_followed_and_a_repin_discards_the_old_partial(
+        local_hub: LocalHub, repo: Any, weights: Path, tmp_path: Path) -> None:
+    repo_id, old_commit, entry = repo
+    other = make_gguf(tmp_path / "other.gguf", seed=7, pad_bytes=2 * MiB)
+    new_commit = local_hub.commit(repo_id, {"model.gguf": other}, lfs=["model.gguf"])  # main moves
+    assert local_hub.head(repo_id) == new_commit
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    # A partial of the new commit is lying around (from a run against a re-pinned registry) ...
+    new_entry = make_entry("m", repo_id, new_commit, "model.gguf", other.stat().st_size, sha256_of(other))
+    one_shot = replace(FAST, max_attempts_without_progress=1, connections=1, block_bytes=None)
+    local_hub.inject(file="model.gguf", method="GET", close_after_bytes=MiB, times=1)
+    with pytest.raises(Exception):
+        await fetch_weights(new_entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
+    # ... the entry pinned to the old commit gets exactly the old bytes, never the moved main's
+    result = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
+    assert result.weights is not None and result.weights.resumed_from_bytes == 0
+    assert {r.revision for r in local_hub.requests_for(file="model.gguf", method="HEAD")} >= {old_commit}
+    assert all(old_commit in r.url_path or new_commit in r.url_path
+               for r in local_hub.requests_for(file="model.gguf"))
+
+
+@pytest.mark.anyio
+async def test_unpinned_entry_is_refused(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    unpinned = replace(entry, artifact=replace(entry.artifact, revision="main"))  # type: ignore[arg-type]
+    with pytest.raises(RegistryError, match="not pinned"):
+        await fetch_weights(unpinned, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert local_hub.requests == []
+
+
+@pytest.mark.anyio
+async def test_gated_repo_names_licence_and_token_then_works_with_token(
+        local_hub: LocalHub, weights: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commit = local_hub.create_repo("org/gated", {"model.gguf": weights}, lfs=["model.gguf"], gated_token="hf_ok")
+    entry = make_entry("g", "org/gated", commit, "model.gguf", weights.stat().st_size, sha256_of(weights))
+    settings = settings_for(local_hub, tmp_path / "home")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(HubError) as exc:
+        await fetch_weights(entry, settings.model_dir("g"), settings=settings, options=FAST, progress=False)
+    text = str(exc.value)
+    assert "gated" in text and "licence" in text and "HF_TOKEN" in text
+    monkeypatch.setenv("HF_TOKEN", "hf_ok")
+    result = await fetch_weights(entry, settings.model_dir("g"), settings=settings, options=FAST, progress=False)
+    assert result.weights is not None and result.weights.sha256 == sha256_of(weights)
+    # the token went to the Hub, never to the CDN
+    assert all(not r.authorization for r in local_hub.requests_for(file="model.gguf", where="cdn"))
+    assert any(r.authorization for r in local_hub.requests_for(file="model.gguf", where="hub"))
+
+
+@pytest.mark.anyio
+async def test_missing_repo_and_missing_file(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
+    _repo, commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    no_repo = replace(entry, artifact=replace(entry.artifact, repo="org/nope"))  # type: ignore[arg-type]
+    with pytest.raises(HubError, match="repository org/nope not found"):
+        await fetch_weights(no_repo, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    no_file = replace(entry, artifact=replace(entry.artifact, file="missing.gguf"))  # type: ignore[arg-type]
+    with pytest.raises(HubError, match="missing.gguf not found"):
+        await fetch_weights(no_file, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+
+
+@pytest.mark.anyio
+async def test_corrupt_body_is_discarded_and_fetched_again(local_hub: LocalHub, repo: Any, weights: Path,
+                                                           tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(file="model.gguf", method="GET", corrupt=True, times=1)
+    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert result.weights is not None and result.weights.integrity_retries == 1
+    assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
+
+
+@pytest.mark.anyio
+async def test_persistent_corruption_fails_and_never_places_the_file(local_hub: LocalHub, repo: Any,
+                                                                     tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(file="model.gguf", method="GET", corrupt=True, times=None)
+    with pytest.raises(IntegrityError) as exc:
+        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False,
+                            integrity_retries=1)
+    assert exc.value.details["field"] == "sha256"
+    assert not (settings.model_dir("m") / "model.gguf").exists()
+    assert not list((settings.model_dir("m") / ".partial").glob("*.part"))  # bad bytes are not resumed from
+
+
+@pytest.mark.anyio
+async def test_header_mismatch_names_the_field_and_keeps_the_file_out(local_hub: LocalHub, repo: Any,
+                                                                      tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    wrong = replace(entry, config=replace(entry.config, layer_groups=(LayerGroup(4, 8, 64, 64),)))
+    with pytest.raises(IntegrityError, match="head_count_kv") as exc:
+        await fetch_weights(wrong, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert exc.value.details["field"] == "head_count_kv"
+    assert not (settings.model_dir("m") / "model.gguf").exists()
+
+
+@pytest.mark.anyio
+async def test_not_enough_disk_space_is_refused_up_front(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    huge = 1 << 60  # the server claims (and the registry pins) an exabyte
+    local_hub.inject(file="model.gguf", advertise_size=huge, times=None)
+    settings = settings_for(local_hub, tmp_path / "home")
+    big = replace(entry, artifact=replace(entry.artifact, size_bytes=huge, sha256=None))  # type: ignore[arg-type]
+    with pytest.raises(DiskSpaceError, match="not enough disk space"):
+        await fetch_weights(big, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert local_hub.requests_for(file="model.gguf", method="GET") == []
+
+
+@pytest.mark.anyio
+async def test_offline_mode_refuses_network_but_serves_verified_files(local_hub: LocalHub, repo: Any,
+                                                                      tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    home = tmp_path / "home"
+    offline = settings_for(local_hub, home, HF_HUB_OFFLINE="1")
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE"):
+        await fetch_weights(entry, offline.model_dir("m"), settings=offline, options=FAST, progress=False)
+    assert local_hub.requests == []
+    online = settings_for(local_hub, home)
+    await fetch_weights(entry, online.model_dir("m"), settings=online, options=FAST, progress=False)
+    local_hub.reset_counters()
+    result = await fetch_weights(entry, offline.model_dir("m"), settings=offline, options=FAST, progress=False)
+    assert result.weights is not None and result.weights.already_present and local_hub.requests == []
+
+
+@pytest.mark.anyio
+async def test_missing_projector_is_a_warning_not_a_failure(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
+    repo_id, commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    with_proj = replace(entry, projector=Artifact(repo_id, commit, "mmproj.gguf", 1000, None))
+    result = await fetch_weights(with_proj, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert result.vision is False and result.projector is None
+    assert any("projector" in w for w in result.warnings)
+    assert (settings.model_dir("m") / "model.gguf").is_file()
+
+
+@pytest.mark.anyio
+async def test_present_projector_gives_vision(local_hub: LocalHub, weights: Path, tmp_path: Path) -> None:
+    proj = make_gguf(tmp_path / "mmproj.gguf", arch="clip", pad_bytes=200_000, seed=3)
+    commit = local_hub.create_repo("org/vl", {"model.gguf": weights, "mmproj.gguf": proj}, lfs=True)
+    entry = make_entry("vl", "org/vl", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
+                       projector=Artifact("org/vl", commit, "mmproj.gguf", proj.stat().st_size, sha256_of(proj)))
+    settings = settings_for(local_hub, tmp_path / "home")
+    result = await fetch_weights(entry, settings.model_dir("vl"), settings=settings, options=FAST, progress=False)
+    assert result.vision is True and result.projector is not None
+    assert (settings.model_dir("vl") / "mmproj.gguf").read_bytes() == proj.read_bytes()
+
+
+@pytest.mark.anyio
+async def test_second_writer_of_a_target_is_told_the_holder(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    _p, _s, lock_path = partial_paths(dest / ".partial", "org/model-GGUF", "model.gguf")
+    with FileLock(lock_path):  # another writer holds the target
+        with pytest.raises(LockedError, match=f"PID {os.getpid()}"):
+            await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    assert local_hub.requests == []
