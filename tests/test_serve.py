@@ -1,0 +1,200 @@
+"""hotfit serve: the verified parameters, re-checked against the device as it is now (issue 6, item 7)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.cli.serve import decide_window, systemd_unit
+from pipeline.errors import NoModelQualifies
+from pipeline.manifest import Manifest, read_manifest, write_manifest
+from pipeline.plan import Device, ProbeResult
+from registry.kv import parse_kv_cache_type
+from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit
+from stages.plan import build_plan
+from tests.e2e_support import GiB, HOST_TOTAL_BYTES, fixture_entry, sha256_of, write_probe
+from tests.gguf_fixtures import free_port, pinned_template, require_llama_server, write_tool_call_model
+
+REPO = Path(__file__).resolve().parent.parent
+F16 = parse_kv_cache_type("f16")
+
+
+def probe_with(free_bytes: int, *, kind: str = "cpu", name: str = "fixture host") -> ProbeResult:
+    return ProbeResult(devices=(Device(0, kind, name, HOST_TOTAL_BYTES, free_bytes),), selected=0)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def provisioned(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A home as `hotfit auto` leaves it: verified model + template in place and a manifest."""
+    root = tmp_path_factory.mktemp("serve")
+    home = root / "home"
+    model_dir = home / "models" / "fx-agent"
+    model_dir.mkdir(parents=True)
+    info = write_tool_call_model(model_dir / "fx-agent.gguf")
+    template = model_dir / "chat_template.jinja"
+    template.write_text(pinned_template().read_text())
+    entry = fixture_entry("fx-agent", info, repo="hotfit-fixtures/fx-agent-GGUF", revision="a" * 40,
+                          sha256=sha256_of(info.path), params_b=0.02, template=None)
+    roomy = probe_with(8 * GiB)
+    plan = build_plan(roomy, [entry], F16).plan
+    assert plan is not None and plan.hot_context_tokens == 65536
+    manifest = Manifest(
+        run_id="r1", plan_id=plan.plan_id, written_at="2026-11-29T00:00:00Z", entry_name=entry.name,
+        model_path=str(info.path), model_size_bytes=info.size_bytes, model_sha256=sha256_of(info.path),
+        template_path=str(template), projector_path=None, kv_cache_type="f16",
+        planned_hot_context_tokens=plan.hot_context_tokens,
+        measured={"opened_context_tokens": plan.hot_context_tokens}, probe_verdict={"passed": True},
+        llama_cpp={}, device={}, plan=plan.to_json(),
+    )
+    write_manifest(home / "manifest.json", manifest)
+    return {"home": home, "root": root, "entry": entry, "plan": plan, "manifest": manifest}
+
+
+def free_for_tokens(entry, tokens: int) -> int:
+    """The least free memory of the probe device at which ``entry`` holds ``tokens``."""
+    lo, hi = 0, HOST_TOTAL_BYTES
+    while lo < hi:
+        mid = (lo + hi) // 2
+        fit = model_fit(entry, device_budget("cpu", HOST_TOTAL_BYTES, mid).usable_bytes, F16)
+        if fit.hot_context_tokens >= tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def test_manifest_round_trips_the_plan(provisioned: dict) -> None:
+    read = read_manifest(provisioned["home"] / "manifest.json")
+    assert read.to_json() == json.loads(json.dumps(provisioned["manifest"].to_json()))
+    from pipeline.manifest import plan_from_json
+
+    assert plan_from_json(read.plan) == provisioned["plan"]
+    assert plan_from_json(read.plan).plan_id == provisioned["plan"].plan_id
+
+
+def test_window_kept_while_the_device_still_holds_it(provisioned: dict) -> None:
+    decision = decide_window(provisioned["manifest"], provisioned["plan"], probe_with(8 * GiB))
+    assert decision.context_tokens == 65536 and not decision.replanned
+
+
+def test_window_replanned_against_the_device_as_it_is_now(provisioned: dict) -> None:
+    entry = provisioned["entry"]
+    free = free_for_tokens(entry, 40000)
+    decision = decide_window(provisioned["manifest"], provisioned["plan"], probe_with(free))
+    assert decision.replanned
+    assert MIN_AGENTIC_HOT_CONTEXT <= decision.context_tokens < 65536
+    assert decision.context_tokens == model_fit(entry, device_budget("cpu", HOST_TOTAL_BYTES, free).usable_bytes,
+                                                F16).hot_context_tokens
+    assert "re-planned window" in decision.message and str(decision.context_tokens) in decision.message
+
+
+def test_below_the_floor_fails_closed(provisioned: dict) -> None:
+    free = free_for_tokens(provisioned["entry"], MIN_AGENTIC_HOT_CONTEXT) - 1
+    with pytest.raises(NoModelQualifies) as err:
+        decide_window(provisioned["manifest"], provisioned["plan"], probe_with(free))
+    assert err.value.exit_code == 3 and "32768" in str(err.value)
+    # exactly at the floor it still serves, at the floor
+    at_floor = decide_window(provisioned["manifest"], provisioned["plan"], probe_with(free + 1))
+    assert at_floor.context_tokens >= MIN_AGENTIC_HOT_CONTEXT and at_floor.replanned
+
+
+def test_missing_device_fails_closed(provisioned: dict) -> None:
+    other = ProbeResult(devices=(Device(0, "nvidia", "some GPU", 24 * GiB, 20 * GiB),), selected=0)
+    with pytest.raises(NoModelQualifies):
+        decide_window(provisioned["manifest"], provisioned["plan"], other)
+
+
+def run_cli(home: Path, *args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = main(["--home", str(home), "--log-format", "json", "serve", *args], out=out)
+    return code, out.getvalue()
+
+
+def test_print_command_uses_the_verified_parameters(provisioned: dict, tmp_path: Path) -> None:
+    require_llama_server()
+    home = provisioned["home"]
+    code, out = run_cli(home, "--print-command", "--json", "--port", "9999",
+                        "--probe-file", str(write_probe(tmp_path / "p.json", 8 * GiB)))
+    assert code == 0
+    data = json.loads(out)
+    argv = data["argv"]
+    assert data["replanned"] is False and data["context_tokens"] == 65536
+    assert argv[argv.index("-c") + 1] == "65536" and argv[argv.index("-ctk") + 1] == "f16"
+    assert argv[argv.index("-m") + 1] == provisioned["manifest"].model_path
+    assert argv[argv.index("--chat-template-file") + 1] == provisioned["manifest"].template_path
+    assert argv[argv.index("--port") + 1] == "9999" and argv[argv.index("-np") + 1] == "1"
+    assert "--api-key" not in argv  # never a key in argv
+
+    tight = write_probe(tmp_path / "tight.json", free_for_tokens(provisioned["entry"], 40000))
+    code, out = run_cli(home, "--print-command", "--json", "--probe-file", str(tight))
+    data = json.loads(out)
+    assert code == 0 and data["replanned"] is True and 32768 <= data["context_tokens"] < 65536
+    assert data["argv"][data["argv"].index("-c") + 1] == str(data["context_tokens"])
+
+
+def test_systemd_unit_runs_hotfit_serve(provisioned: dict) -> None:
+    code, out = run_cli(provisioned["home"], "--print-systemd-unit", "--port", "8181")
+    assert code == 0
+    exec_line = next(line for line in out.splitlines() if line.startswith("ExecStart="))
+    assert " serve " in exec_line and "--port 8181" in exec_line and str(provisioned["home"]) in exec_line
+    assert "Environment=CONTENOX_LLAMA_KV_CACHE_TYPE=f16" in out
+    assert "RestartPreventExitStatus=3" in out
+    unit = systemd_unit(["/usr/bin/hotfit", "serve"], {"A": "b c"}, "x")
+    assert "Environment='A=b c'" in unit
+
+
+def test_nothing_provisioned_is_a_usage_error(tmp_path: Path) -> None:
+    code, _ = run_cli(tmp_path / "empty", "--print-command")
+    assert code == 2
+
+
+def test_missing_model_file_is_reported(provisioned: dict, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    manifest = provisioned["manifest"]
+    broken = Manifest(**{**manifest.__dict__, "model_path": str(tmp_path / "gone.gguf")})
+    write_manifest(home / "manifest.json", broken)
+    code, _ = run_cli(home, "--print-command")
+    assert code == 2
+
+
+@pytest.mark.llama
+def test_serve_starts_llama_server_with_the_window(provisioned: dict, tmp_path: Path) -> None:
+    require_llama_server()
+    port = free_port()
+    probe = write_probe(tmp_path / "p.json", 8 * GiB)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "--home", str(provisioned["home"]), "--log-format",
+                             "json", "serve", "--port", str(port), "--probe-file", str(probe)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        props = None
+        while time.monotonic() < deadline and props is None:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=2) as resp:
+                    props = json.loads(resp.read())
+            except OSError:
+                time.sleep(0.1)
+        assert props is not None, "llama-server did not come up"
+        assert props["default_generation_settings"]["n_ctx"] == 65536
+        # serve exec'd llama-server: the process we started *is* the server, so signals reach it
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[0].endswith(b"llama-server")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode is not None
