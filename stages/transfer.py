@@ -805,7 +805,7 @@ async def _download_to_partial(
         blocks = [_Block(0, size)]
     else:
         blocks = [_Block(s, e, d) for s, e, d in side.blocks]
-        if os.path.getsize(partial) < max((b.start + b.done for b in blocks), default=0):
+        if os.path.getsize(partial) < max((b.start + b.done for b in blocks if b.done), default=0):
             log.warning("download.partial_short", file=path)  # truncated behind our back: start over
             blocks = _plan_blocks(size, conns, options, ranges=side.ranges_supported)
     resumed = sum(b.done for b in blocks)
@@ -966,19 +966,22 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
                     return
                 data = bytes(buf)
                 buf.clear()
-                try:
-                    os.pwrite(fd, data, pos)
-                except OSError as exc:
-                    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                        raise _disk_error(exc, partial, pos) from exc
-                    raise
-                hasher.feed(pos, data)
-                n = len(data)
-                pos += n
-                block.done += n
-                counters["transferred"] += n
-                if reporter:
-                    reporter.advance(n)
+                written = 0
+                while written < len(data):  # a write may be short (file-size limit, disk nearly full)
+                    try:
+                        n = os.pwrite(fd, memoryview(data)[written:], pos)
+                    except OSError as exc:
+                        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                            raise _disk_error(exc, partial, pos) from exc
+                        raise
+                    whole = written == 0 and n == len(data)
+                    hasher.feed(pos, data if whole else data[written:written + n])
+                    written += n
+                    pos += n
+                    block.done += n
+                    counters["transferred"] += n
+                    if reporter:
+                        reporter.advance(n)
 
             try:
                 async for chunk in resp.aiter_raw():
