@@ -250,7 +250,7 @@ class Runner:
                         skipped.append(stage.name)
                         continue
                     await self.store.stage_running(run_id, stage.name, digest, plan_id)
-                    log.info("stage.start", attempt_inputs_hash=digest[:16])
+                    log.info("stage.start", inputs_hash=digest[:16])
                     t0 = time.monotonic()
                     try:
                         result = await stage.fn(ctx)
@@ -258,6 +258,9 @@ class Runner:
                         await self._record_failure(run_id, stage, exc, time.monotonic() - t0)
                         raise
                     encoded = stage.encode(result)
+                    if stage.name == self.plan_stage:
+                        plan = result
+                        bind(plan_id=plan.plan_id)  # from here on every event names the plan
                     await self.store.stage_done(run_id, stage.name, encoded)
                     figures = stage.figures(result) if stage.figures else {}
                     log.info("stage.done", duration_s=round(time.monotonic() - t0, 3), **figures)
@@ -266,8 +269,6 @@ class Runner:
                     fingerprints[stage.name] = _fingerprint(stage, encoded)
                     ran.append(stage.name)
                     if stage.name == self.plan_stage:
-                        plan = result
-                        bind(plan_id=plan.plan_id)
                         await self.store.set_run_plan(run_id, plan.plan_id)
                         if resumed and previous_plan_id and previous_plan_id != plan.plan_id:
                             downstream = [s.name for s in self.stages[index + 1:]]
@@ -444,8 +445,7 @@ def _plan_figures(plan: Any) -> dict[str, Any]:
     return {"model": plan.entry.name, "hot_context_tokens": plan.hot_context_tokens,
             "kv_cache_type": plan.kv_cache_type, "kv_cache_type_source": plan.kv_cache_type_source,
             "estimated_kv_bytes": plan.estimated_kv_bytes, "usable_bytes": plan.budget.usable_bytes,
-            "reused_previous": plan.reused_previous, "explicit_model": plan.explicit_model,
-            "new_plan_id": plan.plan_id}
+            "reused_previous": plan.reused_previous, "explicit_model": plan.explicit_model}
 
 
 def _present_bytes(directory: Path) -> int:

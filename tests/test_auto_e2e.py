@@ -413,3 +413,18 @@ def test_kill_9_at_many_points_then_rerun_completes(hub: LocalHub, world: World,
     # milliseconds, so the kill lands in them only by luck — the stages that take time must all
     # have been hit part-way
     assert stages_hit >= {"fetch-weights", "fetch-template", "load", "probe-tool-call", "re-check"}, stages_hit
+
+
+def test_provision_demo_runs_every_stage_offline(tmp_path: Path) -> None:
+    require_llama_server()
+    env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_ENDPOINT")}
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run([str(REPO / "scripts" / "provision-demo")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = done.stdout + done.stderr
+    for stage in STAGES:
+        assert f"stage={stage}" in out  # the console renderer shows each stage's events
+    assert "provisioned: fx-agent-large" in out and "already provisioned (nothing to do)" in out
+    assert "llama-server" in out and "-c 65536" in out
+    assert list(tmp_path.iterdir()) == []  # the demo cleans up after itself
