@@ -428,3 +428,35 @@ def test_provision_demo_runs_every_stage_offline(tmp_path: Path) -> None:
     assert "provisioned: fx-agent-large" in out and "already provisioned (nothing to do)" in out
     assert "llama-server" in out and "-c 65536" in out
     assert list(tmp_path.iterdir()) == []  # the demo cleans up after itself
+
+
+def test_new_kv_type_replans_and_reopens_without_downloading_again(hub: LocalHub, world: World,
+                                                                   tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    first = auto(hub, home, world, probe, "--json")
+    assert first.returncode == 0, first.stderr[-2000:]
+    f16 = json.loads(first.stdout)
+    hub.reset_counters()
+    env = env_for(hub) | {"CONTENOX_LLAMA_KV_CACHE_TYPE": "q8_0"}
+    second = subprocess.run(cmd(home, world, probe, "--json"), cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert second.returncode == 0, second.stderr[-2000:]
+    q8 = json.loads(second.stdout)
+    assert q8["kv_cache_type"] == "q8_0" and q8["plan_id"] != f16["plan_id"]
+    assert "halves what the window costs" not in second.stderr  # the type was set: no hint
+    assert hub.bytes_sent() == 0  # the weights did not change
+    story = dict((s, ev) for ev, s in stage_story(events(home), q8["run_id"]) if ev != "stage.start")
+    assert story["fetch-weights"] == "stage.skip" and story["verify"] == "stage.skip"
+    assert story["load"] == story["re-check"] == "stage.done"
+    # the re-check verified the q8_0 allocation: 34/64 of f16's bytes at the same window
+    assert q8["measured"]["actual_kv_bytes"] * 64 == f16["measured"]["actual_kv_bytes"] * 34
+    assert q8["measured"]["opened_context_tokens"] == f16["measured"]["opened_context_tokens"]
+
+
+def test_origin_given_twice_differently_is_a_usage_error(hub: LocalHub, world: World, tmp_path: Path) -> None:
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    clash = auto(hub, tmp_path / "home", world, probe, "us", "--origin", "eu")
+    assert clash.returncode == 2 and "two origins" in clash.stderr
+    same = auto(hub, tmp_path / "home", world, probe, "us", "--origin", "us", "--dry-run")
+    assert same.returncode == 0 and json.loads(same.stdout)["plan"]["origin"] == "us"

@@ -383,3 +383,104 @@ def test_kill_9_leaves_state_the_next_run_resumes(tmp_path: Path) -> None:
 
 def test_interrupted_is_exit_130() -> None:
     assert Interrupted("x").exit_code == 130
+
+
+_LOAD_SIGNAL_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import anyio
+    from pipeline import log
+    from pipeline.backend import find_llama_server
+    from pipeline.errors import Interrupted
+    from pipeline.plan import Device, ProbeResult
+    from pipeline.runner import Runner, Stage
+    from pipeline.settings import load_settings
+    from registry.kv import parse_kv_cache_type
+    from stages.load import open_server
+    from stages.plan import build_plan
+    from state.store import StateStore
+    from tests.e2e_support import GiB, fixture_entry, sha256_of
+    from tests.gguf_fixtures import pinned_template, write_tool_call_model
+
+    home = Path(sys.argv[1])
+    log.configure("json", 0, home / "log.jsonl")
+    settings = load_settings(home=home)
+    info = write_tool_call_model(home / "m.gguf")
+    entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256=sha256_of(info.path), params_b=0.01,
+                          template=None)
+    probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),), selected=0)
+    plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
+    template = home / "chat_template.jinja"
+    template.write_text(pinned_template().read_text())
+
+    async def planned(ctx):
+        return plan
+
+    async def load(ctx):
+        server = await ctx.enter_context(open_server(
+            ctx.plan, info.path, binary=find_llama_server(settings).server_path, run_dir=ctx.run_dir,
+            template_path=template))
+        (home / "server.pid").write_text(str(server.pid))
+        print("loaded", flush=True)
+        await anyio.sleep(600)  # a stage still using the server when the signal arrives
+        return {"never": True}
+
+    async def main():
+        store = await StateStore.open(home / "state.db")
+        await Runner([Stage("plan", planned), Stage("load", load, session="s")], store, settings).run()
+
+    try:
+        anyio.run(main)
+    except Interrupted as exc:
+        sys.exit(exc.exit_code)
+""")
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_load_reaps_llama_server(tmp_path: Path, signum: int) -> None:
+    from tests.gguf_fixtures import require_llama_server
+
+    require_llama_server()
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _LOAD_SIGNAL_SCRIPT, str(home)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    assert line == "loaded", proc.stderr.read()[-2000:]
+    server_pid = int((home / "server.pid").read_text())
+    os.kill(server_pid, 0)  # running
+    os.kill(proc.pid, signum)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)  # stopped and reaped by the load stage's context, not orphaned
+    store = SyncStateStore(home / "state.db")
+    run = store.latest_run()
+    assert run.status == "interrupted"
+    assert store.get_stage(run.run_id, "load").status == "interrupted"
+    names = [json.loads(line)["event"] for line in (home / "log.jsonl").read_text().splitlines()]
+    assert "load.stopped" in names and names[-1] == "run.done"
+
+
+def test_disk_check_needs_artifact_projector_and_margin(tmp_path: Path) -> None:
+    import dataclasses
+
+    from pipeline.errors import DiskSpaceError
+    from pipeline.runner import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
+    from registry.model import Artifact
+    from tests.e2e_support import fixture_entry
+    from tests.gguf_fixtures import write_tool_call_model
+
+    info = write_tool_call_model(tmp_path / "m.gguf")
+    entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256="0" * 64, params_b=0.01, template=None)
+    with_projector = dataclasses.replace(entry, projector=Artifact("a/c", "b" * 40, "p.gguf", 1000, None))
+    assert disk_needed_bytes(entry, 0) == info.size_bytes + DISK_MARGIN_BYTES
+    assert disk_needed_bytes(with_projector, 0) == info.size_bytes + 1000 + DISK_MARGIN_BYTES
+    # what a previous attempt left in the model directory is not needed again
+    assert disk_needed_bytes(with_projector, 600) == info.size_bytes + 400 + DISK_MARGIN_BYTES
+    check_disk(entry, tmp_path / "models" / "fx")  # a few hundred KiB + 512 MiB: fits here
+    huge = dataclasses.replace(entry, artifact=dataclasses.replace(entry.artifact, size_bytes=1 << 60))
+    with pytest.raises(DiskSpaceError) as err:
+        check_disk(huge, tmp_path / "models" / "fx")
+    assert err.value.exit_code == 4 and err.value.details["needed_bytes"] == (1 << 60) + DISK_MARGIN_BYTES

@@ -61,6 +61,9 @@ def rerun_would(run: RunRecord | None, stages: list[StageRecord], manifest_ok: b
     if not pending:
         return "a new run that re-uses every stage whose inputs are unchanged"
     first = pending[0]
+    if manifest_ok:
+        return (f"nothing, if the provisioned model still holds (a fast no-op); otherwise resume run "
+                f"{run.run_id} at {first}, re-using {', '.join(reusable) or 'nothing'} when unchanged")
     return (f"resume run {run.run_id} at {first} (it is {next(s.status for s in stages if s.stage == first)}); "
             f"re-use {', '.join(reusable) or 'nothing'} when their inputs are unchanged; partial downloads "
             "continue from their bytes on disk")
