@@ -1,0 +1,159 @@
+"""fetch-template: tokenizer_config variants, the tool-call check, and the stage against the local Hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.errors import TemplateError
+from registry.model import TemplateSource
+from stages.fetch_template import TEMPLATE_FILENAME, check_tool_capable, extract_template, fetch_template
+from stages.fetch_weights import fetch_weights
+from tests.gguf_fixtures import pinned_source_tree
+from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
+
+TOOLS = "{%- if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def cfg(value: Any) -> bytes:
+    return json.dumps({"bos_token": "<s>", "chat_template": value}).encode()
+
+
+# --------------------------------------------------------------------------- pure parsing
+
+
+@pytest.mark.parametrize("filename, data, text, variant", [
+    ("chat_template.jinja", TOOLS.encode(), TOOLS, "jinja"),
+    ("tokenizer_config.json", cfg(TOOLS), TOOLS, "tokenizer_config:string"),
+    ("tokenizer_config.json", cfg([{"name": "default", "template": CHATML}, {"name": "tool_use", "template": TOOLS}]),
+     TOOLS, "tokenizer_config:tool_use"),
+    ("tokenizer_config.json", cfg([{"name": "rag", "template": "x"}, {"name": "default", "template": TOOLS}]),
+     TOOLS, "tokenizer_config:default"),
+])
+def test_extract_template_variants(filename: str, data: bytes, text: str, variant: str) -> None:
+    assert extract_template(filename, data) == (text, variant)
+
+
+@pytest.mark.parametrize("filename, data, why", [
+    ("tokenizer_config.json", json.dumps({"bos_token": "<s>"}).encode(), "no chat_template"),
+    ("tokenizer_config.json", cfg([{"name": "rag", "template": TOOLS}]), "neither 'tool_use' nor 'default'"),
+    ("tokenizer_config.json", cfg(42), "not a string or list"),
+    ("tokenizer_config.json", b"[1, 2]", "not an object"),
+    ("tokenizer_config.json", b"{\"chat_template\": ", "not valid JSON"),
+    ("tokenizer_config.json", cfg("   "), "empty"),
+    ("chat_template.jinja", b"\xff\xfe{{ tools }}", "not UTF-8"),
+])
+def test_bad_template_sources_are_template_errors(filename: str, data: bytes, why: str) -> None:
+    with pytest.raises(TemplateError, match=why):
+        extract_template(filename, data)
+
+
+def test_tool_capability_check() -> None:
+    assert "tools" in check_tool_capable(TOOLS, source="t")
+    assert "<tool_call>" in check_tool_capable("{{ m }}<tool_call>{{ x }}</tool_call>", source="t")
+    assert "[TOOL_CALLS]" in check_tool_capable("[TOOL_CALLS]{{ calls }}", source="t")
+    with pytest.raises(TemplateError, match="cannot express tool calls"):
+        check_tool_capable(CHATML, source="chatml")
+    with pytest.raises(TemplateError):  # the word outside a Jinja tag is prose, not the variable
+        check_tool_capable("You may use tools. {{ messages }}", source="prose")
+
+
+def test_pinned_llama_cpp_templates() -> None:
+    root = pinned_source_tree() / "models" / "templates"
+    qwen = (root / "Qwen-Qwen3-0.6B.jinja").read_text()
+    assert {"tools", "<tool_call>"} <= set(check_tool_capable(qwen, source="qwen3"))
+    hermes = (root / "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
+    assert check_tool_capable(hermes, source="hermes3")
+    with pytest.raises(TemplateError):  # gemma-2's template has no tool support at all
+        check_tool_capable((root / "google-gemma-2-2b-it.jinja").read_text(), source="gemma2")
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+@pytest.fixture
+def hub_repo(local_hub: LocalHub, tmp_path: Path) -> dict[str, Any]:
+    weights = make_gguf(tmp_path / "model.gguf", pad_bytes=200_000, template=CHATML)
+    commit = local_hub.create_repo("org/m-GGUF", {"model.gguf": weights}, lfs=["model.gguf"])
+    src = local_hub.create_repo("org/m", {
+        "tokenizer_config.json": cfg([{"name": "default", "template": CHATML}, {"name": "tool_use", "template": TOOLS}]),
+        "no_tools.jinja": CHATML,
+        "chat_template.jinja": TOOLS,
+    })
+    return {"weights": weights, "commit": commit, "src": src}
+
+
+async def _fetched(local_hub: LocalHub, tmp_path: Path, repo: dict[str, Any], template: TemplateSource | None) -> Any:
+    w = repo["weights"]
+    entry = make_entry("m", "org/m-GGUF", repo["commit"], "model.gguf", w.stat().st_size, sha256_of(w),
+                       template=template)
+    settings = settings_for(local_hub, tmp_path / "home")
+    fetched = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    return entry, settings, fetched
+
+
+@pytest.mark.anyio
+async def test_tokenizer_config_tool_use_written_beside_weights(local_hub: LocalHub, tmp_path: Path,
+                                                               hub_repo: dict[str, Any]) -> None:
+    src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
+    entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)
+    result = await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
+    assert Path(result.path).read_text() == TOOLS and Path(result.path).name == TEMPLATE_FILENAME
+    assert result.variant == "tokenizer_config:tool_use"
+    assert result.gguf_embeds_chat_template is True  # the GGUF carries (a ChatML) template; recorded
+    assert result.source == f"org/m@{hub_repo['src']}/tokenizer_config.json"
+    assert not list((settings.model_dir("m") / ".partial").glob("*.part"))
+
+
+@pytest.mark.anyio
+async def test_unpinned_source_resolves_and_records_the_commit(local_hub: LocalHub, tmp_path: Path,
+                                                              hub_repo: dict[str, Any]) -> None:
+    entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo,
+                                              TemplateSource("org/m", None, "chat_template.jinja"))
+    result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    assert result.source == f"org/m@{hub_repo['src']}/chat_template.jinja" and result.variant == "jinja"
+
+
+@pytest.mark.anyio
+async def test_template_without_tools_fails_and_keeps_the_weights(local_hub: LocalHub, tmp_path: Path,
+                                                                  hub_repo: dict[str, Any]) -> None:
+    entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo,
+                                              TemplateSource("org/m", hub_repo["src"], "no_tools.jinja"))
+    with pytest.raises(TemplateError, match="cannot express tool calls"):
+        await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
+    assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
+    assert fetched.weights_path.read_bytes() == hub_repo["weights"].read_bytes()  # nothing downloaded is lost
+
+
+@pytest.mark.anyio
+async def test_missing_named_template_is_a_template_error(local_hub: LocalHub, tmp_path: Path,
+                                                          hub_repo: dict[str, Any]) -> None:
+    entry, settings, _f = await _fetched(local_hub, tmp_path, hub_repo,
+                                         TemplateSource("org/m", hub_repo["src"], "gone.jinja"))
+    with pytest.raises(TemplateError, match="could not be fetched") as exc:
+        await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    assert exc.value.exit_code == 4
+
+
+@pytest.mark.anyio
+async def test_corrupt_small_file_fails_its_git_blob_check(local_hub: LocalHub, tmp_path: Path,
+                                                           hub_repo: dict[str, Any]) -> None:
+    entry, settings, _f = await _fetched(local_hub, tmp_path, hub_repo,
+                                         TemplateSource("org/m", hub_repo["src"], "chat_template.jinja"))
+    local_hub.inject(file="chat_template.jinja", method="GET", corrupt=True, times=1)
+    with pytest.raises(TemplateError, match="git blob"):
+        await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
+
+
+@pytest.mark.anyio
+async def test_no_template_named_records_the_gguf_one(local_hub: LocalHub, tmp_path: Path,
+                                                      hub_repo: dict[str, Any]) -> None:
+    entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, None)
+    result = await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
+    assert result.path is None and result.gguf_embeds_chat_template is True

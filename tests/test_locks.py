@@ -1,0 +1,104 @@
+"""state.locks.FileLock: exclusive, names its holder, waits or refuses, freed by the kernel on death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from pipeline.errors import LockedError
+from state.locks import FileLock, read_holder
+
+
+def _hold_in_subprocess(path: Path) -> subprocess.Popen[str]:
+    """A separate process that takes the lock, says so on stdout, then sleeps until killed."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        from state.locks import FileLock
+        lock = FileLock({str(path)!r}).acquire()
+        print("held", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_second_holder_gets_locked_error_naming_pid_and_command(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "x.lock"
+    holder = _hold_in_subprocess(path)
+    try:
+        with pytest.raises(LockedError) as exc:
+            FileLock(path, what="model dir X").acquire()
+        err = exc.value
+        assert err.exit_code == 6
+        assert err.details["holder_pid"] == holder.pid
+        assert f"PID {holder.pid}" in str(err) and "model dir X" in str(err)
+        assert read_holder(path).pid == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_kill_9_of_the_holder_frees_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "x.lock"
+    holder = _hold_in_subprocess(path)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    with FileLock(path) as lock:  # the stale text does not block: flock died with the process
+        assert lock.held and read_holder(path).pid == os.getpid()
+    assert read_holder(path).pid is None  # released: emptied
+
+
+def test_wait_true_queues_until_the_holder_releases(tmp_path: Path) -> None:
+    path = tmp_path / "x.lock"
+    first = FileLock(path).acquire()
+    got: list[int] = []
+
+    def second() -> None:
+        with FileLock(path, wait=True):
+            got.append(read_holder(path).pid or 0)
+
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.3)  # the waiter is polling, not holding
+    assert got == [] and read_holder(path).pid == os.getpid()
+    first.release()
+    t.join(timeout=10)
+    assert got == [os.getpid()]
+
+
+def test_wait_with_timeout_gives_up_with_locked_error(tmp_path: Path) -> None:
+    path = tmp_path / "x.lock"
+    with FileLock(path):
+        with pytest.raises(LockedError):
+            FileLock(path, wait=True, timeout_s=0.2).acquire()
+
+
+@pytest.mark.anyio
+async def test_async_wait_can_be_cancelled(tmp_path: Path) -> None:
+    path = tmp_path / "x.lock"
+    with FileLock(path):
+        with anyio.move_on_after(0.3) as scope:
+            async with FileLock(path, wait=True).async_held():
+                raise AssertionError("must not get the lock")
+        assert scope.cancelled_caught
+    async with FileLock(path).async_held() as lock:  # free again, and nothing leaked
+        assert lock.held
+
+
+def test_not_reentrant_within_one_object(tmp_path: Path) -> None:
+    lock = FileLock(tmp_path / "x.lock").acquire()
+    with pytest.raises(RuntimeError):
+        lock.acquire()
+    lock.release()
+    lock.release()  # idempotent

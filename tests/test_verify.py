@@ -1,0 +1,164 @@
+"""verify: integrity, the bounded GGUF header reader, registry cross-checks, and the verify stage."""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+
+from pipeline.errors import IntegrityError, TemplateError
+from registry.model import LayerGroup, TemplateSource
+from stages.fetch_template import fetch_template
+from stages.fetch_weights import fetch_weights
+from stages.verify import (
+    check_header_against_entry,
+    check_integrity,
+    ensure_header_matches,
+    read_gguf_header,
+    verify,
+)
+from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
+
+SHA_A, SHA_B = "a" * 64, "b" * 64
+
+
+# --------------------------------------------------------------------------- integrity (pure)
+
+
+def test_integrity_accepts_matching_references() -> None:
+    assert check_integrity(file="f", size_bytes=10, sha256=SHA_A, expected_size=10, registry_sha256=SHA_A,
+                           hub_sha256=SHA_A) == ("registry", "hub_lfs")
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(size_bytes=9), "size_bytes"),
+    (dict(registry_sha256=SHA_B), "sha256"),
+    (dict(hub_sha256=SHA_B), "sha256"),
+    (dict(registry_sha256=None, hub_sha256=None), "sha256"),  # nothing to check against: fail closed
+    (dict(registry_sha256=None, hub_sha256=None, git_sha1="1" * 40, hub_git_sha1="2" * 40), "git_blob_sha1"),
+])
+def test_integrity_failures_name_the_field(kw: dict[str, Any], field: str) -> None:
+    args: dict[str, Any] = dict(file="f", size_bytes=10, sha256=SHA_A, expected_size=10, registry_sha256=SHA_A,
+                                hub_sha256=SHA_A)
+    args.update(kw)
+    with pytest.raises(IntegrityError) as exc:
+        check_integrity(**args)
+    assert exc.value.details["field"] == field
+
+
+# --------------------------------------------------------------------------- GGUF header
+
+
+def test_header_reads_real_gguf(tmp_path: Path) -> None:
+    path = make_gguf(tmp_path / "m.gguf", n_layers=6, kv_heads=[0, 2, 2, 0, 2, 2], head_dim=32, ctx=4096,
+                     sliding_window=512, template="{{ tools }}", pad_bytes=1000)
+    h = read_gguf_header(path)
+    assert h.architecture == "llama" and h.version == 3 and h.tensor_count == 1
+    assert h.arch_key(gguf.Keys.LLM.BLOCK_COUNT) == 6
+    assert h.arch_key(gguf.Keys.Attention.HEAD_COUNT_KV) == (0, 2, 2, 0, 2, 2)
+    assert h.arch_key(gguf.Keys.Attention.SLIDING_WINDOW) == 512
+    assert h.has_chat_template and h.chat_template == "{{ tools }}"
+    assert not read_gguf_header(make_gguf(tmp_path / "n.gguf", pad_bytes=10)).has_chat_template
+
+
+def test_truncated_and_garbage_headers_are_integrity_errors(tmp_path: Path) -> None:
+    data = make_gguf(tmp_path / "m.gguf", pad_bytes=10).read_bytes()
+    for cut in (0, 3, 8, 20, 40, len(data) // 2):
+        with pytest.raises(IntegrityError):
+            read_gguf_header(io.BytesIO(data[:cut]) if cut < 100 else _header_only(data, cut))
+    with pytest.raises(IntegrityError, match="magic"):
+        read_gguf_header(io.BytesIO(b"GGML" + data[4:]))
+    with pytest.raises(IntegrityError, match="version"):
+        read_gguf_header(io.BytesIO(data[:4] + struct.pack("<I", 7) + data[8:]))
+
+
+def _header_only(data: bytes, cut: int) -> io.BytesIO:
+    # cut inside the key/value section: find where it ends by parsing the whole file first
+    end = read_gguf_header(io.BytesIO(data)).header_bytes
+    return io.BytesIO(data[: min(cut, end - 1)])
+
+
+def test_huge_declared_string_is_refused_without_allocating() -> None:
+    # header: magic, v3, 0 tensors, 1 kv; key "general.architecture"; type STRING; length 2**62
+    key = b"general.architecture"
+    blob = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+            + struct.pack("<IQ", gguf.GGUFValueType.STRING, 1 << 62))
+    with pytest.raises(IntegrityError, match="needs"):
+        read_gguf_header(io.BytesIO(blob))
+
+
+# --------------------------------------------------------------------------- registry cross-checks
+
+
+def _entry(**kw: Any) -> Any:
+    return make_entry("m", "o/r", "0" * 40, "m.gguf", 1, SHA_A, **kw)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(architecture="qwen3"), "architecture"),
+    (dict(n_layers=5), "block_count"),
+    (dict(kv_heads=4), "head_count_kv"),
+    (dict(head_dim=128), "key_length"),
+    (dict(ctx=16384), "context_length"),  # the registry promises more than the model declares
+    (dict(window=1024), "sliding_window"),
+])
+def test_each_fact_mismatch_fails_closed_naming_the_field(tmp_path: Path, change: dict[str, Any], field: str) -> None:
+    header = read_gguf_header(make_gguf(tmp_path / "m.gguf", pad_bytes=10))  # llama, 4 layers, 2 kv, 64, 8192
+    ensure_header_matches(check_header_against_entry(header, _entry()), file="m.gguf", entry_name="m")
+    checks = check_header_against_entry(header, _entry(**change))
+    with pytest.raises(IntegrityError) as exc:
+        ensure_header_matches(checks, file="m.gguf", entry_name="m")
+    assert exc.value.details["field"] == field and field in str(exc.value)
+
+
+def test_lower_registry_ceiling_and_conservative_full_attention_pass(tmp_path: Path) -> None:
+    header = read_gguf_header(make_gguf(tmp_path / "m.gguf", sliding_window=512, pad_bytes=10))
+    checks = check_header_against_entry(header, _entry(ctx=4096))  # a cap below the GGUF's ceiling is fine
+    ensure_header_matches(checks, file="m.gguf", entry_name="m")
+    assert any(c.field == "sliding_window" and c.ok is None for c in checks)
+
+
+def test_per_layer_kv_heads_with_recurrent_layers(tmp_path: Path) -> None:
+    header = read_gguf_header(make_gguf(tmp_path / "m.gguf", n_layers=4, kv_heads=[0, 0, 0, 4], pad_bytes=10))
+    entry = _entry(kv_heads=4)
+    entry = replace(entry, config=replace(entry.config, layer_groups=(LayerGroup(4, 4, 64, 64),), recurrent=True))
+    ensure_header_matches(check_header_against_entry(header, entry), file="m.gguf", entry_name="m")
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+@pytest.mark.anyio
+async def test_verify_stage_after_pull_and_after_tampering(local_hub: LocalHub, tmp_path: Path) -> None:
+    weights = make_gguf(tmp_path / "model.gguf", pad_bytes=300_000)
+    commit = local_hub.create_repo("org/m", {"model.gguf": weights, "chat_template.jinja": "{% if tools %}x{% endif %}"},
+                                   lfs=["model.gguf"])
+    entry = make_entry("m", "org/m", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
+                       template=TemplateSource("org/m", commit, "chat_template.jinja"))
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    fetched = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    with pytest.raises(TemplateError, match="missing"):
+        await verify(entry, dest)  # the entry names a template and it is not there yet
+    await fetch_template(entry, dest, settings=settings, weights_path=fetched.weights_path)
+    result = await verify(entry, dest)
+    assert result.sha256 == sha256_of(weights) and result.sha256_source == "streamed"
+    assert result.chat_template_path and result.gguf_embeds_chat_template is False
+    assert (await verify(entry, dest, rehash=True)).sha256_source == "rehashed"
+
+    final = dest / "model.gguf"
+    data = bytearray(final.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit of rot
+    final.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as exc:
+        await verify(entry, dest, rehash=True)
+    assert exc.value.details["field"] == "sha256"
+    final.write_bytes(bytes(data[:-1]))
+    with pytest.raises(IntegrityError, match="receipt"):
+        await verify(entry, dest)
