@@ -163,11 +163,11 @@ class Runner:
                     tg.cancel_scope.cancel()  # stop the signal watcher
             if failure is not None:
                 raise failure
-        except HotfitError as exc:
-            await self._finish(run_id, "failed", exc.to_json(), started)
-            raise
         except BaseException as exc:
-            if self.signal_received is not None:
+            if isinstance(exc, HotfitError) and self.signal_received is None:
+                await self._finish(run_id, "failed", exc.to_json(), started)
+                raise
+            if self.signal_received is not None:  # whatever the stage raised on its way out
                 err = Interrupted(
                     f"interrupted by {signal.Signals(self.signal_received).name}; "
                     "rerun the same command to resume",
@@ -286,10 +286,10 @@ class Runner:
                                skipped=tuple(skipped), ran=tuple(ran))
 
     async def _record_failure(self, run_id: str, stage: Stage, exc: BaseException, duration_s: float) -> None:
-        if isinstance(exc, HotfitError):
-            error, status = exc.to_json(), "failed"
-        elif isinstance(exc, (anyio.get_cancelled_exc_class(), KeyboardInterrupt)):
+        if self.signal_received is not None or isinstance(exc, (anyio.get_cancelled_exc_class(), KeyboardInterrupt)):
             error, status = {"code": "interrupted", "message": "stage was interrupted"}, "interrupted"
+        elif isinstance(exc, HotfitError):
+            error, status = exc.to_json(), "failed"
         else:
             error, status = {"code": "internal", "message": repr(exc)}, "failed"
         with anyio.CancelScope(shield=True):
