@@ -380,3 +380,91 @@ async def test_second_writer_of_a_target_is_told_the_holder(local_hub: LocalHub,
         with pytest.raises(LockedError, match=f"PID {os.getpid()}"):
             await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
     assert local_hub.requests == []
+
+
+# --------------------------------------------------------------------------- OpenVINO snapshots
+
+
+def _openvino_entry(repo_id: str, revision: str | None = None) -> Entry:
+    base = make_entry("ov", repo_id, "0" * 40, "x", None, None, backend="openvino")
+    return replace(base, artifact=Artifact(repo_id, revision, None, None, None), architecture=None)
+
+
+@pytest.fixture
+def ov_repo(local_hub: LocalHub) -> dict[str, Any]:
+    rng = np.random.default_rng(5)
+    files = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": rng.bytes(1_200_000),
+             "config.json": json.dumps({"max_position_embeddings": 40960}), "tok/tokenizer.json": "{}"}
+    commit = local_hub.create_repo("OpenVINO/m-ov", files, lfs=["openvino_model.bin"])
+    return {"files": files, "commit": commit}
+
+
+@pytest.mark.anyio
+async def test_openvino_snapshot_fetches_every_file_and_records_the_commit(local_hub: LocalHub, tmp_path: Path,
+                                                                          ov_repo: dict[str, Any]) -> None:
+    from stages.verify import verify
+
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("ov")
+    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST,
+                                 progress=False)
+    snap = result.snapshot
+    assert snap is not None and snap.commit == ov_repo["commit"] and snap.files == 4
+    for path, content in ov_repo["files"].items():
+        data = content.encode() if isinstance(content, str) else content
+        assert (dest / "snapshot" / path).read_bytes() == data
+    manifest = json.loads((dest / "snapshot.json").read_text())
+    assert manifest["commit"] == ov_repo["commit"] and manifest["revision_requested"] == "main"
+    checked = await verify(_openvino_entry("OpenVINO/m-ov"), dest, rehash=True)
+    assert checked.files_checked == 4
+
+
+@pytest.mark.anyio
+async def test_openvino_snapshot_follows_the_current_commit_and_refetches_only_changes(
+        local_hub: LocalHub, tmp_path: Path, ov_repo: dict[str, Any]) -> None:
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("ov")
+    await fetch_weights(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST, progress=False)
+    new = local_hub.commit("OpenVINO/m-ov", {"config.json": "{\"v\": 2}", "tok/tokenizer.json": None})
+    local_hub.reset_counters()
+    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST,
+                                 progress=False)
+    assert result.snapshot is not None and result.snapshot.commit == new
+    assert result.snapshot.files_already_present == 2
+    assert {r.file for r in local_hub.requests_for(method="GET") if r.file} == {"config.json"}
+    assert (dest / "snapshot" / "config.json").read_text() == "{\"v\": 2}"
+    assert not (dest / "snapshot" / "tok" / "tokenizer.json").exists()  # gone from the commit, gone here
+
+
+@pytest.mark.anyio
+async def test_corrupt_non_lfs_file_fails_its_blob_id_and_is_refetched(local_hub: LocalHub, tmp_path: Path,
+                                                                       ov_repo: dict[str, Any]) -> None:
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(file="openvino_model.xml", method="GET", corrupt=True, times=1)
+    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                                 options=FAST, progress=False)
+    assert result.snapshot is not None
+    assert len(local_hub.requests_for(file="openvino_model.xml", method="GET")) == 2
+    assert (settings.model_dir("ov") / "snapshot" / "openvino_model.xml").read_text() == ov_repo["files"]["openvino_model.xml"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("evil", ["../escape.txt", "/etc/escape.txt", "a/../../escape.txt"])
+async def test_snapshot_listing_with_escaping_path_is_refused(local_hub: LocalHub, tmp_path: Path,
+                                                              ov_repo: dict[str, Any], evil: str) -> None:
+    # Hand-write a commit whose tree lists an escaping path (the store refuses to create one) and move main.
+    commits = Path(local_hub.store.root) / "repos" / "OpenVINO/m-ov" / "commits"
+    data = json.loads((commits / f"{ov_repo['commit']}.json").read_text())
+    entry = data["files"].pop("config.json")
+    data["files"][evil] = {**entry, "path": evil}
+    data["id"] = hashlib.sha1(evil.encode()).hexdigest()
+    (commits / f"{data['id']}.json").write_text(json.dumps(data))
+    local_hub.set_ref("OpenVINO/m-ov", "main", data["id"])
+    settings = settings_for(local_hub, tmp_path / "home")
+    with pytest.raises(IntegrityError, match="would escape") as exc:
+        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                            options=FAST, progress=False)
+    assert exc.value.details["path"] == evil
+    assert local_hub.requests_for(method="GET", where="cdn") == []
+    assert not (settings.model_dir("ov") / "snapshot").exists()
+    assert not (tmp_path / "home" / "models" / "escape.txt").exists()
