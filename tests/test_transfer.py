@@ -1,0 +1,144 @@
+"""stages.transfer's pure parts: ordered hashing, header parsing, path safety, block plans, retry waits,
+progress throttling."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from tenacity import RetryCallState
+
+from stages.transfer import (
+    MAX_BLOCKS,
+    OrderedHasher,
+    ProgressReporter,
+    TransferOptions,
+    _Retryable,
+    _plan_blocks,
+    _read_sidecar,
+    _wait_policy,
+    parse_content_range,
+    parse_retry_after,
+    safe_relpath,
+)
+
+
+@pytest.mark.parametrize("buffer_bytes", [1 << 30, 3000, 0])
+def test_ordered_hasher_out_of_order_with_spills(tmp_path: Path, buffer_bytes: int) -> None:
+    data = random.Random(1).randbytes(50_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)  # on disk, as the engine guarantees before feeding
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = [(o, data[o:o + 1000]) for o in range(0, len(data), 1000)]
+        random.Random(2).shuffle(chunks)
+        hasher = OrderedHasher(fd, len(data), buffer_bytes=buffer_bytes, git_sha1=True)
+        hasher.mark_on_disk(0, 0)
+        for offset, chunk in chunks:
+            hasher.feed(offset, [chunk[:300], chunk[300:]] if offset % 2000 else chunk)
+        sha256, sha1 = hasher.finish()
+    finally:
+        os.close(fd)
+    assert sha256 == hashlib.sha256(data).hexdigest()
+    assert sha1 == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    if buffer_bytes >= len(data):
+        assert hasher.reread_bytes == 0  # everything hashed from memory, in stream
+    if buffer_bytes == 0:
+        assert hasher.reread_bytes == len(data)  # no memory allowed: every byte read back once, still right
+
+
+def test_ordered_hasher_resume_prefix_is_read_back_once(tmp_path: Path) -> None:
+    data = os.urandom(10_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hasher = OrderedHasher(fd, len(data), buffer_bytes=1 << 20)
+        hasher.mark_on_disk(0, 4000)
+        hasher.feed(4000, data[4000:])
+        assert hasher.finish()[0] == hashlib.sha256(data).hexdigest()
+        assert hasher.reread_bytes == 4000
+    finally:
+        os.close(fd)
+
+
+def test_content_range_and_retry_after() -> None:
+    assert parse_content_range("bytes 10-19/100") == (10, 19, 100)
+    assert parse_content_range("bytes 0-0/*") == (0, 0, None)
+    assert parse_content_range("bytes */100") is None and parse_content_range(None) is None
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    assert parse_retry_after("soon") is None
+
+
+def test_wait_policy_prefers_retry_after_and_caps_it() -> None:
+    opts = TransferOptions(backoff_initial_s=0.5, backoff_max_s=4, retry_after_cap_s=60)
+    wait = _wait_policy(opts)
+
+    def state(exc: BaseException, attempt: int) -> RetryCallState:
+        rs = RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+        rs.attempt_number = attempt
+        rs.set_exception((type(exc), exc, None))
+        return rs
+
+    assert wait(state(_Retryable("429", retry_after_s=7), 1)) == 7
+    assert wait(state(_Retryable("503", retry_after_s=600), 1)) == 60
+    backoffs = [wait(state(_Retryable("500"), n)) for n in range(1, 8)]
+    assert all(0 < b <= 4 + 0.5 for b in backoffs) and backoffs[-1] >= backoffs[0]
+
+
+@pytest.mark.parametrize("path", ["../x", "/x", "a/../../x", "a//b", "a\\b", "", "./a", "a/\x00"])
+def test_unsafe_paths(path: str) -> None:
+    with pytest.raises(ValueError):
+        safe_relpath(path)
+
+
+def test_safe_paths() -> None:
+    assert safe_relpath("sub/dir/openvino_model.bin") == "sub/dir/openvino_model.bin"
+
+
+def test_block_plans() -> None:
+    opts = TransferOptions()
+    blocks = _plan_blocks(1 << 30, 4, opts, ranges=True)
+    assert [b.start for b in blocks[:2]] == [0, 64 << 20] and blocks[-1].end == 1 << 30
+    assert len(_plan_blocks(1 << 20, 4, opts, ranges=True)) == 1  # small: one stream
+    assert len(_plan_blocks(1 << 30, 4, opts, ranges=False)) == 1
+    huge = _plan_blocks(1 << 50, 4, TransferOptions(block_bytes=1 << 20), ranges=True)
+    assert len(huge) <= MAX_BLOCKS  # bounded whatever the size
+
+
+def test_sidecar_that_does_not_tile_the_file_is_not_trusted(tmp_path: Path) -> None:
+    good = {"schema": 1, "url": "u", "repo": "r", "revision": "c" * 40, "file": "f", "size_bytes": 10,
+            "blocks": [[0, 5, 5], [5, 10, 2]]}
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(good))
+    assert _read_sidecar(p) is not None
+    for blocks in ([[0, 5, 6], [5, 10, 0]], [[0, 4, 0], [5, 10, 0]], [[0, 5, 0]]):
+        p.write_text(json.dumps({**good, "blocks": blocks}))
+        assert _read_sidecar(p) is None
+    p.write_text("{not json")
+    assert _read_sidecar(p) is None
+
+
+def test_progress_events_are_throttled(capsys: pytest.CaptureFixture[str]) -> None:
+    out = io.StringIO()
+    bar = ProgressReporter("f", 1000, tty=True, stream=out, min_interval_s=3600)
+    events = ProgressReporter("f", 100_000, tty=False, min_interval_s=0.0)
+    for _ in range(999):
+        bar.advance(1)
+        events.advance(1)  # 0.001 % per call: no event per call
+    bar.advance(1)
+    bar.close()
+    assert out.getvalue().count("\r") <= 3 and "100.0%" in out.getvalue()
+    assert events.events == 0  # 999 bytes of 100000: under 1 %
+    events.advance(1)
+    assert events.events == 1  # 1 %
+    events.advance(500)
+    assert events.events == 1
+    events.close()
+    assert events.events == 2  # and one at the end
