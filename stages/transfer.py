@@ -937,7 +937,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
     written even on failure or cancellation so a rerun resumes."""
     pending = [b for b in blocks if not b.complete]
     cursor = iter(pending)
-    state = {"url": remote.download_url, "fresh": False}
+    state = {"url": remote.download_url}
     lock = anyio.Lock()
 
     def checkpoint() -> None:

@@ -157,3 +157,17 @@ async def test_no_template_named_records_the_gguf_one(local_hub: LocalHub, tmp_p
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, None)
     result = await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
     assert result.path is None and result.gguf_embeds_chat_template is True
+
+
+@pytest.mark.anyio
+async def test_relative_redirect_to_resolve_cache_is_followed(tmp_path: Path) -> None:
+    # The real Hub answers small files with 307 to /api/resolve-cache/... (hf-protocol.md §1.4).
+    with LocalHub(tmp_path / "hub", redirect_small=True) as hub:
+        weights = make_gguf(tmp_path / "model.gguf", pad_bytes=100_000)
+        commit = hub.create_repo("org/m", {"model.gguf": weights, "chat_template.jinja": TOOLS}, lfs=["model.gguf"])
+        entry = make_entry("m", "org/m", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
+                           template=TemplateSource("org/m", commit, "chat_template.jinja"))
+        settings = settings_for(hub, tmp_path / "home")
+        result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+        assert Path(result.path).read_text() == TOOLS
+        assert any(r.status == 307 for r in hub.requests_for(file="chat_template.jinja"))

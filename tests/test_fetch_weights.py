@@ -468,3 +468,22 @@ async def test_snapshot_listing_with_escaping_path_is_refused(local_hub: LocalHu
     assert local_hub.requests_for(method="GET", where="cdn") == []
     assert not (settings.model_dir("ov") / "snapshot").exists()
     assert not (tmp_path / "home" / "models" / "escape.txt").exists()
+
+
+@pytest.mark.anyio
+async def test_snapshot_of_gated_or_missing_repo(local_hub: LocalHub, tmp_path: Path, ov_repo: dict[str, Any],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    settings = settings_for(local_hub, tmp_path / "home")
+    with pytest.raises(HubError, match="not found"):
+        await fetch_weights(_openvino_entry("OpenVINO/absent"), settings.model_dir("ov"), settings=settings,
+                            options=FAST, progress=False)
+    local_hub.set_gated("OpenVINO/m-ov", "hf_secret")
+    with pytest.raises(HubError) as exc:
+        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                            options=FAST, progress=False)
+    assert "licence" in str(exc.value) and "HF_TOKEN" in str(exc.value)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                                 options=FAST, progress=False)
+    assert result.snapshot is not None and result.snapshot.files == 4
