@@ -23,7 +23,9 @@ On-disk layout under the home directory (the one place it is written down)::
       pipeline.lock            flock held by the running pipeline (holder PID inside)
       logs/hotfit.jsonl        JSON event log, appended by every command
       models/<entry>/          verified weights, projector, chat_template.jinja
-      models/<entry>/.partial/ partial downloads + JSON sidecars (resume state)
+      models/<entry>/.partial/ partial downloads + JSON sidecars (resume state), per-target locks
+      models/<entry>/.verified/ receipts of verified files (size, sha256, pinned commit)
+      models/<entry>/snapshot/ OpenVINO repository snapshot (+ snapshot.json: commit, file list)
       runs/<run_id>/           per-run files (llama-server logs, probe transcript)
       manifest.json            the last successful provisioning
 """
