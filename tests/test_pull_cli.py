@@ -190,3 +190,35 @@ def test_two_concurrent_pulls(local_hub: LocalHub, model: dict[str, Any]) -> Non
     assert json.loads(waiter.stdout)["fetch"]["weights"]["already_present"] is True
     assert local_hub.bytes_sent("model.gguf") == model["size"]  # fetched once
     assert model["final"].read_bytes() == model["weights"].read_bytes()
+
+
+def test_gated_repo_then_token_from_the_huggingface_store(local_hub: LocalHub, model: dict[str, Any],
+                                                          tmp_path: Path) -> None:
+    local_hub.set_gated("org/model-GGUF", "hf_from_store")
+    env = {**env_for(local_hub), "HF_HOME": str(tmp_path / "hf-home")}
+    out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 4
+    err = json.loads(out.stdout)["error"]
+    assert err["code"] == "hub" and "licence" in err["message"] and "HF_TOKEN" in err["hint"]
+    (tmp_path / "hf-home").mkdir()
+    (tmp_path / "hf-home" / "token").write_text("hf_from_store\n")  # what `hf auth login` writes
+    out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    assert "hf_from_store" not in out.stdout.decode() + out.stderr.decode()  # never logged
+
+
+def test_human_output(local_hub: LocalHub, model: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from pipeline.cli import main
+
+    monkeypatch.setenv("HF_ENDPOINT", local_hub.endpoint)
+    out = io.StringIO()
+    rc = main(["--home", str(model["home"]), "--log-format", "json", "-q", "pull", "test-model",
+               "--registry", str(model["registry"])], out=out)
+    text = out.getvalue()
+    assert rc == 0, text
+    assert text.startswith("pulled test-model into ") and "verified against registry+hub_lfs" in text
+    assert "tokenizer_config:tool_use" in text and "vision    no" in text
