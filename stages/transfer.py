@@ -647,8 +647,10 @@ class _Sidecar:
     blocks: list[list[int]] = field(default_factory=list)  # [start, end, done]
 
     def matches(self, other: "_Sidecar") -> bool:
-        return (self.url, self.repo, self.revision, self.file, self.size_bytes, self.expected_sha256) == (
-            other.url, other.repo, other.revision, other.file, other.size_bytes, other.expected_sha256)
+        # Not the URL: a mirror (another HF_ENDPOINT) serves the same pinned bytes, and the sha256
+        # check catches one that does not.
+        return (self.repo, self.revision, self.file, self.size_bytes, self.expected_sha256) == (
+            other.repo, other.revision, other.file, other.size_bytes, other.expected_sha256)
 
 
 def _read_sidecar(path: Path) -> _Sidecar | None:
@@ -941,7 +943,9 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
     lock = anyio.Lock()
 
     def checkpoint() -> None:
-        _write_json_atomic(sidecar_path, _sidecar_json(side, blocks))
+        claimed = _sidecar_json(side, blocks)
+        os.fdatasync(fd)
+        _write_json_atomic(sidecar_path, claimed)
 
     async def fresh_url() -> str:
         """Re-HEAD before a resume (CDN links expire); re-checks the pin and size each time."""
