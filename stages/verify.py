@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

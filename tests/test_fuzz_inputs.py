@@ -10,7 +10,6 @@ import io
 import json
 import struct
 import tracemalloc
-from pathlib import Path
 from typing import Any, Callable
 
 import gguf
