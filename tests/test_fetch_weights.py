@@ -487,3 +487,43 @@ async def test_snapshot_of_gated_or_missing_repo(local_hub: LocalHub, tmp_path: 
     result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
                                  options=FAST, progress=False)
     assert result.snapshot is not None and result.snapshot.files == 4
+
+
+@pytest.mark.anyio
+async def test_revision_header_mismatch_fails_closed(tmp_path: Path) -> None:
+    """A server (a stale mirror, a misconfigured proxy) that answers the pinned URL with another commit."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *_a: Any) -> None:
+            pass
+
+        def do_HEAD(self) -> None:  # noqa: N802 - stdlib name
+            seen.append("HEAD " + self.path)
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", "f" * 40)
+            self.send_header("ETag", '"' + "a" * 64 + '"')
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+
+        def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            seen.append("GET " + self.path)
+            self.send_error(500)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"),
+                                  "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"})
+        entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
+        with pytest.raises(PinMismatch, match="served commit f{40} but the registry pins 1{40}") as exc:
+            await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        assert exc.value.details["served"] == "f" * 40
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [f"HEAD /org/m/resolve/{'1' * 40}/model.gguf"]  # nothing fetched from a wrong commit
+    assert not (tmp_path / "home" / "models" / "m" / "model.gguf").exists()
