@@ -139,6 +139,8 @@ async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any
     # every cut range is resumed from where it broke: nothing is fetched twice
     assert local_hub.bytes_sent("model.gguf") == weights.stat().st_size
     assert result.weights is not None and result.weights.attempts > 3
+    # a fresh HEAD (signed CDN links expire) before every resumed attempt: 1 initial + 1 per cut
+    assert len(local_hub.requests_for(file="model.gguf", method="HEAD")) == 1 + cut.hits
 
 
 @pytest.mark.anyio
