@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from stages.transfer import (
     partial_paths,
     write_text_atomic,
 )
+from stages.verify import write_receipt
 from state.locks import FileLock
 
 log = get_logger()
@@ -163,6 +164,35 @@ def check_tool_capable(text: str, *, source: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- stage
 
 
+def _present(entry: Entry, dest_dir: Path, settings: Settings) -> TemplateResult | None:
+    """The template already written for this pin (its receipt and text agree), or None.
+
+    An unpinned source is re-resolved when online (main may have moved) and taken from disk offline.
+    """
+    import hashlib
+
+    from stages.verify import read_receipt
+
+    src = entry.chat_template
+    assert src is not None
+    final = dest_dir / TEMPLATE_FILENAME
+    receipt = read_receipt(dest_dir, TEMPLATE_FILENAME)
+    if receipt is None or not final.is_file() or (receipt.get("repo"), receipt.get("file")) != (src.repo, src.file):
+        return None
+    if src.revision is not None and receipt.get("revision") != src.revision:
+        return None
+    if src.revision is None and not settings.hf_offline:
+        return None
+    data = final.read_bytes()
+    if hashlib.sha256(data).hexdigest() != receipt.get("sha256"):
+        return None
+    log.info("template.already_present", entry=entry.name, path=str(final))
+    return TemplateResult(entry=entry.name, path=str(final),
+                          source=f"{src.repo}@{receipt.get('revision')}/{src.file}", variant=receipt.get("variant"),
+                          sha256=receipt.get("sha256"), tool_markers=tuple(receipt.get("tool_markers", ())),
+                          gguf_embeds_chat_template=None, size_bytes=len(data))
+
+
 def _gguf_embeds_template(weights_path: Path | None) -> bool | None:
     if weights_path is None or not weights_path.is_file():
         return None
@@ -197,6 +227,9 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, we
     partial_dir = dest_dir / ".partial"
     _partial, sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
     async with FileLock(lock_path, wait=wait, what=f"chat template of {entry.name}").async_held():
+        present = _present(entry, dest_dir, settings)
+        if present is not None:
+            return replace(present, gguf_embeds_chat_template=embeds)
         async with HubSession(settings, options) as session:
             try:
                 revision = src.revision
@@ -225,7 +258,10 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, we
         markers = check_tool_capable(text, source=f"{src.repo}/{src.file}")
         final = dest_dir / TEMPLATE_FILENAME
         write_text_atomic(final, text)
-    digest = hashlib.sha256(text.encode()).hexdigest()
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        write_receipt(dest_dir, TEMPLATE_FILENAME, {"repo": src.repo, "revision": revision, "file": src.file,
+                                                    "sha256": digest, "variant": variant,
+                                                    "tool_markers": list(markers)})
     log.info("template.written", entry=entry.name, variant=variant, markers=list(markers),
              gguf_embeds_chat_template=embeds, size_bytes=len(text.encode()))
     return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{revision}/{src.file}",

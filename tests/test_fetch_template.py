@@ -171,3 +171,23 @@ async def test_relative_redirect_to_resolve_cache_is_followed(tmp_path: Path) ->
         result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
         assert Path(result.path).read_text() == TOOLS
         assert any(r.status == 307 for r in hub.requests_for(file="chat_template.jinja"))
+
+
+@pytest.mark.anyio
+async def test_template_in_place_is_not_fetched_again_and_works_offline(local_hub: LocalHub, tmp_path: Path,
+                                                                        hub_repo: dict[str, Any]) -> None:
+    from pipeline.settings import load_settings
+
+    src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
+    entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)
+    first = await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
+    local_hub.reset_counters()
+    offline = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": local_hub.endpoint,
+                             "HF_HUB_OFFLINE": "1"})
+    again = await fetch_template(entry, offline.model_dir("m"), settings=offline, weights_path=fetched.weights_path)
+    assert local_hub.requests == []
+    assert (again.path, again.sha256, again.variant, again.gguf_embeds_chat_template) == (
+        first.path, first.sha256, first.variant, True)
+    Path(first.path).write_text("{{ tampered }}")  # text no longer what the receipt vouches for: fetched again
+    third = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    assert Path(third.path).read_text() == TOOLS and local_hub.requests
