@@ -16,12 +16,12 @@ when it starts and re-plans when it must.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+from state.files import write_text_atomic
 
 SCHEMA = 1
 
@@ -109,24 +109,8 @@ def utc_now_iso() -> str:
 
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
-    """Atomic replace: a reader (or a power cut) sees the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(manifest.to_json(), indent=2, sort_keys=True, default=str) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Atomic, durable replace: a reader (or a power cut) sees the old file or the new one."""
+    write_text_atomic(path, json.dumps(manifest.to_json(), indent=2, sort_keys=True, default=str) + "\n")
 
 
 def read_manifest(path: Path) -> Manifest | None:

@@ -369,13 +369,11 @@ def _verify_inputs(ctx: StageContext) -> dict[str, Any]:
 
 def _files_still_there(outputs: Mapping[str, Any]) -> bool:
     """A recorded download/verify is reusable only while its files are on disk at their size."""
-    found = False
     for path, size in _recorded_files(outputs):
-        found = True
         p = Path(path)
         if not p.is_file() or (size is not None and p.stat().st_size != size):
             return False
-    return True  # nothing on disk to check
+    return True
 
 
 def _recorded_files(outputs: Any) -> list[tuple[str, int | None]]:

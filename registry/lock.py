@@ -21,10 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import stat
-import tempfile
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -32,6 +28,7 @@ from typing import Any, Callable, Mapping
 from pipeline.errors import HubError, PinMismatch, UsageError
 from pipeline.log import get_logger
 from registry.catalog import bundled_registry_path, parse_registry
+from state.files import write_text_atomic
 
 log = get_logger()
 
@@ -216,25 +213,7 @@ def _artifact_updates(name: str, key: str, art: Mapping[str, Any],
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp_name, mode)
-        os.replace(tmp_name, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_text_atomic(path, text)
 
 
 def render_registry(doc: Mapping[str, Any]) -> str:

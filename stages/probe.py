@@ -36,6 +36,7 @@ from pipeline.errors import HardwareProbeError, UsageError
 from pipeline.log import get_logger
 from pipeline.plan import Device, ProbeResult
 from registry.select import device_budget
+from state.files import write_text_atomic
 
 log = get_logger()
 
@@ -362,10 +363,7 @@ def probe_devices(
 
 
 def save_probe(result: ProbeResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(result.to_json(), indent=2) + "\n")
 
 
 def _bad(path: Path, field: str, why: str) -> UsageError:

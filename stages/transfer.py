@@ -63,6 +63,7 @@ from tenacity import (
 from pipeline.errors import DiskSpaceError, HubError, PinMismatch, TransferError
 from pipeline.log import get_logger
 from pipeline.settings import Settings
+from state.files import finalize_file, fsync_dir, write_text_atomic  # noqa: F401  (re-exported)
 
 __all__ = [
     "TransferOptions",
@@ -677,10 +678,9 @@ def _read_sidecar(path: Path) -> _Sidecar | None:
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)
+    # Not fsynced: the sidecar only ever claims bytes already fdatasync'd, so losing its newest
+    # version to a power cut costs redone bytes, never a wrong claim.
+    write_text_atomic(path, json.dumps(data), durable=False)
 
 
 def _sidecar_json(side: _Sidecar, blocks: list[_Block]) -> dict[str, Any]:
@@ -1091,36 +1091,6 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def finalize_file(partial: Path, final: Path) -> None:
-    """fsync the verified file, rename it into place atomically, fsync the directory (issue 4 §2)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(partial, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(partial, final)
-    fsync_dir(final.parent)
-
-
-def write_text_atomic(final: Path, text: str) -> None:
-    """Write a small text file via temp + fsync + rename + dir fsync."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
 
 
 def remove_tree_quietly(path: Path) -> None:

@@ -1,0 +1,44 @@
+"""state.files: the one atomic-write implementation every small in-place file goes through."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from state.files import finalize_file, write_text_atomic
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_replace_keeps_mode_and_leaves_no_temp(tmp_path: Path, durable: bool) -> None:
+    target = tmp_path / "sub" / "x.json"
+    write_text_atomic(target, "one", durable=durable)
+    assert target.read_text() == "one" and (target.stat().st_mode & 0o777) == 0o644
+    os.chmod(target, 0o600)
+    write_text_atomic(target, "two", durable=durable)
+    assert target.read_text() == "two" and (target.stat().st_mode & 0o777) == 0o600
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x.json"]
+
+
+def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "x.json"
+    write_text_atomic(target, "old")
+
+    def boom(*_a: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        write_text_atomic(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_finalize_moves_the_partial_into_place(tmp_path: Path) -> None:
+    partial = tmp_path / ".partial" / "m.gguf.part"
+    partial.parent.mkdir()
+    partial.write_bytes(b"GGUF" + b"\0" * 60)
+    final = tmp_path / "models" / "m.gguf"
+    finalize_file(partial, final)
+    assert final.read_bytes()[:4] == b"GGUF" and not partial.exists()
