@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import anyio
 
@@ -116,8 +116,9 @@ class FileLock:
             lock=str(self.path), holder_pid=holder.pid, holder_command=holder.command,
         )
 
-    def acquire(self) -> "FileLock":
-        """Take the lock (blocking poll when ``wait``); raises LockedError otherwise."""
+    def _attempts(self) -> Iterator[None]:
+        """Try the lock; yield once per busy attempt (the caller sleeps, sync or async), return
+        holding it. Not waiting, or past the deadline, raises LockedError naming the holder."""
         if self._fd is not None:
             raise RuntimeError(f"lock {self.path} already held by this object")
         fd = self._open()
@@ -126,30 +127,27 @@ class FileLock:
             while not self._try_lock(fd):
                 if not self.wait or (deadline is not None and time.monotonic() >= deadline):
                     raise self._locked_error()
-                time.sleep(POLL_INTERVAL_S)
+                yield
             self._claim(fd)
-        except BaseException:
+        except BaseException:  # GeneratorExit too: a cancelled async wait closes the fd
             if self._fd is None:
                 os.close(fd)
             raise
+
+    def acquire(self) -> "FileLock":
+        """Take the lock (blocking poll when ``wait``); raises LockedError otherwise."""
+        for _ in self._attempts():
+            time.sleep(POLL_INTERVAL_S)
         return self
 
     async def acquire_async(self) -> "FileLock":
         """As :meth:`acquire`, but waits with ``anyio.sleep`` so the wait can be cancelled."""
-        if self._fd is not None:
-            raise RuntimeError(f"lock {self.path} already held by this object")
-        fd = self._open()
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        attempts = self._attempts()
         try:
-            while not self._try_lock(fd):
-                if not self.wait or (deadline is not None and time.monotonic() >= deadline):
-                    raise self._locked_error()
+            for _ in attempts:
                 await anyio.sleep(POLL_INTERVAL_S)
-            self._claim(fd)
-        except BaseException:
-            if self._fd is None:
-                os.close(fd)
-            raise
+        finally:
+            attempts.close()
         return self
 
     def release(self) -> None:
