@@ -692,8 +692,16 @@ def _sidecar_json(side: _Sidecar, blocks: list[_Block]) -> dict[str, Any]:
 
 
 def _done_on_disk(sidecar_path: Path, partial: Path) -> int:
+    """Bytes the partial already holds on disk: its sidecar's claims, or its allocated blocks when
+    more (``_preallocate`` reserves the whole file up front; discarded or reused, that space is
+    this download's, so counting it as needed again would refuse a resume on a nearly full disk)."""
     side = _read_sidecar(sidecar_path) if partial.exists() else None
-    return sum(b[2] for b in side.blocks) if side else 0
+    claimed = sum(b[2] for b in side.blocks) if side else 0
+    try:
+        allocated = os.stat(partial).st_blocks * 512
+    except (OSError, AttributeError):  # no partial yet, or no st_blocks on this platform
+        allocated = 0
+    return max(claimed, allocated)
 
 
 MAX_BLOCKS = 1 << 16  # bounds the sidecar and the plan whatever the size and block setting
@@ -833,7 +841,7 @@ async def _download_to_partial(
             repo=repo, file=path, hub_sha256=remote.lfs_sha256, registry_sha256=expected_sha256)
 
     # Before anything is planned or allocated: a size the disk cannot hold ends here.
-    check_disk_space(partial_dir, size - _done_on_disk(sidecar_path, partial), f"{repo}/{path}")
+    check_disk_space(partial_dir, max(0, size - _done_on_disk(sidecar_path, partial)), f"{repo}/{path}")
     wanted = _Sidecar(url=remote.resolve_url, repo=repo, revision=revision, file=path, size_bytes=size,
                       expected_sha256=expected_sha256, etag=remote.etag, ranges_supported=True)
     side = _read_sidecar(sidecar_path) if partial.exists() else None
@@ -856,6 +864,7 @@ async def _download_to_partial(
         log.info("download.resume", file=path, done_bytes=resumed, size_bytes=size, blocks=len(blocks))
 
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    _preallocate(fd, size)
     restarts = 0
     try:
         while True:
@@ -899,6 +908,37 @@ async def _download_to_partial(
         bytes_transferred=counters["transferred"], bytes_reread=hasher.reread_bytes,
         resumed_from_bytes=resumed, connections=conns if len(blocks) > 1 else 1,
         ranges_supported=side.ranges_supported, attempts=counters["attempts"])
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+_fallocate: Any = None
+
+
+def _preallocate(fd: int, size_bytes: int) -> None:
+    """Reserve the file's blocks before the first byte lands (Linux ``fallocate``, KEEP_SIZE: the
+    file's size still grows only as bytes are written, so resume and truncation checks are
+    unchanged). On ext4 a pwritev into reserved blocks skips delayed allocation: it costs half as
+    much and no longer stalls behind a checkpoint's fdatasync (scripts/bench-download: 1 GiB in
+    0.30 s → 0.13 s of pwritev, single stream ~10 % faster). Best effort: where the filesystem has no
+    fallocate, or too little room, nothing changes (ENOSPC then comes from a write, as before)."""
+    global _fallocate
+    if not sys.platform.startswith("linux") or size_bytes <= 0:
+        return
+    if _fallocate is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = getattr(libc, "fallocate64", None) or libc.fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            _fallocate = fn
+        except (OSError, AttributeError):  # pragma: no cover - a libc without fallocate
+            _fallocate = False
+    if _fallocate and _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size_bytes) != 0:
+        import ctypes
+
+        log.debug("download.preallocate_skipped", errno=ctypes.get_errno())
 
 
 async def head_retrying(session: HubSession, repo: str, revision: str, path: str) -> RemoteFile:
