@@ -911,7 +911,32 @@ async def _download_to_partial(
 
 
 _FALLOC_FL_KEEP_SIZE = 1
-_fallocate: Any = None
+_SYNC_FILE_RANGE_WRITE = 2
+_libc_fns: dict[str, Any] | None = None
+
+
+def _libc_fn(name: str) -> Any:
+    """A Linux libc call for the disk hints below, or None (another OS, an old libc)."""
+    global _libc_fns
+    if _libc_fns is None:
+        _libc_fns = {}
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                libc = ctypes.CDLL(None, use_errno=True)
+                for fn_name, symbols, argtypes in (
+                        ("fallocate", ("fallocate64", "fallocate"), (ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                                                     ctypes.c_int64)),
+                        ("sync_file_range", ("sync_file_range",), (ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                                    ctypes.c_uint))):
+                    fn = next((getattr(libc, s) for s in symbols if hasattr(libc, s)), None)
+                    if fn is not None:
+                        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                        _libc_fns[fn_name] = fn
+            except OSError:  # pragma: no cover - no loadable libc
+                pass
+    return _libc_fns.get(name)
 
 
 def _preallocate(fd: int, size_bytes: int) -> None:
@@ -921,24 +946,22 @@ def _preallocate(fd: int, size_bytes: int) -> None:
     much and no longer stalls behind a checkpoint's fdatasync (scripts/bench-download: 1 GiB in
     0.30 s → 0.13 s of pwritev, single stream ~10 % faster). Best effort: where the filesystem has no
     fallocate, or too little room, nothing changes (ENOSPC then comes from a write, as before)."""
-    global _fallocate
-    if not sys.platform.startswith("linux") or size_bytes <= 0:
-        return
-    if _fallocate is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = getattr(libc, "fallocate64", None) or libc.fallocate
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-            _fallocate = fn
-        except (OSError, AttributeError):  # pragma: no cover - a libc without fallocate
-            _fallocate = False
-    if _fallocate and _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size_bytes) != 0:
+    fallocate = _libc_fn("fallocate")
+    if fallocate is not None and size_bytes > 0 and fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size_bytes) != 0:
         import ctypes
 
         log.debug("download.preallocate_skipped", errno=ctypes.get_errno())
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset+length)`` to disk now (``sync_file_range``
+    WRITE: asynchronous, no durability promise). Only a hint: checkpoints still claim bytes only
+    after an ``fdatasync`` completed; that sync then finds (almost) nothing left to write, so neither
+    it nor the final sync holds the stream up (bench: checkpoint fdatasync ~80 ms → ~0, one stream
+    ~6 % faster)."""
+    sync_file_range = _libc_fn("sync_file_range")
+    if sync_file_range is not None:
+        sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 async def head_retrying(session: HubSession, repo: str, revision: str, path: str) -> RemoteFile:
@@ -1068,6 +1091,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
                     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                         raise _disk_error(exc, partial, pos) from exc
                     raise
+                _start_writeback(fd, pos, n_todo)
                 _account(todo)
 
             def _account(data: bytes | list[bytes]) -> None:
