@@ -26,8 +26,11 @@ and metadata calls. What this module guarantees for one pinned Hub file:
   from byte 0 writing at absolute offsets, so nothing is appended in the wrong place.
 - **Retries** (tenacity): exponential backoff with jitter, ``Retry-After`` honoured on 429/503 (capped),
   the attempt counter reset whenever bytes arrived, and a bounded total time per file.
-- **Disk**: free space is checked before starting (``statvfs``); ENOSPC/EFBIG mid-write stops every
-  connection, checkpoints the sidecar and raises :class:`DiskSpaceError` — the partial is kept.
+- **Disk**: free space is checked before starting (``statvfs``; blocks the partial already holds
+  count as held); ENOSPC/EFBIG mid-write stops every connection, checkpoints the sidecar and raises
+  :class:`DiskSpaceError` — the partial is kept. On Linux the partial's blocks are reserved up front
+  (``fallocate`` KEEP_SIZE) and each written chunk's writeback is started at once
+  (``sync_file_range``), so a checkpoint's ``fdatasync`` finds little left and never stalls the stream.
 
 Entry points: :class:`HubSession` (HEAD/GET with pinning, errors, token), :func:`download_to_partial`,
 :func:`finalize_file` (fsync + atomic rename + fsync dir), :class:`ProgressReporter`.
