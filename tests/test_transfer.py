@@ -142,3 +142,20 @@ def test_progress_events_are_throttled(capsys: pytest.CaptureFixture[str]) -> No
     assert events.events == 1
     events.close()
     assert events.events == 2  # and one at the end
+
+
+def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> None:
+    """A resume must not be refused for space the partial reserved itself (fallocate KEEP_SIZE)."""
+    from stages.transfer import _done_on_disk, _preallocate
+
+    partial = tmp_path / "m.gguf.part"
+    size = 4 << 20
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _preallocate(fd, size)
+    finally:
+        os.close(fd)
+    if partial.stat().st_blocks == 0:
+        pytest.skip("this filesystem does not reserve blocks with fallocate")
+    assert partial.stat().st_size == 0  # KEEP_SIZE: the visible size only grows with real bytes
+    assert _done_on_disk(tmp_path / "missing.json", partial) >= size
