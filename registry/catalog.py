@@ -423,7 +423,13 @@ def _check_rules(c: _Checker, e: Entry) -> None:
     art = e.artifact
     if art is None:
         raise c.fail("artifact", "is null on an auto-eligible entry", "record the artifact or set auto_eligible to false")
-    for field, value in (("artifact.revision", art.revision), ("artifact.size_bytes", art.size_bytes)):
+    # Spec ("Publisher and artifact evidence"): GGUF downloads are pinned to verified revisions;
+    # OpenVINO repository downloads follow their current snapshots (the fetch records the commit),
+    # so an OpenVINO entry needs its checked snapshot size but no pinned revision.
+    required = [("artifact.size_bytes", art.size_bytes)]
+    if e.backend == "llama":
+        required.insert(0, ("artifact.revision", art.revision))
+    for field, value in required:
         if value is None:
             raise c.fail(field, "is null on an auto-eligible entry",
                          "pin it ('hotfit registry lock') or set auto_eligible to false with this as the reason")

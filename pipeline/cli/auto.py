@@ -55,6 +55,12 @@ class AutoOptions:
         if args.origin_pos and args.origin and args.origin_pos != args.origin:
             raise UsageError(f"two origins given: {args.origin_pos!r} and --origin {args.origin!r}",
                              hint="give the origin once, as ORIGIN or as --origin")
+        if args.backend == "openvino" and not args.dry_run:
+            # hotfit's load, tool-call probe and re-check stages drive llama-server only.
+            raise UsageError(
+                "hotfit auto provisions llama-server; it cannot load, probe or re-check an OpenVINO export",
+                hint="plan one with 'hotfit plan --backend openvino' or 'hotfit auto --backend openvino --dry-run', "
+                     "download it with 'hotfit pull NAME', and serve it with an OpenVINO runtime")
         return cls(
             origin=args.origin or args.origin_pos,
             model=args.model,
