@@ -382,9 +382,11 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
     """A saved probe (``hotfit probe --save``), validated field by field."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"probe file {p}: cannot be read ({exc.strerror or exc})", file=str(p), field=None) from exc
+    except UnicodeDecodeError as exc:
+        raise _bad(p, "(document)", f"is not UTF-8 JSON (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise _bad(p, "(document)", f"is not JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(data, dict):
