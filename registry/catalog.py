@@ -122,6 +122,9 @@ def load_registry(path: Path | str | None = None) -> Registry:
         except OSError as exc:
             raise RegistryError(f"{label}: cannot be read ({exc.strerror or exc})",
                                 hint="pass an existing registry file with --registry", file=label) from None
+        except UnicodeDecodeError as exc:
+            raise RegistryError(f"{label}: not UTF-8 text (byte {exc.start}); a registry is a JSON file",
+                                hint="pass the registry JSON file with --registry", file=label) from None
     return parse_registry_text(text, label)
 
 
@@ -221,7 +224,8 @@ class _Checker:
     def positive_number(self, value: Any, field: str) -> float | None:
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        # not (value > 0) also refuses NaN, which json.loads accepts; inf is no parameter count either
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise self.fail(field, f"must be a positive number of billions or null, got {value!r}",
                             "write e.g. 8.92 (billions of parameters), or null if unknown")
         return float(value)

@@ -174,6 +174,24 @@ def test_missing_registry_file_is_a_registry_error(tmp_path: Path) -> None:
     assert "nope.json" in str(info.value) and info.value.hint
 
 
+def test_binary_registry_file_is_a_registry_error(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(RegistryError) as info:
+        load_registry(path)
+    assert str(path) in str(info.value) and "UTF-8" in str(info.value) and info.value.hint
+
+
+@pytest.mark.parametrize("field", ["params_total_b", "params_active_b"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_parameter_counts_are_refused(field: str, value: float) -> None:
+    entry = _valid_entry()
+    entry[field] = value
+    with pytest.raises(RegistryError) as info:
+        parse_registry_text(json.dumps(_doc_with(entry)), "nan.json")
+    assert repr(field) in str(info.value)
+
+
 def test_invalid_json_names_line_and_column() -> None:
     with pytest.raises(RegistryError) as info:
         parse_registry_text('{"schema": 1,\n "entries": [}', "bad.json")
