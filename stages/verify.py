@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -245,14 +246,28 @@ class FieldCheck:
     note: str | None = None
 
 
+def _int_value(value: Any) -> int | None:
+    """A header value as a whole number, or None when it is not one (a string, an array, a bool, a
+    NaN/inf or fractional float): a hostile header then fails its check instead of crashing it."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
 def _as_values(value: Any) -> set[int] | None:
+    """The distinct non-zero values of a scalar or per-layer array; an empty set (never equal to the
+    registry's) when any item is not a whole number; None when the key is absent."""
     if value is None:
         return None
-    if isinstance(value, tuple):
-        return {int(v) for v in value if int(v) != 0}  # 0 = a recurrent layer without KV
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return {int(value)}
-    return None
+    items = value if isinstance(value, tuple) else (value,)
+    ints = [_int_value(v) for v in items]
+    if any(v is None for v in ints):
+        return set()
+    return {v for v in ints if v != 0}  # 0 = a recurrent layer without KV
 
 
 def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldCheck, ...]:
@@ -267,9 +282,13 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
     cfg = entry.config
 
     block_count = header.arch_key(Keys.LLM.BLOCK_COUNT)
-    nextn = header.arch_key(Keys.LLM.NEXTN_PREDICT_LAYERS) or 0
+    nextn_raw = header.arch_key(Keys.LLM.NEXTN_PREDICT_LAYERS)
+    nextn = 0 if nextn_raw is None else _int_value(nextn_raw)
+    if nextn is None or nextn < 0:
+        checks.append(FieldCheck("nextn_predict_layers", None, nextn_raw, False, "not a whole number of layers"))
+        nextn = 0
     if cfg.n_layers is not None:
-        ok = block_count is not None and block_count in (cfg.n_layers, cfg.n_layers + nextn)
+        ok = _int_value(block_count) in (cfg.n_layers, cfg.n_layers + nextn)
         checks.append(FieldCheck("block_count", cfg.n_layers, block_count, ok,
                                  f"{nextn} nextn layers allowed" if nextn else None))
 
@@ -291,18 +310,22 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
             ):
                 dims = {header.arch_key(key), header.arch_key(key_swa)} - {None}
                 if not dims:  # llama.cpp's default: embedding_length / head_count
-                    embd = header.arch_key(Keys.LLM.EMBEDDING_LENGTH)
+                    embd = _int_value(header.arch_key(Keys.LLM.EMBEDDING_LENGTH))
                     heads = _as_values(header.arch_key(Keys.Attention.HEAD_COUNT))
-                    if isinstance(embd, int) and heads and len(heads) == 1:
+                    if embd is not None and heads and len(heads) == 1 and next(iter(heads)) > 0:
                         dims = {embd // next(iter(heads))}
-                dims_int = {int(d) for d in dims}
-                checks.append(FieldCheck(name, sorted(reg_dims), sorted(dims_int) or None,
+                dims_int = {_int_value(d) for d in dims}
+                if None in dims_int:  # not a whole number: show what the header holds
+                    checks.append(FieldCheck(name, sorted(reg_dims), sorted(map(repr, dims)), False,
+                                             "not a whole number"))
+                    continue
+                checks.append(FieldCheck(name, sorted(reg_dims), sorted(dims_int) or None,  # type: ignore[type-var]
                                          dims_int == reg_dims if dims_int else False))
         windows = {g.window_tokens for g in groups if g.window_tokens}
         gguf_window = header.arch_key(Keys.Attention.SLIDING_WINDOW)
         if windows:
             checks.append(FieldCheck("sliding_window", sorted(windows), gguf_window,
-                                     gguf_window is not None and {int(gguf_window)} == windows))
+                                     {_int_value(gguf_window)} == windows))
         elif gguf_window:
             checks.append(FieldCheck("sliding_window", None, gguf_window, None,
                                      "registry budgets these layers as full attention (conservative)"))
@@ -310,7 +333,7 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
     ctx = header.arch_key(Keys.LLM.CONTEXT_LENGTH)
     if entry.context_limit is not None:
         checks.append(FieldCheck("context_length", entry.context_limit, ctx,
-                                 isinstance(ctx, int) and ctx >= entry.context_limit,
+                                 (_int_value(ctx) or 0) >= entry.context_limit,
                                  "registry ceiling must not exceed the GGUF's"))
     return tuple(checks)
 

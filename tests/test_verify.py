@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 
 from pipeline.errors import IntegrityError, TemplateError
@@ -16,6 +17,7 @@ from registry.model import LayerGroup, TemplateSource
 from stages.fetch_template import fetch_template
 from stages.fetch_weights import fetch_weights
 from stages.verify import (
+    GGUFHeader,
     check_header_against_entry,
     check_integrity,
     ensure_header_matches,
@@ -162,3 +164,67 @@ async def test_verify_stage_after_pull_and_after_tampering(local_hub: LocalHub, 
     final.write_bytes(bytes(data[:-1]))
     with pytest.raises(IntegrityError, match="receipt"):
         await verify(entry, dest)
+
+
+# --------------------------------------------------------------------------- hostile header values
+
+
+_VALID_META: dict[str, Any] = {
+    "general.architecture": "llama", "llama.block_count": 4, "llama.context_length": 8192,
+    "llama.embedding_length": 256, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+    "llama.attention.key_length": 64, "llama.attention.value_length": 64,
+}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("llama.nextn_predict_layers", "two"),  # a string where a count belongs
+    ("llama.nextn_predict_layers", (1, 2)),
+    ("llama.block_count", "4"),
+    ("llama.attention.head_count_kv", float("nan")),
+    ("llama.attention.head_count_kv", (float("inf"), 2.0)),
+    ("llama.attention.head_count_kv", "2"),
+    ("llama.attention.key_length", "sixty-four"),
+    ("llama.attention.key_length", (64, 64)),
+    ("llama.attention.key_length", float("nan")),
+    ("llama.attention.sliding_window", "512"),
+    ("llama.attention.sliding_window", float("inf")),
+    ("llama.context_length", float("nan")),
+])
+def test_hostile_header_values_fail_closed_naming_the_field_never_crash(key: str, value: Any) -> None:
+    meta = dict(_VALID_META)
+    meta[key] = value
+    header = GGUFHeader(version=3, tensor_count=1, kv_count=len(meta), metadata=meta, chat_template=None,
+                        has_chat_template=False, header_bytes=0)
+    entry = _entry(window=512) if "sliding_window" in key else _entry()
+    with pytest.raises(IntegrityError) as exc:
+        ensure_header_matches(check_header_against_entry(header, entry), file="m.gguf", entry_name="m")
+    assert exc.value.details["field"]
+
+
+def test_zero_head_count_without_key_length_is_an_integrity_error() -> None:
+    meta = {k: v for k, v in _VALID_META.items() if "length" not in k or "context" in k or "embedding" in k}
+    meta["llama.attention.head_count"] = 0
+    header = GGUFHeader(version=3, tensor_count=1, kv_count=len(meta), metadata=meta, chat_template=None,
+                        has_chat_template=False, header_bytes=0)
+    with pytest.raises(IntegrityError) as exc:
+        ensure_header_matches(check_header_against_entry(header, _entry()), file="m.gguf", entry_name="m")
+    assert exc.value.details["field"] == "key_length"
+
+
+def test_a_real_gguf_with_a_string_key_length_is_an_integrity_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(4)
+    w.add_context_length(8192)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_string("llama.attention.key_length", "64")
+    w.add_string("llama.nextn_predict_layers", "x")
+    w.add_tensor("pad", np.zeros(32, dtype=np.int8), raw_dtype=gguf.GGMLQuantizationType.I8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(IntegrityError):
+        ensure_header_matches(check_header_against_entry(read_gguf_header(path), _entry()), file="m.gguf",
+                              entry_name="m")
