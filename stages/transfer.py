@@ -1062,6 +1062,10 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
                     f"{side.file}: server refused bytes={offset}- ({resp.headers.get('content-range')})",
                     hint="the served file is shorter than the pin says; fix the registry entry after review",
                     repo=side.repo, file=side.file)
+            elif resp.status_code in (401, 403, 410) and _origin(str(resp.url)) != _origin(session.endpoint):
+                # A signed CDN link expired (real ones do, hours into a pull): the retry re-HEADs the
+                # Hub for a fresh one, and the Hub itself answers gating/not-found properly.
+                raise _Retryable(f"{side.file}: CDN answered HTTP {resp.status_code} (link expired?)")
             else:
                 raise hub_error_from_response(resp, repo=side.repo, revision=side.revision, path=side.file)
             encoding = resp.headers.get("content-encoding", "identity").lower()

@@ -144,6 +144,21 @@ async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any
 
 
 @pytest.mark.anyio
+async def test_an_expired_cdn_link_is_refreshed_by_a_new_head_not_fatal(local_hub: LocalHub, repo: Any,
+                                                                        weights: Path, tmp_path: Path) -> None:
+    # Signed CDN URLs expire (the CDN then answers 403); blocks requested after that must re-HEAD
+    # the Hub for a fresh link instead of failing a long unattended pull half-way.
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    expired = local_hub.inject(file="model.gguf", method="GET", where="cdn", status=403, times=2)
+    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert expired.hits == 2
+    assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
+    assert result.weights is not None
+    assert len(local_hub.requests_for(file="model.gguf", method="HEAD")) == 1 + expired.hits
+
+
+@pytest.mark.anyio
 async def test_failed_run_leaves_partial_and_rerun_resumes_rehashing_prefix_once(
         local_hub: LocalHub, repo: Any, weights: Path, tmp_path: Path) -> None:
     _repo, _commit, entry = repo
