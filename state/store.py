@@ -27,6 +27,8 @@ from typing import Any, Literal, Sequence
 
 import anyio.to_thread
 
+from pipeline.errors import UsageError
+
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
 RunStatus = Literal["running", "done", "failed", "interrupted"]
 STAGE_STATUSES: tuple[str, ...] = ("pending", "running", "done", "failed", "skipped", "interrupted")
@@ -64,6 +66,14 @@ CREATE TABLE IF NOT EXISTS stages (
 );
 CREATE INDEX IF NOT EXISTS stages_by_hash ON stages (stage, inputs_hash, status);
 """
+# What this version reads; a table from an older layout (CREATE TABLE IF NOT EXISTS keeps it)
+# lacking one of these is refused at open, not met as "no such column" in the middle of a run.
+_COLUMNS: dict[str, frozenset[str]] = {
+    "runs": frozenset({"run_id", "seq", "status", "started_at", "finished_at", "plan_id", "args_json",
+                       "error_json"}),
+    "stages": frozenset({"run_id", "stage", "position", "status", "inputs_hash", "plan_id", "outputs_json",
+                         "error_json", "started_at", "finished_at", "attempts"}),
+}
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,24 @@ class SyncStateStore:
             str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
         self._conn.row_factory = sqlite3.Row
+        try:
+            self._init_schema()
+        except sqlite3.DatabaseError as exc:
+            # A damaged file or one from another hotfit version: say which file and what to do,
+            # instead of a traceback (or a "no such column" half-way through a run).
+            self._conn.close()
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise
+            raise UsageError(
+                f"state database {self.path} cannot be used: {exc}",
+                hint=f"move it aside (mv {self.path} {self.path}.bad) and rerun; stage records are rebuilt "
+                     "and completed downloads on disk are reused", state_db=str(self.path),
+            ) from None
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _init_schema(self) -> None:
         with self._lock:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
@@ -155,6 +183,14 @@ class SyncStateStore:
                 self._conn.execute(
                     "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
                 )
+                found = self._conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0]
+                if found != str(SCHEMA_VERSION):
+                    raise sqlite3.DatabaseError(f"schema version {found}, this hotfit reads {SCHEMA_VERSION}")
+                for table, wanted in _COLUMNS.items():
+                    have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+                    if not wanted <= have:
+                        raise sqlite3.DatabaseError(
+                            f"table {table} lacks {', '.join(sorted(wanted - have))} (an older layout)")
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")

@@ -119,3 +119,13 @@ def test_lock_holder_is_named(tmp_path: Path) -> None:
         holder.wait()
     data = json.loads(status(home, "--json")[1])
     assert data["lock"] == {"held": False}  # the dead holder's text does not count
+
+
+def test_corrupt_state_db_is_a_clear_error_with_exit_2(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "state.db").write_bytes(b"garbage" * 200)
+    code, text = status(home, "--json")
+    assert code == 2
+    error = json.loads(text)["error"]
+    assert "state.db" in error["message"] and error["hint"]  # (a traceback would have raised from main)

@@ -166,3 +166,41 @@ def test_kill_9_mid_write_leaves_a_consistent_database(tmp_path: Path) -> None:
             if rec.status == "done":
                 assert rec.outputs is not None and rec.outputs["blob"] == "x" * 2000
         store.close()
+
+
+def test_corrupt_database_is_a_usage_error_naming_the_file(tmp_path: Path) -> None:
+    from pipeline.errors import UsageError
+
+    path = tmp_path / "state.db"
+    path.write_bytes(b"this is not an sqlite database" * 100)
+    with pytest.raises(UsageError) as info:
+        SyncStateStore(path)
+    assert str(path) in info.value.what
+    assert info.value.hint and "state.db" in info.value.hint
+
+
+def test_database_from_an_older_schema_is_refused_not_crashed_on(tmp_path: Path) -> None:
+    from pipeline.errors import UsageError
+
+    path = tmp_path / "state.db"
+    conn = sqlite3.connect(path)
+    # an earlier layout: no seq / attempts / inputs_hash columns
+    conn.executescript("CREATE TABLE runs (run_id TEXT PRIMARY KEY, status TEXT);"
+                       "CREATE TABLE stages (run_id TEXT, stage TEXT, status TEXT);")
+    conn.close()
+    with pytest.raises(UsageError) as info:
+        SyncStateStore(path)
+    assert str(path) in info.value.what
+
+
+def test_database_with_a_newer_schema_number_is_refused(tmp_path: Path) -> None:
+    from pipeline.errors import UsageError
+
+    path = tmp_path / "state.db"
+    SyncStateStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value='99' WHERE key='schema'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(UsageError):
+        SyncStateStore(path)
