@@ -47,6 +47,7 @@ from stages.transfer import (
     ProgressReporter,
     TransferOptions,
     check_disk_space,
+    check_endpoint,
     discard_partial,
     download_to_partial,
     finalize_file,
@@ -326,6 +327,7 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[
     if settings.hf_offline:
         raise HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
                        hint="unset HF_HUB_OFFLINE to download", repo=repo)
+    check_endpoint(settings.hf_endpoint)
     token = resolve_token()
     try:
         async for attempt in AsyncRetrying(retry=retry_if_exception(_retryable_hub_exception),

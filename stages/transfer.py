@@ -63,7 +63,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from pipeline.errors import DiskSpaceError, HubError, PinMismatch, TransferError
+from pipeline.errors import DiskSpaceError, HubError, PinMismatch, TransferError, UsageError
 from pipeline.log import get_logger
 from pipeline.settings import Settings
 from state.files import finalize_file, fsync_dir, write_text_atomic  # noqa: F401  (re-exported)
@@ -83,6 +83,7 @@ __all__ = [
     "resolve_token",
     "is_commit",
     "safe_relpath",
+    "check_endpoint",
 ]
 
 log = get_logger()
@@ -263,12 +264,24 @@ class RemoteFile:
     accept_ranges: bool
 
 
+def check_endpoint(endpoint: str) -> str:
+    """``HF_ENDPOINT`` as a base URL, or a UsageError (exit 2) at once — not minutes of retries
+    ending in a transfer error. A path after the host (a mirror under a prefix) is fine."""
+    parts = urlsplit(endpoint)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        raise UsageError(f"HF_ENDPOINT={endpoint!r} is not an http(s) URL",
+                         hint="set HF_ENDPOINT to the Hub or mirror base URL, e.g. https://huggingface.co "
+                              "(or unset it)", variable="HF_ENDPOINT", value=endpoint)
+    return endpoint.rstrip("/")
+
+
 class HubSession:
     """An ``httpx.AsyncClient`` bound to one endpoint and token. Use ``async with``."""
 
     def __init__(self, settings: Settings, options: TransferOptions | None = None,
                  token: str | None | bool = None) -> None:
-        self.endpoint = settings.hf_endpoint.rstrip("/")
+        # Offline, nothing is requested: a stale HF_ENDPOINT must not break a rerun from disk.
+        self.endpoint = settings.hf_endpoint.rstrip("/") if settings.hf_offline else check_endpoint(settings.hf_endpoint)
         self.offline = settings.hf_offline
         self.options = options or TransferOptions(connections=settings.download_connections)
         self._token = resolve_token() if token is None else (token or None)

@@ -159,3 +159,25 @@ def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> N
         pytest.skip("this filesystem does not reserve blocks with fallocate")
     assert partial.stat().st_size == 0  # KEEP_SIZE: the visible size only grows with real bytes
     assert _done_on_disk(tmp_path / "missing.json", partial) >= size
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:8080", "ftp://mirror.example", "http://", "hf-mirror.com/hf"])
+def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoint: str, tmp_path: Path) -> None:
+    from pipeline.errors import UsageError
+    from pipeline.settings import load_settings
+    from stages.transfer import HubSession
+
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
+    with pytest.raises(UsageError) as exc:
+        HubSession(settings, token=False)
+    assert "HF_ENDPOINT" in str(exc.value) and exc.value.exit_code == 2 and exc.value.hint
+
+
+@pytest.mark.parametrize("endpoint", ["https://huggingface.co", "http://127.0.0.1:8080/", "https://mirror.example/hf"])
+def test_http_endpoints_with_or_without_a_path_are_accepted(endpoint: str, tmp_path: Path) -> None:
+    from pipeline.settings import load_settings
+    from stages.transfer import HubSession
+
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
+    session = HubSession(settings, token=False)
+    assert session.resolve_url("o/r", "a" * 40, "f.gguf") == f"{endpoint.rstrip('/')}/o/r/resolve/{'a' * 40}/f.gguf"
