@@ -445,8 +445,16 @@ def verify_snapshot_dir(dest_dir: Path, *, rehash: bool = False) -> tuple[int, i
         raise IntegrityError(f"{dest_dir / SNAPSHOT_MANIFEST} is missing or unreadable",
                              hint="rerun `hotfit pull`", field="manifest") from None
     total = 0
-    for f in files:
-        rel = safe_relpath(f["path"])
+    if not isinstance(files, list):
+        files = None
+    for f in files or [None]:
+        # a manifest edited (or damaged) on disk must not crash the stage or point outside it
+        try:
+            rel = safe_relpath(f["path"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            raise IntegrityError(f"{dest_dir / SNAPSHOT_MANIFEST}: entry {f!r} is not a file of the snapshot",
+                                 hint="rerun `hotfit pull` to fetch and record the snapshot again",
+                                 field="manifest") from None
         path = dest_dir / SNAPSHOT_DIRNAME / rel
         if not path.is_file() or path.stat().st_size != f["size_bytes"]:
             raise IntegrityError(f"{path} is missing or has the wrong size", hint="rerun `hotfit pull`",

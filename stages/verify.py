@@ -413,6 +413,8 @@ def receipt_matches(receipt: dict[str, Any] | None, artifact: Artifact, final: P
         return False
     if artifact.size_bytes is not None and receipt.get("size_bytes") != artifact.size_bytes:
         return False
+    if not isinstance(receipt.get("sha256"), str):  # a receipt vouches for a hash, or for nothing
+        return False
     return artifact.sha256 is None or receipt.get("sha256") == artifact.sha256
 
 

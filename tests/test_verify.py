@@ -228,3 +228,36 @@ def test_a_real_gguf_with_a_string_key_length_is_an_integrity_error(tmp_path: Pa
     with pytest.raises(IntegrityError):
         ensure_header_matches(check_header_against_entry(read_gguf_header(path), _entry()), file="m.gguf",
                               entry_name="m")
+
+
+@pytest.mark.parametrize("manifest", [
+    {"files": [{"path": "../outside.bin", "size_bytes": 1}]},
+    {"files": [{"path": "/etc/passwd", "size_bytes": 1}]},
+    {"files": [{"size_bytes": 1}]},
+    {"files": ["model.xml"]},
+    {"files": {"model.xml": 1}},
+    {"files": [{"path": "model.xml", "size_bytes": "1"}]},
+])
+def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, manifest: dict[str, Any]) -> None:
+    import json
+
+    from stages.fetch_weights import verify_snapshot_dir
+
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "model.xml").write_bytes(b"x")
+    (tmp_path / "snapshot.json").write_text(json.dumps({"schema": 1, **manifest}))
+    with pytest.raises(IntegrityError) as exc:
+        verify_snapshot_dir(tmp_path)
+    assert "snapshot.json" in str(exc.value) or "snapshot" in str(exc.value)
+
+
+def test_a_receipt_without_its_sha256_is_not_a_match(tmp_path: Path) -> None:
+    from registry.model import Artifact
+    from stages.verify import receipt_matches
+
+    final = tmp_path / "m.gguf"
+    final.write_bytes(b"x" * 10)
+    art = Artifact("o/r", "0" * 40, "m.gguf", 10, None)
+    assert receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10,
+                            "sha256": "a" * 64}, art, final)
+    assert not receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10}, art, final)
