@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import HubError, TemplateError, TransferError
+from pipeline.errors import HubError, IntegrityError, TemplateError, TransferError
 from pipeline.log import get_logger
 from pipeline.settings import Settings
 from registry.model import Entry
@@ -239,8 +239,9 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, we
                                 hint="pin it with `hotfit registry lock`")
                 outcome = await download_to_partial(
                     session, repo=src.repo, revision=revision, path=src.file, expected_size=None,
-                    expected_sha256=None, partial_dir=partial_dir, connections=1, git_sha1=True)
-            except HubError as exc:
+                    expected_sha256=None, partial_dir=partial_dir, connections=1, git_sha1=True,
+                    max_size_bytes=MAX_TEMPLATE_SOURCE_BYTES)
+            except (HubError, IntegrityError) as exc:
                 raise TemplateError(f"entry {entry.name}: chat template {src.repo}/{src.file} could not be "
                                     f"fetched: {exc.what}", hint=exc.hint or "rerun; the weights are kept",
                                     entry=entry.name, **exc.details) from exc

@@ -63,7 +63,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from pipeline.errors import DiskSpaceError, HubError, PinMismatch, TransferError, UsageError
+from pipeline.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError, UsageError
 from pipeline.log import get_logger
 from pipeline.settings import Settings
 from state.files import finalize_file, fsync_dir, write_text_atomic  # noqa: F401  (re-exported)
@@ -808,7 +808,8 @@ async def download_to_partial(session: HubSession, **kw: Any) -> DownloadOutcome
     """Bring ``<repo>@<revision>/<path>`` into a complete, hashed partial file (see the module doc).
 
     Keyword arguments: ``repo, revision, path, expected_size, expected_sha256, partial_dir,
-    connections=None, progress=None, git_sha1=False``; ``progress(total, done)`` builds a reporter.
+    connections=None, progress=None, git_sha1=False, max_size_bytes=None``; ``progress(total, done)``
+    builds a reporter; a file the HEAD says is larger than ``max_size_bytes`` is refused unfetched.
     The caller holds the per-target lock and decides what the hashes mean (verify); nothing is
     renamed here. Raises PinMismatch, HubError, DiskSpaceError, or TransferError once retries are
     exhausted (the partial and its sidecar stay for the next run).
@@ -834,6 +835,7 @@ async def _download_to_partial(
     connections: int | None = None,
     progress: Callable[[int, int], ProgressReporter] | None = None,
     git_sha1: bool = False,
+    max_size_bytes: int | None = None,
 ) -> DownloadOutcome:
     if not is_commit(revision):
         raise PinMismatch(f"{repo}/{path}: revision {revision!r} is not a 40-hex commit",
@@ -850,6 +852,10 @@ async def _download_to_partial(
     if size is None:
         raise HubError(f"{repo}/{path}: the Hub did not report a size and the registry has none",
                        hint="pin the entry's size_bytes", repo=repo, file=path)
+    if max_size_bytes is not None and size > max_size_bytes:  # before a byte is fetched
+        raise IntegrityError(f"{repo}/{path} is too large: {size} bytes, more than the {max_size_bytes} such a file may have",
+                             hint="the entry names the wrong file; fix it after review", field="size_bytes",
+                             repo=repo, file=path, size_bytes=size, max_size_bytes=max_size_bytes)
     if expected_sha256 and remote.lfs_sha256 and remote.lfs_sha256 != expected_sha256:
         raise PinMismatch(
             f"{repo}/{path}: the Hub's LFS sha256 {remote.lfs_sha256} differs from the registry's {expected_sha256}",

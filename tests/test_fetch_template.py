@@ -191,3 +191,23 @@ async def test_template_in_place_is_not_fetched_again_and_works_offline(local_hu
     Path(first.path).write_text("{{ tampered }}")  # text no longer what the receipt vouches for: fetched again
     third = await fetch_template(entry, settings.model_dir("m"), settings=settings)
     assert Path(third.path).read_text() == TOOLS and local_hub.requests
+
+
+@pytest.mark.anyio
+async def test_an_oversized_template_source_is_refused_before_it_is_downloaded(local_hub: LocalHub,
+                                                                                tmp_path: Path) -> None:
+    # A template source far past any real one (a wrong file, a hostile repo) must not be fetched
+    # in full and read into memory before extract_template's bound says no.
+    from stages.fetch_template import MAX_TEMPLATE_SOURCE_BYTES
+
+    weights = make_gguf(tmp_path / "model.gguf", pad_bytes=100_000)
+    big = b"{{ tools }}" + b" " * (MAX_TEMPLATE_SOURCE_BYTES + 1)
+    commit = local_hub.create_repo("org/big", {"model.gguf": weights, "chat_template.jinja": big},
+                                   lfs=["model.gguf"])
+    entry = make_entry("m", "org/big", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
+                       template=TemplateSource("org/big", commit, "chat_template.jinja"))
+    settings = settings_for(local_hub, tmp_path / "home")
+    with pytest.raises(TemplateError, match="too large|exceeds"):
+        await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    assert local_hub.bytes_sent("chat_template.jinja") == 0
+    assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
