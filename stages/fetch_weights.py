@@ -45,6 +45,7 @@ from stages.transfer import (
     DownloadOutcome,
     HubSession,
     ProgressReporter,
+    adopt_as_partial,
     TransferOptions,
     check_disk_space,
     check_endpoint,
@@ -182,8 +183,13 @@ async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, 
                               bytes_reread=0, resumed_from_bytes=0, connections=0, attempts=0,
                               already_present=True), checks, embeds
         if final.exists():
+            # offline nothing can verify it (no Hub sha256): leave it where the operator put it
+            adopted = not session.offline and adopt_as_partial(final, partial_dir, repo=artifact.repo, revision=revision, path=file,
+                                       size_bytes=artifact.size_bytes, expected_sha256=artifact.sha256)
             log.warning("fetch.unverified_file", file=str(final),
-                        detail="present without a matching receipt; fetching a verified copy over it")
+                        detail="present without a matching receipt; "
+                               + ("moved aside to be re-hashed and verified" if adopted
+                                  else "fetching a verified copy over it"))
         total_transferred = total_reread = 0
         for retry in range(integrity_retries + 1):
             outcome = await download_to_partial(

@@ -79,6 +79,7 @@ __all__ = [
     "head_retrying",
     "finalize_file",
     "discard_partial",
+    "adopt_as_partial",
     "partial_paths",
     "resolve_token",
     "is_commit",
@@ -728,6 +729,33 @@ def _plan_blocks(size: int, connections: int, options: TransferOptions, ranges: 
         return [_Block(0, size)]
     step = max(options.block_size_for(size, connections), -(-size // MAX_BLOCKS))
     return [_Block(s, min(size, s + step)) for s in range(0, size, step)]
+
+
+def adopt_as_partial(final: Path, partial_dir: Path, *, repo: str, revision: str, path: str,
+                     size_bytes: int | None, expected_sha256: str | None) -> bool:
+    """Move a file that sits in its final path without a receipt (a kill between the rename and the
+    receipt write, or a file seeded by hand) into the partial slot with a sidecar claiming every
+    byte: the next :func:`download_to_partial` then re-hashes it once instead of fetching it again,
+    and verification decides (bad bytes are discarded and fetched). The final path is left empty,
+    so it never holds unverified bytes. False, nothing moved, when its size is not the pinned one or
+    a partial download is already in progress."""
+    try:
+        if size_bytes is None or size_bytes <= 0 or final.stat().st_size != size_bytes:
+            return False
+    except OSError:
+        return False
+    partial, sidecar, _lock = partial_paths(partial_dir, repo, path)
+    if partial.exists():  # a download in progress: its bytes are not traded for an unknown file
+        return False
+    partial_dir.mkdir(parents=True, exist_ok=True)
+    discard_partial(partial, sidecar)
+    side = _Sidecar(url="", repo=repo, revision=revision, file=path, size_bytes=size_bytes,
+                    expected_sha256=expected_sha256, etag=None, ranges_supported=True)
+    # Sidecar first: a kill before the move leaves the file in place, to be adopted again.
+    write_text_atomic(sidecar, json.dumps(_sidecar_json(side, [_Block(0, size_bytes, size_bytes)])))
+    os.replace(final, partial)
+    fsync_dir(final.parent)
+    return True
 
 
 def discard_partial(partial: Path, sidecar: Path) -> None:

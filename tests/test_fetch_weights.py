@@ -22,7 +22,7 @@ from pipeline.settings import Settings, load_settings
 from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from stages.fetch_weights import fetch_weights
 from stages.transfer import TransferOptions, partial_paths
-from stages.verify import read_receipt
+from stages.verify import read_receipt, receipt_path
 from state.locks import FileLock
 from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
 
@@ -125,6 +125,30 @@ async def test_parallel_download_verifies_and_places_file(local_hub: LocalHub, r
     again = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
     assert again.weights is not None and again.weights.already_present
     assert local_hub.requests == []
+
+
+@pytest.mark.anyio
+async def test_a_final_file_without_its_receipt_is_verified_in_place_not_fetched_again(
+        local_hub: LocalHub, repo: Any, weights: Path, tmp_path: Path) -> None:
+    # A kill between the rename into place and the receipt write (or a file seeded by the operator)
+    # leaves the right bytes without a receipt: they are re-hashed once and verified, not re-downloaded.
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    receipt_path(dest, "model.gguf").unlink()
+    local_hub.reset_counters()
+    again = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    assert local_hub.bytes_sent("model.gguf") == 0
+    assert again.weights is not None and again.weights.resumed_from_bytes == weights.stat().st_size
+    assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
+    assert read_receipt(dest, "model.gguf")["sha256"] == sha256_of(weights)  # type: ignore[index]
+    # wrong bytes of the right size in the final path: never trusted, replaced by a verified copy
+    receipt_path(dest, "model.gguf").unlink()
+    (dest / "model.gguf").write_bytes(b"\0" * weights.stat().st_size)
+    fixed = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
+    assert fixed.weights is not None and fixed.weights.integrity_retries == 1
 
 
 @pytest.mark.anyio
