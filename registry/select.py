@@ -174,6 +174,24 @@ def required_free_bytes(need_usable_bytes: int, kind: str, total_bytes: int) -> 
     return reserve_bytes(kind, total_bytes) + after_reserve
 
 
+def required_device_bytes(need_usable_bytes: int, kind: str) -> int:
+    """The least size of an otherwise empty device of ``kind`` (free = total) whose budget has
+    ``usable ≥ need``. Unlike :func:`required_free_bytes` the reserve here grows with the device
+    (10 % of its total), so this is the number for "use a larger device". usable(F) is
+    non-decreasing in F, so the least F is found by bisection on integers."""
+    need = max(need_usable_bytes, 0)
+    lo, hi = 0, max(2 * need, 8 * GiB)  # usable(hi) ≥ hi·0.97·0.75 - … ≥ need; usable(lo) < need or need == 0
+    while device_budget(kind, hi, hi).usable_bytes < need:
+        hi *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if device_budget(kind, mid, mid).usable_bytes >= need:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def runtime_allowance(weights_bytes: int) -> int:
     num, den = RUNTIME_ALLOWANCE_FRACTION
     return max(_ceil_div(weights_bytes * num, den), RUNTIME_ALLOWANCE_FLOOR_BYTES)
@@ -318,6 +336,9 @@ class RequiredMemory:
     reserve_bytes: int
     headroom_bytes: int
     required_free_bytes: int  # sum of the above; a usable figure when the budget has no device
+    # When required_free_bytes exceeds this device's total: the least size of an empty device of
+    # this kind that holds it (its reserve is larger), else None.
+    required_device_bytes: int | None = None
 
     @property
     def need_usable_bytes(self) -> int:
@@ -332,6 +353,7 @@ class RequiredMemory:
             "kv_floor_bytes": self.kv_floor_bytes,
             "reserve_bytes": self.reserve_bytes,
             "headroom_bytes": self.headroom_bytes,
+            "required_device_bytes": self.required_device_bytes,
         }
 
 
@@ -349,7 +371,9 @@ def required_memory(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType)
         return RequiredMemory(entry.name, weights, allowance, kv_floor, 0, 0, need)
     required = required_free_bytes(need, budget.kind, budget.total_bytes)
     reserve = reserve_bytes(budget.kind, budget.total_bytes)
-    return RequiredMemory(entry.name, weights, allowance, kv_floor, reserve, required - reserve - need, required)
+    device = required_device_bytes(need, budget.kind) if required > budget.total_bytes else None
+    return RequiredMemory(entry.name, weights, allowance, kv_floor, reserve, required - reserve - need, required,
+                          device)
 
 
 @dataclass(frozen=True)
@@ -432,8 +456,10 @@ def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], bud
         line = (f"The smallest curated agentic model of {where} is {smallest.name}; at {cache_type.name} it needs "
                 f"{fmt_bytes(smallest.required_free_bytes)} ({smallest.required_free_bytes} bytes) of {unit}: "
                 f"{parts}.")
-        if budget.kind is not None and smallest.required_free_bytes > budget.total_bytes:
-            line += f" That is more than this device's total {fmt_bytes(budget.total_bytes)}."
+        if smallest.required_device_bytes is not None:
+            line += (f" That is more than this device's total {fmt_bytes(budget.total_bytes)}; an otherwise empty "
+                     f"device needs at least {fmt_bytes(smallest.required_device_bytes)} "
+                     f"({smallest.required_device_bytes} bytes), its reserve being larger.")
         lines.append(line)
     fitting_below = sorted(
         (v for v in verdicts
@@ -447,10 +473,15 @@ def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], bud
                      f"{below.hot_context_tokens} hot tokens); it can be installed by name "
                      f"(hotfit auto --model {below.entry.name}) at the operator's risk.")
     alternatives: list[str] = []
-    if smallest is not None and budget.kind is not None:
+    if smallest is not None and smallest.required_device_bytes is not None:
+        alternatives.append(f"raise the memory budget: use a device with at least "
+                            f"{fmt_bytes(smallest.required_device_bytes)} free (this one has "
+                            f"{fmt_bytes(budget.total_bytes)} in all)")
+    elif smallest is not None and budget.kind is not None:
         more = max(smallest.required_free_bytes - budget.free_bytes, 0)
         alternatives.append(f"raise the memory budget: free {fmt_bytes(more)} more on this device "
-                            f"(or use one with at least {fmt_bytes(smallest.required_free_bytes)} free)")
+                            f"(or another device of this size with at least "
+                            f"{fmt_bytes(smallest.required_free_bytes)} free)")
     else:
         alternatives.append("raise the memory budget (free memory on this device or use a larger one)")
     others = [o for o in ORIGINS if o != origin]

@@ -311,6 +311,24 @@ def test_the_required_free_number_is_exact(kind: str, total_gib: int, kv: str) -
     assert select_auto(CATALOGUE, device_budget(kind, total, need - 1), ct, origin="china").chosen is None
 
 
+@pytest.mark.parametrize("kind, total_gib, kv", [("nvidia", 2, "f16"), ("nvidia", 3, "q8_0"), ("amd", 2, "f32"),
+                                                 ("cpu", 2, "f16")])
+def test_a_need_beyond_the_device_names_the_free_memory_an_empty_device_needs(kind: str, total_gib: int,
+                                                                              kv: str) -> None:
+    # When the smallest model needs more than this device's total, "use one with at least N free"
+    # must be a number that works on that other device: its reserve grows with its size.
+    ct = KV_CACHE_TYPES[kv]
+    refused = select_auto(CATALOGUE, device_budget(kind, total_gib * GiB, total_gib * GiB), ct, origin="china")
+    assert refused.refusal is not None and refused.refusal.smallest is not None
+    small = refused.refusal.smallest
+    assert small.required_free_bytes > total_gib * GiB
+    empty = small.required_device_bytes
+    assert empty is not None and f"{empty} bytes" in refused.refusal.message
+    ok = select_auto(CATALOGUE, device_budget(kind, empty, empty), ct, origin="china")
+    assert ok.chosen is not None and ok.chosen.hot_context_tokens >= MIN_AGENTIC_HOT_CONTEXT
+    assert select_auto(CATALOGUE, device_budget(kind, empty - 1, empty - 1), ct, origin="china").chosen is None
+
+
 def test_refusal_names_a_below_tier_model_that_fits() -> None:
     s = select_auto(CATALOGUE, card(4, 3), F16, origin="china")
     assert s.chosen is None and s.refusal is not None
