@@ -63,7 +63,14 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from pipeline.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError, UsageError
+from pipeline.errors import (
+    DiskSpaceError,
+    HubError,
+    IntegrityError,
+    PinMismatch,
+    TransferError,
+    UsageError,
+)
 from pipeline.log import get_logger
 from pipeline.settings import Settings
 from state.files import finalize_file, fsync_dir, write_text_atomic  # noqa: F401  (re-exported)
