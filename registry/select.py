@@ -491,8 +491,11 @@ def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], bud
         q8 = KV_CACHE_TYPES["q8_0"]
         alt = smallest_agentic(entries, budget, q8, origin=origin, backend=backend)
         if alt is not None:
+            q8_need = (f"a device with at least {fmt_bytes(alt.required_device_bytes)} "
+                       f"({alt.required_device_bytes} bytes) free" if alt.required_device_bytes is not None
+                       else f"{fmt_bytes(alt.required_free_bytes)} ({alt.required_free_bytes} bytes) free")
             alternatives.append(f"run the worker with CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0 (about half the KV cost): "
-                                f"{alt.name} then needs {fmt_bytes(alt.required_free_bytes)}")
+                                f"{alt.name} then needs {q8_need}")
     lines.append("Alternatives: " + "; ".join(alternatives) + ".")
     return Refusal(origin, backend, cache_type.name, budget, smallest, below, tuple(alternatives), "\n".join(lines))
 

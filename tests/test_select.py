@@ -329,6 +329,17 @@ def test_a_need_beyond_the_device_names_the_free_memory_an_empty_device_needs(ki
     assert select_auto(CATALOGUE, device_budget(kind, empty - 1, empty - 1), ct, origin="china").chosen is None
 
 
+def test_the_q8_0_alternative_beyond_the_device_is_the_empty_device_figure_too() -> None:
+    refused = select_auto(CATALOGUE, device_budget("nvidia", 2 * GiB, 2 * GiB), F16, origin="china")
+    assert refused.refusal is not None
+    q8 = KV_CACHE_TYPES["q8_0"]
+    empty = select_auto(CATALOGUE, device_budget("nvidia", 2 * GiB, 2 * GiB), q8,
+                        origin="china").refusal.smallest.required_device_bytes  # type: ignore[union-attr]
+    assert empty is not None
+    alt = next(a for a in refused.refusal.alternatives if "q8_0" in a)
+    assert f"({empty} bytes)" in alt
+
+
 def test_refusal_names_a_below_tier_model_that_fits() -> None:
     s = select_auto(CATALOGUE, card(4, 3), F16, origin="china")
     assert s.chosen is None and s.refusal is not None
