@@ -136,6 +136,9 @@ def parse_registry_text(text: str, source: str) -> Registry:
             f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
             hint="fix the JSON syntax at that position", file=source, line=exc.lineno, column=exc.colno,
         ) from None
+    except RecursionError:
+        raise RegistryError(f"{source}: not a registry (JSON nested too deeply)",
+                            hint='a registry is {"schema": 1, "entries": [...]}', file=source) from None
     return parse_registry(data, source)
 
 

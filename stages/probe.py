@@ -387,6 +387,8 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
         raise UsageError(f"probe file {p}: cannot be read ({exc.strerror or exc})", file=str(p), field=None) from exc
     except UnicodeDecodeError as exc:
         raise _bad(p, "(document)", f"is not UTF-8 JSON (byte {exc.start})") from None
+    except RecursionError:
+        raise _bad(p, "(document)", "is not a probe (JSON nested too deeply)") from None
     except json.JSONDecodeError as exc:
         raise _bad(p, "(document)", f"is not JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(data, dict):

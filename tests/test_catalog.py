@@ -174,6 +174,12 @@ def test_missing_registry_file_is_a_registry_error(tmp_path: Path) -> None:
     assert "nope.json" in str(info.value) and info.value.hint
 
 
+def test_a_deeply_nested_registry_file_is_a_registry_error() -> None:
+    with pytest.raises(RegistryError) as info:
+        parse_registry_text("[" * 100_000 + "]" * 100_000, "deep.json")
+    assert "deep.json" in str(info.value) and info.value.hint
+
+
 def test_binary_registry_file_is_a_registry_error(tmp_path: Path) -> None:
     path = tmp_path / "reg.json"
     path.write_bytes(b"\xff\xfe\x00garbage")

@@ -301,6 +301,14 @@ def test_unreadable_or_non_json_probe_file(tmp_path: Path) -> None:
         load_probe_file(tmp_path / "x.json")
 
 
+def test_a_deeply_nested_probe_file_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "probe.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UsageError) as exc:
+        load_probe_file(path)
+    assert str(path) in str(exc.value)
+
+
 def test_binary_probe_file_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
     path = tmp_path / "probe.json"
     path.write_bytes(b"\xff\xfe\x00garbage")
