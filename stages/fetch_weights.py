@@ -204,6 +204,11 @@ async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, 
                     expected_size=artifact.size_bytes, registry_sha256=artifact.sha256,
                     hub_sha256=outcome.hub_lfs_sha256)
             except IntegrityError as exc:
+                if exc.details.get("field") == "sha256" and "reference" not in exc.details:
+                    # Nothing to check against (no registry or Hub LFS sha256): not corruption, so
+                    # fetching again cannot help. Keep the complete partial (never put in place):
+                    # once the sha256 is pinned, a rerun only re-hashes it.
+                    raise
                 discard_partial(partial, sidecar)  # bad bytes must never be resumed from
                 log.warning("verify.integrity_failed", file=file, field=exc.details.get("field"), retry=retry,
                             of=integrity_retries)

@@ -152,6 +152,25 @@ async def test_a_final_file_without_its_receipt_is_verified_in_place_not_fetched
 
 
 @pytest.mark.anyio
+async def test_no_sha256_to_check_against_fails_once_and_keeps_the_bytes(local_hub: LocalHub, weights: Path,
+                                                                         tmp_path: Path) -> None:
+    # Registry sha256 null and no Hub LFS sha256 (a mirror that drops X-Linked-Etag; here a non-LFS
+    # file): nothing can verify it. That is not corruption — fetching it twice more cannot help, and
+    # the complete bytes are kept so a rerun after pinning the sha256 only re-hashes them.
+    commit = local_hub.create_repo("org/plain", {"model.gguf": weights}, lfs=[])
+    entry = make_entry("m", "org/plain", commit, "model.gguf", weights.stat().st_size, None)
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    with pytest.raises(IntegrityError) as exc:
+        await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    assert exc.value.details["field"] == "sha256" and "pin" in (exc.value.hint or "")
+    assert local_hub.bytes_sent("model.gguf") == weights.stat().st_size
+    assert not (dest / "model.gguf").exists()
+    part, _sidecar, _lock = partial_paths(dest / ".partial", "org/plain", "model.gguf")
+    assert part.read_bytes() == weights.read_bytes()
+
+
+@pytest.mark.anyio
 async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any, weights: Path,
                                                   tmp_path: Path) -> None:
     _repo, _commit, entry = repo
