@@ -673,9 +673,13 @@ class _Sidecar:
 
     def matches(self, other: "_Sidecar") -> bool:
         # Not the URL: a mirror (another HF_ENDPOINT) serves the same pinned bytes, and the sha256
-        # check catches one that does not.
-        return (self.repo, self.revision, self.file, self.size_bytes, self.expected_sha256) == (
-            other.repo, other.revision, other.file, other.size_bytes, other.expected_sha256)
+        # check catches one that does not. An expected sha256 recorded on one side only (pinned
+        # since) is no conflict: the commit fixes the bytes, and the check after the download
+        # compares them with the sha256 known now.
+        shas_agree = (self.expected_sha256 is None or other.expected_sha256 is None
+                      or self.expected_sha256 == other.expected_sha256)
+        return shas_agree and (self.repo, self.revision, self.file, self.size_bytes) == (
+            other.repo, other.revision, other.file, other.size_bytes)
 
 
 def _read_sidecar(path: Path) -> _Sidecar | None:

@@ -168,6 +168,13 @@ async def test_no_sha256_to_check_against_fails_once_and_keeps_the_bytes(local_h
     assert not (dest / "model.gguf").exists()
     part, _sidecar, _lock = partial_paths(dest / ".partial", "org/plain", "model.gguf")
     assert part.read_bytes() == weights.read_bytes()
+    # the sha256 pinned afterwards: the kept bytes are re-hashed and put in place, nothing re-sent
+    pinned = make_entry("m", "org/plain", commit, "model.gguf", weights.stat().st_size, sha256_of(weights))
+    local_hub.reset_counters()
+    result = await fetch_weights(pinned, dest, settings=settings, options=FAST, progress=False)
+    assert local_hub.bytes_sent("model.gguf") == 0
+    assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
+    assert result.weights is not None and result.weights.verified_against == ("registry",)
 
 
 @pytest.mark.anyio
