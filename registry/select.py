@@ -603,6 +603,10 @@ def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, c
                     f"{'free' if budget.kind else 'usable'}: weights {fmt_bytes(need.weights_bytes)} + allowance "
                     f"{fmt_bytes(need.allowance_bytes)} + KV {fmt_bytes(need.kv_floor_bytes)} + reserve "
                     f"{fmt_bytes(need.reserve_bytes)} + headroom {fmt_bytes(need.headroom_bytes)}")
+            if need.required_device_bytes is not None:
+                what += (f"; that is more than this device's total {fmt_bytes(budget.total_bytes)}: an otherwise "
+                         f"empty device needs at least {fmt_bytes(need.required_device_bytes)} "
+                         f"({need.required_device_bytes} bytes)")
         raise NoModelQualifies(what, hint="free memory on this device, use q8_0 KV, or choose a smaller model",
                                model=name, kv_cache_type=cache_type.name,
                                smallest=None if need is None else need.to_json())

@@ -374,6 +374,16 @@ def test_explicit_model_fails_closed_below_the_floor_without_fallback() -> None:
         select_explicit(CATALOGUE, "qwen3.8-27b", device_budget("nvidia", 40 * GiB, need - 1), F16)
 
 
+def test_explicit_model_beyond_the_device_names_the_empty_device_size() -> None:
+    with pytest.raises(NoModelQualifies) as exc:
+        select_explicit(CATALOGUE, "qwen3.8-27b", device_budget("nvidia", 8 * GiB, 8 * GiB), F16)
+    empty = exc.value.details["smallest"]["required_device_bytes"]
+    assert empty is not None and f"{empty} bytes" in str(exc.value)
+    assert select_explicit(CATALOGUE, "qwen3.8-27b", device_budget("nvidia", empty, empty), F16).chosen is not None
+    with pytest.raises(NoModelQualifies):
+        select_explicit(CATALOGUE, "qwen3.8-27b", device_budget("nvidia", empty - 1, empty - 1), F16)
+
+
 def test_explicit_model_errors() -> None:
     with pytest.raises(UsageError, match="did you mean"):
         select_explicit(CATALOGUE, "qwen3.5-4", DeviceBudget.from_usable(80 * GiB), F16)
