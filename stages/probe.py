@@ -363,7 +363,11 @@ def probe_devices(
 
 
 def save_probe(result: ProbeResult, path: Path) -> None:
-    write_text_atomic(path, json.dumps(result.to_json(), indent=2) + "\n")
+    try:
+        write_text_atomic(path, json.dumps(result.to_json(), indent=2) + "\n")
+    except OSError as exc:
+        raise UsageError(f"probe --save {path}: cannot be written ({exc.strerror or exc})",
+                         hint="pass a writable file path to --save", file=str(path)) from None
 
 
 def _bad(path: Path, field: str, why: str) -> UsageError:

@@ -268,6 +268,15 @@ def test_save_and_load_round_trip(tmp_path: Path, roots: SimpleNamespace) -> Non
     assert loaded.devices == r.devices and loaded.selected == r.selected
 
 
+def test_save_to_an_unwritable_path_is_a_usage_error(tmp_path: Path, roots: SimpleNamespace) -> None:
+    r = probe(roots, fake_nvml([FakeGPU("RTX 3060", "GPU-a", 12 * GiB, 10 * GiB)]))
+    target = tmp_path / "a-directory.json"
+    target.mkdir()
+    with pytest.raises(UsageError) as exc:
+        save_probe(r, target)
+    assert str(target) in str(exc.value) and exc.value.hint
+
+
 GOOD = {"schema": 1, "devices": [{"index": 0, "kind": "nvidia", "name": "X", "total_bytes": 100, "free_bytes": 50}],
         "selected": 0}
 
