@@ -694,7 +694,7 @@ def _read_sidecar(path: Path) -> _Sidecar | None:
                         size_bytes=int(raw["size_bytes"]), expected_sha256=raw.get("expected_sha256"),
                         etag=raw.get("etag"), ranges_supported=bool(raw.get("ranges_supported", True)),
                         blocks=blocks)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):  # damaged: not trusted
         return None
     # A sidecar must tile [0, size) exactly with sane counters, else it is not trusted.
     pos = 0

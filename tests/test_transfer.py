@@ -125,6 +125,17 @@ def test_sidecar_that_does_not_tile_the_file_is_not_trusted(tmp_path: Path) -> N
     assert _read_sidecar(p) is None
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "\"x\"", "null", "[" * 100_000 + "]" * 100_000,
+                                  '{"schema": 1, "url": "u", "repo": "r", "revision": "r", "file": "f", '
+                                  '"size_bytes": 10, "blocks": [1, 2]}',
+                                  '{"schema": 1, "url": "u", "repo": "r", "revision": "r", "file": "f", '
+                                  '"size_bytes": 10, "blocks": {"a": 1}}'])
+def test_a_damaged_sidecar_is_not_trusted_and_never_crashes(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "s.json"
+    p.write_text(text)
+    assert _read_sidecar(p) is None
+
+
 def test_progress_events_are_throttled(capsys: pytest.CaptureFixture[str]) -> None:
     out = io.StringIO()
     bar = ProgressReporter("f", 1000, tty=True, stream=out, min_interval_s=3600)
