@@ -398,7 +398,7 @@ def write_receipt(dest_dir: Path, file: str, data: dict[str, Any]) -> None:
 def read_receipt(dest_dir: Path, file: str) -> dict[str, Any] | None:
     try:
         data = json.loads(receipt_path(dest_dir, file).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # damaged: no receipt, so the file is verified again
         return None
     return data if isinstance(data, dict) and data.get("schema") == 1 else None
 

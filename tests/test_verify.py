@@ -261,3 +261,13 @@ def test_a_receipt_without_its_sha256_is_not_a_match(tmp_path: Path) -> None:
     assert receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10,
                             "sha256": "a" * 64}, art, final)
     assert not receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10}, art, final)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1]", "not json"])
+def test_a_damaged_receipt_is_no_receipt(tmp_path: Path, text: str) -> None:
+    from stages.verify import read_receipt, receipt_path
+
+    path = receipt_path(tmp_path, "m.gguf")
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    assert read_receipt(tmp_path, "m.gguf") is None
