@@ -25,7 +25,7 @@ and metadata calls. What this module guarantees for one pinned Hub file:
 - **Range-ignoring servers** (200 to a ranged GET) are detected; the transfer restarts as one stream
   from byte 0 writing at absolute offsets, so nothing is appended in the wrong place.
 - **Retries** (tenacity): exponential backoff with jitter, ``Retry-After`` honoured on 429/503 (capped),
-  the attempt counter reset whenever bytes arrived, and a bounded total time per file.
+  the attempt counter reset whenever bytes arrived, and a bounded time spent failing (new bytes restart it).
 - **Disk**: free space is checked before starting (``statvfs``; blocks the partial already holds
   count as held); ENOSPC/EFBIG mid-write stops every connection, checkpoints the sidecar and raises
   :class:`DiskSpaceError` — the partial is kept. On Linux the partial's blocks are reserved up front
@@ -788,11 +788,15 @@ def check_disk_space(directory: Path, needed_bytes: int, what: str) -> None:
 
 
 class _StopPolicy:
-    """Stop after N consecutive attempts without new bytes, or past the total deadline."""
+    """Stop after N consecutive attempts without new bytes, or once ``max_total_retry_s`` has passed
+    without any: the deadline bounds time spent failing, so new bytes push it out (a cut hours into
+    a long download is retried like one in its first minute)."""
 
     def __init__(self, options: TransferOptions, progress_fn: Callable[[], int], deadline: float) -> None:
         self._max = options.max_attempts_without_progress
-        self._deadline = deadline
+        self._window_s = options.max_total_retry_s
+        # a retry loop that starts late (a block handed out an hour in) still gets its own window
+        self._deadline = max(deadline, time.monotonic() + self._window_s)
         self._cap = options.retry_after_cap_s
         self._progress_fn = progress_fn
         self._last = progress_fn()
@@ -802,6 +806,7 @@ class _StopPolicy:
         now_done = self._progress_fn()
         if now_done > self._last:
             self._fails, self._last = 1, now_done
+            self._deadline = max(self._deadline, time.monotonic() + self._window_s)
         else:
             self._fails += 1
         exc = state.outcome.exception() if state.outcome else None

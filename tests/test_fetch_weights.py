@@ -178,6 +178,22 @@ async def test_no_sha256_to_check_against_fails_once_and_keeps_the_bytes(local_h
 
 
 @pytest.mark.anyio
+async def test_a_cut_late_in_a_long_download_is_still_retried(local_hub: LocalHub, repo: Any, weights: Path,
+                                                              tmp_path: Path) -> None:
+    # max_total_retry_s bounds the time spent *failing*, not the length of the download: a cut that
+    # comes after the download has run longer than that (hours into a 20 GB pull) is retried.
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    size = weights.stat().st_size
+    one = replace(FAST, connections=1, block_bytes=None, max_total_retry_s=0.3)
+    local_hub.inject(file="model.gguf", method="GET", throughput_bps=size, close_after_bytes=size // 2, times=1)
+    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=one, connections=1,
+                                 progress=False)  # the first half alone takes ~0.5 s at this pace
+    assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
+    assert result.weights is not None and result.weights.attempts >= 2
+
+
+@pytest.mark.anyio
 async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any, weights: Path,
                                                   tmp_path: Path) -> None:
     _repo, _commit, entry = repo

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,29 @@ def test_block_plans() -> None:
     assert len(_plan_blocks(1 << 30, 4, opts, ranges=False)) == 1
     huge = _plan_blocks(1 << 50, 4, TransferOptions(block_bytes=1 << 20), ranges=True)
     assert len(huge) <= MAX_BLOCKS  # bounded whatever the size
+
+
+def test_a_retry_loop_started_late_still_gets_its_window_and_progress_extends_it() -> None:
+    import time
+
+    from stages.transfer import _StopPolicy
+
+    def failed() -> RetryCallState:
+        rs = RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+        rs.set_exception((_Retryable, _Retryable("503"), None))
+        return rs
+
+    opts = TransferOptions(max_attempts_without_progress=100, max_total_retry_s=3600)
+    # a block whose first request fails long after the file's own deadline passed: retried
+    stop = _StopPolicy(opts, lambda: 0, deadline=time.monotonic() - 1)
+    assert stop(failed()) is False
+    # no window left and no progress: stop; new bytes arrived: retried again
+    done = [0]
+    stop = _StopPolicy(replace(opts, max_total_retry_s=0), lambda: done[0], deadline=time.monotonic() - 1)
+    assert stop(failed()) is True
+    stop = _StopPolicy(opts, lambda: done[0], deadline=time.monotonic() - 1)
+    done[0] = 10
+    assert stop(failed()) is False
 
 
 def test_sidecar_that_does_not_tile_the_file_is_not_trusted(tmp_path: Path) -> None:
