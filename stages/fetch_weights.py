@@ -45,8 +45,9 @@ from stages.transfer import (
     DownloadOutcome,
     HubSession,
     ProgressReporter,
-    adopt_as_partial,
     TransferOptions,
+    _done_on_disk,
+    adopt_as_partial,
     check_disk_space,
     check_endpoint,
     discard_partial,
@@ -357,6 +358,16 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]) -> int:
+    """Disk the snapshot still needs: each file's size less what its partial already holds (a resume
+    on a nearly full disk must not be refused for bytes it has)."""
+    needed = 0
+    for f in todo:
+        partial, sidecar, _lock = partial_paths(partial_dir, repo, f.path)
+        needed += max(0, f.size_bytes - _done_on_disk(sidecar, partial))
+    return needed
+
+
 def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str) -> bool:
     final = dest_dir / SNAPSHOT_DIRNAME / rel
     r = verify_mod.read_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{rel}")
@@ -390,7 +401,8 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
             raise HubError(f"{artifact.repo}@{commit} lists no files", repo=artifact.repo)
         todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit)]
         partial_dir.mkdir(parents=True, exist_ok=True)
-        check_disk_space(partial_dir, sum(f.size_bytes for f in todo), f"{artifact.repo} snapshot")
+        check_disk_space(partial_dir, _snapshot_needed_bytes(partial_dir, artifact.repo, todo),
+                         f"{artifact.repo} snapshot")
         transferred = reread = 0
         async with HubSession(settings, options) as session:
             for f in todo:
