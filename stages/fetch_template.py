@@ -48,6 +48,8 @@ __all__ = ["TemplateResult", "fetch_template", "extract_template", "check_tool_c
 TEMPLATE_FILENAME = "chat_template.jinja"
 MAX_TEMPLATE_SOURCE_BYTES = 8 << 20  # real tokenizer_config.json files are ≤ ~1 MiB (with added tokens)
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are ≤ ~50 KiB
+_FIX_SOURCE = ("point the registry entry's chat_template at the publisher's tool-capable template "
+               "(a .jinja file, or a tokenizer_config.json with a tool_use or default template)")
 
 # A template can express tool calls when it renders the ``tools`` variable or emits a call marker.
 # (Markers from llama.cpp's common/chat.cpp dialects: Hermes/Qwen, Mistral, Llama 3.x, functionary,
@@ -96,7 +98,8 @@ def extract_template(filename: str, data: bytes) -> tuple[str, str]:
         raise TemplateError(f"{filename}: not valid JSON ({str(exc)[:120]})",
                             hint="the template source is corrupt", file=filename) from None
     if not isinstance(config, dict):
-        raise TemplateError(f"{filename}: top level is {type(config).__name__}, not an object", file=filename)
+        raise TemplateError(f"{filename}: top level is {type(config).__name__}, not an object",
+                            hint=_FIX_SOURCE, file=filename)
     value = config.get("chat_template")
     if value is None:
         raise TemplateError(f"{filename} has no chat_template",
@@ -114,17 +117,17 @@ def extract_template(filename: str, data: bytes) -> tuple[str, str]:
             if name in named:
                 return _bounded(named[name], filename), f"tokenizer_config:{name}"
         raise TemplateError(f"{filename}: chat_template list has neither 'tool_use' nor 'default' "
-                            f"(names: {sorted(named)[:8]})", file=filename)
+                            f"(names: {sorted(named)[:8]})", hint=_FIX_SOURCE, file=filename)
     raise TemplateError(f"{filename}: chat_template is {type(value).__name__}, not a string or list",
-                        file=filename)
+                        hint=_FIX_SOURCE, file=filename)
 
 
 def _bounded(text: str, filename: str) -> str:
     if not text.strip():
-        raise TemplateError(f"{filename}: the chat template is empty", file=filename)
+        raise TemplateError(f"{filename}: the chat template is empty", hint=_FIX_SOURCE, file=filename)
     if len(text) > MAX_TEMPLATE_BYTES:
         raise TemplateError(f"{filename}: chat template of {len(text)} characters exceeds {MAX_TEMPLATE_BYTES}",
-                            file=filename)
+                            hint=_FIX_SOURCE, file=filename)
     return text
 
 

@@ -53,6 +53,23 @@ def test_bad_template_sources_are_template_errors(filename: str, data: bytes, wh
         extract_template(filename, data)
 
 
+@pytest.mark.parametrize("filename, data", [
+    ("tokenizer_config.json", json.dumps({"bos_token": "<s>"}).encode()),
+    ("tokenizer_config.json", cfg([{"name": "rag", "template": TOOLS}])),
+    ("tokenizer_config.json", cfg(42)),
+    ("tokenizer_config.json", cfg({"default": TOOLS})),
+    ("tokenizer_config.json", b"[1, 2]"),
+    ("tokenizer_config.json", b"{\"chat_template\": "),
+    ("tokenizer_config.json", cfg("   ")),
+    ("tokenizer_config.json", cfg("{{ tools }}" + " " * (1 << 20))),
+    ("chat_template.jinja", b"\xff\xfe{{ tools }}"),
+])
+def test_every_bad_template_source_says_what_to_do(filename: str, data: bytes) -> None:
+    with pytest.raises(TemplateError) as exc:
+        extract_template(filename, data)
+    assert filename in str(exc.value) and exc.value.hint
+
+
 def test_tool_capability_check() -> None:
     assert "tools" in check_tool_capable(TOOLS, source="t")
     assert "<tool_call>" in check_tool_capable("{{ m }}<tool_call>{{ x }}</tool_call>", source="t")
