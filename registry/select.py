@@ -106,7 +106,8 @@ def normalize_backend(raw: str | None) -> str:
     key = (raw or "llama").strip().lower()
     if key in BACKENDS:
         return key
-    raise UsageError(f"unknown backend {raw!r} (valid: {', '.join(BACKENDS)})", backend=raw, valid=list(BACKENDS))
+    raise UsageError(f"unknown backend {raw!r} (valid: {', '.join(BACKENDS)})",
+                     hint=f"use --backend {' or --backend '.join(BACKENDS)}", backend=raw, valid=list(BACKENDS))
 
 
 # --------------------------------------------------------------------------- device budget
@@ -584,7 +585,9 @@ def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, c
     fit = model_fit(entry, budget.usable_bytes, cache_type)
     if isinstance(fit, UnknownKV):
         raise NoModelQualifies(f"{name}: cannot verify that it holds {MIN_AGENTIC_HOT_CONTEXT} tokens — "
-                               f"unknown metadata: {fit.reason}", model=name, kv_cache_type=cache_type.name)
+                               f"unknown metadata: {fit.reason}",
+                               hint="choose an entry whose facts are verified (hotfit registry list), or record "
+                                    "the missing facts in the registry", model=name, kv_cache_type=cache_type.name)
     notes: list[str] = []
     if entry.agentic_tier != "agentic":
         notes.append(f"{name} is {entry.agentic_tier}, below the agentic tier: installed by name at the operator's risk")

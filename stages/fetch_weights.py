@@ -145,11 +145,13 @@ def _require_pinned(entry: Entry, artifact: Artifact, role: str) -> tuple[str, s
         raise RegistryError(f"entry {entry.name}: {role} {artifact.repo} is not pinned to a commit "
                             f"({artifact.revision!r})", hint="pin it with `hotfit registry lock`", entry=entry.name)
     if not artifact.file:
-        raise RegistryError(f"entry {entry.name}: {role} names no file", entry=entry.name)
+        raise RegistryError(f"entry {entry.name}: {role} names no file", hint="name the file in the registry entry",
+                            entry=entry.name)
     try:
         safe_relpath(artifact.file)
     except ValueError:
         raise RegistryError(f"entry {entry.name}: {role} file {artifact.file!r} escapes the model directory",
+                            hint="use the file's path inside its repository (no '..', not absolute)",
                             entry=entry.name) from None
     assert artifact.revision is not None
     return artifact.revision, artifact.file
@@ -250,7 +252,8 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
     dest_dir = Path(dest_dir)
     artifact = entry.artifact
     if artifact is None:
-        raise RegistryError(f"entry {entry.name} has no downloadable artifact", entry=entry.name)
+        raise RegistryError(f"entry {entry.name} has no downloadable artifact",
+                            hint="choose an entry with an artifact (hotfit registry list)", entry=entry.name)
     options = options or TransferOptions(connections=connections or settings.download_connections)
     if entry.backend == "openvino" or artifact.file is None:
         snap = await fetch_snapshot(entry, dest_dir, settings=settings, connections=connections,
@@ -326,7 +329,9 @@ def _list_snapshot_sync(settings: Settings, repo: str, revision: str, token: str
     api = HfApi(endpoint=settings.hf_endpoint, token=token or False)
     commit = revision if is_commit(revision) else api.model_info(repo, revision=revision).sha
     if not commit or not is_commit(commit):
-        raise HubError(f"{repo}@{revision}: the Hub did not name the commit", repo=repo, revision=revision)
+        raise HubError(f"{repo}@{revision}: the Hub did not name the commit",
+                       hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)",
+                       repo=repo, revision=revision)
     files: list[_ListedFile] = []
     for item in api.list_repo_tree(repo, revision=commit, recursive=True):
         if isinstance(item, RepoFile):
@@ -398,7 +403,8 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
                                      hint="refusing this snapshot; report the repository", field="path",
                                      repo=artifact.repo, path=f.path) from None
         if not listed:
-            raise HubError(f"{artifact.repo}@{commit} lists no files", repo=artifact.repo)
+            raise HubError(f"{artifact.repo}@{commit} lists no files",
+                           hint="check the entry's repository (and HF_ENDPOINT)", repo=artifact.repo)
         todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit)]
         partial_dir.mkdir(parents=True, exist_ok=True)
         check_disk_space(partial_dir, _snapshot_needed_bytes(partial_dir, artifact.repo, todo),

@@ -388,7 +388,8 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise UsageError(f"probe file {p}: cannot be read ({exc.strerror or exc})", file=str(p), field=None) from exc
+        raise UsageError(f"probe file {p}: cannot be read ({exc.strerror or exc})",
+                         hint="pass a probe saved with 'hotfit probe --save FILE'", file=str(p), field=None) from exc
     except UnicodeDecodeError as exc:
         raise _bad(p, "(document)", f"is not UTF-8 JSON (byte {exc.start})") from None
     except RecursionError:

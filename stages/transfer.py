@@ -355,7 +355,9 @@ class HubSession:
                 size = int(resp.headers["content-length"])
             break
         else:
-            raise HubError(f"too many redirects resolving {repo}/{path}", repo=repo, file=path)
+            raise HubError(f"too many redirects resolving {repo}/{path}",
+                           hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)",
+                           repo=repo, file=path)
         if not commit:
             raise HubError(f"the Hub did not name the commit (X-Repo-Commit) for {repo}/{path}",
                            hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)",

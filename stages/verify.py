@@ -465,7 +465,8 @@ def _verify_sync(entry: Entry, dest_dir: Path, rehash: bool) -> VerifyResult:
 
     artifact = entry.artifact
     if artifact is None:
-        raise IntegrityError(f"registry entry {entry.name} has no artifact to verify", entry=entry.name)
+        raise IntegrityError(f"registry entry {entry.name} has no artifact to verify",
+                             hint="choose an entry with an artifact (hotfit registry list)", entry=entry.name)
     notes: list[str] = []
     if entry.backend == "openvino" or artifact.file is None:
         total, count = verify_snapshot_dir(dest_dir, rehash=rehash)

@@ -303,8 +303,9 @@ def test_bad_probe_file_names_the_file_and_field(tmp_path: Path, mutate, field: 
 
 
 def test_unreadable_or_non_json_probe_file(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="cannot be read"):
+    with pytest.raises(UsageError, match="cannot be read") as missing:
         load_probe_file(tmp_path / "missing.json")
+    assert missing.value.hint  # what to do: save one with hotfit probe --save
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(UsageError, match="not JSON"):
         load_probe_file(tmp_path / "x.json")

@@ -528,3 +528,15 @@ def test_a_budget_of_nothing_fails_closed_naming_what_would_fit(usable_bytes: in
     # Free memory below the reserve is a budget of 0, never negative.
     b = card(8, 0.25)
     assert b.usable_bytes == 0 and select_auto(CATALOGUE, b, F16).chosen is None
+
+
+def test_input_errors_say_what_to_do() -> None:
+    from registry.select import normalize_backend
+
+    with pytest.raises(UsageError) as exc:
+        normalize_backend("vllm")
+    assert exc.value.hint and "llama" in exc.value.hint
+    unknown = entry("mystery", groups=None)
+    with pytest.raises(NoModelQualifies) as nq:
+        select_explicit([unknown], "mystery", DeviceBudget.from_usable(80 * GiB), F16)
+    assert nq.value.hint
