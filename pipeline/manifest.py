@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipeline.errors import UsageError
 from state.files import write_text_atomic
 
 SCHEMA = 1
@@ -69,19 +70,43 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Manifest":
+    def from_json(cls, data: Any) -> "Manifest":
+        """ValueError naming the field when ``data`` is not a manifest this version wrote."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"the top level is {type(data).__name__}, not an object")
         if data.get("schema") != SCHEMA:
             raise ValueError(f"manifest schema {data.get('schema')!r} is not {SCHEMA}")
+
+        def text(key: str, *, optional: bool = False) -> Any:
+            value = data.get(key)
+            if (value is None and optional) or isinstance(value, str):
+                return value
+            raise ValueError(f"{key} is {type(value).__name__}, not a string")
+
+        def integer(key: str, *, optional: bool = False) -> Any:
+            value = data.get(key)
+            if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+                return value
+            raise ValueError(f"{key} is {type(value).__name__}, not an integer")
+
+        def mapping(key: str) -> Mapping[str, Any]:
+            value = data.get(key) or {}
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{key} is {type(value).__name__}, not an object")
+            return value
+
         return cls(
-            run_id=data["run_id"], plan_id=data["plan_id"], written_at=data["written_at"],
-            entry_name=data["entry_name"], model_path=data["model_path"],
-            model_size_bytes=data.get("model_size_bytes"), model_sha256=data.get("model_sha256"),
-            template_path=data.get("template_path"), projector_path=data.get("projector_path"),
-            kv_cache_type=data["kv_cache_type"],
-            planned_hot_context_tokens=int(data["planned_hot_context_tokens"]),
-            measured=data.get("measured") or {}, probe_verdict=data.get("probe_verdict") or {},
-            llama_cpp=data.get("llama_cpp") or {}, device=data.get("device") or {},
-            plan=data.get("plan") or {}, extra=data.get("extra") or {},
+            run_id=text("run_id"), plan_id=text("plan_id"), written_at=text("written_at"),
+            entry_name=text("entry_name"), model_path=text("model_path"),
+            model_size_bytes=integer("model_size_bytes", optional=True),
+            model_sha256=text("model_sha256", optional=True),
+            template_path=text("template_path", optional=True),
+            projector_path=text("projector_path", optional=True),
+            kv_cache_type=text("kv_cache_type"),
+            planned_hot_context_tokens=integer("planned_hot_context_tokens"),
+            measured=mapping("measured"), probe_verdict=mapping("probe_verdict"),
+            llama_cpp=mapping("llama_cpp"), device=mapping("device"),
+            plan=mapping("plan"), extra=mapping("extra"),
         )
 
     @property
@@ -113,14 +138,24 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
     write_text_atomic(path, json.dumps(manifest.to_json(), indent=2, sort_keys=True, default=str) + "\n")
 
 
-def read_manifest(path: Path) -> Manifest | None:
-    """The last provisioning, or None when there is none (or it is unreadable: treated as none)."""
+def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:
+    """The last provisioning, or None when there is none.
+
+    An unreadable file (damaged, hand-edited, another version's) is treated as none, so ``auto``
+    provisions again; with ``strict`` it is a :class:`UsageError` saying why (``serve``, ``status``).
+    """
     try:
         return Manifest.from_json(json.loads(path.read_text(encoding="utf-8")))
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        if not strict:
+            return None
+        raise UsageError(
+            f"manifest {path} is unreadable: {exc}",
+            hint="run `hotfit auto` to provision again; it rewrites the manifest and reuses completed downloads",
+            manifest=str(path),
+        ) from None
 
 
 # -- rebuilding the frozen plan from its JSON (serve re-plans from the manifest alone) ----------

@@ -198,3 +198,36 @@ def test_serve_starts_llama_server_with_the_window(provisioned: dict, tmp_path: 
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode is not None
+
+
+_GOOD_TOP = {"schema": 1, "run_id": "r", "plan_id": "p", "written_at": "w", "entry_name": "e",
+             "kv_cache_type": "f16", "planned_hot_context_tokens": 1}
+
+
+@pytest.mark.parametrize("text", [
+    "[]", "null", '"x"', "{bad",
+    json.dumps({**_GOOD_TOP, "model_path": None}),
+    json.dumps({**_GOOD_TOP, "model_path": "/m.gguf", "measured": [1]}),
+    json.dumps({**_GOOD_TOP, "model_path": "/m.gguf", "template_path": 7}),
+])
+def test_malformed_manifest_is_none_for_auto_and_a_clear_error_for_serve(tmp_path: Path, text: str) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "manifest.json").write_text(text)
+    assert read_manifest(home / "manifest.json") is None  # auto provisions afresh, no crash
+    out = io.StringIO()
+    code = main(["--home", str(home), "--log-format", "json", "serve", "--json", "--print-command"], out=out)
+    assert code == 2
+    error = json.loads(out.getvalue())["error"]
+    assert "manifest.json" in error["message"] and "unreadable" in error["message"]
+    assert "hotfit auto" in error["hint"]
+
+
+def test_manifest_without_a_usable_plan_is_a_clear_error(provisioned: dict, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    manifest = provisioned["manifest"]
+    write_manifest(home / "manifest.json", Manifest(**{**manifest.__dict__, "plan": {"entry": {}}}))
+    out = io.StringIO()
+    code = main(["--home", str(home), "--log-format", "json", "serve", "--json", "--print-command"], out=out)
+    assert code == 2
+    assert "hotfit auto" in json.loads(out.getvalue())["error"]["hint"]

@@ -129,3 +129,15 @@ def test_corrupt_state_db_is_a_clear_error_with_exit_2(tmp_path: Path) -> None:
     assert code == 2
     error = json.loads(text)["error"]
     assert "state.db" in error["message"] and error["hint"]  # (a traceback would have raised from main)
+
+
+def test_unreadable_manifest_is_reported_not_crashed_on(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "manifest.json").write_text("[]")
+    code, text = status(home, "--json")
+    assert code == 0
+    data = json.loads(text)
+    assert data["provisioned"] is None
+    assert any("manifest.json" in p and "unreadable" in p for p in data["provisioned_problems"])
+    assert "unreadable" in status(home)[1]

@@ -149,7 +149,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     from stages.load import llama_server_argv, probe_server_features
 
     settings = ctx.settings
-    manifest = read_manifest(settings.manifest_path)
+    manifest = read_manifest(settings.manifest_path, strict=True)
     if manifest is None:
         raise UsageError(f"nothing is provisioned under {settings.home}",
                          hint="run `hotfit auto` first; it writes manifest.json when every stage passed")
@@ -157,7 +157,11 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     if problems:
         raise UsageError(f"the provisioned files are not in place: {'; '.join(problems)}",
                          hint="run `hotfit auto` again; it re-fetches what is missing")
-    plan = plan_from_json(manifest.plan)
+    try:
+        plan = plan_from_json(manifest.plan)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"manifest {settings.manifest_path} holds no usable plan ({exc!r})",
+                         hint="run `hotfit auto` to provision again; it rewrites the manifest") from None
     env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type}
 
     if args.print_systemd_unit:

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from pipeline.cli import CliContext
+from pipeline.errors import UsageError
 from pipeline.manifest import read_manifest
 from state.locks import read_holder
 from state.store import RunRecord, StageRecord, SyncStateStore
@@ -80,8 +81,11 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
             stages = store.stages(run.run_id) if run else []
         finally:
             store.close()
-    manifest = read_manifest(settings.manifest_path)
-    problems = manifest.files_in_place() if manifest else []
+    try:
+        manifest = read_manifest(settings.manifest_path, strict=True)
+        problems = manifest.files_in_place() if manifest else []
+    except UsageError as exc:  # a damaged manifest.json: say so (auto provisions again)
+        manifest, problems = None, [exc.what]
     lock = lock_state(ctx)
     # A run still 'running' with nobody holding the lock was killed (kill -9, power cut).
     effective_status = run.status if run else None
@@ -120,6 +124,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         lines += [f"  problem: {p}" for p in problems]
     else:
         lines.append("provisioned: nothing yet")
+        lines += [f"  problem: {p}" for p in problems]
     lines.append(f"a rerun would: {rerun}")
     ctx.emit(data, "\n".join(lines))
     return 0
