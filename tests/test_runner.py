@@ -484,3 +484,24 @@ def test_disk_check_needs_artifact_projector_and_margin(tmp_path: Path) -> None:
     with pytest.raises(DiskSpaceError) as err:
         check_disk(huge, tmp_path / "models" / "fx")
     assert err.value.exit_code == 4 and err.value.details["needed_bytes"] == (1 << 60) + DISK_MARGIN_BYTES
+
+
+def test_recorded_template_is_reused_only_while_its_text_is_unchanged(tmp_path: Path) -> None:
+    """A done fetch-template record names the sha256 of the text it wrote; a file edited or
+    truncated behind hotfit's back must not be skipped over (verify and load would trust it)."""
+    import hashlib
+
+    from pipeline.runner import hotfit_stages
+
+    stage = next(s for s in hotfit_stages() if s.name == "fetch-template")
+    assert stage.still_valid is not None
+    path = tmp_path / "chat_template.jinja"
+    text = "{% for tool in tools %}<tool_call>{% endfor %}"
+    path.write_text(text)
+    outputs = {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    assert stage.still_valid(outputs)
+    path.write_text(text.replace("<tool_call>", "plain prose"))
+    assert not stage.still_valid(outputs)
+    path.unlink()
+    assert not stage.still_valid(outputs)
+    assert stage.still_valid({"path": None, "sha256": None})  # the entry names no template
