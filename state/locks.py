@@ -39,8 +39,11 @@ from typing import AsyncIterator, Iterator
 import anyio
 
 from pipeline.errors import LockedError
+from pipeline.log import get_logger
 
 __all__ = ["FileLock", "LockHolder", "read_holder"]
+
+log = get_logger()
 
 POLL_INTERVAL_S = 0.1  # short: waiting for a lock is rare and the holder may finish any moment
 _MAX_HOLDER_TEXT_BYTES = 4096  # holder line is ours; a bigger file is not trusted past this
@@ -123,10 +126,16 @@ class FileLock:
             raise RuntimeError(f"lock {self.path} already held by this object")
         fd = self._open()
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        waited = False
         try:
             while not self._try_lock(fd):
                 if not self.wait or (deadline is not None and time.monotonic() >= deadline):
                     raise self._locked_error()
+                if not waited:  # an operator watching the log sees why nothing happens yet
+                    waited = True
+                    holder = read_holder(self.path)
+                    log.info("lock.wait", lock=str(self.path), holder_pid=holder.pid,
+                             holder_command=holder.command)
                 yield
             self._claim(fd)
         except BaseException:  # GeneratorExit too: a cancelled async wait closes the fd

@@ -102,3 +102,48 @@ def test_not_reentrant_within_one_object(tmp_path: Path) -> None:
         lock.acquire()
     lock.release()
     lock.release()  # idempotent
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_while_auto_waits_for_the_home_lock_is_a_clean_interrupt(tmp_path: Path, signum: int) -> None:
+    """`hotfit auto --wait` queued behind another run: SIGTERM/SIGINT ends it with exit 130, the
+    logged reason and no state written (it never held the lock), not a bare kill or a traceback."""
+    import json
+
+    home = tmp_path / "home"
+    home.mkdir()
+    with FileLock(home / "pipeline.lock"):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "auto", "--wait",
+             "--probe-file", str(tmp_path / "probe.json")],
+            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        log_file = home / "logs" / "hotfit.jsonl"
+        deadline = time.monotonic() + 60
+        try:
+            while not (log_file.exists() and '"lock.wait"' in log_file.read_text()):
+                assert proc.poll() is None, "auto --wait exited while the lock was held"
+                assert time.monotonic() < deadline, "no lock.wait event"
+                time.sleep(0.05)
+            os.kill(proc.pid, signum)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    events = [json.loads(line)["event"] for line in log_file.read_text().splitlines()]
+    assert events[-2:] == ["lock.wait", "lock.wait_interrupted"]
+    assert not (home / "state.db").exists()
+
+
+def test_auto_without_wait_on_a_held_home_exits_6_naming_the_holder(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    with FileLock(home / "pipeline.lock"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "auto",
+             "--probe-file", str(tmp_path / "probe.json")],
+            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 6, proc.stderr
+    assert f"PID {os.getpid()}" in proc.stderr and "Traceback" not in proc.stderr

@@ -13,10 +13,11 @@ unless ``--recheck``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 from pipeline.cli import CliContext
 from pipeline.cli.plan import add_plan_options
@@ -244,7 +245,7 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
         return AutoResult(data, json_text(data), _kv_hint(plan))
 
     lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
-    async with lock.async_held():
+    async with _held_interruptibly(lock):
         manifest, previous = previous_model()
         if manifest is not None and not opts.recheck and not opts.refresh:
             probe, outcome = await probe_and_plan(previous)
@@ -270,6 +271,49 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
                  run_id=outcome.run_id, plan_id=new_manifest.plan_id)
         text = summary(new_manifest, outcome.plan, noop=False, resumed=outcome.resumed, skipped=outcome.skipped)
         return AutoResult(new_manifest.to_json(), text, _kv_hint(outcome.plan))
+
+
+@contextlib.asynccontextmanager
+async def _held_interruptibly(lock: Any) -> AsyncIterator[Any]:
+    """Hold the home lock. SIGINT/SIGTERM while queued behind another run (--wait) ends with
+    Interrupted (exit 130) and a ``lock.wait_interrupted`` event; nothing was written, since
+    state belongs to the lock holder. (Once held, the runner handles signals itself.)"""
+    import signal
+
+    import anyio
+
+    from pipeline.errors import Interrupted
+    from pipeline.log import get_logger
+
+    received: list[int] = []
+    failure: Exception | None = None
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                async for signum in signals:
+                    received.append(signum)
+                    tg.cancel_scope.cancel()
+                    return
+
+            tg.start_soon(watch)
+            try:
+                await lock.acquire_async()
+            except Exception as exc:  # LockedError: kept out of the task group's ExceptionGroup
+                failure = exc
+            finally:
+                tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    if received:
+        lock.release()  # held only if it was granted as the signal arrived
+        name = signal.Signals(received[0]).name
+        get_logger().warning("lock.wait_interrupted", signal=name, lock=str(lock.path))
+        raise Interrupted(f"interrupted by {name} while waiting for {lock.what}; nothing was changed",
+                          hint="rerun the same command to queue again")
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def json_text(data: Any) -> str:
