@@ -15,6 +15,7 @@ when it starts and re-plans when it must.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class Manifest:
     device: Mapping[str, Any]  # what the plan was made for
     plan: Mapping[str, Any]  # the full frozen plan (entry facts serve needs to re-plan)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    template_sha256: str | None = None  # of the verified template text (edited → not in place)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +69,7 @@ class Manifest:
             "device": dict(self.device),
             "plan": dict(self.plan),
             **({"extra": dict(self.extra)} if self.extra else {}),
+            **({"template_sha256": self.template_sha256} if self.template_sha256 else {}),
         }
 
     @classmethod
@@ -107,6 +110,7 @@ class Manifest:
             measured=mapping("measured"), probe_verdict=mapping("probe_verdict"),
             llama_cpp=mapping("llama_cpp"), device=mapping("device"),
             plan=mapping("plan"), extra=mapping("extra"),
+            template_sha256=text("template_sha256", optional=True),
         )
 
     @property
@@ -124,6 +128,9 @@ class Manifest:
             problems.append(f"model file has {model.stat().st_size} bytes, expected {self.model_size_bytes}")
         if self.template_path and not Path(self.template_path).is_file():
             problems.append(f"chat template missing: {self.template_path}")
+        elif self.template_path and self.template_sha256 and hashlib.sha256(
+                Path(self.template_path).read_bytes()).hexdigest() != self.template_sha256:
+            problems.append(f"chat template changed since it was verified: {self.template_path}")
         if self.projector_path and not Path(self.projector_path).is_file():
             problems.append(f"projector missing: {self.projector_path}")
         return problems

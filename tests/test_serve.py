@@ -231,3 +231,20 @@ def test_manifest_without_a_usable_plan_is_a_clear_error(provisioned: dict, tmp_
     code = main(["--home", str(home), "--log-format", "json", "serve", "--json", "--print-command"], out=out)
     assert code == 2
     assert "hotfit auto" in json.loads(out.getvalue())["error"]["hint"]
+
+
+def test_template_edited_after_verification_is_not_in_place(provisioned: dict, tmp_path: Path) -> None:
+    """The manifest names the sha256 of the verified template; an edited one must not pass as
+    provisioned (auto's fast no-op and serve both rely on files_in_place)."""
+    import hashlib
+
+    manifest = provisioned["manifest"]
+    template = tmp_path / "chat_template.jinja"
+    template.write_text("{{ tools }}<tool_call>")
+    digest = hashlib.sha256(template.read_bytes()).hexdigest()
+    pinned = Manifest(**{**manifest.__dict__, "template_path": str(template), "template_sha256": digest})
+    write_manifest(tmp_path / "manifest.json", pinned)
+    again = read_manifest(tmp_path / "manifest.json")
+    assert again.template_sha256 == digest and again.files_in_place() == []
+    template.write_text("{{ messages }} prose only")
+    assert any("chat template" in p for p in again.files_in_place())

@@ -139,6 +139,7 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
         model_size_bytes=verify.get("size_bytes"),
         model_sha256=verify.get("sha256"),
         template_path=template.get("path") or verify.get("chat_template_path"),
+        template_sha256=template.get("sha256") if template.get("path") else None,
         projector_path=((fetch.get("projector") or {}).get("path")),
         kv_cache_type=plan.kv_cache_type,
         planned_hot_context_tokens=plan.hot_context_tokens,
