@@ -161,10 +161,13 @@ class SyncStateStore:
             self._conn.close()
             if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
                 raise
+            aside = self.path.parent / f"{self.path.stem}-unusable"
             raise UsageError(
                 f"state database {self.path} cannot be used: {exc}",
-                hint=f"move it aside (mv {self.path} {self.path}.bad) and rerun; stage records are rebuilt "
-                     "and completed downloads on disk are reused", state_db=str(self.path),
+                # with its -wal/-shm: a stale WAL left beside a fresh database would be replayed into it
+                hint=f"move it and its -wal/-shm files aside (mkdir {aside} && mv {self.path}* {aside}/) and "
+                     "rerun; stage records are rebuilt and completed downloads on disk are reused",
+                state_db=str(self.path),
             ) from None
         except BaseException:
             self._conn.close()

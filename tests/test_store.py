@@ -177,6 +177,7 @@ def test_corrupt_database_is_a_usage_error_naming_the_file(tmp_path: Path) -> No
         SyncStateStore(path)
     assert str(path) in info.value.what
     assert info.value.hint and "state.db" in info.value.hint
+    assert "-wal" in info.value.hint  # a stale WAL beside a fresh database would be replayed into it
 
 
 def test_database_from_an_older_schema_is_refused_not_crashed_on(tmp_path: Path) -> None:
