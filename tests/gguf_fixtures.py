@@ -41,7 +41,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import gguf
 import numpy as np
@@ -231,36 +231,67 @@ def _check_shape(n_heads: int, n_kv_heads: int, head_dim: int, tensor_type: str)
         raise ValueError(f"head_dim must be a multiple of 32 (quantized KV blocks), not {head_dim}")
 
 
-def _common_kv(
-    w: gguf.GGUFWriter,
-    *,
-    name: str,
-    n_layers: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    n_embd: int,
-    n_ff: int,
-    n_ctx_train: int,
-    tensor_type: str,
-    chat_template: str | None,
-) -> None:
+@dataclass(frozen=True)
+class _Shape:
+    """The dimensions every llama-style fixture writer shares."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_embd: int
+    n_ff: int
+    n_ctx_train: int
+    tensor_type: str
+
+
+def _gaussian(seed: int) -> Callable[..., np.ndarray]:
+    """Seeded small-normal weights: files are byte-identical for the same arguments."""
+    rng = np.random.default_rng(seed)
+    return lambda *shape: rng.normal(0.0, 0.02, size=shape)
+
+
+def _open_writer(path: Path, architecture: str, name: str, s: _Shape, chat_template: str | None) -> gguf.GGUFWriter:
+    """A writer with the hyperparameters, vocabulary and optional template every fixture carries."""
+    w = gguf.GGUFWriter(path, architecture)
     w.add_name(name)
-    w.add_file_type(_FILE_TYPES[tensor_type])
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layers)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(_FILE_TYPES[s.tensor_type])
+    w.add_context_length(s.n_ctx_train)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layers)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_heads)
+    w.add_head_count_kv(s.n_kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     _add_vocab(w)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    return w
+
+
+def _fixture_info(path: Path, kind: str, architecture: str, s: _Shape, chat_template: str | None,
+                  **extra: Any) -> FixtureInfo:
+    return FixtureInfo(
+        path=path,
+        kind=kind,
+        architecture=architecture,
+        n_layers=s.n_layers,
+        n_heads=s.n_heads,
+        n_kv_heads=s.n_kv_heads,
+        head_dim_k=s.head_dim,
+        head_dim_v=s.head_dim,
+        n_embd=s.n_embd,
+        n_ctx_train=s.n_ctx_train,
+        n_vocab=N_VOCAB,
+        tensor_type=s.tensor_type,
+        has_chat_template=chat_template is not None,
+        size_bytes=path.stat().st_size,
+        **extra,
+    )
 
 
 def write_llama_model(
@@ -284,65 +315,24 @@ def write_llama_model(
     ``n_embd / n_heads``. Defaults make a ~100 KB file."""
     _check_shape(n_heads, n_kv_heads, head_dim, tensor_type)
     path = Path(path)
-    rng = np.random.default_rng(seed)
-
-    def rand(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.02, size=shape)
-
-    w = gguf.GGUFWriter(path, "llama")
-    _common_kv(
-        w,
-        name=name,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        n_embd=n_embd,
-        n_ff=n_ff,
-        n_ctx_train=n_ctx_train,
-        tensor_type=tensor_type,
-        chat_template=chat_template,
-    )
+    shape = _Shape(n_layers, n_heads, n_kv_heads, head_dim, n_embd, n_ff, n_ctx_train, tensor_type)
+    rand = _gaussian(seed)
+    w = _open_writer(path, "llama", name, shape, chat_template)
     # numpy shapes are ggml's ne reversed: ggml {n_embd, n_vocab} is numpy (n_vocab, n_embd).
     _tensor(w, "token_embd.weight", rand(N_VOCAB, n_embd), tensor_type)
     _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
     _tensor(w, "output.weight", rand(N_VOCAB, n_embd), tensor_type)
     for i in range(n_layers):
-        _llama_block(w, i, rand, n_heads, n_kv_heads, head_dim, n_embd, n_ff, tensor_type)
+        _llama_block(w, i, rand, shape)
     _finish(w)
-    return FixtureInfo(
-        path=path,
-        kind="llama",
-        architecture="llama",
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim_k=head_dim,
-        head_dim_v=head_dim,
-        n_embd=n_embd,
-        n_ctx_train=n_ctx_train,
-        n_vocab=N_VOCAB,
-        tensor_type=tensor_type,
-        has_chat_template=chat_template is not None,
-        size_bytes=path.stat().st_size,
-    )
+    return _fixture_info(path, "llama", "llama", shape, chat_template)
 
 
-def _llama_block(
-    w: gguf.GGUFWriter,
-    i: int,
-    rand: Any,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    n_embd: int,
-    n_ff: int,
-    tensor_type: str,
-    *,
-    zero_out: bool = False,
-) -> None:
+def _llama_block(w: gguf.GGUFWriter, i: int, rand: Any, s: _Shape, *, zero_out: bool = False) -> None:
     """One llama block. ``zero_out``: attention output and FFN down are zero, so the block adds
     nothing to the residual stream (the deterministic model's trick)."""
+    n_heads, n_kv_heads, head_dim, n_embd, n_ff, tensor_type = (
+        s.n_heads, s.n_kv_heads, s.head_dim, s.n_embd, s.n_ff, s.tensor_type)
     p = f"blk.{i}."
     _tensor(w, p + "attn_norm.weight", np.ones(n_embd), tensor_type)
     _tensor(w, p + "attn_q.weight", rand(n_heads * head_dim, n_embd), tensor_type)
@@ -401,25 +391,9 @@ def write_gemma3_swa_model(
         raise ValueError("sliding_window_tokens must be positive (0 disables sliding in llama.cpp)")
     swa_layers = swa_layer_pattern(n_layers, swa_pattern)
     path = Path(path)
-    rng = np.random.default_rng(seed)
-
-    def rand(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.02, size=shape)
-
-    w = gguf.GGUFWriter(path, "gemma3")
-    _common_kv(
-        w,
-        name=name,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        n_embd=n_embd,
-        n_ff=n_ff,
-        n_ctx_train=n_ctx_train,
-        tensor_type=tensor_type,
-        chat_template=chat_template,
-    )
+    shape = _Shape(n_layers, n_heads, n_kv_heads, head_dim, n_embd, n_ff, n_ctx_train, tensor_type)
+    rand = _gaussian(seed)
+    w = _open_writer(path, "gemma3", name, shape, chat_template)
     w.add_sliding_window(sliding_window_tokens)
     if isinstance(swa_pattern, int):
         w.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch="gemma3"), swa_pattern)
@@ -428,31 +402,15 @@ def write_gemma3_swa_model(
     _tensor(w, "token_embd.weight", rand(N_VOCAB, n_embd), tensor_type)
     _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
     for i in range(n_layers):
-        _llama_block(w, i, rand, n_heads, n_kv_heads, head_dim, n_embd, n_ff, tensor_type)
+        _llama_block(w, i, rand, shape)
         p = f"blk.{i}."
         _tensor(w, p + "post_attention_norm.weight", np.ones(n_embd), tensor_type)
         _tensor(w, p + "attn_q_norm.weight", np.ones(head_dim), tensor_type)
         _tensor(w, p + "attn_k_norm.weight", np.ones(head_dim), tensor_type)
         _tensor(w, p + "post_ffw_norm.weight", np.ones(n_embd), tensor_type)
     _finish(w)
-    return FixtureInfo(
-        path=path,
-        kind="gemma3-swa",
-        architecture="gemma3",
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim_k=head_dim,
-        head_dim_v=head_dim,
-        n_embd=n_embd,
-        n_ctx_train=n_ctx_train,
-        n_vocab=N_VOCAB,
-        tensor_type=tensor_type,
-        has_chat_template=chat_template is not None,
-        size_bytes=path.stat().st_size,
-        sliding_window_tokens=sliding_window_tokens,
-        swa_layers=swa_layers,
-    )
+    return _fixture_info(path, "gemma3-swa", "gemma3", shape, chat_template,
+                         sliding_window_tokens=sliding_window_tokens, swa_layers=swa_layers)
 
 
 UNSUPPORTED_ARCHITECTURE = "hotfit-no-such-arch"
@@ -718,11 +676,8 @@ def write_tool_call_model(
     template = chat_template
     if embed_template and template is None:
         template = pinned_template().read_text(encoding="utf-8")
-    rng = np.random.default_rng(1)
-
-    def rand(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.02, size=shape)
-
+    shape = _Shape(1, n_heads, n_kv_heads, head_dim, n_embd, n_ff, n_ctx_train, tensor_type)
+    rand = _gaussian(1)
     nl, quote, lbrace, rbrace = ord("\n"), ord('"'), ord("{"), ord("}")
     dim_default, dim_tool_call, dim_quote = 0, 1, 2
     embd = np.zeros((N_VOCAB, n_embd))
@@ -744,41 +699,13 @@ def write_tool_call_model(
     out[nl, dim_tool_call] = 10.0
     out[quote, dim_quote] = 10.0
 
-    w = gguf.GGUFWriter(path, "llama")
-    _common_kv(
-        w,
-        name="hotfit-fixture-tool-call",
-        n_layers=1,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        n_embd=n_embd,
-        n_ff=n_ff,
-        n_ctx_train=n_ctx_train,
-        tensor_type=tensor_type,
-        chat_template=template,
-    )
+    w = _open_writer(path, "llama", "hotfit-fixture-tool-call", shape, template)
     _tensor(w, "token_embd.weight", embd, tensor_type)
     _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
     _tensor(w, "output.weight", out, tensor_type)
-    _llama_block(w, 0, rand, n_heads, n_kv_heads, head_dim, n_embd, n_ff, tensor_type, zero_out=True)
+    _llama_block(w, 0, rand, shape, zero_out=True)
     _finish(w)
-    return FixtureInfo(
-        path=path,
-        kind="tool-call",
-        architecture="llama",
-        n_layers=1,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim_k=head_dim,
-        head_dim_v=head_dim,
-        n_embd=n_embd,
-        n_ctx_train=n_ctx_train,
-        n_vocab=N_VOCAB,
-        tensor_type=tensor_type,
-        has_chat_template=template is not None,
-        size_bytes=path.stat().st_size,
-    )
+    return _fixture_info(path, "tool-call", "llama", shape, template)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
