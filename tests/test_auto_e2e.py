@@ -7,7 +7,6 @@ with its own --home. A saved probe (--probe-file) gives the planner a chosen bud
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import GiB, LARGE, SMALL, World, build_world, write_probe
+from tests.e2e_support import GiB, LARGE, SMALL, World, build_world, sha256_of, write_probe
 from tests.gguf_fixtures import pinned_template, require_llama_server
 from tests.hubserver import LocalHub
 
@@ -82,10 +81,6 @@ def events(home: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def wait_for(predicate: Any, timeout_s: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -138,7 +133,7 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     # the automatic pick: both fit, the larger model wins
     assert manifest["entry_name"] == LARGE and manifest["kv_cache_type"] == "f16"
     model = Path(manifest["model_path"])
-    assert model.is_file() and sha256(model) == large.artifact.sha256 == manifest["model_sha256"]
+    assert model.is_file() and sha256_of(model) == large.artifact.sha256 == manifest["model_sha256"]
     assert Path(manifest["template_path"]).read_text() == pinned_template().read_text()
     assert manifest["probe_verdict"]["passed"] is True and manifest["probe_verdict"]["tool"] == "hotfit_probe"
     assert manifest["measured"]["verdict"] == "pass"
@@ -340,7 +335,7 @@ def test_sigterm_mid_download_then_rerun_resumes_the_bytes(hub: LocalHub, world:
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     manifest = json.loads(resumed.stdout)
     assert manifest["run_id"] == status["run"]["run_id"]  # the same run continued
-    assert sha256(Path(manifest["model_path"])) == large.artifact.sha256
+    assert sha256_of(Path(manifest["model_path"])) == large.artifact.sha256
     # the rerun fetched the rest, not the whole file again
     assert hub.bytes_sent(large.artifact.file) < large.artifact.size_bytes
     fetched = [e for e in events(home) if e["event"] == "stage.done" and e["stage"] == "fetch-weights"]
@@ -391,7 +386,7 @@ def test_kill_9_at_many_points_then_rerun_completes(hub: LocalHub, world: World,
         fetched_before = any(e["event"] == "stage.done" and e.get("stage") == "fetch-weights"
                              for e in killed_events)
         if (home / final).exists():  # a final path never holds a partial or unverified file
-            assert sha256(home / final) == large.artifact.sha256, (lines, delay_s)
+            assert sha256_of(home / final) == large.artifact.sha256, (lines, delay_s)
         settle(hub)  # the killed client's last response is logged when the server notices it is gone
         checkpointed = sidecar_done_bytes(home / "models" / LARGE)
         hub.clear_faults()
@@ -400,7 +395,7 @@ def test_kill_9_at_many_points_then_rerun_completes(hub: LocalHub, world: World,
         assert rerun.returncode == 0, f"kill point {(lines, delay_s)}: {rerun.stderr[-2000:]}"
         manifest = json.loads(rerun.stdout)
         assert manifest["measured"]["verdict"] == "pass" and manifest["probe_verdict"]["passed"]
-        assert sha256(home / final) == large.artifact.sha256
+        assert sha256_of(home / final) == large.artifact.sha256
         again = hub.bytes_sent(large.artifact.file)
         if fetched_before:
             assert again == 0, f"kill point {(lines, delay_s)}: a completed file was fetched again"

@@ -24,6 +24,7 @@ from stages.fetch_weights import fetch_weights
 from stages.transfer import TransferOptions, partial_paths
 from stages.verify import read_receipt, receipt_path
 from state.locks import FileLock
+from tests.e2e_support import sha256_of
 from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
 
 MiB = 1 << 20
@@ -57,10 +58,6 @@ def make_gguf(path: Path, *, arch: str = "llama", n_layers: int = 4, kv_heads: i
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def make_entry(name: str, repo: str, commit: str, file: str, size: int | None, sha: str | None, *,
