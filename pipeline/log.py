@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -80,7 +79,3 @@ def bind(**facts: Any) -> None:
 
 def unbind(*keys: str) -> None:
     structlog.contextvars.unbind_contextvars(*keys)
-
-
-def stderr_is_tty() -> bool:
-    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
 from pipeline import log
-from pipeline.errors import HotfitError, Interrupted, UsageError
+from pipeline.errors import HotfitError, Interrupted
 from pipeline.settings import Settings, load_settings
 
 EXIT_CODES_HELP = """exit codes:
@@ -105,13 +105,6 @@ def _report(exc: HotfitError, want_json: bool, out: TextIO) -> int:
         out.flush()
     sys.stderr.write(f"hotfit: error: {exc}\n")
     return exc.exit_code
-
-
-def not_implemented(name: str) -> Callable[[argparse.Namespace, CliContext], int]:
-    def handler(_args: argparse.Namespace, _ctx: CliContext) -> int:
-        raise UsageError(f"'hotfit {name}' is not implemented yet")
-
-    return handler
 
 
 if __name__ == "__main__":  # pragma: no cover
