@@ -5,30 +5,39 @@ Search order, first hit wins:
 1. ``--llama-server PATH``           (source ``"flag"``)
 2. ``HOTFIT_LLAMA_SERVER``           (source ``"env"``)
 3. the build cache of ``scripts/install-llama-server``:
-   ``<HOTFIT_LLAMA_CACHE>/<LLAMA_SDIST_VERSION>/bin/llama-server``  (source ``"cache"``)
+   ``<HOTFIT_LLAMA_CACHE>/<LLAMA_SDIST_VERSION>/<backend>/bin/llama-server``  (source ``"cache"``),
+   the backends in the order that suits the device being planned for (:func:`cache_backends`)
 4. ``llama-server`` on ``PATH``       (source ``"path"``)
 
 An explicit path (flag or env) that does not exist, is not a file, or is not executable is an
 error, never a silent fall-back to another binary: the operator named that one. Nothing found →
 :class:`BackendNotFound` listing every place searched and how to get a binary.
 
-The core (:func:`candidates`, :func:`parse_version_text`, :func:`build_info_from_json`) is pure;
-:func:`find_llama_server` does the file-system checks and runs ``--version`` when there is no
-``build-info.json`` beside the binary.
+Every binary found is then checked for this machine (issue 9 items 1 and 4): the ISA features its
+``build-info.json`` records must all be in ``/proc/cpuinfo`` (else it would die by SIGILL mid-run),
+and its backend (cpu, vulkan, cuda) must suit the kind of device the plan is for
+(:func:`compatibility_problem`). Both fail with the fix named, before any weight is fetched.
+
+The core (:func:`candidates`, :func:`parse_version_text`, :func:`build_info_from_json`,
+:func:`compatibility_problem`) is pure; :func:`find_llama_server` does the file-system checks and
+runs ``--version`` when there is no ``build-info.json`` beside the binary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pipeline.errors import BackendError, BackendNotFound
+from pipeline.isa import cpuinfo_flags, missing_features
 from pipeline.log import get_logger
 from pipeline.settings import LLAMA_SDIST_VERSION, Settings
 
@@ -46,19 +55,37 @@ __all__ = [
     "parse_version_text",
     "build_info_from_json",
     "find_llama_server",
+    "check_cpu_features",
+    "install_command",
+    "BACKENDS",
+    "cache_backends",
+    "compatibility_problem",
+    "backend_from_libraries",
 ]
 
 SERVER_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
 BUILD_INFO_NAME = "build-info.json"
 INSTALL_HINT = (
-    "build the pinned one with `scripts/install-llama-server` (about 5 minutes on 2 cores), "
+    "build the pinned one for this machine with `scripts/install-llama-server` (5-15 minutes on 2 cores), "
     "or pass --llama-server PATH / set HOTFIT_LLAMA_SERVER"
 )
 # `llama-server --version` answers at once; a binary that hangs here will not serve either.
 VERSION_TIMEOUT_S = 15.0
 
 Source = Literal["flag", "env", "cache", "path"]
+BackendKind = Literal["cpu", "vulkan", "cuda"]
+BACKENDS: tuple[BackendKind, ...] = ("cpu", "vulkan", "cuda")
+# Which builds can serve a device of each kind, best first. NVIDIA runs CUDA, or Vulkan where no
+# CUDA toolkit/driver fits; AMD and Intel run Vulkan; the host runs the CPU build. A GPU build
+# could run a host plan with ``-dev none`` too, but its CPU code was never checked for this plan's
+# machine class and a CPU-only operator would not expect a GPU build; ask for the CPU build.
+SERVES: dict[str, tuple[BackendKind, ...]] = {
+    "nvidia": ("cuda", "vulkan"),
+    "amd": ("vulkan",),
+    "vulkan": ("vulkan",),
+    "cpu": ("cpu",),
+}
 
 # "version: 0.5.0-dev (build 1, commit 0c1e570)" (the pinned sdist's build) or upstream's
 # "version: 7016 (abcdef12)"
@@ -87,6 +114,10 @@ class BuildInfo:
     commit: str | None  # short llama.cpp commit the binary was built from
     sdist_version: str | None = None  # llama-cpp-python sdist pin (build-info.json only)
     sdist_sha256: str | None = None
+    backend: BackendKind | None = None  # None: unknown (no build-info.json, libraries unreadable)
+    variant: str | None = None  # "native" (this CPU, AMX compiled out) or "generic" (GGML_NATIVE=OFF)
+    cpu_features: tuple[str, ...] | None = None  # cpuinfo names the CPU code may execute; None: unknown
+    cuda_architectures: tuple[str, ...] = ()
 
     def describe(self) -> str:
         parts = [f"llama.cpp {self.version or 'unknown version'}"]
@@ -94,6 +125,9 @@ class BuildInfo:
             parts.append(f"commit {self.commit}")
         if self.sdist_version:
             parts.append(f"sdist {self.sdist_version}")
+        parts.append(f"{self.backend or 'unknown'} backend")
+        if self.variant:
+            parts.append(f"{self.variant} build")
         return ", ".join(parts)
 
 
@@ -117,6 +151,10 @@ class Backend:
                 "build_number": self.build.build_number,
                 "commit": self.build.commit,
                 "sdist_version": self.build.sdist_version,
+                "backend": self.build.backend,
+                "variant": self.build.variant,
+                "cpu_features": list(self.build.cpu_features) if self.build.cpu_features is not None else None,
+                "cuda_architectures": list(self.build.cuda_architectures),
             },
         }
 
@@ -124,9 +162,47 @@ class Backend:
 # ---------------------------------------------------------------- pure core
 
 
-def cache_bin_dir(settings: Settings) -> Path:
-    """Where scripts/install-llama-server puts the binaries for the pinned sdist."""
-    return settings.llama_cache / LLAMA_SDIST_VERSION / "bin"
+def cache_bin_dir(settings: Settings, backend: str = "cpu") -> Path:
+    """Where ``scripts/install-llama-server --backend <backend>`` puts the binaries of the pin."""
+    return settings.llama_cache / LLAMA_SDIST_VERSION / backend / "bin"
+
+
+def cache_backends(device_kind: str | None) -> tuple[BackendKind, ...]:
+    """The cached builds to look for, best first, for a plan on ``device_kind``.
+
+    None (no plan yet: ``status``, ``serve`` without a manifest) looks for any build, CPU first."""
+    if device_kind is None:
+        return BACKENDS
+    return SERVES.get(device_kind, BACKENDS)
+
+
+def backend_from_libraries(ldd_text: str) -> BackendKind:
+    """A binary's backend from the shared libraries it links (``ldd`` output): builds of the pin
+    are static apart from the GPU runtime, which is always dynamic."""
+    if re.search(r"lib(cuda|cudart|cublas)\.so", ldd_text):
+        return "cuda"
+    if re.search(r"libvulkan\.so", ldd_text):
+        return "vulkan"
+    return "cpu"
+
+
+def install_command(backend: str) -> str:
+    return f"scripts/install-llama-server --backend {backend}"
+
+
+def compatibility_problem(device_kind: str, build: "BuildInfo") -> tuple[str, str] | None:
+    """Why a binary of ``build`` cannot serve a plan on ``device_kind`` (message, hint), or None."""
+    wanted = SERVES.get(device_kind)
+    if wanted is None or build.backend is None or build.backend in wanted:
+        return None
+    fix = install_command(wanted[0])
+    if device_kind == "cpu":
+        return (f"the plan is for host memory (CPU) but llama-server is a {build.backend} build",
+                f"build the CPU backend: `{fix}`, or plan for the GPU (--device)")
+    return (f"the plan is for a {device_kind} GPU but llama-server is a {build.backend}-only build, "
+            "so the weights and KV would sit in host memory and the re-check would fail after the download",
+            f"build the GPU backend: `{fix}`" + (f" (or `{install_command(wanted[1])}`)" if len(wanted) > 1 else "")
+            + ", or plan for the host with --device cpu")
 
 
 def pinned_source_tree(settings: Settings) -> Path:
@@ -136,8 +212,10 @@ def pinned_source_tree(settings: Settings) -> Path:
     return settings.llama_cache / LLAMA_SDIST_VERSION / "work" / "src" / "vendor" / "llama.cpp"
 
 
-def candidates(settings: Settings, path_hit: Path | None) -> list[Candidate]:
-    """The places searched, in order. ``path_hit`` is what a PATH lookup found (or None)."""
+def candidates(settings: Settings, path_hit: Path | None,
+               backends: tuple[str, ...] = BACKENDS) -> list[Candidate]:
+    """The places searched, in order. ``path_hit`` is what a PATH lookup found (or None);
+    ``backends`` the cached builds to try, best first."""
     out: list[Candidate] = []
     explicit = settings.llama_server
     source = settings.llama_server_source
@@ -150,8 +228,9 @@ def candidates(settings: Settings, path_hit: Path | None) -> list[Candidate]:
     else:
         env_note = "(not consulted: the flag wins)" if source == "flag" else "(unset)"
         out.append(Candidate("env", None, f"HOTFIT_LLAMA_SERVER {env_note}"))
-    cached = cache_bin_dir(settings) / SERVER_NAME
-    out.append(Candidate("cache", cached, f"build cache {cached}"))
+    for backend in backends:
+        cached = cache_bin_dir(settings, backend) / SERVER_NAME
+        out.append(Candidate("cache", cached, f"build cache {cached}"))
     out.append(
         Candidate("path", path_hit, f"PATH ({path_hit})" if path_hit else f"{SERVER_NAME} on PATH (none)")
     )
@@ -175,6 +254,9 @@ def parse_version_text(text: str) -> BuildInfo:
 def build_info_from_json(data: Mapping[str, Any]) -> BuildInfo:
     """Read the record scripts/install-llama-server writes beside the binary."""
     parsed = parse_version_text(str(data.get("llama_cpp_version") or ""))
+    backend = data.get("backend", "cpu")  # records older than the backend field were CPU builds
+    features = data.get("cpu_features")
+    archs = data.get("cuda_architectures")
     return BuildInfo(
         origin="build-info.json",
         version=parsed.version,
@@ -182,6 +264,10 @@ def build_info_from_json(data: Mapping[str, Any]) -> BuildInfo:
         commit=parsed.commit,
         sdist_version=data.get("sdist_version"),
         sdist_sha256=data.get("sdist_sha256"),
+        backend=backend if backend in BACKENDS else None,
+        variant=data.get("variant") if isinstance(data.get("variant"), str) else None,
+        cpu_features=tuple(str(f) for f in features) if isinstance(features, list) else None,
+        cuda_architectures=tuple(str(a) for a in archs) if isinstance(archs, list) else (),
     )
 
 
@@ -224,15 +310,8 @@ def _check_named(candidate: Candidate) -> None:
         )
 
 
-def _read_build_info(server: Path) -> BuildInfo:
-    info_file = server.parent / BUILD_INFO_NAME
-    if info_file.is_file():
-        try:
-            data = json.loads(info_file.read_text(encoding="utf-8"))
-            if isinstance(data, dict):
-                return build_info_from_json(data)
-        except (OSError, ValueError):
-            pass  # unreadable record: ask the binary itself
+def _run_version(server: Path) -> str:
+    """``llama-server --version``'s text; the binary must answer it, or it will not serve either."""
     try:
         proc = subprocess.run(
             [str(server), "--version"],
@@ -257,22 +336,76 @@ def _read_build_info(server: Path) -> BuildInfo:
     text = (proc.stdout or "") + (proc.stderr or "")
     if proc.returncode != 0:
         tail = " | ".join(text.strip().splitlines()[-3:])
+        why = ""
+        if proc.returncode < 0:
+            try:
+                why = f" (killed by {signal.Signals(-proc.returncode).name})"
+            except ValueError:
+                why = f" (killed by signal {-proc.returncode})"
         raise BackendError(
-            f"`{server} --version` exited with {proc.returncode}: {tail}",
-            hint=f"that binary is unusable; {INSTALL_HINT}",
+            f"`{server} --version` exited with {proc.returncode}{why}: {tail}",
+            hint=f"that binary is unusable on this machine; {INSTALL_HINT}",
             path=str(server),
         )
-    return parse_version_text(text)
+    return text
 
 
-def find_llama_server(settings: Settings, *, path_env: str | None = None) -> Backend:
-    """Locate llama-server (order in the module docstring) and log ``backend.found``.
+def _read_build_info(server: Path) -> BuildInfo:
+    text = _run_version(server)  # always: a recorded build that no longer runs is caught here
+    info_file = server.parent / BUILD_INFO_NAME
+    if info_file.is_file():
+        try:
+            data = json.loads(info_file.read_text(encoding="utf-8"))
+            if isinstance(data, dict):
+                return build_info_from_json(data)
+        except (OSError, ValueError):
+            pass  # unreadable record: what the binary says and links
+    parsed = parse_version_text(text)
+    return dataclasses.replace(parsed, backend=_linked_backend(server))
 
-    ``path_env`` replaces ``$PATH`` for the last step (tests pass their own)."""
+
+def _linked_backend(server: Path) -> BackendKind | None:
+    """Ask ``ldd`` which GPU runtime the binary links; None when it cannot be read."""
+    try:
+        proc = subprocess.run(["ldd", str(server)], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=VERSION_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0 and "not a dynamic executable" not in (proc.stdout + proc.stderr):
+        return None
+    return backend_from_libraries(proc.stdout)
+
+
+def check_cpu_features(backend: "Backend", cpuinfo_text: str) -> None:
+    """Refuse a binary built for ISA features this CPU lacks (it would die by SIGILL mid-run)."""
+    required = backend.build.cpu_features
+    if not required:
+        return
+    have = cpuinfo_flags(cpuinfo_text)
+    if not have:
+        return  # no flags line (not x86, or /proc hidden): nothing to compare against
+    missing = missing_features(required, have)
+    if missing:
+        raise BackendError(
+            f"llama-server at {backend.server_path} was built for CPU features this CPU lacks: "
+            f"{', '.join(missing)} (it would stop with SIGILL mid-run)",
+            hint=f"build it on this machine: `{install_command(backend.build.backend or 'cpu')} --force`",
+            path=str(backend.server_path),
+            missing_features=missing,
+            build_features=list(required),
+        )
+
+
+def find_llama_server(settings: Settings, *, path_env: str | None = None, device_kind: str | None = None,
+                      cpuinfo_path: Path = Path("/proc/cpuinfo")) -> Backend:
+    """Locate llama-server (order in the module docstring), check it suits this CPU and, given
+    ``device_kind``, the plan's device; log ``backend.found``.
+
+    ``path_env`` replaces ``$PATH`` for the last step, ``cpuinfo_path`` the CPU's flags (tests)."""
     log = get_logger()
     path_env = os.environ.get("PATH", "") if path_env is None else path_env
     which = shutil.which(SERVER_NAME, path=path_env)
-    searched = candidates(settings, Path(which) if which else None)
+    searched = candidates(settings, Path(which) if which else None, cache_backends(device_kind))
 
     chosen: Candidate | None = None
     for candidate in searched:
@@ -294,9 +427,22 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None) -> Bac
     if chosen is None:
         places = "; ".join(c.described for c in searched)
         log.warning("backend.not_found", searched=[c.described for c in searched])
+        wanted = cache_backends(device_kind)
+        others = [b for b in BACKENDS if b not in wanted and (cache_bin_dir(settings, b) / SERVER_NAME).is_file()]
+        if device_kind is not None and others:
+            problem = compatibility_problem(device_kind, BuildInfo("build-info.json", None, None, None,
+                                                                   backend=others[0]))
+            if problem is not None:
+                message, hint = problem
+                raise BackendNotFound(f"{message} ({cache_bin_dir(settings, others[0]) / SERVER_NAME})",
+                                      hint=hint, searched=[c.described for c in searched],
+                                      device_kind=device_kind, cached_backends=others)
+        hint = INSTALL_HINT if device_kind is None else (
+            f"build the one this plan needs: `{install_command(wanted[0])}`, "
+            "or pass --llama-server PATH / set HOTFIT_LLAMA_SERVER")
         raise BackendNotFound(
             f"no llama-server found (searched: {places})",
-            hint=INSTALL_HINT,
+            hint=hint,
             searched=[c.described for c in searched],
         )
 
@@ -310,12 +456,26 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None) -> Bac
         build=build,
         fit_params_path=fit if _is_executable_file(fit) else None,
     )
+    try:
+        cpuinfo = cpuinfo_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        cpuinfo = ""
+    check_cpu_features(backend, cpuinfo)
+    if device_kind is not None:
+        problem = compatibility_problem(device_kind, build)
+        if problem is not None:
+            message, hint = problem
+            raise BackendError(f"{message} ({server}, {chosen.described})", hint=hint,
+                               path=str(server), backend=build.backend, device_kind=device_kind)
     log.info(
         "backend.found",
         path=str(server),
         source=chosen.source,
         version=build.version,
         commit=build.commit,
+        backend=build.backend,
+        variant=build.variant,
+        cpu_features=list(build.cpu_features) if build.cpu_features is not None else None,
         build_info_origin=build.origin,
         fit_params=str(backend.fit_params_path) if backend.fit_params_path else None,
     )

@@ -24,6 +24,7 @@ it (issue 6, items 2-6):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import signal
 import time
@@ -436,7 +437,15 @@ def _probe_figures(probe: Any) -> dict[str, Any]:
 
 async def _plan_stage(ctx: StageContext) -> Any:
     outcome = compute_plan(_opts(ctx), ctx.settings, ctx.results["probe"], ctx.options.get("previous"))
-    return outcome.plan
+    plan = outcome.plan
+    if plan.backend == "llama":
+        # The binary that will serve this plan must exist, answer --version, suit this CPU and
+        # the plan's device before a single weight byte is fetched (issue 9 item 4).
+        from pipeline.backend import find_llama_server
+
+        await anyio.to_thread.run_sync(
+            functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
+    return plan
 
 
 def _plan_figures(plan: Any) -> dict[str, Any]:
@@ -596,7 +605,8 @@ async def _load_stage(ctx: StageContext) -> LoadResult:
     from stages.load import open_server
 
     plan = ctx.plan
-    backend = await anyio.to_thread.run_sync(find_llama_server, ctx.settings)
+    backend = await anyio.to_thread.run_sync(
+        functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
     verified = ctx.results["verify"]
     weights = verified["weights_path"] if isinstance(verified, Mapping) else verified.weights_path
     template_path = verified["chat_template_path"] if isinstance(verified, Mapping) else verified.chat_template_path

@@ -55,7 +55,7 @@ def _settings(places: dict[str, Path], *, flag: Path | None = None, env: Path | 
 
 
 def _cache_server(places: dict[str, Path], **kw) -> Path:  # type: ignore[no-untyped-def]
-    return _fake_server(places["cache"] / LLAMA_SDIST_VERSION / "bin", **kw)
+    return _fake_server(places["cache"] / LLAMA_SDIST_VERSION / "cpu" / "bin", **kw)
 
 
 def test_flag_beats_env_cache_and_path(places: dict[str, Path]) -> None:
@@ -113,10 +113,11 @@ def test_nothing_found_names_every_place_and_the_fix(places: dict[str, Path]) ->
         find_llama_server(_settings(places), path_env=str(places["path"]))
     err = caught.value
     searched = err.details["searched"]
-    assert len(searched) == 4
+    assert len(searched) == 6  # flag, env, the cpu/vulkan/cuda builds in the cache, PATH
     assert searched[0].startswith("--llama-server") and searched[1].startswith("HOTFIT_LLAMA_SERVER")
-    assert str(places["cache"] / LLAMA_SDIST_VERSION / "bin" / "llama-server") in searched[2]
-    assert "PATH" in searched[3]
+    for i, backend in enumerate(("cpu", "vulkan", "cuda"), start=2):
+        assert str(places["cache"] / LLAMA_SDIST_VERSION / backend / "bin" / "llama-server") in searched[i]
+    assert "PATH" in searched[5]
     assert "scripts/install-llama-server" in (err.hint or "")
     assert err.exit_code == 5
     for described in searched:
@@ -235,3 +236,103 @@ def test_real_pinned_build_version_agrees_with_its_build_info(tmp_path: Path) ->
     assert asked.build.version  # the pinned build reports a version
     assert isinstance(recorded, Backend) and os.access(recorded.server_path, os.X_OK)
     assert recorded.server_path.stat().st_mode & stat.S_IXUSR
+
+
+# ---------------------------------------------------------------- issue 9: this machine, this plan
+
+
+def _with_build_info(server: Path, **fields) -> Path:  # type: ignore[no-untyped-def]
+    record = {"llama_cpp_version": "version: 7.7.7 (build 42, commit abc1234)", "sdist_version": "0.3.36",
+              "backend": "cpu", "variant": "native", "cpu_features": ["avx2", "fma"], **fields}
+    (server.parent / "build-info.json").write_text(json.dumps(record))
+    return server
+
+
+def _cpuinfo(tmp_path: Path, flags: str) -> Path:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    return path
+
+
+def test_a_binary_built_for_features_this_cpu_lacks_is_refused_before_it_runs(
+        places: dict[str, Path], tmp_path: Path) -> None:
+    server = _with_build_info(_cache_server(places), cpu_features=["avx2", "avx512f", "avx512_vnni"])
+    with pytest.raises(BackendError) as caught:
+        find_llama_server(_settings(places), path_env="", cpuinfo_path=_cpuinfo(tmp_path, "fpu sse2 avx avx2 fma"))
+    err = caught.value
+    assert "avx512_vnni" in err.what and "avx512f" in err.what and "SIGILL" in err.what
+    assert err.details["missing_features"] == ["avx512_vnni", "avx512f"]
+    assert "scripts/install-llama-server --backend cpu --force" in (err.hint or "")
+    assert str(server) in err.what
+    # the same binary on a CPU that has them is accepted
+    ok = find_llama_server(_settings(places), path_env="",
+                           cpuinfo_path=_cpuinfo(tmp_path, "sse2 avx avx2 fma avx512f avx512_vnni"))
+    assert ok.build.cpu_features == ("avx2", "avx512f", "avx512_vnni")
+    assert ok.build.backend == "cpu" and ok.build.variant == "native"
+
+
+@pytest.mark.parametrize(
+    ("device_kind", "built", "fix"),
+    [("nvidia", "cpu", "--backend cuda"), ("amd", "cpu", "--backend vulkan"), ("vulkan", "cuda", "--backend vulkan"),
+     ("cpu", "vulkan", "--backend cpu"), ("cpu", "cuda", "--backend cpu")],
+)
+def test_a_binary_whose_backend_cannot_serve_the_plan_is_refused_naming_the_fix(
+        places: dict[str, Path], tmp_path: Path, device_kind: str, built: str, fix: str) -> None:
+    flag = _with_build_info(_fake_server(places["flag"]), backend=built, cpu_features=[])
+    with pytest.raises(BackendError) as caught:
+        find_llama_server(_settings(places, flag=flag), path_env="", device_kind=device_kind,
+                          cpuinfo_path=_cpuinfo(tmp_path, "avx2"))
+    assert f"scripts/install-llama-server {fix}" in (caught.value.hint or "")
+    assert built in caught.value.what
+
+
+@pytest.mark.parametrize(("device_kind", "built"), [("nvidia", "cuda"), ("nvidia", "vulkan"), ("amd", "vulkan"),
+                                                    ("vulkan", "vulkan"), ("cpu", "cpu")])
+def test_a_binary_that_serves_the_plans_device_is_accepted(
+        places: dict[str, Path], tmp_path: Path, device_kind: str, built: str) -> None:
+    flag = _with_build_info(_fake_server(places["flag"]), backend=built, cpu_features=[])
+    found = find_llama_server(_settings(places, flag=flag), path_env="", device_kind=device_kind,
+                              cpuinfo_path=_cpuinfo(tmp_path, "avx2"))
+    assert found.build.backend == built
+
+
+def test_the_cache_is_searched_for_the_build_the_plans_device_needs(places: dict[str, Path], tmp_path: Path) -> None:
+    cpu = _with_build_info(_cache_server(places))
+    vulkan_dir = places["cache"] / LLAMA_SDIST_VERSION / "vulkan" / "bin"
+    vulkan = _with_build_info(_fake_server(vulkan_dir), backend="vulkan")
+    cpuinfo = _cpuinfo(tmp_path, "avx2 fma")
+    assert find_llama_server(_settings(places), path_env="", device_kind="cpu", cpuinfo_path=cpuinfo).server_path == cpu
+    assert find_llama_server(_settings(places), path_env="", device_kind="amd", cpuinfo_path=cpuinfo).server_path == vulkan
+    # NVIDIA prefers CUDA, and takes the Vulkan build where no CUDA build exists
+    assert find_llama_server(_settings(places), path_env="", device_kind="nvidia",
+                             cpuinfo_path=cpuinfo).server_path == vulkan
+
+
+def test_only_a_cpu_build_for_a_gpu_plan_names_the_gpu_build_to_make(places: dict[str, Path], tmp_path: Path) -> None:
+    _with_build_info(_cache_server(places))
+    with pytest.raises(BackendNotFound) as caught:
+        find_llama_server(_settings(places), path_env="", device_kind="nvidia",
+                          cpuinfo_path=_cpuinfo(tmp_path, "avx2 fma"))
+    err = caught.value
+    assert "cpu" in err.what and "nvidia" in err.what
+    assert "scripts/install-llama-server --backend cuda" in (err.hint or "")
+    assert err.details["cached_backends"] == ["cpu"]
+
+
+def test_backend_from_the_libraries_a_binary_links() -> None:
+    from pipeline.backend import backend_from_libraries
+
+    assert backend_from_libraries("\tlibvulkan.so.1 => /lib/x86_64-linux-gnu/libvulkan.so.1 (0x1)\n") == "vulkan"
+    assert backend_from_libraries("\tlibcuda.so.1 => /usr/lib/libcuda.so.1\n\tlibvulkan.so.1 => x\n") == "cuda"
+    assert backend_from_libraries("\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6\n") == "cpu"
+
+
+def test_a_binary_that_crashes_on_version_is_refused_naming_the_signal(places: dict[str, Path]) -> None:
+    directory = places["flag"]
+    directory.mkdir(parents=True)
+    server = directory / "llama-server"
+    server.write_text("#!/bin/sh\nkill -ILL $$\n")  # stands in for a binary built for another ISA
+    server.chmod(0o755)
+    with pytest.raises(BackendError) as caught:
+        find_llama_server(_settings(places, flag=server), path_env="")
+    assert "SIGILL" in caught.value.what

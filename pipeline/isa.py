@@ -1,0 +1,114 @@
+"""Which x86 ISA features a binary was compiled for, and whether this CPU has them (issue 9 item 1).
+
+scripts/install-llama-server asks the compiler, with the exact flags ggml-cpu was compiled with,
+which feature macros it defines (``c++ <flags> -dM -E``); this module maps those macros to the
+names ``/proc/cpuinfo`` uses and records them in ``build-info.json``. Before a binary is started
+hotfit compares the recorded names with this CPU's flags, so a binary copied to a machine that
+lacks one fails with a message naming it instead of dying by SIGILL in the middle of a run.
+
+Pure, standard library only: the install script runs it with the system ``python3`` before the
+virtualenv exists (``python3 pipeline/isa.py < macros``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Iterable
+
+__all__ = [
+    "MACRO_TO_CPUINFO",
+    "AMX_CPUINFO",
+    "features_from_macros",
+    "cpuinfo_flags",
+    "missing_features",
+]
+
+# GCC/Clang predefined macro -> /proc/cpuinfo flag. Only features a compiler can emit code for
+# from -march/-m flags; where the kernel spells it differently the kernel's name is used.
+MACRO_TO_CPUINFO: dict[str, str] = {
+    "__SSE__": "sse",
+    "__SSE2__": "sse2",
+    "__SSE3__": "pni",
+    "__SSSE3__": "ssse3",
+    "__SSE4_1__": "sse4_1",
+    "__SSE4_2__": "sse4_2",
+    "__SSE4A__": "sse4a",
+    "__POPCNT__": "popcnt",
+    "__AES__": "aes",
+    "__PCLMUL__": "pclmulqdq",
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__FMA4__": "fma4",
+    "__F16C__": "f16c",
+    "__BMI__": "bmi1",
+    "__BMI2__": "bmi2",
+    "__LZCNT__": "abm",
+    "__MOVBE__": "movbe",
+    "__ADX__": "adx",
+    "__RDRND__": "rdrand",
+    "__RDSEED__": "rdseed",
+    "__SHA__": "sha_ni",
+    "__VAES__": "vaes",
+    "__VPCLMULQDQ__": "vpclmulqdq",
+    "__GFNI__": "gfni",
+    "__XSAVE__": "xsave",
+    "__XSAVEOPT__": "xsaveopt",
+    "__XSAVEC__": "xsavec",
+    "__XSAVES__": "xsaves",
+    "__CLFLUSHOPT__": "clflushopt",
+    "__CLWB__": "clwb",
+    "__AVX512F__": "avx512f",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512IFMA__": "avx512ifma",
+    "__AVX512VBMI__": "avx512vbmi",
+    "__AVX512VBMI2__": "avx512_vbmi2",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BITALG__": "avx512_bitalg",
+    "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16",
+    "__AVX512VP2INTERSECT__": "avx512_vp2intersect",
+    "__AVXVNNI__": "avx_vnni",
+    "__AVXIFMA__": "avx_ifma",
+    "__AVXVNNIINT8__": "avx_vnni_int8",
+    "__AVXNECONVERT__": "avx_ne_convert",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_INT8__": "amx_int8",
+    "__AMX_BF16__": "amx_bf16",
+    "__AMX_FP16__": "amx_fp16",
+}
+
+# ggml's AMX kernels crash on real quantized models (llama.cpp#20824): the build never uses them.
+AMX_CPUINFO = frozenset({"amx_tile", "amx_int8", "amx_bf16", "amx_fp16"})
+
+_MACRO_RE = re.compile(r"#define\s+(__[A-Z0-9_]+__)\s")
+
+
+def features_from_macros(text: str) -> list[str]:
+    """The cpuinfo names of the ISA macros in ``c++ -dM -E`` output, sorted."""
+    found = {MACRO_TO_CPUINFO[m] for m in _MACRO_RE.findall(text) if m in MACRO_TO_CPUINFO}
+    return sorted(found)
+
+
+def cpuinfo_flags(text: str) -> frozenset[str]:
+    """The flags of the first processor in ``/proc/cpuinfo`` text (empty if none listed)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def missing_features(required: Iterable[str], available: frozenset[str]) -> list[str]:
+    """Features the binary was built for that this CPU lacks, sorted."""
+    return sorted(set(required) - available)
+
+
+if __name__ == "__main__":  # the install script: macros on stdin -> one cpuinfo name a line
+    for name in features_from_macros(sys.stdin.read()):
+        print(name)
