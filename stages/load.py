@@ -187,6 +187,11 @@ def llama_server_argv(
         argv += ["--chat-template-file", str(template_path)]
     if accelerator:
         argv += ["-ngl", "all" if features.ngl_all else "999"]
+        ggml_device = plan.probe.device.ggml_device
+        if ggml_device and plan.probe.device.kind in ("vulkan", "amd"):
+            # Only a Vulkan build serves these kinds: pin it to the probed device by ggml's name
+            # (NVIDIA is pinned by UUID in the environment, which CUDA and Vulkan builds differ on).
+            argv += ["-dev", ggml_device]
     else:
         argv += ["-ngl", "0", "-dev", "none"]  # CPU plan: nothing offloaded, no accelerator touched
     if features.fit:

@@ -216,7 +216,10 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
         if opts.probe_file is not None:
             probe = await anyio.to_thread.run_sync(load_probe_file, opts.probe_file)
         else:
-            probe = await anyio.to_thread.run_sync(probe_devices)
+            from pipeline.backend import gpu_listing_binaries
+
+            binaries = gpu_listing_binaries(settings)
+            probe = await anyio.to_thread.run_sync(lambda: probe_devices(ggml_binaries=binaries))
         return probe, compute_plan(opts, settings, probe, previous)
 
     def previous_model() -> tuple[Any, str | None]:
