@@ -153,6 +153,9 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
             "verdict": recheck.get("verdict"),
             "warnings": recheck.get("warnings"),
             "flash_attn": recheck.get("flash_attn"),
+            # where the session really put things: "offloaded N/N layers", KV buffers by device
+            "offloaded_layers": recheck.get("offloaded_layers"),
+            "kv_buffers": recheck.get("kv_buffers"),
             "measured_by_run": outcome.run_id,
         },
         probe_verdict={
@@ -170,7 +173,8 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
             "build_info": recheck.get("build_info"),
         },
         device={"index": device.index, "kind": device.kind, "name": device.name,
-                "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes},
+                "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes,
+                "ggml_device": device.ggml_device},
         plan=plan.to_json(),
         extra={"vision": fetch.get("vision"), "load_argv": load.get("argv")},
     )
