@@ -448,7 +448,12 @@ def _isa_lines(build: BuildInfo | None, isa: IsaComparison) -> list[str]:
         cpu = "this CPU has all of them"
     else:
         cpu = "nothing to compare this CPU against"
-    lines = [f"ISA: {built}; {cpu}", f"this CPU's ISA features: {', '.join(isa.cpu_isa) or 'unknown'}"]
+    lines = [f"ISA: {built}; {cpu}"]
+    if isa.recorded is None or not isa.cpu_isa:
+        lines.append(f"this CPU's ISA features: {', '.join(isa.cpu_isa) or 'unknown'}")
+    else:  # the rest is the list above: name only what the CPU has and the build leaves unused
+        extra = sorted(set(isa.cpu_isa) - set(isa.recorded))
+        lines.append(f"this CPU's ISA features the build does not use: {', '.join(extra) or 'none'}")
     if isa.amx_on_cpu:
         if isa.amx_compiled_out:
             amx = "the build compiled ggml's AMX kernels out, so they are not the cause"
