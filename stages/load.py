@@ -650,7 +650,8 @@ class LoadedServer:
 
     @property
     def auth_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._api_key}"}
+        # A build without LLAMA_API_KEY support runs keyless: an empty "Bearer " is an illegal header
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
 
     def client(self, timeout_s: float) -> httpx.AsyncClient:
         """An HTTP client for this server (authorised; proxies from the environment ignored)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import GiB, LARGE, World, build_world, sha256_of, write_probe
+from tests.e2e_support import LARGE, GiB, World, build_world, sha256_of, write_probe
 from tests.gguf_fixtures import require_llama_server
 from tests.hubserver import LocalHub
 from tests.test_auto_e2e import REPO, cmd, env_for, events, stage_story
@@ -43,7 +43,8 @@ def world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
     return build_world(tmp_path_factory.mktemp("world"), hub)
 
 
-def run_auto(hub: LocalHub, home: Path, world: World, probe: Path, server: Path | None) -> subprocess.CompletedProcess[str]:
+def run_auto(hub: LocalHub, home: Path, world: World, probe: Path,
+             server: Path | None) -> subprocess.CompletedProcess[str]:
     env = env_for(hub)
     env.pop("HOTFIT_LLAMA_SERVER", None)
     if server is not None:
