@@ -79,6 +79,7 @@ __all__ = [
     "compare_isa",
     "signal_known_causes",
     "diagnose_signal_death",
+    "signal_death_report",
     "template_used",
     "open_server",
 ]
@@ -474,8 +475,10 @@ def diagnose_signal_death(
     binary: Path,
     argv: Sequence[str] = (),
     model_name: str | None = None,
+    during: str = "while loading or warming up the model",
 ) -> tuple[str, str]:
-    """Pure: (message, hint) for a llama-server that died by signal ``sig`` before it was healthy.
+    """Pure: (message, hint) for a llama-server that died by signal ``sig`` ``during`` a stage
+    (by default: before it was healthy).
 
     The message names the signal, the binary (path, backend, variant), its recorded ISA build
     against this CPU's flags, the known causes for that signal and the log tail; the hint names
@@ -485,7 +488,7 @@ def diagnose_signal_death(
     backend = build.backend if build is not None else None
     described = build.describe() if build is not None else "no build record"
     words = _SIGNAL_WORDS.get(name)
-    out = [f"llama-server killed by {name}{f' ({words})' if words else ''} while loading or warming up the model",
+    out = [f"llama-server killed by {name}{f' ({words})' if words else ''} {during}",
            f"binary: {binary} ({described})", *_isa_lines(build, isa), f"known causes of {name}:"]
     out += [f"  - {c}" for c in signal_known_causes(sig, build, isa)]
     tail = list(log_lines)[-SIGNAL_LOG_TAIL_LINES:]
@@ -853,45 +856,48 @@ def _cpu_flags(cpuinfo_path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
         return frozenset()
 
 
-def _signal_error(server: LoadedServer, sig: int, lines: Sequence[LogLine]) -> LoadError:
+def signal_death_report(server: LoadedServer, sig: int, during: str) -> tuple[str, str, dict[str, Any]]:
+    """(message, hint, details) for ``server`` dead by signal ``sig`` ``during`` a stage: the
+    build it was started with (or the ``build-info.json`` beside it) against this CPU's flags."""
     binary = Path(server.argv[0])
     build = server.build if server.build is not None else _recorded_build(binary)
     flags = _cpu_flags()
     isa = compare_isa(build, flags)
-    tail = [ln.msg for ln in lines if "no API key is set" not in ln.msg][-SIGNAL_LOG_TAIL_LINES:]
+    tail = [ln.msg for ln in server.log_lines() if "no API key is set" not in ln.msg][-SIGNAL_LOG_TAIL_LINES:]
     message, hint = diagnose_signal_death(sig, build, flags, tail, binary=binary, argv=server.argv,
-                                          model_name=server.plan.entry.name)
-    name = _signal_name(sig)
-    causes = signal_known_causes(sig, build, isa)
-    log.error("load.killed_by_signal", signal=name, binary=str(binary),
-              backend=build.backend if build else None, variant=build.variant if build else None,
-              missing_cpu_features=list(isa.missing), log_path=str(server.log_path), lines=tail)
-    return LoadError(
-        message,
-        hint=f"{hint}; full log: {server.log_path}",
-        cause="killed_by_signal",
-        signal=name,
-        binary=str(binary),
-        backend=build.backend if build else None,
-        variant=build.variant if build else None,
-        build_cpu_features=list(isa.recorded) if isa.recorded is not None else None,
-        cpu_isa_features=list(isa.cpu_isa),
-        missing_cpu_features=list(isa.missing),
-        amx_on_cpu=list(isa.amx_on_cpu),
-        amx_compiled_out=isa.amx_compiled_out,
-        known_causes=causes,
-        log_lines=tail,
-        log_path=str(server.log_path),
-        returncode=server.returncode(),
-        model_path=str(server.model_path),
-    )
+                                          model_name=server.plan.entry.name, during=during)
+    details: dict[str, Any] = {
+        "signal": _signal_name(sig),
+        "binary": str(binary),
+        "backend": build.backend if build else None,
+        "variant": build.variant if build else None,
+        "build_cpu_features": list(isa.recorded) if isa.recorded is not None else None,
+        "cpu_isa_features": list(isa.cpu_isa),
+        "missing_cpu_features": list(isa.missing),
+        "amx_on_cpu": list(isa.amx_on_cpu),
+        "amx_compiled_out": isa.amx_compiled_out,
+        "known_causes": signal_known_causes(sig, build, isa),
+        "log_lines": tail,
+        "returncode": server.returncode(),
+    }
+    return message, f"{hint}; full log: {server.log_path}", details
+
+
+def _signal_error(server: LoadedServer, sig: int) -> LoadError:
+    message, hint, details = signal_death_report(server, sig, "while loading or warming up the model")
+    log.error("load.killed_by_signal", signal=details["signal"], binary=details["binary"],
+              backend=details["backend"], variant=details["variant"],
+              missing_cpu_features=details["missing_cpu_features"], log_path=str(server.log_path),
+              lines=details["log_lines"])
+    return LoadError(message, hint=hint, cause="killed_by_signal", log_path=str(server.log_path),
+                     model_path=str(server.model_path), **details)
 
 
 def _load_error(server: LoadedServer, what: str) -> LoadError:
-    lines = server.log_lines()
     code = server.returncode()
     if code is not None and code < 0:  # died by a signal: the binary and the CPU are the suspects
-        return _signal_error(server, -code, lines)
+        return _signal_error(server, -code)
+    lines = server.log_lines()
     cause, hint = diagnose_load_failure(lines)
     quoted = relevant_log_lines(lines)
     log.error("load.failed", cause=cause, log_path=str(server.log_path), lines=quoted)

@@ -33,7 +33,7 @@ import httpx
 
 from pipeline.errors import ToolCallProbeFailed
 from pipeline.log import get_logger
-from stages.load import LoadedServer, relevant_log_lines
+from stages.load import LoadedServer, relevant_log_lines, signal_death_report
 
 __all__ = [
     "PROBE_TOOL",
@@ -317,7 +317,11 @@ async def probe_tool_call(
         with anyio.move_on_after(1.0):
             while server.returncode() is None:
                 await anyio.sleep(0.05)
-    if server.returncode() is not None:
+    code = server.returncode()
+    if code is not None and code < 0:  # a crash at the first real inference names the build, like load
+        message, hint, facts = signal_death_report(server, -code, "during the tool-call probe")
+        raise fail(message, hint, cause="server_exited", **facts)
+    if code is not None:
         lines = relevant_log_lines(server.log_lines())
         raise fail(
             f"llama-server {server.describe_exit()} during the tool-call probe",

@@ -7,7 +7,8 @@ from llama-server's command line (anything else is ignored) and serves on 127.0.
 - ``GET /health``  -> 200 ``{"status": "ok"}``
 - ``GET /props``   -> the script's ``props`` (e.g. ``{"chat_template_caps": {"supports_tools": true}}``)
 - ``POST /v1/chat/completions`` -> the script's ``answer``; the request body is appended, one JSON
-  line each, to the script's ``requests_log`` file so a test can check what was sent.
+  line each, to the script's ``requests_log`` file so a test can check what was sent; with the
+  script's ``die_by`` (e.g. ``"SEGV"``) the stub then kills itself by that signal instead of answering.
 
 ``--help`` / ``--version`` print one line and exit 0, so hotfit can probe it like a binary; with
 the script's ``api_key`` true, ``--help`` also lists llama-server's ``--api-key`` line, so hotfit
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -79,6 +81,9 @@ def main(argv: list[str]) -> int:
                 return
             with open(requests_log, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(json.loads(body)) + "\n")
+            if script.get("die_by"):  # a crash at the first inference: the process really dies by it
+                print(f"openai_stub: dying by SIG{script['die_by']} (not a real crash)", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), getattr(signal, f"SIG{script['die_by']}"))
             self._send(200, script["answer"])
 
     host = "127.0.0.1" if args.host not in ("127.0.0.1", "localhost") else args.host  # loopback only

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
+from pipeline.backend import BuildInfo
 from pipeline.errors import ToolCallProbeFailed
 from stages.load import open_server
 from stages.probe_tool_call import (
@@ -211,7 +212,7 @@ def test_judge_answer_keeps_reasoning_content_for_the_classifier() -> None:
 
 
 def _stub_binary(tmp_path: Path, supports_tools: bool | None, message: dict[str, Any],
-                 api_key: bool = True) -> tuple[Path, Path]:
+                 api_key: bool = True, die_by: str | None = None) -> tuple[Path, Path]:
     """A 'llama-server' that is tests/openai_stub.py answering with ``message`` (no fixture model
     can be made to write a call as plain JSON: its output is fixed token by token)."""
     requests_log = tmp_path / "requests.jsonl"
@@ -220,7 +221,7 @@ def _stub_binary(tmp_path: Path, supports_tools: bool | None, message: dict[str,
               "timings": {"prompt_per_second": 100.0, "predicted_per_second": 10.0, "prompt_n": 50, "predicted_n": 20}}
     script = tmp_path / "stub-script.json"
     script.write_text(json.dumps({"props": props, "answer": answer, "requests_log": str(requests_log),
-                                  "api_key": api_key}))
+                                  "api_key": api_key, "die_by": die_by}))
     binary = tmp_path / "bin" / "llama-server"
     binary.parent.mkdir(parents=True, exist_ok=True)
     stub = Path(__file__).resolve().parent / "openai_stub.py"
@@ -270,6 +271,28 @@ async def test_probe_over_http_names_a_call_written_without_markers(
         assert "cannot express tool calls" in (err.hint or "")
     else:
         assert "cannot express" not in (err.hint or "")
+    assert children_of(os.getpid()) == []
+
+
+@pytest.mark.anyio
+async def test_server_dying_by_signal_during_the_probe_names_the_build_and_the_causes(tmp_path: Path) -> None:
+    """The stub really dies by SIGSEGV when the probe arrives (a stand-in for a crash at the first
+    inference: no binary here really crashes)."""
+    info = write_tool_call_model(tmp_path / "m.gguf")
+    binary, _ = _stub_binary(tmp_path, True, {"content": ""}, die_by="SEGV")
+    build = BuildInfo("build-info.json", "0.5.0-dev", 1, "0c1e570", backend="cpu", variant="native",
+                      cpu_features=("sse2",))
+    async with open_server(fixture_plan(info, 32768), info.path, binary=binary, run_dir=tmp_path / "run",
+                           template_path=pinned_template(), threads=1, build=build) as srv:
+        with pytest.raises(ToolCallProbeFailed) as caught:
+            await probe_tool_call(srv, timeout_s=30)
+    err = caught.value
+    assert err.details["cause"] == "server_exited" and err.details["signal"] == "SIGSEGV"
+    assert err.details["returncode"] == -int(signal.SIGSEGV)
+    assert "killed by SIGSEGV (segmentation fault) during the tool-call probe" in str(err)
+    assert "cpu backend, native build" in str(err) and "built for 1 ISA features: sse2" in str(err)
+    assert "dying by SIGSEGV" in str(err)  # the log tail
+    assert "--backend cpu --force" in (err.hint or "") and "gdb -batch" in (err.hint or "")
     assert children_of(os.getpid()) == []
 
 
