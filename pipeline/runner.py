@@ -615,7 +615,7 @@ async def _load_stage(ctx: StageContext) -> LoadResult:
     template_path = verified["chat_template_path"] if isinstance(verified, Mapping) else verified.chat_template_path
     server = await ctx.enter_context(open_server(
         plan, Path(weights), binary=backend.server_path, run_dir=ctx.run_dir,
-        template_path=Path(template_path) if template_path else None))
+        template_path=Path(template_path) if template_path else None, build=backend.build))
     return LoadResult(server=server, backend=backend)
 
 

@@ -10,6 +10,12 @@ template cannot express tool calls (ggml-org/llama.cpp#27129, anchors.md §4), a
 with HTTP 200. ``tool_choice: "required"`` and temperature 0 make the answer a deterministic
 function of the model, the template and the grammar.
 
+A failed probe names its likely cause (:func:`classify_failure`, issue 9 item 6): when the server
+says the template supports tools and the answer holds call-shaped JSON (``{"name": ...,
+"arguments": ...}``, bare or in a ```json block) but no parsed call, the model wrote its call
+without the template's tool-call markers, which is a model/template mismatch, not a template that
+cannot express tools; that cause is kept for when the server says the template lacks tool support.
+
 The request, the answer, the verdict and the server's measured prompt and generation speed are
 written to ``probe-tool-call.json`` in the run directory: a fitting estimate is no throughput
 guarantee (spec), so the operator gets the measured figure.
@@ -18,6 +24,7 @@ guarantee (spec), so the operator gets the measured figure.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +33,7 @@ import httpx
 
 from pipeline.errors import ToolCallProbeFailed
 from pipeline.log import get_logger
-from stages.load import LoadedServer, relevant_log_lines
+from stages.load import LoadedServer, relevant_log_lines, signal_death_report
 
 __all__ = [
     "PROBE_TOOL",
@@ -38,6 +45,11 @@ __all__ = [
     "ProbeToolCallResult",
     "probe_request",
     "judge_answer",
+    "CALL_SCAN_MAX_CHARS",
+    "WrittenCall",
+    "find_written_call",
+    "ProbeFailure",
+    "classify_failure",
     "probe_tool_call",
 ]
 
@@ -96,6 +108,7 @@ class ToolCallVerdict:
     arguments: dict[str, Any] | None = None
     content: str | None = None
     finish_reason: str | None = None
+    reasoning_content: str | None = None  # a thinking model's reasoning, where the server split it off
 
 
 def judge_answer(answer: dict[str, Any]) -> ToolCallVerdict:
@@ -110,7 +123,9 @@ def judge_answer(answer: dict[str, Any]) -> ToolCallVerdict:
     finish = choice.get("finish_reason")
     calls = message.get("tool_calls") or []
     if not calls:
-        return ToolCallVerdict(False, "answered in prose: no parsed tool call", content=content, finish_reason=finish)
+        reasoning = message.get("reasoning_content")
+        return ToolCallVerdict(False, "answered in prose: no parsed tool call", content=content, finish_reason=finish,
+                               reasoning_content=reasoning if isinstance(reasoning, str) else None)
     fn = (calls[0] or {}).get("function") or {}
     name = fn.get("name")
     if name != PROBE_TOOL_NAME:
@@ -127,6 +142,123 @@ def judge_answer(answer: dict[str, Any]) -> ToolCallVerdict:
             False, f"arguments lack the required string {PROBE_REQUIRED_PARAM!r}: {raw!r}", name, args, content, finish
         )
     return ToolCallVerdict(True, "parsed", name, args, content, finish)
+
+
+# How much of an answer is searched for a written call. The probe caps the answer at
+# PROBE_MAX_TOKENS (a few KiB of text); the bound keeps a runaway or hostile answer cheap.
+CALL_SCAN_MAX_CHARS = 32768
+# At most this many '{' / '[' positions are tried as the start of a JSON value (each try is one
+# bounded json decode), so deep unclosed nesting cannot make the scan quadratic.
+_CALL_SCAN_MAX_STARTS = 256
+_JSON_START_RE = re.compile(r"\{(?=\s*\")|\[(?=\s*\{)")
+_FENCE_RE = re.compile(r"```[ \t]*(?:json|JSON|javascript|js)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class WrittenCall:
+    """A tool call the model wrote as plain JSON text, not in the template's call syntax."""
+
+    name: str
+    arguments: Any  # as written: an object, or a string holding one
+    fenced: bool  # inside a Markdown code fence (```json)
+    names_probe_tool: bool
+    field: str = "content"  # where it was found: "content" or "reasoning_content"
+
+    def describe(self) -> str:
+        form = "a ```json block" if self.fenced else "bare JSON"
+        where = "its reasoning" if self.field == "reasoning_content" else "its answer"
+        return f"{form} in {where} calling {self.name!r}"
+
+
+def _call_of(value: Any) -> tuple[str, Any] | None:
+    """(name, arguments) when ``value`` is call-shaped: {"name", "arguments"|"parameters"},
+    OpenAI's {"function": {...}}, {"tool_calls": [...]} or a list of calls (the first counts)."""
+    if isinstance(value, list):
+        for item in value:
+            found = _call_of(item)
+            if found is not None:
+                return found
+        return None
+    if not isinstance(value, dict):
+        return None
+    if isinstance(value.get("function"), dict):
+        return _call_of(value["function"])
+    if isinstance(value.get("tool_calls"), list):
+        return _call_of(value["tool_calls"])
+    name = value.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    for key in ("arguments", "parameters"):
+        if isinstance(value.get(key), (dict, str)):
+            return name, value[key]
+    return None
+
+
+def find_written_call(text: str | None, field: str = "content") -> WrittenCall | None:
+    """Pure: the first call-shaped JSON value in the first :data:`CALL_SCAN_MAX_CHARS` of ``text``
+    (bare, inside prose, or in a fenced block), or None. Malformed JSON is not a call."""
+    if not text:
+        return None
+    text = text[:CALL_SCAN_MAX_CHARS]
+    fences = [m.span(1) for m in _FENCE_RE.finditer(text)]
+    decoder = json.JSONDecoder()
+    for tried, match in enumerate(_JSON_START_RE.finditer(text)):
+        if tried >= _CALL_SCAN_MAX_STARTS:
+            break
+        start = match.start()
+        try:
+            value, _end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError):
+            continue
+        found = _call_of(value)
+        if found is not None:
+            name, arguments = found
+            fenced = any(a <= start < b for a, b in fences)
+            return WrittenCall(name, arguments, fenced, name == PROBE_TOOL_NAME, field)
+    return None
+
+
+@dataclass(frozen=True)
+class ProbeFailure:
+    """Why a probe that reached the server failed: a stable cause and what most likely lies behind it."""
+
+    cause: str  # "call_without_markers" | "prose" | "ignored_tools" | "bad_call"
+    what: str  # what happened, for the error message
+    likely: str  # the likely cause, for the hint
+    written_call: WrittenCall | None = None
+
+
+def classify_failure(verdict: ToolCallVerdict, supports_tools: bool | None, template: str) -> ProbeFailure:
+    """Pure: the cause of a failed ``verdict``, given what ``/props`` says of the template
+    (``chat_template_caps.supports_tools``; None when the server did not say)."""
+    if verdict.passed:
+        raise ValueError("classify_failure needs a failed verdict")
+    if not verdict.reason.startswith("answered in prose"):
+        return ProbeFailure("bad_call", verdict.reason,
+                            f"the model's call did not match the probe schema (template used: {template})")
+    written = find_written_call(verdict.content) or find_written_call(verdict.reasoning_content, "reasoning_content")
+    if supports_tools is False:
+        seen = f"; it wrote {written.describe()} as text" if written else ""
+        return ProbeFailure("prose", verdict.reason,
+                            "the chat template cannot express tool calls, so llama-server dropped the tools "
+                            f"(template used: {template}; the server reports supports_tools=false{seen})", written)
+    if written is not None:
+        said = ("the server reports the template supports tools" if supports_tools
+                else "the server did not say whether the template supports tools")
+        return ProbeFailure(
+            "call_without_markers",
+            f"the model wrote its call without the template's tool-call markers ({written.describe()}): "
+            "no parsed tool call",
+            f"the model does not write calls in this template's syntax ({said}; template used: {template}): "
+            "the template is not the one the model was trained with, or the model does not follow it",
+            written)
+    if supports_tools:
+        return ProbeFailure("ignored_tools", verdict.reason,
+                            "the model answered in prose although the server reports the template supports tools "
+                            f"(template used: {template}): the model does not follow this template's tool syntax")
+    return ProbeFailure("prose", verdict.reason,
+                        "the chat template cannot express tool calls, so llama-server dropped the tools "
+                        f"(template used: {template}; supports_tools={supports_tools})")
 
 
 @dataclass(frozen=True)
@@ -185,7 +317,11 @@ async def probe_tool_call(
         with anyio.move_on_after(1.0):
             while server.returncode() is None:
                 await anyio.sleep(0.05)
-    if server.returncode() is not None:
+    code = server.returncode()
+    if code is not None and code < 0:  # a crash at the first real inference names the build, like load
+        message, hint, facts = signal_death_report(server, -code, "during the tool-call probe")
+        raise fail(message, hint, cause="server_exited", **facts)
+    if code is not None:
         lines = relevant_log_lines(server.log_lines())
         raise fail(
             f"llama-server {server.describe_exit()} during the tool-call probe",
@@ -238,22 +374,27 @@ async def probe_tool_call(
     record = {"outcome": "pass" if verdict.passed else "fail", **result.to_json()}
     (server.run_dir / PROBE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     if not verdict.passed:
-        prose = verdict.reason.startswith("answered in prose")
-        likely = (
-            "the chat template cannot express tool calls, so llama-server dropped the tools "
-            f"(template used: {template}; supports_tools={supports_tools})"
-            if prose
-            else f"the model's call did not match the probe schema (template used: {template})"
-        )
+        failure = classify_failure(verdict, supports_tools, template)
+        if failure.cause in ("call_without_markers", "ignored_tools"):
+            fix = ("Load the chat template the model was trained with (the registry's chat_template: "
+                   "`hotfit pull NAME`); if it already is that template, the model does not call tools "
+                   "reliably and its registry entry must not be auto-eligible")
+        else:
+            fix = ("Fetch the registry's tool-capable chat template (`hotfit pull NAME`) and load it with "
+                   "--chat-template-file")
+        written = failure.written_call
         raise fail(
-            f"tool-call probe failed: {verdict.reason}",
-            f"likely cause: {likely}. Fetch the registry's tool-capable chat template "
-            "(`hotfit pull NAME`) and load it with --chat-template-file",
-            cause="prose" if prose else "bad_call",
+            f"tool-call probe failed: {failure.what}",
+            f"likely cause: {failure.likely}. {fix}",
+            cause=failure.cause,
             reason=verdict.reason,
             content=(verdict.content or "")[:500],
             finish_reason=verdict.finish_reason,
             supports_tools=supports_tools,
+            written_call=None if written is None else {
+                "name": written.name, "fenced": written.fenced, "field": written.field,
+                "names_probe_tool": written.names_probe_tool,
+            },
             record=str(server.run_dir / PROBE_FILE),
         )
     log.info(

@@ -6,6 +6,7 @@ second each)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,17 +19,22 @@ import anyio
 import httpx
 import pytest
 
+from pipeline.backend import BuildInfo, build_info_from_json
 from pipeline.errors import LoadError
+from pipeline.isa import MACRO_TO_CPUINFO, cpuinfo_flags
 from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from registry.model import Entry, LayerGroup, SourceConfig
 from stages.load import (
     API_KEY_ENV,
     LLAMA_UBATCH_TOKENS,
+    SIGNAL_LOG_TAIL_LINES,
     LogLine,
     ServerFeatures,
+    compare_isa,
     device_env,
     diagnose_load_failure,
+    diagnose_signal_death,
     llama_server_argv,
     new_api_key,
     open_server,
@@ -117,6 +123,38 @@ def fixture_plan(
         budget=budget,
         origin=None,
     )
+
+
+def write_crashing_stand_in(directory: Path, sig: str = "SEGV", build_info: dict[str, object] | None = None) -> Path:
+    """A stand-in llama-server that dies by signal ``sig`` as soon as it is asked to load a model.
+
+    A stand-in because no binary here really crashes: the issue's crash (ggml's AMX kernels,
+    llama.cpp#20824) needs an Intel CPU with AMX and a build that still has the kernels, and the
+    pinned CPU build compiles them out. ``--version`` and ``--help`` run the real pinned
+    llama-server, so hotfit finds, checks and probes it like the real one; any other command line
+    (a load) writes one line to stderr and sends itself ``SIGsig`` (``kill -s``), so the process
+    really dies by that signal. ``build_info`` is written beside it as its ``build-info.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "llama-server"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        # hotfit test stand-in (tests/test_load.py write_crashing_stand_in): dies by SIG{sig} on a load
+        case "$1" in
+            --version|--help) exec {require_llama_server()} "$@" ;;
+        esac
+        ulimit -c 0  # no core file
+        echo "stand-in llama-server: dying by SIG{sig} (not a real crash)" >&2
+        kill -s {sig} $$
+        """))
+    script.chmod(0o755)
+    if build_info is not None:
+        (directory / "build-info.json").write_text(json.dumps(build_info), encoding="utf-8")
+    return script
+
+
+def real_build_info() -> dict[str, object]:
+    """The pinned build's build-info.json (its backend and ISA record)."""
+    return json.loads((require_llama_server().parent / "build-info.json").read_text(encoding="utf-8"))
 
 
 def process_gone(pid: int) -> bool:
@@ -269,6 +307,103 @@ def test_diagnosis_names_the_cause() -> None:
     assert quoted == ["boom", "careful"]
 
 
+NATIVE_CPU = BuildInfo("build-info.json", "0.5.0-dev", 1, "0c1e570", sdist_version="0.3.36", backend="cpu",
+                       variant="native", cpu_features=("avx", "avx2", "avx512f", "fma", "sse4_2"))
+OLD_AMX_CPU = BuildInfo("build-info.json", "0.5.0-dev", 1, "0c1e570", backend="cpu", variant="native",
+                        cpu_features=("amx_int8", "amx_tile", "avx", "avx2", "avx512f", "fma"))
+VULKAN = BuildInfo("build-info.json", "0.5.0-dev", 1, "0c1e570", backend="vulkan", variant="native",
+                   cpu_features=("avx", "avx2", "fma"))
+XEON_AMX = frozenset("fpu vmx avx avx2 avx512f fma sse4_2 amx_int8 amx_tile amx_bf16".split())
+EPYC = frozenset("fpu svm avx avx2 avx512f fma sse4_2 sse4a".split())
+OLD_CPU = frozenset("fpu avx avx2 fma sse4_2".split())
+
+
+@pytest.mark.parametrize(
+    ("sig", "build", "flags", "in_message", "not_in_message", "in_hint"),
+    [
+        pytest.param(signal.SIGSEGV, NATIVE_CPU, XEON_AMX,
+                     ["killed by SIGSEGV (segmentation fault)", "/opt/ls/llama-server", "cpu backend", "native build",
+                      "this CPU has all of them", "ISA features the build does not use: amx_bf16, amx_int8, amx_tile",
+                      "compiled ggml's AMX kernels out, so they are not the cause", "llama.cpp bug"],
+                     ["llama.cpp#20824", "GPU driver"],
+                     ["`scripts/install-llama-server --backend cpu --force`", "gdb -batch -ex run -ex bt --args"],
+                     id="segv-amx-cpu-amx-compiled-out"),
+        pytest.param(signal.SIGSEGV, OLD_AMX_CPU, XEON_AMX,
+                     ["llama.cpp#20824", "the build uses amx_int8, amx_tile", "AMX: this CPU has"],
+                     ["compiled ggml's AMX kernels out", "GPU driver"],
+                     ["AMX compiled out", "--backend cpu --force"], id="segv-build-with-amx"),
+        pytest.param(signal.SIGSEGV, None, XEON_AMX,
+                     ["no build record", "records no ISA features", "llama.cpp#20824", "may use them", "GPU driver",
+                      "this CPU's ISA features: amx_bf16, amx_int8, amx_tile, avx, avx2, avx512f, fma, sse4_2"],
+                     [], ["AMX compiled out"], id="segv-unknown-build"),
+        pytest.param(signal.SIGSEGV, VULKAN, EPYC,
+                     ["vulkan backend", "GPU driver", "this CPU has all of them"],
+                     ["AMX", "#20824"], ["--backend vulkan --force", "vulkaninfo", "--backend cpu`"],
+                     id="segv-vulkan-no-amx"),
+        pytest.param(signal.SIGILL, NATIVE_CPU, OLD_CPU,
+                     ["killed by SIGILL (illegal instruction)", "this CPU lacks avx512f",
+                      "executes instructions this CPU lacks: avx512f"],
+                     ["this CPU has all of them"], ["on this machine", "--backend cpu --force"], id="sigill-missing"),
+        pytest.param(signal.SIGILL, NATIVE_CPU, frozenset(),
+                     ["flags are unknown", "which this CPU may lack"], ["this CPU lacks"], ["on this machine"],
+                     id="sigill-no-cpuinfo"),
+        pytest.param(signal.SIGILL, None, EPYC, ["records no ISA features to compare"], [], ["--backend cpu --force"],
+                     id="sigill-no-record"),
+        pytest.param(signal.SIGBUS, NATIVE_CPU, EPYC, ["killed by SIGBUS (bus error)", "memory-mapped", "I/O error"],
+                     ["#20824"], ["re-verify it (`hotfit pull fx-model`)"], id="sigbus"),
+        pytest.param(signal.SIGKILL, NATIVE_CPU, EPYC, ["OOM killer"], [], ["`hotfit plan`"], id="sigkill"),
+        pytest.param(signal.SIGABRT, NATIVE_CPU, EPYC, ["GGML_ASSERT"], ["GPU runtime"], ["--force"], id="sigabrt"),
+        pytest.param(signal.SIGUSR1, NATIVE_CPU, EPYC, ["SIGUSR1 came from outside"], [], ["--force"], id="other"),
+    ],
+)
+def test_signal_death_names_binary_isa_and_known_causes(
+    sig: signal.Signals, build: BuildInfo | None, flags: frozenset[str], in_message: list[str],
+    not_in_message: list[str], in_hint: list[str],
+) -> None:
+    argv = ["/opt/ls/llama-server", "-m", "/models/m.gguf", "-c", "32768"]
+    message, hint = diagnose_signal_death(int(sig), build, flags, ["load_tensors: done", "warming up the model"],
+                                          binary=Path(argv[0]), argv=argv, model_name="fx-model")
+    for text in in_message:
+        assert text in message, (text, message)
+    for text in not_in_message:
+        assert text not in message, (text, message)
+    for text in in_hint:
+        assert text in hint, (text, hint)
+    assert "warming up the model" in message  # the log tail is quoted
+    assert "gdb -batch -ex run -ex bt --args /opt/ls/llama-server -m /models/m.gguf -c 32768" in hint
+    assert "files are kept" in hint
+
+
+def test_signal_death_quotes_the_log_tail_and_says_when_there_is_none() -> None:
+    lines = [f"line {i}" for i in range(40)]
+    message, _ = diagnose_signal_death(int(signal.SIGSEGV), NATIVE_CPU, EPYC, lines, binary=Path("/b"))
+    assert "line 39" in message and f"line {40 - SIGNAL_LOG_TAIL_LINES}" in message
+    assert f"line {39 - SIGNAL_LOG_TAIL_LINES}\n" not in message + "\n"
+    empty, _ = diagnose_signal_death(int(signal.SIGSEGV), NATIVE_CPU, EPYC, [], binary=Path("/b"))
+    assert "wrote no log lines" in empty
+
+
+@pytest.mark.parametrize(
+    ("build", "flags", "missing", "amx_on_cpu", "amx_in_build", "compiled_out"),
+    [
+        (NATIVE_CPU, XEON_AMX, (), ("amx_bf16", "amx_int8", "amx_tile"), (), True),
+        (OLD_AMX_CPU, XEON_AMX, (), ("amx_bf16", "amx_int8", "amx_tile"), ("amx_int8", "amx_tile"), False),
+        (OLD_AMX_CPU, EPYC, ("amx_int8", "amx_tile"), (), ("amx_int8", "amx_tile"), False),
+        (NATIVE_CPU, OLD_CPU, ("avx512f",), (), (), False),
+        (NATIVE_CPU, frozenset(), (), (), (), False),  # no flags: nothing can be said missing
+        (None, XEON_AMX, (), ("amx_bf16", "amx_int8", "amx_tile"), None, False),
+    ],
+)
+def test_compare_isa(build: BuildInfo | None, flags: frozenset[str], missing: tuple[str, ...],
+                     amx_on_cpu: tuple[str, ...], amx_in_build: tuple[str, ...] | None, compiled_out: bool) -> None:
+    isa = compare_isa(build, flags)
+    assert isa.missing == missing
+    assert isa.amx_on_cpu == amx_on_cpu
+    assert isa.amx_in_build == amx_in_build
+    assert isa.amx_compiled_out is compiled_out
+    assert "fpu" not in isa.cpu_isa and "vmx" not in isa.cpu_isa  # only ISA names a compiler targets
+
+
 def test_template_used_names_the_source(tmp_path: Path) -> None:
     assert template_used(tmp_path / "t.jinja", True).describe() == str(tmp_path / "t.jinja")
     assert "embedded" in template_used(None, True).describe()
@@ -366,6 +501,78 @@ async def test_memory_cap_is_an_out_of_memory_load_error(tmp_path: Path) -> None
     assert any("failed to allocate buffer for kv cache" in line for line in err.details["log_lines"])
     assert "memory" in (err.hint or "")
     assert children_of(os.getpid()) == []
+
+
+def _absent_cpu_feature() -> str:
+    """An ISA feature the pinned build does not use and this CPU lacks (for a SIGILL record)."""
+    have = cpuinfo_flags(Path("/proc/cpuinfo").read_text())
+    for name in sorted(set(MACRO_TO_CPUINFO.values())):
+        if name not in have and not name.startswith("amx"):
+            return name
+    pytest.skip("this CPU has every ISA feature hotfit knows")
+
+
+@pytest.mark.llama
+@pytest.mark.anyio
+@pytest.mark.parametrize("sig", ["SEGV", "ILL", "BUS"])
+async def test_death_by_signal_during_load_names_the_binary_its_isa_build_and_the_causes(
+    llama_model: FixtureInfo, tmp_path: Path, sig: str
+) -> None:
+    """Through a real process that really dies by the signal (a stand-in: write_crashing_stand_in
+    says why). The build record is the real pinned build's; for SIGILL it also claims a feature
+    this CPU lacks, which the message must name."""
+    record = real_build_info()
+    if sig == "ILL":
+        absent = _absent_cpu_feature()
+        record = {**record, "cpu_features": [*record["cpu_features"], absent]}  # type: ignore[list-item]
+    binary = write_crashing_stand_in(tmp_path / "bin", sig, record)
+    build = build_info_from_json(record)
+    with pytest.raises(LoadError) as caught:
+        async with open_server(fixture_plan(llama_model, 32768), llama_model.path, binary=binary,
+                               run_dir=tmp_path / "run", threads=1, build=build):
+            pytest.fail("the stand-in must die before it is healthy")
+    err = caught.value
+    d = err.details
+    assert d["cause"] == "killed_by_signal" and d["signal"] == f"SIG{sig}"
+    assert d["returncode"] == -int(getattr(signal, f"SIG{sig}"))
+    assert d["backend"] == "cpu" and d["variant"] == "native"
+    assert d["build_cpu_features"] == sorted(record["cpu_features"])  # type: ignore[arg-type]
+    assert d["known_causes"] and all(c in str(err) for c in d["known_causes"])
+    assert f"killed by SIG{sig}" in str(err) and str(binary) in str(err)
+    assert "cpu backend, native build" in str(err)
+    assert f"dying by SIG{sig}" in str(err)  # the log tail (the stand-in's one stderr line)
+    assert "gdb -batch -ex run -ex bt --args" in (err.hint or "") and str(binary) in (err.hint or "")
+    fix = "hotfit pull fixture-llama" if sig == "BUS" else "--backend cpu --force"  # a file fault is no rebuild
+    assert fix in (err.hint or "")
+    if sig == "ILL":
+        assert d["missing_cpu_features"] == [absent]
+        assert f"this CPU lacks {absent}" in str(err)
+    else:
+        assert d["missing_cpu_features"] == []
+        assert "this CPU has all of them" in str(err)
+    if d["amx_on_cpu"]:  # an AMX CPU: the real build compiled AMX out and the message says so
+        assert d["amx_compiled_out"] is True and "compiled ggml's AMX kernels out" in str(err)
+    assert children_of(os.getpid()) == []
+
+
+@pytest.mark.llama
+@pytest.mark.anyio
+async def test_death_by_signal_without_a_build_passed_reads_the_record_beside_the_binary(
+    llama_model: FixtureInfo, tmp_path: Path
+) -> None:
+    binary = write_crashing_stand_in(tmp_path / "bin", "SEGV", real_build_info())
+    with pytest.raises(LoadError) as caught:
+        async with open_server(fixture_plan(llama_model, 32768), llama_model.path, binary=binary,
+                               run_dir=tmp_path / "run", threads=1):
+            pytest.fail("unreachable")
+    assert caught.value.details["backend"] == "cpu" and "cpu backend, native build" in str(caught.value)
+    bare = write_crashing_stand_in(tmp_path / "bare", "SEGV")  # no record at all
+    with pytest.raises(LoadError) as caught:
+        async with open_server(fixture_plan(llama_model, 32768), llama_model.path, binary=bare,
+                               run_dir=tmp_path / "run2", threads=1):
+            pytest.fail("unreachable")
+    assert caught.value.details["backend"] is None and "no build record" in str(caught.value)
+    assert "records no ISA features" in str(caught.value)
 
 
 @pytest.mark.llama
