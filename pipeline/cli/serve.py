@@ -86,6 +86,11 @@ def decide_window(manifest: Manifest, plan: Any, probe_now: Any) -> WindowDecisi
 
 
 def _matching_device(probe_now: Any, planned: Any) -> Any:
+    # A UUID names one card whatever CUDA_VISIBLE_DEVICES renumbers (the systemd unit pins it).
+    if getattr(planned, "uuid", None):
+        for device in probe_now.devices:
+            if device.kind == planned.kind and device.uuid == planned.uuid:
+                return device
     for device in probe_now.devices:
         if device.kind == planned.kind and device.index == planned.index:
             return device
@@ -146,7 +151,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     import anyio
 
     from pipeline.backend import find_llama_server
-    from stages.load import llama_server_argv, probe_server_features
+    from stages.load import child_env, llama_server_argv, probe_server_features
 
     settings = ctx.settings
     manifest = read_manifest(settings.manifest_path, strict=True)
@@ -162,7 +167,10 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"manifest {settings.manifest_path} holds no usable plan ({exc!r})",
                          hint="run `hotfit auto` to provision again; it rewrites the manifest") from None
-    env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type}
+    # What hotfit sets for the child beyond the inherited environment: the device pin, built by
+    # the same function the load stage uses (an empty base leaves exactly hotfit's own variables).
+    pin_env = child_env(plan, None, {})
+    env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type} | pin_env
 
     if args.print_systemd_unit:
         unit = systemd_unit(_hotfit_command(ctx, args), env,
@@ -194,15 +202,16 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         "message": decision.message,
         "kv_cache_type": manifest.kv_cache_type,
         "argv": argv,
+        "env": pin_env,
     }
     if args.print_command:
-        ctx.emit(data, shlex.join(argv))
+        prefix = ["env", *(f"{k}={v}" for k, v in sorted(pin_env.items()))] if pin_env else []
+        ctx.emit(data, shlex.join(prefix + argv))
         return 0
     log.info("serve.exec", argv=argv)
     if not ctx.json:
         sys.stderr.write(f"hotfit: {decision.message}\nhotfit: exec {shlex.join(argv)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
-    os.execve(argv[0], argv, child_env)
+    os.execve(argv[0], argv, child_env(serve_plan, None))
     return 0  # pragma: no cover - execve does not return
