@@ -69,6 +69,8 @@ RUNTIME_ALLOWANCE_FRACTION = (1, 4)
 RUNTIME_ALLOWANCE_FLOOR_BYTES = 256 * MiB
 
 ACCELERATOR_KINDS = frozenset({"nvidia", "amd"})
+HOST_KIND = "cpu"  # host RAM: planned like any device, never added to an accelerator's memory
+DEVICE_KINDS = ACCELERATOR_KINDS | {HOST_KIND}
 ORIGIN_ALL = "auto"
 
 ReasonCode = Literal[

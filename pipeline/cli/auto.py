@@ -22,6 +22,8 @@ from typing import Any, AsyncIterator
 from pipeline.cli import CliContext
 from pipeline.cli.plan import add_plan_options
 from pipeline.errors import UsageError
+from pipeline.manifest import plan_from_json
+from stages.plan import PreviousModel
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -50,6 +52,7 @@ class AutoOptions:
     recheck: bool
     dry_run: bool
     wait: bool
+    device: str | None = None  # --device KIND|INDEX: plan only that device
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "AutoOptions":
@@ -73,6 +76,7 @@ class AutoOptions:
             recheck=args.recheck,
             dry_run=args.dry_run,
             wait=args.wait,
+            device=args.device,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -112,6 +116,15 @@ def _noop_problems(manifest: Any, plan: Any) -> list[str]:
         problems.append("the registry names a different chat template for this entry")
     problems += manifest.files_in_place()
     return problems
+
+
+def _provisioned_device(manifest: Any) -> Any:
+    """The device the manifest's plan was made for (None when the plan is unreadable: then the
+    previous model is kept on whichever device it still qualifies)."""
+    try:
+        return plan_from_json(manifest.plan).probe.device
+    except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
+        return None
 
 
 def build_manifest(outcome: Any, settings: Any) -> Any:
@@ -219,10 +232,12 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
             probe = await anyio.to_thread.run_sync(probe_devices)
         return probe, compute_plan(opts, settings, probe, previous)
 
-    def previous_model() -> tuple[Any, str | None]:
+    def previous_model() -> tuple[Any, PreviousModel | None]:
         manifest = read_manifest(settings.manifest_path)
-        keep = None if (opts.refresh or opts.model) else (manifest.entry_name if manifest else None)
-        return manifest, keep
+        if opts.refresh or opts.model or manifest is None:
+            return manifest, None
+        # Kept while it qualifies on the device it was provisioned on.
+        return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest))
 
     if opts.dry_run:  # changes nothing: no lock, no state, no files
         from stages.plan import outcome_json
@@ -239,6 +254,8 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
             "kv_cache_type": plan.kv_cache_type,
             "estimated_hot_context_tokens": plan.hot_context_tokens,
             "previous_model": manifest.entry_name if manifest else None,
+            "device": {"index": plan.probe.device.index, "kind": plan.probe.device.kind,
+                       "name": plan.probe.device.name},
             "reused": plan.reused_previous,
             "would": ("nothing (provisioned and still valid)"
                       if manifest and not opts.recheck and not _noop_problems(manifest, plan) else "provision"),
