@@ -127,7 +127,7 @@ def choose_devices(probe: ProbeResult, choice: str | None) -> tuple[Device, ...]
     return chosen
 
 
-def _same_device(d: Device, prev: Device) -> bool:
+def same_device(d: Device, prev: Device) -> bool:
     if d.uuid and prev.uuid:
         return d.uuid == prev.uuid
     return d.kind == prev.kind and d.index == prev.index and d.name == prev.name
@@ -156,7 +156,7 @@ def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCache
         except NoModelQualifies as exc:
             return DevicePlan(device, considered, None, exc)
         return DevicePlan(device, considered, sel)
-    prev_here = previous is not None and (previous.device is None or _same_device(device, previous.device))
+    prev_here = previous is not None and (previous.device is None or same_device(device, previous.device))
     if previous is not None and prev_here and previous.worker_held_bytes > 0:
         # Judge the previous model with its own worker's memory counted as available; the
         # memory is not available to any other model while that worker runs.

@@ -23,6 +23,7 @@ from pipeline.cli import CliContext
 from pipeline.cli.plan import add_plan_options
 from pipeline.errors import UsageError
 from pipeline.manifest import plan_from_json
+from pipeline.worker import find_worker, worker_held_bytes
 from stages.plan import PreviousModel
 
 
@@ -232,17 +233,26 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
             probe = await anyio.to_thread.run_sync(probe_devices)
         return probe, compute_plan(opts, settings, probe, previous)
 
-    def previous_model() -> tuple[Any, PreviousModel | None]:
+    async def previous_model() -> tuple[Any, PreviousModel | None]:
         manifest = read_manifest(settings.manifest_path)
         if opts.refresh or opts.model or manifest is None:
             return manifest, None
-        # Kept while it qualifies on the device it was provisioned on.
-        return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest))
+        # Kept while it qualifies on the device it was provisioned on; a worker of this home
+        # serving it right now holds memory that is the previous model's own (issue 10 item 1).
+        worker = await anyio.to_thread.run_sync(find_worker, settings.serve_pid_path, manifest)
+        held = 0
+        if worker is not None:
+            try:
+                held = worker_held_bytes(manifest, worker)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan in the manifest
+                log.info("worker.unjudged", reason=str(exc))
+        return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest),
+                                       worker_held_bytes=held)
 
     if opts.dry_run:  # changes nothing: no lock, no state, no files
         from stages.plan import outcome_json
 
-        manifest, previous = previous_model()
+        manifest, previous = await previous_model()
         probe, outcome = await probe_and_plan(previous)
         plan = outcome.plan
         data = {
@@ -264,13 +274,14 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
 
     lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
     async with _held_interruptibly(lock):
-        manifest, previous = previous_model()
+        manifest, previous = await previous_model()
         if manifest is not None and not opts.recheck and not opts.refresh:
             probe, outcome = await probe_and_plan(previous)
             problems = _noop_problems(manifest, outcome.plan)
             if not problems:
                 log.info("run.noop", model=manifest.entry_name, plan_id=outcome.plan.plan_id,
-                         provisioned_by_run=manifest.run_id)
+                         provisioned_by_run=manifest.run_id,
+                         serving_worker_held_bytes=previous.worker_held_bytes if previous else 0)
                 return AutoResult(manifest.to_json() | {"noop": True},
                                   summary(manifest, outcome.plan, noop=True), _kv_hint(outcome.plan))
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)

@@ -28,6 +28,7 @@ from pipeline.cli import CliContext
 from pipeline.errors import NoModelQualifies, UsageError
 from pipeline.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
+from pipeline.worker import record_for_self, write_worker_record
 
 log = get_logger()
 
@@ -208,7 +209,17 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         prefix = ["env", *(f"{k}={v}" for k, v in sorted(pin_env.items()))] if pin_env else []
         ctx.emit(data, shlex.join(prefix + argv))
         return 0
-    log.info("serve.exec", argv=argv)
+    # The worker record (issue 10 item 1): this pid becomes llama-server's at exec, so a later
+    # `hotfit auto` recognises the model being served and keeps it.
+    record = record_for_self(host=args.host, port=args.port, model_path=manifest.model_path,
+                             entry_name=manifest.entry_name, context_tokens=decision.context_tokens,
+                             kv_cache_type=manifest.kv_cache_type, device=serve_plan.probe.device,
+                             api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None)
+    try:
+        write_worker_record(settings.serve_pid_path, record)
+    except OSError as exc:  # serving matters more than the record; auto then treats it as absent
+        log.warning("serve.pid_unwritable", path=str(settings.serve_pid_path), error=str(exc))
+    log.info("serve.exec", argv=argv, pid=record.pid, pid_file=str(settings.serve_pid_path))
     if not ctx.json:
         sys.stderr.write(f"hotfit: {decision.message}\nhotfit: exec {shlex.join(argv)}\n")
     sys.stdout.flush()
