@@ -338,13 +338,20 @@ def build_plan(
     return PlanOutcome(chosen_probe, selection, kv_cache_type_source, plan, devices, why, device)
 
 
-def _device_json(dp: DevicePlan, best: int) -> dict[str, Any]:
+def device_refusal(dp: DevicePlan, devices: tuple[DevicePlan, ...]) -> str | None:
+    """One line: why ``dp`` refused, and what another device would hold instead (with its flag)."""
+    if dp.chosen is not None:
+        return None
+    sel = dp.selection
+    why = (str(dp.error) if dp.error is not None
+           else sel.refusal.message.splitlines()[0] if sel is not None and sel.refusal is not None else "refused")
+    return " ".join([why, *(f"Instead, {line} ({flag})." for line, flag in _fits_elsewhere(devices, dp.device))])
+
+
+def _device_json(dp: DevicePlan, best: int, devices: tuple[DevicePlan, ...]) -> dict[str, Any]:
     sel = dp.selection
     c = dp.chosen
-    refusal: str | None = None
-    if c is None:
-        refusal = (str(dp.error) if dp.error is not None
-                   else sel.refusal.message.splitlines()[0] if sel is not None and sel.refusal is not None else None)
+    refusal = device_refusal(dp, devices)
     return {
         "index": dp.device.index,
         "kind": dp.device.kind,
@@ -406,7 +413,7 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
         "backend": sel.backend,
         "min_hot_context": MIN_AGENTIC_HOT_CONTEXT,
         "device": {"index": device.index, "kind": device.kind, "name": device.name},
-        "devices": [_device_json(dp, device.index) for dp in outcome.devices],
+        "devices": [_device_json(dp, device.index, outcome.devices) for dp in outcome.devices],
         "device_choice": outcome.device_choice,
         "forced_device": outcome.forced_device,
         "budget": budget,
@@ -428,7 +435,7 @@ def describe(outcome: PlanOutcome) -> str:
     for dp in outcome.devices if len(outcome.devices) > 1 else ():
         what = (f"{dp.chosen_name} ({dp.chosen.fit.hot_context_tokens} hot tokens)"
                 if dp.chosen is not None and dp.chosen.fit is not None
-                else "refused" + (f": {dp.error}" if dp.error is not None else ""))
+                else f"refused: {device_refusal(dp, outcome.devices)}")
         lines.append(f"  {'*' if dp.device.index == d.index else ' '} {device_label(dp.device)}: "
                      f"{what if dp.considered else 'not considered (--device ' + str(outcome.forced_device) + ')'}")
     lines += [

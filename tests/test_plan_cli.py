@@ -233,6 +233,8 @@ def test_small_gpu_beside_large_host_memory_plans_the_host(tmp_path: Path) -> No
     assert considered[0]["selected"] is None and considered[0]["refusal"]
     assert considered[1]["selected"] == data["selected"]["name"] and considered[1]["won"] is True
     assert considered[0]["won"] is False and data["device_choice"]
+    # The small GPU's refusal names the host plan that fits, and how to force it.
+    assert data["selected"]["name"] in considered[0]["refusal"] and "--device cpu" in considered[0]["refusal"]
     # GPU and host memory are never added: each device's budget is its own.
     assert considered[1]["budget"]["free_bytes"] == 30 * GiB and considered[0]["budget"]["free_bytes"] == 2 * GiB
 
