@@ -480,3 +480,19 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None, device
         fit_params=str(backend.fit_params_path) if backend.fit_params_path else None,
     )
     return backend
+
+
+def gpu_listing_binaries(settings: Settings) -> tuple[Path, ...]:
+    """The GPU builds the probe asks which devices ggml sees (``--list-devices``): the binary the
+    operator named, unless its record says it is a CPU build, else the cached Vulkan build.
+    CUDA devices come from NVML, which names them by UUID; the CUDA build is not asked."""
+    if settings.llama_server is not None:
+        info = settings.llama_server.parent / BUILD_INFO_NAME
+        try:
+            backend = json.loads(info.read_text(encoding="utf-8")).get("backend")
+        except (OSError, ValueError, AttributeError):
+            backend = None
+        named = settings.llama_server
+        return () if backend == "cpu" or not _is_executable_file(named) else (named,)
+    cached = cache_bin_dir(settings, "vulkan") / SERVER_NAME
+    return (cached,) if _is_executable_file(cached) else ()

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 from registry.model import Entry
 
-DeviceKind = Literal["nvidia", "amd", "cpu"]
+# "vulkan": a GPU seen only through a Vulkan llama-server's device list (Intel, lavapipe, an AMD
+# card without sysfs VRAM counters); its memory figures are what ggml's Vulkan backend reports.
+DeviceKind = Literal["nvidia", "amd", "vulkan", "cpu"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class Device:
     free_bytes: int
     uuid: str | None = None  # NVIDIA: pin llama-server to this device (CUDA_VISIBLE_DEVICES=<uuid>)
     processes_used_bytes: int | None = None  # held by other processes (NVML), informational
+    ggml_device: str | None = None  # llama-server's name for it ("Vulkan0", "CUDA0"): load pins -dev to it
 
 
 @dataclass(frozen=True)

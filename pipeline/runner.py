@@ -428,7 +428,10 @@ async def _probe_stage(ctx: StageContext) -> Any:
     path = _opts(ctx).probe_file
     if path is not None:
         return await anyio.to_thread.run_sync(load_probe_file, path)
-    return await anyio.to_thread.run_sync(probe_devices)
+    from pipeline.backend import gpu_listing_binaries
+
+    binaries = gpu_listing_binaries(ctx.settings)
+    return await anyio.to_thread.run_sync(functools.partial(probe_devices, ggml_binaries=binaries))
 
 
 def _probe_figures(probe: Any) -> dict[str, Any]:

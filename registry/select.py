@@ -68,7 +68,7 @@ FRAGMENTATION_HEADROOM = (3, 100)
 RUNTIME_ALLOWANCE_FRACTION = (1, 4)
 RUNTIME_ALLOWANCE_FLOOR_BYTES = 256 * MiB
 
-ACCELERATOR_KINDS = frozenset({"nvidia", "amd"})
+ACCELERATOR_KINDS = frozenset({"nvidia", "amd", "vulkan"})
 HOST_KIND = "cpu"  # host RAM: planned like any device, never added to an accelerator's memory
 DEVICE_KINDS = ACCELERATOR_KINDS | {HOST_KIND}
 ORIGIN_ALL = "auto"

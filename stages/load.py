@@ -188,6 +188,11 @@ def llama_server_argv(
         argv += ["--chat-template-file", str(template_path)]
     if accelerator:
         argv += ["-ngl", "all" if features.ngl_all else "999"]
+        ggml_device = plan.probe.device.ggml_device
+        if ggml_device and plan.probe.device.kind in ("vulkan", "amd"):
+            # Only a Vulkan build serves these kinds: pin it to the probed device by ggml's name
+            # (NVIDIA is pinned by UUID in the environment, which CUDA and Vulkan builds differ on).
+            argv += ["-dev", ggml_device]
     else:
         argv += ["-ngl", "0", "-dev", "none"]  # CPU plan: nothing offloaded, no accelerator touched
     if features.fit:
@@ -640,14 +645,16 @@ async def _wait_healthy(server: LoadedServer, timeout_s: float) -> None:
             if code is not None:
                 await anyio.sleep(0.05)  # let the last log lines reach the file
                 raise _load_error(server, f"llama-server {_describe_returncode(code)} before it was healthy")
+            # The deadline is checked before each poll, so an answer that arrives after it (a
+            # fast load on a slow machine included) never counts as healthy in time.
+            if time.monotonic() >= deadline:
+                raise _load_error(server, f"llama-server not healthy after {timeout_s:.0f} s")
             try:
                 resp = await client.get("/health")
                 if resp.status_code == 200 and server.returncode() is None:
                     return  # (a 200 while our child is dead would come from someone else's server)
             except httpx.TransportError:
                 pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise _load_error(server, f"llama-server not healthy after {timeout_s:.0f} s")
             await anyio.sleep(_HEALTH_POLL_S)
 
 

@@ -13,14 +13,21 @@ usable memory after device reservations):
 2. AMD through DRM sysfs: ``/sys/class/drm/cardN/device/mem_info_vram_total`` and
    ``mem_info_vram_used`` of vendor 0x1002 cards. GTT (system memory the GPU may map) is never
    added: it is host RAM.
-3. Host memory: ``/proc/meminfo`` MemAvailable, bounded by every cgroup v2 (``memory.max`` −
+3. GPUs that ggml's Vulkan backend sees, asked of the Vulkan llama-server hotfit would run
+   (``llama-server --list-devices``: name, total and free MiB). A device NVML or sysfs already
+   reported is matched by name and keeps those figures (a total that disagrees by more than 5 %
+   is noted); any other becomes a ``vulkan`` device (Intel, an AMD card without VRAM counters,
+   Mesa's lavapipe). ggml hides CPU-type Vulkan devices such as lavapipe unless the operator sets
+   ``GGML_VK_VISIBLE_DEVICES``; the probe passes the environment through and hides nothing itself.
+4. Host memory: ``/proc/meminfo`` MemAvailable, bounded by every cgroup v2 (``memory.max`` −
    ``memory.current`` + reclaimable ``inactive_file``) or v1 (``memory.limit_in_bytes`` −
    ``memory.usage_in_bytes`` + ``total_inactive_file``) level above this process. Listed always.
 
 RAM and device memory are never added together. ``selected`` is the probe's default (the
 accelerator with the largest usable budget, else host memory); the plan stage plans every listed
-device and records the one whose plan won as the plan's ``selected`` (stages/plan.py). Roots (/proc, /sys, the cgroup mount)
-and the NVML module are parameters so tests feed real files and a stand-in ``pynvml``.
+device and records the one whose plan won as the plan's ``selected`` (stages/plan.py). Roots
+(/proc, /sys, the cgroup mount) and the NVML module are parameters so tests feed real files and
+a stand-in ``pynvml``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
@@ -44,7 +53,12 @@ PROBE_SCHEMA = 1
 AMD_PCI_VENDOR = "0x1002"
 # cgroup v1 reports "no limit" as LONG_MAX rounded down to a page; anything this large is unlimited.
 CGROUP_V1_UNLIMITED = 1 << 60
-DEVICE_KINDS = ("nvidia", "amd", "cpu")
+DEVICE_KINDS = ("nvidia", "amd", "vulkan", "cpu")
+MiB = 1 << 20
+# `--list-devices` initialises every backend; lavapipe's first start compiles nothing, a few s.
+LIST_DEVICES_TIMEOUT_S = 60.0
+# NVML/sysfs and ggml round differently (MiB, reserved regions); beyond this they disagree.
+DEVICE_TOTAL_MISMATCH = 0.05
 
 
 class _ImportPynvml:
@@ -237,6 +251,84 @@ def probe_amd(sys_root: Path, notes: list[str]) -> list[Device]:
     return devices
 
 
+# --------------------------------------------------------------------------- ggml's device list
+
+# llama.cpp common/arg.cpp prints "  <dev>: <description> (<total> MiB, <free> MiB free)"
+_GGML_DEVICE_RE = re.compile(r"^\s*(?P<dev>[A-Za-z][A-Za-z_-]*\d+): (?P<desc>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
+
+
+@dataclass(frozen=True)
+class GgmlDevice:
+    """One line of ``llama-server --list-devices``."""
+
+    name: str  # "Vulkan0", "CUDA0"
+    description: str  # "llvmpipe (LLVM 15.0.6, 256 bits)", "NVIDIA H200"
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def backend(self) -> str:
+        return re.sub(r"\d+$", "", self.name).lower()
+
+
+def parse_list_devices(text: str) -> list[GgmlDevice]:
+    """Pure: the devices in ``--list-devices`` output (figures are whole MiB, rounded down)."""
+    out = []
+    for line in text.splitlines():
+        if m := _GGML_DEVICE_RE.match(line):
+            out.append(GgmlDevice(m["dev"], m["desc"].strip(), int(m["total"]) * MiB, int(m["free"]) * MiB))
+    return out
+
+
+def _same_card(device: Device, ggml: GgmlDevice) -> bool:
+    a, b = device.name.lower(), ggml.description.lower()
+    return bool(a) and (a in b or b.split(" (")[0] in a)
+
+
+def merge_ggml_devices(found: list[Device], ggml: list[GgmlDevice], notes: list[str]) -> list[Device]:
+    """Pure: NVML/sysfs devices with the Vulkan name of the same card attached, plus the Vulkan
+    devices nothing else reported. CUDA entries only cross-check NVML (CUDA is pinned by UUID)."""
+    out = list(found)
+    for g in ggml:
+        if g.backend != "vulkan":
+            if g.backend == "cuda" and not any(d.kind == "nvidia" for d in found):
+                notes.append(f"llama-server sees {g.name} ({g.description}) but NVML reported no NVIDIA device")
+            continue
+        match = next((i for i, d in enumerate(out) if d.kind in ("nvidia", "amd") and d.ggml_device is None
+                      and _same_card(d, g)), None)
+        if match is None:
+            out.append(Device(index=-1, kind="vulkan", name=g.description, total_bytes=g.total_bytes,
+                              free_bytes=min(g.free_bytes, g.total_bytes), ggml_device=g.name))
+            continue
+        d = out[match]
+        if abs(g.total_bytes - d.total_bytes) > DEVICE_TOTAL_MISMATCH * d.total_bytes:
+            notes.append(f"{d.name}: {d.kind} reports {d.total_bytes // MiB} MiB, Vulkan ({g.name}) "
+                         f"{g.total_bytes // MiB} MiB; planning with the {d.kind} figure")
+        out[match] = replace(d, ggml_device=g.name)
+    return out
+
+
+def list_ggml_devices(binary: Path, notes: list[str], env: Mapping[str, str] | None = None) -> list[GgmlDevice]:
+    """Ask ``binary --list-devices`` which devices ggml sees. A binary that fails here is noted,
+    not fatal: the probe still has NVML, sysfs and host memory; load checks the binary again."""
+    try:
+        proc = subprocess.run([str(binary), "--list-devices"], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=LIST_DEVICES_TIMEOUT_S, check=False,
+                              env=dict(os.environ if env is None else env))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        notes.append(f"{binary} --list-devices failed ({exc}); its devices are not listed")
+        log.warning("probe.list_devices_failed", binary=str(binary), error=str(exc))
+        return []
+    devices = parse_list_devices(proc.stdout + "\n" + proc.stderr)
+    if proc.returncode != 0 and not devices:
+        notes.append(f"{binary} --list-devices exited with {proc.returncode}; its devices are not listed")
+        log.warning("probe.list_devices_failed", binary=str(binary), returncode=proc.returncode)
+    for g in devices:
+        log.info("probe.ggml_device", binary=str(binary), device=g.name, description=g.description,
+                 total_bytes=g.total_bytes, free_bytes=g.free_bytes)
+    return devices
+
+
 # --------------------------------------------------------------------------- host memory
 
 
@@ -338,15 +430,18 @@ def probe_devices(
     proc_root: Path = Path("/proc"),
     sys_root: Path = Path("/sys"),
     cgroup_root: Path = Path("/sys/fs/cgroup"),
+    ggml_binaries: tuple[Path, ...] = (),
 ) -> ProbeResult:
-    """Every device with its memory, and the one planned for (largest usable budget)."""
+    """Every device with its memory, and the one planned for (largest usable budget).
+
+    ``ggml_binaries``: GPU llama-server builds to ask for the devices ggml sees (source 3)."""
     env = os.environ if env is None else env
     notes: list[str] = []
     found = probe_nvidia(nvml, env, notes) + probe_amd(sys_root, notes)
+    for binary in ggml_binaries:
+        found = merge_ggml_devices(found, list_ggml_devices(binary, notes, env), notes)
     host = probe_host(proc_root, cgroup_root, notes)
-    devices = tuple(Device(index=i, kind=d.kind, name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
-                           uuid=d.uuid, processes_used_bytes=d.processes_used_bytes)
-                    for i, d in enumerate([*found, host]))
+    devices = tuple(replace(d, index=i) for i, d in enumerate([*found, host]))
     accelerators = [d for d in devices if d.kind != "cpu"]
     pool = accelerators or [devices[-1]]
     best = max(pool, key=lambda d: (device_budget(d.kind, d.total_bytes, d.free_bytes).usable_bytes, -d.index))
@@ -423,10 +518,13 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
         used = d.get("processes_used_bytes")
         if used is not None:
             used = _int_field(p, d, "processes_used_bytes", where, 0)
+        ggml_device = d.get("ggml_device")
+        if ggml_device is not None and not (isinstance(ggml_device, str) and re.fullmatch(r"[A-Za-z]+\d+", ggml_device)):
+            raise _bad(p, f"{where}.ggml_device", f"must be a device name such as 'Vulkan0' or null, got {ggml_device!r}")
         if any(x.index == index for x in devices):
             raise _bad(p, f"{where}.index", f"{index} appears twice")
         devices.append(Device(index=index, kind=d["kind"], name=d["name"], total_bytes=total, free_bytes=free,
-                              uuid=uuid, processes_used_bytes=used))
+                              uuid=uuid, processes_used_bytes=used, ggml_device=ggml_device))
     selected = data.get("selected")
     if not isinstance(selected, int) or isinstance(selected, bool) or all(d.index != selected for d in devices):
         raise _bad(p, "selected", f"must be the index of a listed device, got {selected!r}")

@@ -120,3 +120,21 @@ def test_bad_arguments_are_refused_with_a_message(args: list[str], tmp_path: Pat
     assert proc.returncode != 0
     assert "install-llama-server:" in proc.stderr
     assert not (tmp_path / "cache" / LLAMA_SDIST_VERSION / "vulkan").exists()
+
+
+def test_the_amx_exclusion_holds_on_a_cpu_that_has_amx() -> None:
+    """This machine may lack AMX, so ask the compiler as if for an AMX CPU (Sapphire Rapids):
+    the script's flags leave no AMX macro (ggml compiles its AMX kernels under __AMX_INT8__)
+    while AVX-512 and VNNI stay."""
+    flags = re.search(r'cpu_flags="(-mno-amx[^"]*)"', SCRIPT.read_text()).group(1).split()
+    from pipeline.isa import features_from_macros
+
+    def features(*extra: str) -> set[str]:
+        proc = subprocess.run(["c++", "-march=sapphirerapids", *extra, "-dM", "-E", "-x", "c++", "/dev/null"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        return set(features_from_macros(proc.stdout))
+
+    assert {"amx_tile", "amx_int8", "amx_bf16"} <= features()
+    kept = features(*flags)
+    assert not kept & AMX_CPUINFO
+    assert {"avx512f", "avx512_vnni", "avx512_bf16", "avx512bw"} <= kept

@@ -335,3 +335,78 @@ def test_probe_cli_json_and_save(tmp_path: Path, hotfit_home: Path) -> None:
     assert data["schema"] == 1 and isinstance(data["selected"], int)
     assert all({"index", "kind", "name", "total_bytes", "free_bytes"} <= set(d) for d in data["devices"])
     assert load_probe_file(save).selected == data["selected"]
+
+
+# ----------------------------------------------------------------------------- ggml's device list (issue 9 item 3)
+
+LAVAPIPE_LISTING = (
+    "ggml_vulkan: Found 1 Vulkan devices:\n"
+    "Available devices:\n"
+    "  Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (2048 MiB, 2048 MiB free)\n"
+)
+
+
+def _lister(tmp_path: Path, text: str, code: int = 0) -> Path:
+    """A stand-in binary printing a `--list-devices` answer (the real Vulkan build is tested in
+    tests/test_vulkan.py); the text is llama.cpp's format, copied from a real lavapipe run."""
+    path = tmp_path / "lister" / "llama-server"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "listing.txt").write_text(text)
+    path.write_text(f"#!/bin/sh\ncat {tmp_path / 'listing.txt'}\nexit {code}\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_list_devices_lines_are_parsed_in_bytes() -> None:
+    from stages.probe import parse_list_devices
+
+    devices = parse_list_devices(LAVAPIPE_LISTING + "  CUDA0: NVIDIA H200 (143167 MiB, 142000 MiB free)\nnoise\n")
+    assert [(d.name, d.backend, d.total_bytes, d.free_bytes) for d in devices] == [
+        ("Vulkan0", "vulkan", 2048 * MiB, 2048 * MiB), ("CUDA0", "cuda", 143167 * MiB, 142000 * MiB)]
+    assert devices[0].description == "llvmpipe (LLVM 15.0.6, 256 bits)"
+    assert parse_list_devices("Available devices:\n") == []  # a CPU build lists none
+
+
+def test_a_vulkan_only_device_is_probed_through_the_binary(roots: SimpleNamespace, tmp_path: Path) -> None:
+    binary = _lister(tmp_path, LAVAPIPE_LISTING)
+    r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
+                      ggml_binaries=(binary,))
+    assert [d.kind for d in r.devices] == ["vulkan", "cpu"]
+    vk = r.devices[0]
+    assert (vk.name, vk.total_bytes, vk.free_bytes, vk.ggml_device) == (
+        "llvmpipe (LLVM 15.0.6, 256 bits)", 2 * GiB, 2 * GiB, "Vulkan0")
+
+
+def test_a_card_nvml_or_sysfs_reported_keeps_their_figures_and_gets_its_vulkan_name(
+        roots: SimpleNamespace, tmp_path: Path) -> None:
+    amd_card(roots, 0, 8 * GiB, 1 * GiB, name="Radeon RX 7600")
+    binary = _lister(tmp_path, "  Vulkan0: AMD Radeon RX 7600 (RADV NAVI33) (7000 MiB, 6000 MiB free)\n")
+    r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
+                      ggml_binaries=(binary,))
+    assert [d.kind for d in r.devices] == ["amd", "cpu"]
+    amd = r.devices[0]
+    assert (amd.total_bytes, amd.free_bytes, amd.ggml_device) == (8 * GiB, 7 * GiB, "Vulkan0")
+    assert any("planning with the amd figure" in n for n in r.notes)  # 7000 MiB vs 8 GiB: > 5 % apart
+
+
+def test_a_binary_that_cannot_list_devices_is_noted_not_fatal(roots: SimpleNamespace, tmp_path: Path) -> None:
+    binary = _lister(tmp_path, "ggml_vulkan: no devices\n", code=1)
+    r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
+                      ggml_binaries=(binary,))
+    assert [d.kind for d in r.devices] == ["cpu"]
+    assert any("--list-devices exited with 1" in n for n in r.notes)
+
+
+def test_a_probe_file_keeps_the_vulkan_device_name(tmp_path: Path, roots: SimpleNamespace) -> None:
+    binary = _lister(tmp_path, LAVAPIPE_LISTING)
+    r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
+                      ggml_binaries=(binary,))
+    path = tmp_path / "probe.json"
+    save_probe(r, path)
+    again = load_probe_file(path)
+    assert again.devices[0].ggml_device == "Vulkan0" and again.devices[0].kind == "vulkan"
+    data = json.loads(path.read_text())
+    data["devices"][0]["ggml_device"] = "Vulkan0; rm -rf /"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError, match="ggml_device"):
+        load_probe_file(path)

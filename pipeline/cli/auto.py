@@ -167,6 +167,9 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
             "verdict": recheck.get("verdict"),
             "warnings": recheck.get("warnings"),
             "flash_attn": recheck.get("flash_attn"),
+            # where the session really put things: "offloaded N/N layers", KV buffers by device
+            "offloaded_layers": recheck.get("offloaded_layers"),
+            "kv_buffers": recheck.get("kv_buffers"),
             "measured_by_run": outcome.run_id,
         },
         probe_verdict={
@@ -184,7 +187,8 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
             "build_info": recheck.get("build_info"),
         },
         device={"index": device.index, "kind": device.kind, "name": device.name,
-                "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes},
+                "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes,
+                "ggml_device": device.ggml_device},
         plan=plan.to_json(),
         extra={"vision": fetch.get("vision"), "load_argv": load.get("argv")},
     )
@@ -230,7 +234,10 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
         if opts.probe_file is not None:
             probe = await anyio.to_thread.run_sync(load_probe_file, opts.probe_file)
         else:
-            probe = await anyio.to_thread.run_sync(probe_devices)
+            from pipeline.backend import gpu_listing_binaries
+
+            binaries = gpu_listing_binaries(settings)
+            probe = await anyio.to_thread.run_sync(lambda: probe_devices(ggml_binaries=binaries))
         return probe, compute_plan(opts, settings, probe, previous)
 
     async def previous_model() -> tuple[Any, PreviousModel | None]:

@@ -38,7 +38,10 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     cache_type, source = resolve_kv_cache_type(args.kv_cache_type, ctx.settings.kv_cache_type_raw)
     origin = normalize_origin(args.origin)
     registry = load_registry(args.registry)
-    probe = load_probe_file(args.probe_file) if args.probe_file else probe_devices()
+    from pipeline.backend import gpu_listing_binaries
+
+    probe = (load_probe_file(args.probe_file) if args.probe_file
+             else probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings)))
     outcome = build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=args.backend,
                          previous=args.previous, device=args.device)
     ctx.emit(outcome_json(outcome), describe(outcome))

@@ -18,7 +18,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     from stages.probe import describe, probe_devices, save_probe
 
-    result = probe_devices()
+    from pipeline.backend import gpu_listing_binaries
+
+    result = probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings))
     if args.save:
         save_probe(result, Path(args.save))
     text = describe(result) + (f"\nsaved to {args.save}" if args.save else "")

@@ -104,12 +104,13 @@ def _matching_device(probe_now: Any, planned: Any) -> Any:
     )
 
 
-def _probe_now(args: argparse.Namespace) -> Any:
+def _probe_now(args: argparse.Namespace, settings: Any) -> Any:
+    from pipeline.backend import gpu_listing_binaries
     from stages import probe as probe_stage
 
     if args.probe_file:
         return probe_stage.load_probe_file(Path(args.probe_file))
-    return probe_stage.probe_devices()
+    return probe_stage.probe_devices(ggml_binaries=gpu_listing_binaries(settings))
 
 
 def systemd_unit(hotfit_argv: list[str], env: dict[str, str], description: str) -> str:
@@ -179,8 +180,8 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         ctx.emit({"unit": unit}, unit)
         return 0
 
-    decision = decide_window(manifest, plan, _probe_now(args))
-    found = find_llama_server(settings)
+    decision = decide_window(manifest, plan, _probe_now(args, settings))
+    found = find_llama_server(settings, device_kind=plan.probe.device.kind)
     binary = found.server_path
     features = anyio.run(probe_server_features, binary)
     serve_plan = dataclasses.replace(plan, hot_context_tokens=decision.context_tokens)

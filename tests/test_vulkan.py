@@ -1,0 +1,181 @@
+"""The accelerator path for real (issue 9 item 3): the Vulkan llama-server built by
+scripts/install-llama-server, on Mesa's lavapipe (Debian's mesa-vulkan-drivers), a software Vulkan
+device that ggml offloads to exactly as to a GPU.
+
+Facts this relies on (../shared/reference/gpu-builds.md): ggml skips CPU-type Vulkan devices unless
+``GGML_VK_VISIBLE_DEVICES`` names them; lavapipe reports one fixed 2 GiB heap (its free figure never
+changes); the load lines appear at ``-lv 4``; it generates about 1 token/s, so requests stay tiny.
+What lavapipe cannot show: real VRAM pressure, a driver's memory-budget extension, GPU speed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeline.backend import cache_bin_dir, find_llama_server
+from pipeline.errors import AllocationMismatch, BackendError
+from pipeline.plan import Device, ProbeResult
+from pipeline.settings import load_settings
+from stages.load import open_server
+from stages.probe import list_ggml_devices, probe_devices
+from stages.recheck import recheck_allocation
+from tests.gguf_fixtures import FixtureInfo, write_gemma3_swa_model, write_llama_model
+from tests.test_load import fixture_plan
+
+GiB = 1 << 30
+LAVAPIPE_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
+
+pytestmark = [pytest.mark.llama, pytest.mark.vulkan]
+
+
+def vulkan_server() -> Path:
+    """The cached Vulkan build, or skip (fail with HOTFIT_REQUIRE_VULKAN=1, as CI runs)."""
+    path = cache_bin_dir(load_settings(), "vulkan") / "llama-server"
+    if not path.is_file():
+        why = f"no Vulkan llama-server at {path}: run scripts/install-llama-server --backend vulkan"
+        if os.environ.get("HOTFIT_REQUIRE_VULKAN"):
+            pytest.fail(why)
+        pytest.skip(why + " (set HOTFIT_REQUIRE_VULKAN=1 to make this a failure)")
+    return path
+
+
+@pytest.fixture
+def lavapipe(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The Vulkan binary with lavapipe made visible to ggml, as an operator would."""
+    binary = vulkan_server()
+    for key, value in LAVAPIPE_ENV.items():
+        monkeypatch.setenv(key, value)
+    return binary
+
+
+def lavapipe_device(binary: Path) -> Device:
+    """What the probe records for lavapipe (asked of the binary, not hand-written)."""
+    notes: list[str] = []
+    listed = list_ggml_devices(binary, notes, {**os.environ, **LAVAPIPE_ENV})
+    assert listed, notes
+    g = listed[0]
+    return Device(index=0, kind="vulkan", name=g.description, total_bytes=g.total_bytes,
+                  free_bytes=g.free_bytes, ggml_device=g.name)
+
+
+def vulkan_plan(info: FixtureInfo, tokens: int, kv: str, device: Device):  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    plan = fixture_plan(info, tokens, kv, device_kind="vulkan")
+    return dataclasses.replace(plan, probe=ProbeResult(devices=(device,), selected=0))
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FixtureInfo]:
+    d = tmp_path_factory.mktemp("vk-models")
+    return {
+        "dense": write_llama_model(d / "dense.gguf", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
+                                   n_ctx_train=131072),
+        "swa": write_gemma3_swa_model(d / "swa.gguf", n_layers=6, sliding_window_tokens=512, swa_pattern=3),
+    }
+
+
+def test_the_build_is_a_vulkan_build() -> None:
+    found = find_llama_server(load_settings(llama_server=vulkan_server()), device_kind="vulkan")
+    assert found.build.backend == "vulkan"
+    assert found.build.cpu_features  # its CPU code (host fallback, copies) is recorded as well
+
+
+def test_the_probe_sees_lavapipe_only_when_the_operator_makes_it_visible(tmp_path: Path) -> None:
+    binary = vulkan_server()
+    hidden = probe_devices(env={k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"},
+                           nvml=None, ggml_binaries=(binary,))
+    assert [d.kind for d in hidden.devices] == ["cpu"]  # ggml hides a CPU-type Vulkan device
+    shown = probe_devices(env={**os.environ, **LAVAPIPE_ENV}, nvml=None, ggml_binaries=(binary,))
+    vk = [d for d in shown.devices if d.kind == "vulkan"]
+    assert len(vk) == 1
+    assert vk[0].ggml_device == "Vulkan0" and "llvmpipe" in vk[0].name
+    assert vk[0].total_bytes == 2 * GiB  # lavapipe's one fixed heap
+    assert shown.device.kind == "vulkan"  # an accelerator beside host RAM is planned for
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["dense", "swa"])
+async def test_every_layer_and_the_kv_sit_on_the_vulkan_device(
+        lavapipe: Path, fixtures: dict[str, FixtureInfo], tmp_path: Path, kind: str) -> None:
+    info = fixtures[kind]
+    plan = vulkan_plan(info, 32768, "f16", lavapipe_device(lavapipe))
+    async with open_server(plan, info.path, binary=lavapipe, run_dir=tmp_path / "run", threads=1,
+                           warmup=False) as srv:
+        assert srv.argv[srv.argv.index("-dev") + 1] == "Vulkan0"
+        report = await recheck_allocation(srv)
+    assert report.verdict == "pass", report.problems
+    done, total = report.offloaded_layers
+    assert done == total and total >= info.n_layers  # "offloaded N/N layers to GPU"
+    assert report.kv_buffers and {b["buffer"] for b in report.kv_buffers} == {"Vulkan0"}
+    assert report.ratio is not None and abs(report.ratio - 1) <= 0.01
+    assert abs(report.actual_kv_bytes - report.estimated_kv_bytes) <= report.actual_kv_bytes_uncertainty
+    if kind == "swa":
+        assert {c["role"] for c in report.caches} == {"non-swa", "swa"}
+        assert len(report.kv_buffers) == 2  # both caches on the device
+
+
+@pytest.mark.anyio
+async def test_a_kv_forced_onto_the_host_is_caught(
+        lavapipe: Path, fixtures: dict[str, FixtureInfo], tmp_path: Path) -> None:
+    """An operator's wrapper adds --no-kv-offload: the layers go to the device, the KV stays in
+    host memory, and the re-check refuses the session although it opened the planned window."""
+    wrapper = tmp_path / "bin" / "llama-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{lavapipe}" "$@" --no-kv-offload\n')
+    wrapper.chmod(0o755)
+    info = fixtures["dense"]
+    plan = vulkan_plan(info, 32768, "f16", lavapipe_device(lavapipe))
+    async with open_server(plan, info.path, binary=wrapper, run_dir=tmp_path / "run", threads=1,
+                           warmup=False) as srv:
+        with pytest.raises(AllocationMismatch) as caught:
+            await recheck_allocation(srv)
+    assert "KV buffers on the host" in str(caught.value)
+    assert caught.value.details["offloaded_layers"][0] == caught.value.details["offloaded_layers"][1]
+
+
+def test_a_cpu_plan_is_refused_with_only_the_vulkan_build(tmp_path: Path) -> None:
+    with pytest.raises(BackendError) as caught:
+        find_llama_server(load_settings(llama_server=vulkan_server()), device_kind="cpu")
+    assert "scripts/install-llama-server --backend cpu" in (caught.value.hint or "")
+
+
+def test_hotfit_auto_provisions_on_the_vulkan_device_end_to_end(tmp_path: Path) -> None:
+    """`hotfit auto` with the live probe: the Vulkan build lists lavapipe, the plan is for it, the
+    fixture model loads with every layer offloaded, its tool call parses and the re-check reads
+    the KV records on Vulkan0; the manifest says so."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.e2e_support import SMALL, build_world
+    from tests.hubserver import LocalHub
+
+    binary = vulkan_server()
+    home = tmp_path / "home"
+    with LocalHub() as hub:
+        world = build_world(tmp_path / "world", hub)
+        env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN")}
+        env.update(hub.env())
+        env.update(LAVAPIPE_ENV)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline", "--home", str(home), "--llama-server", str(binary),
+             "--log-format", "json", "auto", "--registry", str(world.registry_path), "--model", SMALL],
+            cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    manifest = json.loads((home / "manifest.json").read_text())
+    device = manifest["plan"]["probe"]["devices"][manifest["plan"]["probe"]["selected"]]
+    assert device["kind"] == "vulkan" and device["ggml_device"] == "Vulkan0"
+    measured = manifest["measured"]
+    assert {b["buffer"] for b in measured["kv_buffers"]} == {"Vulkan0"}
+    done_layers, total_layers = measured["offloaded_layers"]
+    assert done_layers == total_layers > 0
+    assert manifest["llama_cpp"]["backend"] == "vulkan"
+    events = [json.loads(line) for line in (home / "logs" / "hotfit.jsonl").read_text().splitlines()]
+    done = {e["stage"]: e for e in events if e.get("event") == "stage.done"}
+    assert done["probe-tool-call"]["passed"] is True
+    assert done["re-check"]["verdict"] == "pass"
+    assert abs(done["re-check"]["ratio"] - 1) <= 0.01
