@@ -400,7 +400,7 @@ def _opts(ctx: StageContext) -> Any:
     return ctx.options["auto"]
 
 
-def compute_plan(opts: Any, settings: Any, probe: Any, previous: str | None) -> Any:
+def compute_plan(opts: Any, settings: Any, probe: Any, previous: Any) -> Any:
     """Selection for ``probe`` (stages.plan). Returns the ``PlanOutcome``; raises the fail-closed
     :class:`NoModelQualifies` (logged as ``plan.rejected``) when nothing qualifies."""
     from pipeline.errors import NoModelQualifies
@@ -411,7 +411,8 @@ def compute_plan(opts: Any, settings: Any, probe: Any, previous: str | None) -> 
     cache_type, source = resolve_kv_cache_type(opts.kv_cache_type_flag, settings.kv_cache_type_raw)
     try:
         outcome = build_plan(probe, registry.entries, cache_type, source, origin=opts.origin,
-                             backend=opts.backend, previous=previous, model=opts.model)
+                             backend=opts.backend, previous=previous, model=opts.model,
+                             device=getattr(opts, "device", None))
         if outcome.plan is None:
             outcome.selection.raise_if_refused()
     except NoModelQualifies as exc:

@@ -28,6 +28,8 @@ On-disk layout under the home directory (the one place it is written down)::
       models/<entry>/snapshot/ OpenVINO repository snapshot (+ snapshot.json: commit, file list)
       runs/<run_id>/           per-run files (llama-server logs, probe transcript)
       manifest.json            the last successful provisioning
+      serve.pid                the llama-server `hotfit serve` exec'd (JSON: pid, start time, port,
+                               model, window); trusted only while that process is it (pipeline/worker.py)
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ class Settings:
     @property
     def manifest_path(self) -> Path:
         return self.home / "manifest.json"
+
+    @property
+    def serve_pid_path(self) -> Path:
+        return self.home / "serve.pid"
 
     def model_dir(self, entry_name: str) -> Path:
         return self.models_dir / entry_name

@@ -69,6 +69,8 @@ RUNTIME_ALLOWANCE_FRACTION = (1, 4)
 RUNTIME_ALLOWANCE_FLOOR_BYTES = 256 * MiB
 
 ACCELERATOR_KINDS = frozenset({"nvidia", "amd", "vulkan"})
+HOST_KIND = "cpu"  # host RAM: planned like any device, never added to an accelerator's memory
+DEVICE_KINDS = ACCELERATOR_KINDS | {HOST_KIND}
 ORIGIN_ALL = "auto"
 
 ReasonCode = Literal[
@@ -431,9 +433,35 @@ def smallest_agentic(entries: Iterable[Entry], budget: DeviceBudget, cache_type:
     return min(needs, key=lambda r: (r.required_free_bytes, r.name))
 
 
+@dataclass(frozen=True)
+class _Words:
+    """How a refusal names the memory it speaks of: a GPU's memory is device memory, host RAM is
+    host memory (an operator reading "device memory" on a CPU-only machine looks for a GPU)."""
+
+    memory: str  # "device memory" | "host memory"
+    this_one: str  # "this device" | "this host"
+    total: str  # "this device's total" | "this host's total memory"
+    empty: str  # "an otherwise empty device" | "an otherwise idle host"
+    other: str  # "a device" | "a host"
+
+
+def _words(kind: str | None) -> _Words:
+    if kind is not None and kind not in ACCELERATOR_KINDS:
+        return _Words("host memory", "this host", "this host's total memory", "an otherwise idle host", "a host")
+    return _Words("device memory", "this device", "this device's total", "an otherwise empty device", "a device")
+
+
+def origins_with_agentic_models(entries: Iterable[Entry], backend: str) -> tuple[str, ...]:
+    """Origins (registry order) that have at least one automatically selectable model for ``backend``:
+    the only ones worth suggesting to an operator whose origin refused."""
+    pool = _agentic_pool(entries, None, backend)
+    return tuple(o for o in ORIGINS if any(e.origin == o for e in pool))
+
+
 def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], budget: DeviceBudget,
                   cache_type: KVCacheType, *, origin: str | None, backend: str) -> Refusal:
     where = f"origin {origin or ORIGIN_ALL}, backend {backend}"
+    words = _words(budget.kind)
     if budget.kind is None:
         budget_text = f"a usable budget of {fmt_bytes(budget.usable_bytes)} ({budget.usable_bytes} bytes)"
     else:
@@ -447,7 +475,7 @@ def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], bud
         lines.append(f"There is no curated agentic model of {where} that holds {MIN_AGENTIC_HOT_CONTEXT} tokens "
                      f"at any budget.")
     else:
-        unit = "free device memory" if budget.kind is not None else "usable memory"
+        unit = f"free {words.memory}" if budget.kind is not None else "usable memory"
         parts = (f"weights {fmt_bytes(smallest.weights_bytes)} + runtime allowance "
                  f"{fmt_bytes(smallest.allowance_bytes)} + KV for {MIN_AGENTIC_HOT_CONTEXT} tokens "
                  f"{fmt_bytes(smallest.kv_floor_bytes)}")
@@ -458,8 +486,8 @@ def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], bud
                 f"{fmt_bytes(smallest.required_free_bytes)} ({smallest.required_free_bytes} bytes) of {unit}: "
                 f"{parts}.")
         if smallest.required_device_bytes is not None:
-            line += (f" That is more than this device's total {fmt_bytes(budget.total_bytes)}; an otherwise empty "
-                     f"device needs at least {fmt_bytes(smallest.required_device_bytes)} "
+            line += (f" That is more than {words.total} {fmt_bytes(budget.total_bytes)}; {words.empty} "
+                     f"needs at least {fmt_bytes(smallest.required_device_bytes)} "
                      f"({smallest.required_device_bytes} bytes), its reserve being larger.")
         lines.append(line)
     fitting_below = sorted(
@@ -474,26 +502,30 @@ def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], bud
                      f"{below.hot_context_tokens} hot tokens); it can be installed by name "
                      f"(hotfit auto --model {below.entry.name}) at the operator's risk.")
     alternatives: list[str] = []
+    # More memory helps only when some model of this origin holds the floor at some budget.
     if smallest is not None and smallest.required_device_bytes is not None:
-        alternatives.append(f"raise the memory budget: use a device with at least "
-                            f"{fmt_bytes(smallest.required_device_bytes)} free (this one has "
-                            f"{fmt_bytes(budget.total_bytes)} in all)")
+        alternatives.append(f"raise the memory budget: use {words.other} with at "
+                            f"least {fmt_bytes(smallest.required_device_bytes)} of {words.memory} "
+                            f"({words.this_one} has {fmt_bytes(budget.total_bytes)} in all)")
     elif smallest is not None and budget.kind is not None:
         more = max(smallest.required_free_bytes - budget.free_bytes, 0)
-        alternatives.append(f"raise the memory budget: free {fmt_bytes(more)} more on this device "
-                            f"(or another device of this size with at least "
-                            f"{fmt_bytes(smallest.required_free_bytes)} free)")
-    else:
-        alternatives.append("raise the memory budget (free memory on this device or use a larger one)")
-    others = [o for o in ORIGINS if o != origin]
-    alternatives.append(f"choose another origin ({', '.join(others)}{', or auto for all' if origin else ''})")
+        alternatives.append(f"raise the memory budget: free {fmt_bytes(more)} more {words.memory} on "
+                            f"{words.this_one} (it needs {fmt_bytes(smallest.required_free_bytes)} free)")
+    elif smallest is not None:
+        alternatives.append(f"raise the usable budget to at least {fmt_bytes(smallest.required_free_bytes)}")
+    # An explicit origin never falls back (spec); name only the origins that have a model to offer.
+    # With origin auto every origin was already tried.
+    if origin is not None:
+        others = [o for o in origins_with_agentic_models(entries, backend) if o != origin]
+        if others:
+            alternatives.append(f"choose another origin ({', '.join(others)}, or auto for all)")
     alternatives.append("use a hosted backend instead of a local model")
-    if cache_type.name in ("f32", "f16", "bf16"):
+    if smallest is not None and cache_type.name in ("f32", "f16", "bf16"):
         q8 = KV_CACHE_TYPES["q8_0"]
         alt = smallest_agentic(entries, budget, q8, origin=origin, backend=backend)
         if alt is not None:
-            q8_need = (f"a device with at least {fmt_bytes(alt.required_device_bytes)} "
-                       f"({alt.required_device_bytes} bytes) free" if alt.required_device_bytes is not None
+            q8_need = (f"{words.empty} with at least {fmt_bytes(alt.required_device_bytes)} "
+                       f"({alt.required_device_bytes} bytes)" if alt.required_device_bytes is not None
                        else f"{fmt_bytes(alt.required_free_bytes)} ({alt.required_free_bytes} bytes) free")
             alternatives.append(f"run the worker with CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0 (about half the KV cost): "
                                 f"{alt.name} then needs {q8_need}")
@@ -595,6 +627,7 @@ def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, c
     if problem:
         notes.append(f"{name} is {problem}")
     if fit.hot_context_tokens < MIN_AGENTIC_HOT_CONTEXT:
+        words = _words(budget.kind)
         need = required_memory(entry, budget, cache_type)
         if need is None:
             what = (f"{name} cannot hold {MIN_AGENTIC_HOT_CONTEXT} tokens at any budget: its context ceiling is "
@@ -607,10 +640,11 @@ def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, c
                     f"{fmt_bytes(need.allowance_bytes)} + KV {fmt_bytes(need.kv_floor_bytes)} + reserve "
                     f"{fmt_bytes(need.reserve_bytes)} + headroom {fmt_bytes(need.headroom_bytes)}")
             if need.required_device_bytes is not None:
-                what += (f"; that is more than this device's total {fmt_bytes(budget.total_bytes)}: an otherwise "
-                         f"empty device needs at least {fmt_bytes(need.required_device_bytes)} "
+                what += (f"; that is more than {words.total} {fmt_bytes(budget.total_bytes)}: {words.empty} "
+                         f"needs at least {fmt_bytes(need.required_device_bytes)} "
                          f"({need.required_device_bytes} bytes)")
-        raise NoModelQualifies(what, hint="free memory on this device, use q8_0 KV, or choose a smaller model",
+        raise NoModelQualifies(what, hint=f"free {words.memory} on {words.this_one}, use q8_0 KV, or choose a "
+                                          f"smaller model",
                                model=name, kv_cache_type=cache_type.name,
                                smallest=None if need is None else need.to_json())
     chosen = Verdict(entry, "selected", "ok", f"chosen by name; holds {fit.hot_context_tokens} hot tokens at "

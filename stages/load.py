@@ -42,7 +42,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal, Sequence
+from typing import Any, AsyncIterator, Literal, Mapping, Sequence
 
 import anyio
 import httpx
@@ -71,6 +71,7 @@ __all__ = [
     "new_api_key",
     "server_env",
     "device_env",
+    "child_env",
     "parse_log_lines",
     "read_server_log",
     "relevant_log_lines",
@@ -248,6 +249,17 @@ def device_env(plan: Plan) -> dict[str, str]:
     if device.kind == "nvidia" and uuid:
         return {"CUDA_VISIBLE_DEVICES": str(uuid)}
     return {}
+
+
+def child_env(plan: Plan, api_key: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The one environment every llama-server hotfit starts gets (the load stage and ``hotfit
+    serve`` both build it here, so a served model runs on the card it was verified on): ``base``
+    (default ours) without ``LLAMA_ARG_*`` overrides or a stale key, the API key when given
+    (None: the caller names a key file in argv, or runs without one), and the plan's device pin."""
+    env = server_env(api_key or "", dict(os.environ if base is None else base))
+    if api_key is None:
+        env.pop(API_KEY_ENV, None)
+    return env | device_env(plan)
 
 
 @dataclass(frozen=True)
@@ -769,7 +781,7 @@ async def open_server(
         log.warning("load.api_key_env_unsupported", binary=str(binary), note="server runs without an API key")
 
     api_key = new_api_key()
-    env = server_env(api_key) | device_env(plan)
+    env = child_env(plan, api_key)
     if not features.api_key_env:  # older build: no key at all rather than one in argv
         env.pop(API_KEY_ENV, None)
         api_key = ""

@@ -1,24 +1,35 @@
 """Plan stage: probe result + registry + KV type → the frozen ``Plan`` (pure apart from logging).
 
-``build_plan`` runs selection (registry.select) on the probe's selected device and wraps the pick
-in ``pipeline.plan.Plan``; when nothing qualifies the outcome carries the refusal instead, so
-``hotfit plan`` can still print every candidate's verdict next to the error.
+``build_plan`` runs selection (registry.select) on every device the probe found — each on its own
+budget, GPU and host memory never added — and takes the plan that wins by the spec's ordering
+(parameters, then hot context, then name; the previous model kept while it qualifies on its
+device). The winner's device becomes ``plan.probe.selected``, the device load pins. The pick is
+wrapped in ``pipeline.plan.Plan``; when nothing qualifies the outcome carries the refusal
+instead, so ``hotfit plan`` can still print every candidate's verdict next to the error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
+from pipeline.errors import NoModelQualifies, UsageError
 from pipeline.log import get_logger
-from pipeline.plan import BudgetBreakdown, Plan, ProbeResult
+from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
 from pipeline.settings import KV_CACHE_ENV
 from registry.kv import KVCacheType, parse_kv_cache_type
 from registry.model import Entry
 from registry.select import (
+    ACCELERATOR_KINDS,
+    DEVICE_KINDS,
     MAX_HOT_CONTEXT_TOKENS,
     MIN_AGENTIC_HOT_CONTEXT,
+    DeviceBudget,
+    Refusal,
     Selection,
+    Verdict,
     device_budget,
     fmt_bytes,
     select_auto,
@@ -40,15 +51,206 @@ def resolve_kv_cache_type(flag: str | None, env_raw: str | None) -> tuple[KVCach
 
 
 @dataclass(frozen=True)
+class PreviousModel:
+    """The model the last provisioning chose, and where: it is kept while it still qualifies on
+    *its* device (spec: the caller keeps the previous model while it qualifies).
+
+    ``device`` None = any device (``hotfit plan --previous NAME``). ``worker_held_bytes``: memory a
+    running worker of this home holds on that device for this very model (pipeline.worker); the
+    previous model is judged with it counted as available, since it is its own."""
+
+    name: str
+    device: Device | None = None
+    worker_held_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device's selection (or its refusal) — ``hotfit plan --json`` lists every one."""
+
+    device: Device
+    considered: bool  # False = left out by --device (planned anyway, for the refusal's hints)
+    selection: Selection | None  # None with ``error``: --model NAME does not fit this device
+    error: NoModelQualifies | None = None
+    judged_free_bytes: int | None = None  # free counted for the previous model (its worker's memory added)
+
+    @property
+    def chosen(self) -> Verdict | None:
+        return None if self.selection is None else self.selection.chosen
+
+    @property
+    def chosen_name(self) -> str | None:
+        return None if self.chosen is None else self.chosen.entry.name
+
+
+@dataclass(frozen=True)
 class PlanOutcome:
-    probe: ProbeResult
+    probe: ProbeResult  # ``selected`` = the device the plan is for (or the primary refusal's)
     selection: Selection
     kv_cache_type_source: KVSource
     plan: Plan | None  # None = nothing qualifies (selection.refusal says why)
+    devices: tuple[DevicePlan, ...] = ()
+    device_choice: str = ""  # why this device's plan won (or why every device refused)
+    forced_device: str | None = None  # --device as given
 
     @property
     def kv_cache_type(self) -> str:
         return self.selection.cache_type.name
+
+
+def device_label(d: Device) -> str:
+    return f"[{d.index}] {d.kind} {d.name}"
+
+
+def choose_devices(probe: ProbeResult, choice: str | None) -> tuple[Device, ...]:
+    """``--device KIND|INDEX`` → the devices to plan (None = every device the probe found).
+    A kind is any device kind (registry.select.DEVICE_KINDS, or one the probe reports); an index
+    is a probe index. Anything else, or a choice this probe has no device for, is a UsageError
+    naming what there is."""
+    if choice is None:
+        return probe.devices
+    key = choice.strip().lower()
+    present = [f"{d.index} ({d.kind} {d.name})" for d in probe.devices]
+    kinds = sorted({d.kind for d in probe.devices})
+    hint = f"use --device {' or --device '.join(kinds)}, or a device index: {', '.join(present)}"
+    if re.fullmatch(r"\d+", key):
+        chosen = tuple(d for d in probe.devices if d.index == int(key))
+    elif key in DEVICE_KINDS or key in kinds:
+        chosen = tuple(d for d in probe.devices if d.kind == key)
+    else:
+        raise UsageError(f"--device {choice!r} is neither a device kind ({', '.join(sorted(DEVICE_KINDS))}) nor a "
+                         f"device index; this machine has {', '.join(present)}", hint=hint, device=choice,
+                         valid=[*kinds, *(str(d.index) for d in probe.devices)])
+    if not chosen:
+        raise UsageError(f"--device {choice!r}: the probe found no such device; it has {', '.join(present)}",
+                         hint=hint, device=choice, valid=[*kinds, *(str(d.index) for d in probe.devices)])
+    return chosen
+
+
+def same_device(d: Device, prev: Device) -> bool:
+    if d.uuid and prev.uuid:
+        return d.uuid == prev.uuid
+    return d.kind == prev.kind and d.index == prev.index and d.name == prev.name
+
+
+def available_with_worker(device: Device, held_bytes: int) -> int:
+    """Pure: free memory of ``device`` counting what a running worker holds as available. It can
+    free no more than the device has in use, nor more than the processes on it hold (NVML), and
+    the sum never exceeds the device's total."""
+    held = max(min(held_bytes, device.total_bytes - device.free_bytes), 0)
+    if device.processes_used_bytes is not None:
+        held = min(held, device.processes_used_bytes)
+    return min(device.free_bytes + held, device.total_bytes)
+
+
+def _budget(device: Device, free_bytes: int | None = None) -> DeviceBudget:
+    return device_budget(device.kind, device.total_bytes, device.free_bytes if free_bytes is None else free_bytes,
+                         name=device.name)
+
+
+def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCacheType, *, origin: str | None,
+                 backend: str, previous: PreviousModel | None, model: str | None, considered: bool) -> DevicePlan:
+    if model:
+        try:
+            sel = select_explicit(entries, model, _budget(device), cache_type, origin=origin, backend=backend)
+        except NoModelQualifies as exc:
+            return DevicePlan(device, considered, None, exc)
+        return DevicePlan(device, considered, sel)
+    prev_here = previous is not None and (previous.device is None or same_device(device, previous.device))
+    if previous is not None and prev_here and previous.worker_held_bytes > 0:
+        # Judge the previous model with its own worker's memory counted as available; the
+        # memory is not available to any other model while that worker runs.
+        judged = available_with_worker(device, previous.worker_held_bytes)
+        sel = select_auto(entries, _budget(device, judged), cache_type, origin=origin, backend=backend,
+                          previous=previous.name)
+        if sel.reused_previous:
+            return DevicePlan(device, considered, sel, judged_free_bytes=judged)
+    sel = select_auto(entries, _budget(device), cache_type, origin=origin, backend=backend,
+                      previous=previous.name if previous is not None and prev_here else None)
+    return DevicePlan(device, considered, sel)
+
+
+def _rank(dp: DevicePlan) -> tuple[Any, ...]:
+    """The spec's ordering across devices: larger model, larger hot context, name; then an
+    accelerator over host memory (same model and window, faster), then the larger usable budget
+    (more room for everything else), then the lower index."""
+    c = dp.chosen
+    assert c is not None and c.fit is not None
+    return (-(c.entry.params_total_b or 0.0), -c.fit.hot_context_tokens, c.entry.name,
+            dp.device.kind not in ACCELERATOR_KINDS, -_budget(dp.device).usable_bytes, dp.device.index)
+
+
+def _pick(candidates: list[DevicePlan]) -> tuple[DevicePlan, str]:
+    kept = [dp for dp in candidates if dp.selection is not None and dp.selection.reused_previous]
+    if kept:
+        best = min(kept, key=lambda dp: (-(dp.chosen.fit.hot_context_tokens if dp.chosen and dp.chosen.fit else 0),
+                                         dp.device.kind not in ACCELERATOR_KINDS, dp.device.index))
+        return best, (f"the previous model {best.chosen_name} still qualifies on {device_label(best.device)}, "
+                      f"so it is kept there")
+    ranked = sorted(candidates, key=_rank)
+    best = ranked[0]
+    if len(ranked) == 1:
+        why = f"{device_label(best.device)} is the only device whose plan qualifies"
+    else:
+        runner_up = ranked[1]
+        a, b = best.chosen, runner_up.chosen
+        assert a is not None and b is not None and a.fit is not None and b.fit is not None
+        if a.entry.params_total_b != b.entry.params_total_b:
+            rule = (f"the larger model ({a.entry.name}, {a.entry.params_total_b}B parameters, over "
+                    f"{b.entry.name}, {b.entry.params_total_b}B)")
+        elif a.fit.hot_context_tokens != b.fit.hot_context_tokens:
+            rule = (f"the larger hot context ({a.fit.hot_context_tokens} over {b.fit.hot_context_tokens} tokens)")
+        elif a.entry.name != b.entry.name:
+            rule = f"the name ({a.entry.name} before {b.entry.name})"
+        elif best.device.kind in ACCELERATOR_KINDS and runner_up.device.kind not in ACCELERATOR_KINDS:
+            rule = "a tie (same model and hot context): the accelerator is preferred over host memory"
+        elif _budget(best.device).usable_bytes != _budget(runner_up.device).usable_bytes:
+            rule = "a tie (same model and hot context): the larger usable budget"
+        else:
+            rule = "a tie (same model and hot context): the lower device index"
+        why = (f"{device_label(best.device)} wins over {device_label(runner_up.device)} by {rule} "
+               f"(ordering: parameters, then hot context, then name)")
+    return best, why
+
+
+def _fits_elsewhere(devices: tuple[DevicePlan, ...], exclude: Device) -> list[tuple[str, str]]:
+    """(what another device would hold, its --device flag) for each other device with a pick."""
+    out = []
+    for dp in devices:
+        c = dp.chosen
+        if dp.device.index == exclude.index or c is None or c.fit is None:
+            continue
+        flag = dp.device.kind if sum(x.device.kind == dp.device.kind for x in devices) == 1 else str(dp.device.index)
+        what = f"{device_label(dp.device)} would hold {c.entry.name} with {c.fit.hot_context_tokens} hot tokens"
+        out.append((what, f"--device {flag}"))
+    return out
+
+
+def _refused(devices: tuple[DevicePlan, ...], considered: list[DevicePlan],
+             forced: str | None) -> tuple[DevicePlan, str, Refusal | None]:
+    """Every considered device refused: the primary refusal (the largest usable budget) with a
+    line for every other device, and what another device would hold when --device left it out."""
+    primary = max(considered, key=lambda dp: (_budget(dp.device).usable_bytes, -dp.device.index))
+    sel = primary.selection
+    refusal = None if sel is None else sel.refusal
+    extra: list[str] = []
+    for dp in considered:
+        if dp is primary:
+            continue
+        first = (dp.selection.refusal.message.splitlines()[0] if dp.selection is not None and dp.selection.refusal
+                 else str(dp.error) if dp.error is not None else "refused")
+        extra.append(f"Also considered {device_label(dp.device)}: {first}")
+    elsewhere = _fits_elsewhere(devices, primary.device) if forced else []
+    extra += [f"Not considered (--device {forced}): {line}; force it with {flag}." for line, flag in elsewhere]
+    why = (f"no considered device holds a qualifying model; the refusal is for {device_label(primary.device)}, "
+           f"the largest usable budget")
+    if refusal is not None:
+        alts = list(refusal.alternatives)
+        alts[:0] = [f"plan for that device instead with {flag} ({line})" for line, flag in elsewhere]
+        body = refusal.message.rsplit("\nAlternatives: ", 1)[0]
+        msg = "\n".join([body, *extra, "Alternatives: " + "; ".join(alts) + "."])
+        refusal = dataclasses.replace(refusal, message=msg, alternatives=tuple(alts))
+    return primary, why, refusal
 
 
 def build_plan(
@@ -59,25 +261,47 @@ def build_plan(
     *,
     origin: str | None = None,
     backend: str = "llama",
-    previous: str | None = None,
+    previous: str | PreviousModel | None = None,
     model: str | None = None,
+    device: str | None = None,
 ) -> PlanOutcome:
-    """Select for the probe's chosen device. ``model`` = explicit --model NAME (raises when it
-    cannot open the floor; no fallback). Otherwise never raises for 'no fit' — check ``plan``."""
-    device = probe.device
-    budget = device_budget(device.kind, device.total_bytes, device.free_bytes, name=device.name)
+    """Plan every device the probe found (``device``: --device KIND|INDEX, only those) — GPU and
+    host memory never added — and take the plan that wins by the spec's ordering, the previous
+    model kept while it qualifies on its device. ``model`` = explicit --model NAME (raises when
+    it fits no considered device; no fallback). Otherwise never raises for 'no fit' — check ``plan``."""
     entries = tuple(entries)
-    if model:
-        selection = select_explicit(entries, model, budget, cache_type, origin=origin, backend=backend)
+    if isinstance(previous, str):
+        previous = PreviousModel(previous)
+    wanted = {d.index for d in choose_devices(probe, device)}
+    devices = tuple(_plan_device(d, entries, cache_type, origin=origin, backend=backend, previous=previous,
+                                 model=model, considered=d.index in wanted) for d in probe.devices)
+    considered = [dp for dp in devices if dp.considered]
+    qualifying = [dp for dp in considered if dp.chosen is not None]
+    if qualifying:
+        best, why = _pick(qualifying)
+        selection = best.selection
+        assert selection is not None
     else:
-        selection = select_auto(entries, budget, cache_type, origin=origin, backend=backend, previous=previous)
+        if model:  # --model fits no considered device: its own error, for the largest budget
+            primary = max(considered, key=lambda dp: (_budget(dp.device).usable_bytes, -dp.device.index))
+            assert primary.error is not None
+            raise primary.error
+        best, why, refusal = _refused(devices, considered, device)
+        assert best.selection is not None
+        selection = dataclasses.replace(best.selection, refusal=refusal)
+    chosen_probe = dataclasses.replace(probe, selected=best.device.index)
+    budget = selection.budget
     plan = None
     chosen = selection.chosen
+    for dp in devices:
+        log.info("plan.device", index=dp.device.index, kind=dp.device.kind, name=dp.device.name,
+                 considered=dp.considered, model=dp.chosen_name, won=dp is best,
+                 judged_free_bytes=dp.judged_free_bytes)
     if chosen is not None and chosen.fit is not None:
         fit = chosen.fit
         plan = Plan(
             entry=chosen.entry,
-            probe=probe,
+            probe=chosen_probe,
             kv_cache_type=cache_type.name,
             kv_cache_type_source=kv_cache_type_source,
             hot_context_tokens=fit.hot_context_tokens,
@@ -100,6 +324,7 @@ def build_plan(
                  kv_cache_type=cache_type.name, kv_cache_type_source=kv_cache_type_source,
                  estimated_kv_bytes=fit.kv_bytes, usable_bytes=budget.usable_bytes,
                  reused_previous=selection.reused_previous, explicit_model=selection.explicit,
+                 device_index=best.device.index, device_kind=best.device.kind, device_choice=why,
                  plan_id=plan.plan_id)
     else:
         refusal = selection.refusal
@@ -110,7 +335,37 @@ def build_plan(
                     else refusal.smallest.required_free_bytes)
     for note in selection.notes:
         log.info("plan.note", note=note)
-    return PlanOutcome(probe, selection, kv_cache_type_source, plan)
+    return PlanOutcome(chosen_probe, selection, kv_cache_type_source, plan, devices, why, device)
+
+
+def device_refusal(dp: DevicePlan, devices: tuple[DevicePlan, ...]) -> str | None:
+    """One line: why ``dp`` refused, and what another device would hold instead (with its flag)."""
+    if dp.chosen is not None:
+        return None
+    sel = dp.selection
+    why = (str(dp.error) if dp.error is not None
+           else sel.refusal.message.splitlines()[0] if sel is not None and sel.refusal is not None else "refused")
+    return " ".join([why, *(f"Instead, {line} ({flag})." for line, flag in _fits_elsewhere(devices, dp.device))])
+
+
+def _device_json(dp: DevicePlan, best: int, devices: tuple[DevicePlan, ...]) -> dict[str, Any]:
+    sel = dp.selection
+    c = dp.chosen
+    refusal = device_refusal(dp, devices)
+    return {
+        "index": dp.device.index,
+        "kind": dp.device.kind,
+        "name": dp.device.name,
+        "considered": dp.considered,
+        "won": dp.considered and c is not None and dp.device.index == best,
+        "budget": None if sel is None else sel.budget.to_json(),
+        "judged_free_bytes": dp.judged_free_bytes,
+        "selected": None if c is None else c.entry.name,
+        "hot_context": None if c is None or c.fit is None else c.fit.hot_context_tokens,
+        "params_total_b": None if c is None else c.entry.params_total_b,
+        "reused_previous": bool(sel is not None and sel.reused_previous),
+        "refusal": refusal,
+    }
 
 
 def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
@@ -158,6 +413,9 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
         "backend": sel.backend,
         "min_hot_context": MIN_AGENTIC_HOT_CONTEXT,
         "device": {"index": device.index, "kind": device.kind, "name": device.name},
+        "devices": [_device_json(dp, device.index, outcome.devices) for dp in outcome.devices],
+        "device_choice": outcome.device_choice,
+        "forced_device": outcome.forced_device,
         "budget": budget,
         "selected": selected,
         "candidates": [v.to_json() for v in sel.verdicts],
@@ -171,8 +429,17 @@ def describe(outcome: PlanOutcome) -> str:
     sel = outcome.selection
     b = sel.budget
     d = outcome.probe.device
-    lines = [
-        f"device   [{d.index}] {d.kind} {d.name}",
+    lines = [f"device   {device_label(d)}"]
+    if len(outcome.devices) > 1:
+        lines.append(f"why      {outcome.device_choice}")
+    for dp in outcome.devices if len(outcome.devices) > 1 else ():
+        what = (f"{dp.chosen_name} ({dp.chosen.fit.hot_context_tokens} hot tokens)"
+                if dp.chosen is not None and dp.chosen.fit is not None
+                else f"refused: {device_refusal(dp, outcome.devices)}")
+        lines.append(f"  {'*' if dp.device.index == d.index else ' '} {device_label(dp.device)}: "
+                     f"{what if dp.considered else 'not considered (--device ' + str(outcome.forced_device) + ')'}")
+    lines += [
+
         f"KV cache {sel.cache_type.name} ({outcome.kv_cache_type_source})"
         + ("" if sel.cache_type.name != "f16" else "  — q8_0 would halve what the window costs"),
         f"origin   {sel.origin or 'auto (all)'}   backend {sel.backend}   floor {MIN_AGENTIC_HOT_CONTEXT} tokens, "

@@ -21,12 +21,13 @@ usable memory after device reservations):
    ``GGML_VK_VISIBLE_DEVICES``; the probe passes the environment through and hides nothing itself.
 4. Host memory: ``/proc/meminfo`` MemAvailable, bounded by every cgroup v2 (``memory.max`` −
    ``memory.current`` + reclaimable ``inactive_file``) or v1 (``memory.limit_in_bytes`` −
-   ``memory.usage_in_bytes`` + ``total_inactive_file``) level above this process. Listed always;
-   selected only when no accelerator was found.
+   ``memory.usage_in_bytes`` + ``total_inactive_file``) level above this process. Listed always.
 
-RAM and device memory are never added together: one device is planned for, the accelerator with
-the largest usable budget (registry.select.device_budget). Roots (/proc, /sys, the cgroup mount)
-and the NVML module are parameters so tests feed real files and a stand-in ``pynvml``.
+RAM and device memory are never added together. ``selected`` is the probe's default (the
+accelerator with the largest usable budget, else host memory); the plan stage plans every listed
+device and records the one whose plan won as the plan's ``selected`` (stages/plan.py). Roots
+(/proc, /sys, the cgroup mount) and the NVML module are parameters so tests feed real files and
+a stand-in ``pynvml``.
 """
 
 from __future__ import annotations

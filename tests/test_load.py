@@ -415,6 +415,30 @@ def test_template_used_names_the_source(tmp_path: Path) -> None:
 
 
 @pytest.mark.llama
+@pytest.mark.anyio
+async def test_the_started_server_runs_pinned_to_the_planned_nvidia_card(
+    llama_model: FixtureInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the child really got (its /proc environ), not what we meant to pass: the uuid of the
+    planned card, whatever CUDA_VISIBLE_DEVICES hotfit itself ran under. (On this CPU-only build
+    the nvidia plan's -ngl all offloads nothing; the pin is the point.)"""
+    import dataclasses
+
+    from stages.load import child_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    plan = fixture_plan(llama_model, 32768, device_kind="nvidia")
+    dev = dataclasses.replace(plan.probe.device, uuid="GPU-5e1f-pinned")
+    plan = dataclasses.replace(plan, probe=ProbeResult(devices=(dev,), selected=0))
+    async with open_server(plan, llama_model.path, binary=require_llama_server(), run_dir=tmp_path / "run",
+                           threads=1, warmup=False) as srv:
+        raw = Path(f"/proc/{srv.pid}/environ").read_bytes().split(b"\0")
+        environ = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    assert environ["CUDA_VISIBLE_DEVICES"] == "GPU-5e1f-pinned"
+    assert child_env(plan, None, {}) == {"CUDA_VISIBLE_DEVICES": "GPU-5e1f-pinned"}  # what serve prints
+
+
+@pytest.mark.llama
 def test_help_of_the_pinned_build_has_every_flag_we_rely_on() -> None:
     help_text = subprocess.run([str(require_llama_server()), "--help"], capture_output=True, text=True).stdout
     f = parse_server_features(help_text)

@@ -205,3 +205,130 @@ def test_host_memory_probe_plans_with_the_host_reserve(tmp_path: Path) -> None:
     total = 32 * GiB
     rc, data = plan_cli("--probe-file", str(write_probe(tmp_path, total, 20 * GiB, kind="cpu")))
     assert rc == 0 and data["budget"]["reserve_bytes"] == reserve_bytes("cpu", total)
+
+
+# ----------------------------------------------------------------------------- every device planned (issue 10 item 2)
+
+
+def probe_many(*devices: tuple[str, int, int], selected: int = 0) -> ProbeResult:
+    return ProbeResult(devices=tuple(
+        Device(i, kind, f"{kind} {i}" if kind != "cpu" else "host memory", total, free)  # type: ignore[arg-type]
+        for i, (kind, total, free) in enumerate(devices)), selected=selected)
+
+
+def write_probe_many(tmp_path: Path, probe: ProbeResult) -> Path:
+    path = tmp_path / "probe-many.json"
+    path.write_text(json.dumps(probe.to_json()))
+    return path
+
+
+def test_small_gpu_beside_large_host_memory_plans_the_host(tmp_path: Path) -> None:
+    # Seen: a 2 GiB GPU beside 32 GiB of RAM refused everything, the host never being planned.
+    probe = probe_many(("nvidia", 2 * GiB, 2 * GiB), ("cpu", 32 * GiB, 30 * GiB))
+    rc, data = plan_cli("--probe-file", str(write_probe_many(tmp_path, probe)))
+    assert rc == 0 and data["error"] is None
+    assert data["device"]["kind"] == "cpu" and data["device"]["index"] == 1
+    considered = {d["index"]: d for d in data["devices"]}
+    assert set(considered) == {0, 1}
+    assert considered[0]["selected"] is None and considered[0]["refusal"]
+    assert considered[1]["selected"] == data["selected"]["name"] and considered[1]["won"] is True
+    assert considered[0]["won"] is False and data["device_choice"]
+    # The small GPU's refusal names the host plan that fits, and how to force it.
+    assert data["selected"]["name"] in considered[0]["refusal"] and "--device cpu" in considered[0]["refusal"]
+    # GPU and host memory are never added: each device's budget is its own.
+    assert considered[1]["budget"]["free_bytes"] == 30 * GiB and considered[0]["budget"]["free_bytes"] == 2 * GiB
+
+
+def test_the_plan_is_pinned_to_the_winning_device_and_its_id_covers_that_device() -> None:
+    entries = load_bundled().entries
+    probe = probe_many(("nvidia", 2 * GiB, 2 * GiB), ("cpu", 32 * GiB, 30 * GiB))
+    out = build_plan(probe, entries, F16)
+    assert out.plan is not None and out.plan.probe.selected == 1 and out.plan.probe.device.kind == "cpu"
+    assert out.plan.probe.devices == probe.devices  # every device still on record
+    alone = build_plan(probe_many(("cpu", 32 * GiB, 30 * GiB)), entries, F16).plan
+    assert alone is not None and alone.entry.name == out.plan.entry.name
+    assert alone.plan_id == out.plan.plan_id  # the decision (entry, KV, window, device), not the device list
+
+
+def test_the_larger_model_wins_across_devices_and_ties_go_to_the_accelerator() -> None:
+    entries = load_bundled().entries
+    bigger_host = build_plan(probe_many(("nvidia", 8 * GiB, 8 * GiB), ("cpu", 64 * GiB, 60 * GiB)), entries, F16)
+    gpu_only = build_plan(probe_many(("nvidia", 8 * GiB, 8 * GiB)), entries, F16).plan
+    host_only = build_plan(probe_many(("cpu", 64 * GiB, 60 * GiB)), entries, F16).plan
+    assert gpu_only is not None and host_only is not None
+    assert host_only.entry.params_total_b > gpu_only.entry.params_total_b
+    assert bigger_host.plan is not None and bigger_host.plan.entry.name == host_only.entry.name
+    assert bigger_host.plan.probe.device.kind == "cpu"
+    # Same memory on both: the same model and window; the accelerator takes the tie.
+    same = build_plan(probe_many(("cpu", 24 * GiB, 20 * GiB), ("amd", 24 * GiB, 20 * GiB)), entries, F16)
+    per = {d.device.index: d for d in same.devices}
+    assert per[0].chosen_name == per[1].chosen_name
+    assert same.plan is not None and same.plan.probe.device.kind == "amd"
+    assert "accelerator" in same.device_choice
+
+
+def test_previous_model_is_kept_on_its_device_while_it_qualifies_there() -> None:
+    from stages.plan import PreviousModel
+
+    entries = load_bundled().entries
+    probe = probe_many(("nvidia", 8 * GiB, 8 * GiB), ("cpu", 64 * GiB, 60 * GiB))
+    gpu_pick = build_plan(probe_many(("nvidia", 8 * GiB, 8 * GiB)), entries, F16).plan
+    assert gpu_pick is not None
+    kept = build_plan(probe, entries, F16, previous=PreviousModel(gpu_pick.entry.name, probe.devices[0]))
+    assert kept.plan is not None and kept.plan.reused_previous
+    assert kept.plan.entry.name == gpu_pick.entry.name and kept.plan.probe.device.kind == "nvidia"
+    assert "previous" in kept.device_choice
+    # The GPU is gone from the probe: the previous model's device no longer exists, select afresh.
+    host = probe_many(("cpu", 64 * GiB, 60 * GiB))
+    fresh = build_plan(host, entries, F16, previous=PreviousModel(gpu_pick.entry.name, probe.devices[0]))
+    assert fresh.plan is not None and not fresh.plan.reused_previous
+
+
+@pytest.mark.parametrize("choice, kind, index", [("cpu", "cpu", 1), ("nvidia", "nvidia", 0), ("0", "nvidia", 0),
+                                                 ("1", "cpu", 1), ("NVIDIA", "nvidia", 0)])
+def test_device_flag_forces_a_device(tmp_path: Path, choice: str, kind: str, index: int) -> None:
+    probe = probe_many(("nvidia", 24 * GiB, 22 * GiB), ("cpu", 32 * GiB, 30 * GiB))
+    rc, data = plan_cli("--probe-file", str(write_probe_many(tmp_path, probe)), "--device", choice)
+    assert rc == 0 and data["device"]["kind"] == kind and data["device"]["index"] == index
+    assert [d["index"] for d in data["devices"] if d["considered"]] == [index]
+
+
+@pytest.mark.parametrize("choice", ["gpu", "7", "amd", "-1", ""])
+def test_a_bad_device_is_a_usage_error_naming_the_choices(tmp_path: Path, choice: str) -> None:
+    probe = probe_many(("nvidia", 24 * GiB, 22 * GiB), ("cpu", 32 * GiB, 30 * GiB))
+    out = io.StringIO()
+    rc = main(["plan", "--json", "--probe-file", str(write_probe_many(tmp_path, probe)), "--device", choice], out=out)
+    assert rc == 2
+    err = json.loads(out.getvalue())["error"]
+    assert "--device" in err["message"] and "nvidia" in err["message"] and "cpu" in err["message"]
+    assert "0" in err["message"] and "1" in err["message"]
+
+
+def test_a_forced_small_gpu_refusal_names_the_host_plan_and_how_to_force_it(tmp_path: Path) -> None:
+    probe = probe_many(("nvidia", 2 * GiB, 2 * GiB), ("cpu", 32 * GiB, 30 * GiB))
+    rc, data = plan_cli("--probe-file", str(write_probe_many(tmp_path, probe)), "--device", "nvidia")
+    assert rc == 3 and data["selected"] is None
+    host_pick = build_plan(probe_many(("cpu", 32 * GiB, 30 * GiB)), load_bundled().entries, F16).plan
+    msg = data["error"]["message"]
+    assert "host memory" in msg and host_pick.entry.name in msg and "--device cpu" in msg
+    assert any("--device cpu" in a for a in data["error"]["alternatives"])
+
+
+def test_every_device_refusing_reports_each_device(tmp_path: Path) -> None:
+    probe = probe_many(("nvidia", 2 * GiB, 2 * GiB), ("cpu", 4 * GiB, 2 * GiB))
+    rc, data = plan_cli("--probe-file", str(write_probe_many(tmp_path, probe)))
+    assert rc == 3
+    msg = data["error"]["message"]
+    assert "nvidia 0" in msg and "host memory" in msg
+    assert all(d["refusal"] for d in data["devices"])
+
+
+def test_auto_takes_the_device_flag_too(tmp_path: Path) -> None:
+    probe = str(write_probe_many(tmp_path, probe_many(("nvidia", 24 * GiB, 22 * GiB), ("cpu", 32 * GiB, 30 * GiB))))
+    out = io.StringIO()
+    assert main(["auto", "--dry-run", "--json", "--probe-file", probe, "--device", "cpu"], out=out) == 0
+    data = json.loads(out.getvalue())
+    assert data["device"]["kind"] == "cpu" and data["plan"]["probe"]["selected"] == 1
+    out = io.StringIO()
+    assert main(["auto", "--dry-run", "--json", "--probe-file", probe, "--device", "tpu"], out=out) == 2
+    assert "--device" in json.loads(out.getvalue())["error"]["message"]

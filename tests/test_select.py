@@ -353,6 +353,42 @@ def test_refusal_suggests_q8_0_with_its_number_when_planning_f16() -> None:
     assert any("q8_0" in a for a in s.refusal.alternatives)
 
 
+def test_refusal_with_origin_auto_never_says_choose_another_origin() -> None:
+    s = select_auto(CATALOGUE, card(4, 3), F16)  # origin auto: every origin was already tried
+    assert s.refusal is not None
+    assert "origin" not in " ".join(s.refusal.alternatives)
+    assert "another origin" not in s.refusal.message
+
+
+def test_refusal_suggests_only_origins_that_have_an_agentic_model() -> None:
+    # gus has only a tool-chat model in the catalogue: suggesting it would lead nowhere.
+    s = select_auto(CATALOGUE, card(4, 3), F16, origin="china")
+    assert s.refusal is not None
+    origin_alt = next(a for a in s.refusal.alternatives if "origin" in a)
+    assert "us" in origin_alt and "eu" in origin_alt and "auto" in origin_alt
+    assert "gus" not in origin_alt and "china" not in origin_alt.replace("origin china", "")
+
+
+def test_refusal_at_any_budget_does_not_say_raise_the_budget() -> None:
+    s = select_auto(CATALOGUE, DeviceBudget.from_usable(500 * GiB), F16, origin="gus")
+    assert s.refusal is not None and "at any budget" in s.refusal.message
+    assert "raise the" not in s.refusal.message and not any("budget" in a for a in s.refusal.alternatives)
+    # on a real device too
+    s = select_auto(CATALOGUE, device_budget("nvidia", 8 * GiB, 8 * GiB), F16, origin="gus")
+    assert s.refusal is not None and "raise the" not in s.refusal.message
+
+
+def test_host_refusal_speaks_of_host_memory_not_device_memory() -> None:
+    s = select_auto(CATALOGUE, device_budget("cpu", 4 * GiB, 3 * GiB, name="host memory"), F16, origin="china")
+    assert s.refusal is not None and s.refusal.smallest is not None
+    assert "device memory" not in s.refusal.message and "on this device" not in s.refusal.message
+    assert "free host memory" in s.refusal.message
+    gpu = select_auto(CATALOGUE, card(4, 3), F16, origin="china")
+    assert gpu.refusal is not None and "free device memory" in gpu.refusal.message
+    tiny = select_auto(CATALOGUE, device_budget("cpu", 2 * GiB, 2 * GiB, name="host memory"), F16, origin="china")
+    assert tiny.refusal is not None and "device" not in tiny.refusal.message.replace("backend", "")
+
+
 # ----------------------------------------------------------------------------- explicit model
 
 

@@ -22,6 +22,9 @@ from typing import Any, AsyncIterator
 from pipeline.cli import CliContext
 from pipeline.cli.plan import add_plan_options
 from pipeline.errors import UsageError
+from pipeline.manifest import plan_from_json
+from pipeline.worker import find_worker, worker_held_bytes
+from stages.plan import PreviousModel
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -50,6 +53,7 @@ class AutoOptions:
     recheck: bool
     dry_run: bool
     wait: bool
+    device: str | None = None  # --device KIND|INDEX: plan only that device
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "AutoOptions":
@@ -73,6 +77,7 @@ class AutoOptions:
             recheck=args.recheck,
             dry_run=args.dry_run,
             wait=args.wait,
+            device=args.device,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -112,6 +117,15 @@ def _noop_problems(manifest: Any, plan: Any) -> list[str]:
         problems.append("the registry names a different chat template for this entry")
     problems += manifest.files_in_place()
     return problems
+
+
+def _provisioned_device(manifest: Any) -> Any:
+    """The device the manifest's plan was made for (None when the plan is unreadable: then the
+    previous model is kept on whichever device it still qualifies)."""
+    try:
+        return plan_from_json(manifest.plan).probe.device
+    except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
+        return None
 
 
 def build_manifest(outcome: Any, settings: Any) -> Any:
@@ -226,15 +240,26 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
             probe = await anyio.to_thread.run_sync(lambda: probe_devices(ggml_binaries=binaries))
         return probe, compute_plan(opts, settings, probe, previous)
 
-    def previous_model() -> tuple[Any, str | None]:
+    async def previous_model() -> tuple[Any, PreviousModel | None]:
         manifest = read_manifest(settings.manifest_path)
-        keep = None if (opts.refresh or opts.model) else (manifest.entry_name if manifest else None)
-        return manifest, keep
+        if opts.refresh or opts.model or manifest is None:
+            return manifest, None
+        # Kept while it qualifies on the device it was provisioned on; a worker of this home
+        # serving it right now holds memory that is the previous model's own (issue 10 item 1).
+        worker = await anyio.to_thread.run_sync(find_worker, settings.serve_pid_path, manifest)
+        held = 0
+        if worker is not None:
+            try:
+                held = worker_held_bytes(manifest, worker)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan in the manifest
+                log.info("worker.unjudged", reason=str(exc))
+        return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest),
+                                       worker_held_bytes=held)
 
     if opts.dry_run:  # changes nothing: no lock, no state, no files
         from stages.plan import outcome_json
 
-        manifest, previous = previous_model()
+        manifest, previous = await previous_model()
         probe, outcome = await probe_and_plan(previous)
         plan = outcome.plan
         data = {
@@ -246,6 +271,8 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
             "kv_cache_type": plan.kv_cache_type,
             "estimated_hot_context_tokens": plan.hot_context_tokens,
             "previous_model": manifest.entry_name if manifest else None,
+            "device": {"index": plan.probe.device.index, "kind": plan.probe.device.kind,
+                       "name": plan.probe.device.name},
             "reused": plan.reused_previous,
             "would": ("nothing (provisioned and still valid)"
                       if manifest and not opts.recheck and not _noop_problems(manifest, plan) else "provision"),
@@ -254,13 +281,14 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
 
     lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
     async with _held_interruptibly(lock):
-        manifest, previous = previous_model()
+        manifest, previous = await previous_model()
         if manifest is not None and not opts.recheck and not opts.refresh:
             probe, outcome = await probe_and_plan(previous)
             problems = _noop_problems(manifest, outcome.plan)
             if not problems:
                 log.info("run.noop", model=manifest.entry_name, plan_id=outcome.plan.plan_id,
-                         provisioned_by_run=manifest.run_id)
+                         provisioned_by_run=manifest.run_id,
+                         serving_worker_held_bytes=previous.worker_held_bytes if previous else 0)
                 return AutoResult(manifest.to_json() | {"noop": True},
                                   summary(manifest, outcome.plan, noop=True), _kv_hint(outcome.plan))
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)

@@ -14,6 +14,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="KV cache type to plan for (default: $CONTENOX_LLAMA_KV_CACHE_TYPE, unset = f16)")
     p.add_argument("--backend", choices=("llama", "openvino"), default="llama", help="backend (default llama)")
     p.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one)")
+    p.add_argument("--device", metavar="KIND|INDEX",
+                   help="plan only this device: a kind (nvidia, amd, cpu, ...) or a probe index "
+                        "(default: plan every device and take the best plan)")
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     probe = (load_probe_file(args.probe_file) if args.probe_file
              else probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings)))
     outcome = build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=args.backend,
-                         previous=args.previous)
+                         previous=args.previous, device=args.device)
     ctx.emit(outcome_json(outcome), describe(outcome))
     refusal = outcome.selection.refusal
     if outcome.plan is None and refusal is not None:

@@ -28,6 +28,7 @@ from pipeline.cli import CliContext
 from pipeline.errors import NoModelQualifies, UsageError
 from pipeline.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
+from pipeline.worker import record_for_self, write_worker_record
 
 log = get_logger()
 
@@ -86,6 +87,11 @@ def decide_window(manifest: Manifest, plan: Any, probe_now: Any) -> WindowDecisi
 
 
 def _matching_device(probe_now: Any, planned: Any) -> Any:
+    # A UUID names one card whatever CUDA_VISIBLE_DEVICES renumbers (the systemd unit pins it).
+    if getattr(planned, "uuid", None):
+        for device in probe_now.devices:
+            if device.kind == planned.kind and device.uuid == planned.uuid:
+                return device
     for device in probe_now.devices:
         if device.kind == planned.kind and device.index == planned.index:
             return device
@@ -147,7 +153,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     import anyio
 
     from pipeline.backend import find_llama_server
-    from stages.load import llama_server_argv, probe_server_features
+    from stages.load import child_env, llama_server_argv, probe_server_features
 
     settings = ctx.settings
     manifest = read_manifest(settings.manifest_path, strict=True)
@@ -163,7 +169,10 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"manifest {settings.manifest_path} holds no usable plan ({exc!r})",
                          hint="run `hotfit auto` to provision again; it rewrites the manifest") from None
-    env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type}
+    # What hotfit sets for the child beyond the inherited environment: the device pin, built by
+    # the same function the load stage uses (an empty base leaves exactly hotfit's own variables).
+    pin_env = child_env(plan, None, {})
+    env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type} | pin_env
 
     if args.print_systemd_unit:
         unit = systemd_unit(_hotfit_command(ctx, args), env,
@@ -195,15 +204,26 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         "message": decision.message,
         "kv_cache_type": manifest.kv_cache_type,
         "argv": argv,
+        "env": pin_env,
     }
     if args.print_command:
-        ctx.emit(data, shlex.join(argv))
+        prefix = ["env", *(f"{k}={v}" for k, v in sorted(pin_env.items()))] if pin_env else []
+        ctx.emit(data, shlex.join(prefix + argv))
         return 0
-    log.info("serve.exec", argv=argv)
+    # The worker record (issue 10 item 1): this pid becomes llama-server's at exec, so a later
+    # `hotfit auto` recognises the model being served and keeps it.
+    record = record_for_self(host=args.host, port=args.port, model_path=manifest.model_path,
+                             entry_name=manifest.entry_name, context_tokens=decision.context_tokens,
+                             kv_cache_type=manifest.kv_cache_type, device=serve_plan.probe.device,
+                             api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None)
+    try:
+        write_worker_record(settings.serve_pid_path, record)
+    except OSError as exc:  # serving matters more than the record; auto then treats it as absent
+        log.warning("serve.pid_unwritable", path=str(settings.serve_pid_path), error=str(exc))
+    log.info("serve.exec", argv=argv, pid=record.pid, pid_file=str(settings.serve_pid_path))
     if not ctx.json:
         sys.stderr.write(f"hotfit: {decision.message}\nhotfit: exec {shlex.join(argv)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
-    os.execve(argv[0], argv, child_env)
+    os.execve(argv[0], argv, child_env(serve_plan, None))
     return 0  # pragma: no cover - execve does not return
