@@ -18,7 +18,21 @@ from grading.runner import MODEL_FAILURES, STACK_FAILURES, ScenarioResult, run_s
 from grading.scenarios import SCENARIOS, TIERS, Scenario, pack_hash, scenarios_for
 
 __all__ = [
-    "GRADE_VERSION", "SAMPLING", "SCENARIOS", "TIERS", "MODEL_FAILURES", "STACK_FAILURES",
-    "ChatEndpoint", "ChatReply", "EndpointFailure", "ServerFacts", "Scenario", "ScenarioResult", "Verdict",
-    "decide_verdict", "pack_hash", "run_scenario", "scenarios_for",
+    "GRADE_VERSION",
+    "MODEL_FAILURES",
+    "SAMPLING",
+    "SCENARIOS",
+    "STACK_FAILURES",
+    "TIERS",
+    "ChatEndpoint",
+    "ChatReply",
+    "EndpointFailure",
+    "Scenario",
+    "ScenarioResult",
+    "ServerFacts",
+    "Verdict",
+    "decide_verdict",
+    "pack_hash",
+    "run_scenario",
+    "scenarios_for",
 ]

@@ -11,12 +11,22 @@ is inconclusive, the model is not blamed).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 __all__ = [
-    "ChatEndpoint", "ChatReply", "EndpointFailure", "ServerFacts", "SAMPLING", "MAX_TOKENS_PER_STEP",
-    "HTTP_ERROR", "MALFORMED_BODY", "SLOT_ERASED", "SLOT_UNSUPPORTED", "parse_chat_body",
+    "HTTP_ERROR",
+    "MALFORMED_BODY",
+    "MAX_TOKENS_PER_STEP",
+    "SAMPLING",
+    "SLOT_ERASED",
+    "SLOT_UNSUPPORTED",
+    "ChatEndpoint",
+    "ChatReply",
+    "EndpointFailure",
+    "ServerFacts",
+    "parse_chat_body",
 ]
 
 HTTP_ERROR = "http_error"

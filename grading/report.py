@@ -17,13 +17,25 @@ These thresholds are uncalibrated (no registry anchor has been graded yet); they
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from grading.runner import NOT_RUN, PASS, STACK_FAILURES, ScenarioResult
 
-__all__ = ["GRADE_VERSION", "PASS_SCORE", "CATEGORY_FLOOR", "CALL_VALIDITY_FLOOR", "GATED_CATEGORIES",
-           "Verdict", "decide_verdict", "category_results", "call_validity", "speeds", "summary_text"]
+__all__ = [
+    "CALL_VALIDITY_FLOOR",
+    "CATEGORY_FLOOR",
+    "GATED_CATEGORIES",
+    "GRADE_VERSION",
+    "PASS_SCORE",
+    "Verdict",
+    "call_validity",
+    "category_results",
+    "decide_verdict",
+    "speeds",
+    "summary_text",
+]
 
 GRADE_VERSION = "grade-0.1"
 PASS_SCORE = 0.75  # 12 of 16 (full), 5 of 6 (quick)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from grading.protocol import SAMPLING, ChatEndpoint, ChatReply, EndpointFailure
 from grading.scenarios import (
@@ -43,8 +44,16 @@ from grading.schema import validate_arguments
 from grading.world import TOOLS, WRITE_TOOLS, ToolError, World
 
 __all__ = [
-    "PASS", "NOT_RUN", "MODEL_FAILURES", "STACK_FAILURES", "STEP_LIMIT", "CallRecord", "ScenarioResult",
-    "find_call_markup", "outcome_class", "run_scenario",
+    "MODEL_FAILURES",
+    "NOT_RUN",
+    "PASS",
+    "STACK_FAILURES",
+    "STEP_LIMIT",
+    "CallRecord",
+    "ScenarioResult",
+    "find_call_markup",
+    "outcome_class",
+    "run_scenario",
 ]
 
 PASS = "pass"

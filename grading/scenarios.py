@@ -20,14 +20,26 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from grading.world import TODAY, TOOLS, WRITE_TOOLS, ToolError, World, default_state
 
 __all__ = [
-    "Call", "Turn", "Scenario", "SCENARIOS", "TIERS", "SYSTEM_PROMPT", "FORBID_ANY_CALL", "FORBID_WRITES",
-    "scenarios_for", "expected_state", "state_differences", "pack_hash", "canonical_json",
+    "FORBID_ANY_CALL",
+    "FORBID_WRITES",
+    "SCENARIOS",
+    "SYSTEM_PROMPT",
+    "TIERS",
+    "Call",
+    "Scenario",
+    "Turn",
+    "canonical_json",
+    "expected_state",
+    "pack_hash",
+    "scenarios_for",
+    "state_differences",
 ]
 
 FORBID_ANY_CALL = "any_call"  # no tool fits (irrelevance): any call is a minefield
@@ -167,7 +179,7 @@ _BOTH = frozenset({QUICK, FULL})
 _FULL = frozenset({FULL})
 
 
-def C(name: str, **args: Any) -> Call:  # noqa: N802 - reads like a call in the tables below
+def C(name: str, **args: Any) -> Call:
     return Call(name, args)
 
 
@@ -183,15 +195,9 @@ def inbox_listing() -> dict[str, str]:
     """~150 deterministic file names for the long-result scenario, exactly one of them an
     invoice from March 2026 (the one to find)."""
     kinds = ("receipt", "invoice", "statement", "letter", "quote", "scan")
-    names: dict[str, str] = {}
-    for i in range(150):
-        year = 2024 + (i * 7) % 3
-        month = 1 + (i * 5) % 12
-        day = 1 + (i * 11) % 28
-        name = f"inbox/{kinds[i % len(kinds)]}-{year}-{month:02d}-{day:02d}.pdf"
-        if name.startswith("inbox/invoice-2026-03-"):
-            continue
-        names[name] = f"(pdf {i})"
+    grid = [f"inbox/{k}-{y}-{m:02d}-{d:02d}.pdf" for y in (2024, 2025, 2026) for m in range(1, 13)
+            for d in (3, 9, 14, 21, 27) for k in kinds]
+    names = {n: f"(pdf {i})" for i, n in enumerate(grid[::7]) if not n.startswith("inbox/invoice-2026-03-")}
     names["inbox/invoice-2026-03-14.pdf"] = "(pdf invoice march)"
     return names
 

@@ -8,7 +8,9 @@ not name is an error (NexusBench's "too much information" lesson: an invented ke
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import math
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["validate_arguments"]
 
@@ -24,7 +26,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 def _type_ok(value: Any, type_name: str) -> bool:
     if type_name in ("integer", "number") and isinstance(value, bool):
         return False  # JSON true is not a number, though Python's bool is an int
-    if type_name == "number" and isinstance(value, float) and value != value:
+    if type_name == "number" and isinstance(value, float) and math.isnan(value):
         return False
     return isinstance(value, _TYPES[type_name])
 

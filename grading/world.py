@@ -16,12 +16,13 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from grading.schema import validate_arguments
 
-__all__ = ["TODAY", "ToolError", "ToolSpec", "TOOLS", "World", "WRITE_TOOLS", "default_state"]
+__all__ = ["TODAY", "TOOLS", "WRITE_TOOLS", "ToolError", "ToolSpec", "World", "default_state"]
 
 TODAY = "2026-03-02"  # a Monday; the system prompt states it, so relative dates are derivable
 WORKDAY_START_MIN = 9 * 60
@@ -201,7 +202,7 @@ def _hhmm(minutes: int) -> str:
 
 
 def _cents(price: float) -> int:
-    return int(round(price * 100))
+    return round(price * 100)
 
 
 # ---------------------------------------------------------------- the world
@@ -400,9 +401,9 @@ class World:
         hits = []
         for p in self._shop["catalog"]:
             name_words = set(re.findall(r"[a-z0-9]+", p["name"].lower()))
-            if words and all(w in name_words or w.rstrip("s") in name_words for w in words):
-                if max_price is None or p["price"] <= max_price:
-                    hits.append({"sku": p["sku"], "name": p["name"], "price": p["price"], "in_stock": p["stock"] > 0})
+            matches = words and all(w in name_words or w.rstrip("s") in name_words for w in words)
+            if matches and (max_price is None or p["price"] <= max_price):
+                hits.append({"sku": p["sku"], "name": p["name"], "price": p["price"], "in_stock": p["stock"] > 0})
         return {"query": query, "results": hits}
 
     def _t_get_product(self, sku: str) -> Any:

@@ -19,8 +19,9 @@ import datetime as _dt
 import hashlib
 import json
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Self
 
 import anyio
 import httpx
@@ -41,7 +42,7 @@ from grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
 from grading.scenarios import pack_hash, scenarios_for
 from pipeline.log import get_logger
 
-__all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "grade_endpoint", "default_output_path", "write_report"]
+__all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "default_output_path", "grade_endpoint", "write_report"]
 
 log = get_logger()
 
@@ -53,7 +54,7 @@ _DESCRIBE_TIMEOUT_S = 10.0
 
 def _base_url(url: str) -> str:
     url = url.strip().rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.removesuffix("/v1")
 
 
 class HttpChatEndpoint:
@@ -67,7 +68,7 @@ class HttpChatEndpoint:
                                          timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
         self._slot_id = slot_id
 
-    async def __aenter__(self) -> HttpChatEndpoint:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -232,7 +233,7 @@ def _with_wall(result: ScenarioResult, wall_s: float) -> ScenarioResult:
 
 
 def default_output_path(home: Path, tier: str, now: _dt.datetime | None = None) -> Path:
-    now = now or _dt.datetime.now(_dt.timezone.utc)
+    now = now or _dt.datetime.now(_dt.UTC)
     return home / "grades" / f"grade-{now.strftime('%Y%m%dT%H%M%S')}Z-{tier}.json"
 
 

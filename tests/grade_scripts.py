@@ -14,16 +14,20 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import socket
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any
 
+import anyio
 import httpx
 
 from grading.scenarios import SCENARIOS, Scenario
 from grading.world import TOOLS, WRITE_TOOLS
 
+HANG = -1  # an agent status meaning "never answer" (in process only): for the budget tests
 Response = tuple[int, Any]  # (status, JSON value or raw str/bytes)
 Agent = Callable[[Scenario, int, int, list[dict[str, Any]], list[dict[str, Any]]], Response]
 
@@ -116,6 +120,15 @@ def http_500_on_turn_2(scenario: Scenario, turn: int, step: int, *rest: Any) -> 
     return oracle(scenario, turn, step, *rest)
 
 
+def hangs_on(scenario_id: str) -> Agent:
+    """The oracle, except that requests of one scenario are never answered."""
+
+    def agent(scenario: Scenario, *rest: Any) -> Response:
+        return (HANG, "") if scenario.id == scenario_id else oracle(scenario, *rest)
+
+    return agent
+
+
 def malformed_body(*_: Any) -> Response:
     return 200, "<html>502 Bad Gateway</html>"
 
@@ -185,10 +198,12 @@ class ScriptedServer:
         "chat_template": "{{ messages }}", "chat_template_caps": {"supports_tools": True},
         "default_generation_settings": {"n_ctx": 32768}})
     erase_supported: bool = True
+    api_key: str | None = None  # when set, chat requests without "Bearer <key>" get 401
     erases: int = 0
     chat_requests: list[dict[str, Any]] = field(default_factory=list)
 
-    def handle(self, method: str, path: str, query: str, body: bytes) -> tuple[int, bytes]:
+    def handle(self, method: str, path: str, query: str, body: bytes,
+               headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
         if method == "POST" and path == "/slots/0" and "action=erase" in query:
             if not self.erase_supported:
                 return 501, b'{"error": "slot actions are disabled"}'
@@ -199,6 +214,8 @@ class ScriptedServer:
         if method == "GET" and path == "/v1/models":
             return 200, json.dumps({"object": "list", "data": [{"id": "scripted-model"}]}).encode()
         if method == "POST" and path == "/v1/chat/completions":
+            if self.api_key and (headers or {}).get("authorization") != f"Bearer {self.api_key}":
+                return 401, b'{"error": {"code": 401, "message": "Invalid API Key"}}'
             request = json.loads(body)
             self.chat_requests.append(request)
             messages = request["messages"]
@@ -211,8 +228,11 @@ class ScriptedServer:
         return 404, b'{"error": "not found"}'
 
     def transport(self) -> httpx.MockTransport:
-        def handler(request: httpx.Request) -> httpx.Response:
-            status, body = self.handle(request.method, request.url.path, request.url.query.decode(), request.content)
+        async def handler(request: httpx.Request) -> httpx.Response:
+            status, body = self.handle(request.method, request.url.path, request.url.query.decode(), request.content,
+                                       {k.lower(): v for k, v in request.headers.items()})
+            if status == HANG:
+                await anyio.sleep_forever()
             return httpx.Response(status, content=body, headers={"Content-Type": "application/json"})
 
         return httpx.MockTransport(handler)
@@ -226,7 +246,8 @@ def http_stub(server: ScriptedServer) -> Iterator[str]:
         def _serve(self) -> None:
             path, _, query = self.path.partition("?")
             length = int(self.headers.get("Content-Length") or 0)
-            status, body = server.handle(self.command, path, query, self.rfile.read(length) if length else b"")
+            status, body = server.handle(self.command, path, query, self.rfile.read(length) if length else b"",
+                                         {k.lower(): v for k, v in self.headers.items()})
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -247,3 +268,10 @@ def http_stub(server: ScriptedServer) -> Iterator[str]:
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)
+
+
+def free_port_closed() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
