@@ -21,6 +21,7 @@ __all__ = [
     "MAX_TOKENS_PER_STEP",
     "SAMPLING",
     "SLOT_ERASED",
+    "SLOT_FRESH_PROMPT",
     "SLOT_UNSUPPORTED",
     "ChatEndpoint",
     "ChatReply",
@@ -32,6 +33,7 @@ __all__ = [
 HTTP_ERROR = "http_error"
 MALFORMED_BODY = "malformed_body"
 SLOT_ERASED = "erased"
+SLOT_FRESH_PROMPT = "fresh_prompt"  # no erase; the scenario's first request skips the prompt cache instead
 SLOT_UNSUPPORTED = "unsupported"
 
 # A call is 30-60 tokens; the cap is generous so a tight limit never truncates a call
@@ -115,7 +117,8 @@ class ChatEndpoint(Protocol):
         ...
 
     async def reset(self) -> str:
-        """Erase the server's prompt cache (slot 0) before a scenario: SLOT_ERASED or SLOT_UNSUPPORTED."""
+        """Make the next request start from an empty prompt cache: SLOT_ERASED (slot 0 erased),
+        SLOT_FRESH_PROMPT (the next request will not reuse the cache) or SLOT_UNSUPPORTED."""
         ...
 
     async def describe(self) -> ServerFacts:

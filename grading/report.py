@@ -108,12 +108,16 @@ def speeds(results: Sequence[ScenarioResult], wall_s: float | None) -> dict[str,
     generated_tokens = sum(r.generated_tokens for r in results)
     prompt_ms = sum(r.prompt_ms for r in results)
     generated_ms = sum(r.generated_ms for r in results)
+    requests = sum(r.requests for r in results)
     return {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated_tokens,
-        "requests": sum(r.requests for r in results),
+        "requests": requests,
         "prompt_tokens_per_s": round(prompt_tokens / (prompt_ms / 1000), 2) if prompt_ms > 0 else None,
-        "generation_tokens_per_s": round(generated_tokens / (generated_ms / 1000), 2) if generated_ms > 0 else None,
+        # llama-server samples each reply's first token in the prompt pass, so predicted_ms covers
+        # the tokens after it; with one token per reply (a model that stops at once) there is no rate
+        "generation_tokens_per_s": (round(generated_tokens / (generated_ms / 1000), 2)
+                                    if generated_ms > 0 and generated_tokens > requests else None),
         "wall_s": round(wall_s, 3) if wall_s is not None else None,
     }
 

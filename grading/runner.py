@@ -37,6 +37,7 @@ from grading.scenarios import (
     Call,
     Scenario,
     canonical_json,
+    comparable_state,
     expected_state,
     state_differences,
 )
@@ -300,7 +301,7 @@ async def run_scenario(endpoint: ChatEndpoint, scenario: Scenario, *, step_limit
         finals.append(final or "")
 
     failed: list[str] = []
-    diffs = state_differences(expected_state(scenario), world.state())
+    diffs = state_differences(comparable_state(expected_state(scenario)), comparable_state(world.state()))
     if diffs:
         failed.append("wrong_state: " + "; ".join(diffs[:5]))
     for t, turn in enumerate(scenario.turns):

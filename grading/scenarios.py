@@ -36,6 +36,7 @@ __all__ = [
     "Scenario",
     "Turn",
     "canonical_json",
+    "comparable_state",
     "expected_state",
     "pack_hash",
     "scenarios_for",
@@ -132,6 +133,23 @@ def _text_body(text: str) -> str:
     return text.strip().strip("\"'").rstrip(".").strip()
 
 
+def comparable_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What the end-state check compares: ids and id counters dropped (a model that cancels a
+    wrong event and creates the right one has done the task; its event just has the next id),
+    events keyed by when they are, orders without their ids."""
+    s = json.loads(canonical_json(state))
+    s["calendar"].pop("next_id", None)
+    s["calendar"]["events"] = {f"{e['date']} {e['start']}": {k: v for k, v in e.items() if k != "id"}
+                               for e in s["calendar"]["events"]}
+    s["shop"].pop("next_order", None)
+    s["shop"]["orders"] = [{k: v for k, v in o.items() if k != "id"} for o in s["shop"]["orders"]]
+    return s
+
+
+def _all_ids(items: list[Any]) -> bool:
+    return bool(items) and all(isinstance(x, dict) and isinstance(x.get("id"), str) for x in items)
+
+
 def state_differences(expected: Any, actual: Any, path: str = "") -> list[str]:
     """Pure: where ``actual`` differs from ``expected`` (empty = same end state)."""
     key = path.rsplit(".", 1)[-1]
@@ -147,6 +165,12 @@ def state_differences(expected: Any, actual: Any, path: str = "") -> list[str]:
                 out += state_differences(expected[k], actual[k], sub)
         return out
     if isinstance(expected, list) and isinstance(actual, list):
+        if _all_ids(expected) and _all_ids(actual):  # records with ids (events): compare by id
+            return state_differences({e["id"]: e for e in expected}, {a["id"]: a for a in actual}, path)
+        if all(isinstance(x, str) for x in (*expected, *actual)) and path.endswith("dirs"):
+            missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+            return ([f"{path}: missing {', '.join(missing)}"] if missing else []) + (
+                [f"{path}: unexpected {', '.join(extra)}"] if extra else [])
         if len(expected) != len(actual):
             return [f"{path}: expected {len(expected)} items, found {len(actual)}: {canonical_json(actual)[:200]}"]
         return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in state_differences(e, a, f"{path}[{i}]")]

@@ -30,6 +30,7 @@ from grading.protocol import (
     HTTP_ERROR,
     SAMPLING,
     SLOT_ERASED,
+    SLOT_FRESH_PROMPT,
     SLOT_UNSUPPORTED,
     ChatEndpoint,
     ChatReply,
@@ -67,6 +68,7 @@ class HttpChatEndpoint:
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, transport=transport,
                                          timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
         self._slot_id = slot_id
+        self._skip_cache_once = False
 
     async def __aenter__(self) -> Self:
         return self
@@ -77,6 +79,9 @@ class HttpChatEndpoint:
     async def chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]],
                    **sampling: Any) -> ChatReply:
         body = {"messages": list(messages), "tools": list(tools), **sampling}
+        if self._skip_cache_once:
+            body["cache_prompt"] = False
+            self._skip_cache_once = False
         try:
             response = await self._client.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:  # refused, reset, timed out: the stack, not the model
@@ -89,7 +94,16 @@ class HttpChatEndpoint:
                                                timeout=_DESCRIBE_TIMEOUT_S)
         except httpx.HTTPError:
             return SLOT_UNSUPPORTED
-        return SLOT_ERASED if response.status_code == 200 else SLOT_UNSUPPORTED
+        if response.status_code == 200:
+            return SLOT_ERASED
+        if response.status_code == 501:
+            # llama-server without --slot-save-path refuses slot actions (measured on the pinned
+            # build: "Start it with `--slot-save-path`"), and then the next scenario reuses the last
+            # one's cache (cache_n in the thousands). cache_prompt:false on the scenario's first
+            # request starts it from an empty cache; later requests reuse the scenario's own prefix.
+            self._skip_cache_once = True
+            return SLOT_FRESH_PROMPT
+        return SLOT_UNSUPPORTED
 
     async def _get_json(self, route: str) -> dict[str, Any]:
         try:
@@ -205,6 +219,9 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
     if facts.slots is not None and facts.slots > 1:
         notes.append(f"the server has {facts.slots} slots; with more than one, the slot erase may miss the slot "
                      "a request lands on (start it with -np 1 for reproducible transcripts)")
+    if any(r.slot == SLOT_FRESH_PROMPT for r in results):
+        notes.append("the server refused POST /slots/0?action=erase (llama-server needs --slot-save-path for it); "
+                     "each scenario's first request was sent with cache_prompt:false instead")
     if any(r.slot == SLOT_UNSUPPORTED for r in results):
         notes.append("the server did not accept POST /slots/0?action=erase; the prompt cache was not erased "
                      "between scenarios")

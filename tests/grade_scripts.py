@@ -197,7 +197,7 @@ class ScriptedServer:
         "model_path": "/models/scripted.gguf", "build_info": "b0000-scripted", "total_slots": 1,
         "chat_template": "{{ messages }}", "chat_template_caps": {"supports_tools": True},
         "default_generation_settings": {"n_ctx": 32768}})
-    erase_supported: bool = True
+    erase_status: int = 200  # 501: llama-server without --slot-save-path; 404: not a llama-server
     api_key: str | None = None  # when set, chat requests without "Bearer <key>" get 401
     erases: int = 0
     chat_requests: list[dict[str, Any]] = field(default_factory=list)
@@ -205,8 +205,8 @@ class ScriptedServer:
     def handle(self, method: str, path: str, query: str, body: bytes,
                headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
         if method == "POST" and path == "/slots/0" and "action=erase" in query:
-            if not self.erase_supported:
-                return 501, b'{"error": "slot actions are disabled"}'
+            if self.erase_status != 200:
+                return self.erase_status, b'{"error": {"code": 501, "message": "This server does not support slots action."}}'
             self.erases += 1
             return 200, b'{"id_slot": 0, "n_erased": 0}'
         if method == "GET" and path == "/props":

@@ -172,11 +172,23 @@ async def test_preflight_template_without_tools_is_inconclusive_and_sends_nothin
     assert server.chat_requests == [] and report["scenarios"] == []
 
 
-async def test_no_slot_erase_is_recorded_not_fatal() -> None:
-    report, _ = await grade(gs.oracle, tier="quick", erase_supported=False)
+async def test_refused_slot_erase_falls_back_to_an_uncached_first_request() -> None:
+    report, server = await grade(gs.oracle, tier="quick", erase_status=501)
+    assert report["verdict"]["verdict"] == "pass"
+    assert all(s["slot"] == "fresh_prompt" for s in report["scenarios"])
+    assert any("cache_prompt:false" in n for n in report["determinism_notes"])
+    first_of_scenario = [len([m for m in r["messages"] if m["role"] == "user"]) == 1
+                         and not any(m["role"] == "assistant" for m in r["messages"]) for r in server.chat_requests]
+    assert [r.get("cache_prompt") for r in server.chat_requests] == [False if f else None for f in first_of_scenario]
+    assert sum(first_of_scenario) == 6
+
+
+async def test_no_slot_erase_at_all_is_recorded_not_fatal() -> None:
+    report, server = await grade(gs.oracle, tier="quick", erase_status=404)
     assert report["verdict"]["verdict"] == "pass"
     assert all(s["slot"] == "unsupported" for s in report["scenarios"])
-    assert any("action=erase" in n for n in report["determinism_notes"])
+    assert any("was not erased" in n for n in report["determinism_notes"])
+    assert all("cache_prompt" not in r for r in server.chat_requests)
 
 
 async def test_budget_stops_cleanly_with_an_inconclusive_verdict() -> None:

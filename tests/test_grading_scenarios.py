@@ -11,6 +11,7 @@ from grading.scenarios import (
     FORBID_WRITES,
     QUICK,
     SCENARIOS,
+    comparable_state,
     expected_state,
     inbox_listing,
     pack_hash,
@@ -102,6 +103,19 @@ def test_state_comparison_is_loose_only_on_free_text() -> None:
     wrong_title = {"calendar": {"events": [{"title": "Doctor", "start": "10:30"}]},
                    "files": {"files": {"a.txt": "Rain"}}}
     assert len(state_differences(expected, wrong_title)) == 2
+
+
+def test_end_state_check_ignores_ids_but_not_what_the_event_is() -> None:
+    cal1 = next(s for s in SCENARIOS if s.id == "CAL-1")
+    recreated = World.from_state(cal1.initial)  # a wrong event cancelled, the right one created anew
+    recreated.call("create_event", {"title": "Dentist", "date": "2026-03-04", "start": "09:30", "duration_min": 45})
+    recreated.call("cancel_event", {"event_id": "evt-0005"})
+    recreated.call("create_event", {"title": "Dentist", "date": "2026-03-04", "start": "10:30", "duration_min": 45})
+    assert recreated.state() != expected_state(cal1)
+    assert state_differences(comparable_state(expected_state(cal1)), comparable_state(recreated.state())) == []
+    recreated.call("update_event", {"event_id": "evt-0006", "duration_min": 30})
+    assert state_differences(comparable_state(expected_state(cal1)), comparable_state(recreated.state())) == [
+        "calendar.events.2026-03-04 10:30.duration_min: expected 45, found 30"]
 
 
 def test_pack_hash_is_stable_and_covers_the_content() -> None:
