@@ -4,6 +4,7 @@
 - :mod:`grading.schema` — the flat JSON-Schema subset the tool arguments are checked against;
 - :mod:`grading.scenarios` — scripted scenarios with reference solutions, tiers, pack hash;
 - :mod:`grading.protocol` — :class:`ChatEndpoint`, the one boundary to a model server;
+- :mod:`grading.preflight` — does the server's template carry tools, a call and its result;
 - :mod:`grading.runner` — runs a scenario and decides its outcome class;
 - :mod:`grading.report` — score, verdict, speeds, the human summary.
 

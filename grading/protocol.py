@@ -125,6 +125,10 @@ class ChatEndpoint(Protocol):
         """What the server reports about model, template and build (never raises)."""
         ...
 
+    async def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> str | None:
+        """The prompt the server's template makes of ``messages`` (None: it cannot say; never raises)."""
+        ...
+
 
 def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

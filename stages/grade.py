@@ -26,6 +26,7 @@ from typing import Any, Self
 import anyio
 import httpx
 
+from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
 from grading.protocol import (
     HTTP_ERROR,
     SAMPLING,
@@ -113,6 +114,16 @@ class HttpChatEndpoint:
             return {}
         return data if isinstance(data, dict) else {}
 
+    async def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> str | None:
+        try:
+            response = await self._client.post("/apply-template", json={"messages": list(messages),
+                                                                         "tools": list(tools)},
+                                               timeout=_DESCRIBE_TIMEOUT_S)
+            prompt = response.json().get("prompt") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return prompt if isinstance(prompt, str) else None
+
     async def describe(self) -> ServerFacts:
         props = await self._get_json("/props")
         models = await self._get_json("/v1/models")
@@ -166,11 +177,16 @@ def _fingerprint(facts: ServerFacts, *, tier: str, pack_sha256: str) -> dict[str
     }
 
 
-def _preflight(facts: ServerFacts) -> str | None:
+async def _preflight(endpoint: ChatEndpoint, facts: ServerFacts) -> tuple[str | None, str]:
+    """(problem or None, what the round trip showed: "ok", "failed" or "unavailable")."""
     if facts.supports_tools is False:
         return ("the server's chat template cannot express tool calls (/props chat_template_caps.supports_tools "
-                "is false): llama-server drops the tools and answers in prose; load a tool-capable template")
-    return None
+                "is false): llama-server drops the tools and answers in prose; load a tool-capable template"), "skipped"
+    prompt = await endpoint.render(PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS)
+    if prompt is None:  # not a llama-server (no /apply-template): the scenarios still show a broken template
+        return None, "unavailable"
+    problem = roundtrip_problem(prompt)
+    return problem, "failed" if problem else "ok"
 
 
 async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: str = "full",
@@ -185,7 +201,7 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
     log.info("grade.start", endpoint=endpoint_label, tier=tier, scenarios=len(scenarios), budget_s=budget_s,
              grade_version=GRADE_VERSION, scenario_pack_sha256=pack_sha256)
     facts = await endpoint.describe()
-    preflight = _preflight(facts)
+    preflight, roundtrip = await _preflight(endpoint, facts)
     results: list[ScenarioResult] = []
     budget_problem: str | None = None
     for scenario in scenarios:
@@ -236,7 +252,7 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
         "categories": category_results(results),
         "call_validity": call_validity(results),
         "speeds": speeds(results, wall_total),
-        "fingerprint": _fingerprint(facts, tier=tier, pack_sha256=pack_sha256),
+        "fingerprint": {**_fingerprint(facts, tier=tier, pack_sha256=pack_sha256), "template_roundtrip": roundtrip},
         "determinism_notes": notes,
         "scenarios": [r.to_json() for r in results],
     }

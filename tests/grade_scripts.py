@@ -198,6 +198,7 @@ class ScriptedServer:
         "chat_template": "{{ messages }}", "chat_template_caps": {"supports_tools": True},
         "default_generation_settings": {"n_ctx": 32768}})
     erase_status: int = 200  # 501: llama-server without --slot-save-path; 404: not a llama-server
+    renders: str = "all"  # /apply-template: "all" keeps everything, "chatml" drops tools and calls, "none" = 404
     api_key: str | None = None  # when set, chat requests without "Bearer <key>" get 401
     erases: int = 0
     chat_requests: list[dict[str, Any]] = field(default_factory=list)
@@ -213,6 +214,13 @@ class ScriptedServer:
             return 200, json.dumps(self.props).encode()
         if method == "GET" and path == "/v1/models":
             return 200, json.dumps({"object": "list", "data": [{"id": "scripted-model"}]}).encode()
+        if method == "POST" and path == "/apply-template":
+            if self.renders == "none":
+                return 404, b'{"error": "not found"}'
+            request = json.loads(body)
+            if self.renders == "chatml":  # what llama.cpp's fallback does: no tools, no calls
+                request = {"messages": [{k: v for k, v in m.items() if k != "tool_calls"} for m in request["messages"]]}
+            return 200, json.dumps({"prompt": json.dumps(request)}).encode()
         if method == "POST" and path == "/v1/chat/completions":
             if self.api_key and (headers or {}).get("authorization") != f"Bearer {self.api_key}":
                 return 401, b'{"error": {"code": 401, "message": "Invalid API Key"}}'

@@ -42,6 +42,7 @@ async def test_never_calling_fixture_is_a_model_failure_and_deterministic(embedd
     fp = first["fingerprint"]
     assert fp["model_path"] == str(embedded.path) and fp["supports_tools"] is True and fp["slots"] == 1
     assert fp["build"] != "unknown" and fp["chat_template_sha256"] != "unknown"
+    assert fp["template_roundtrip"] == "ok"  # /apply-template rendered tools, the call and its result
     assert first["speeds"]["prompt_tokens"] > 0 and first["speeds"]["prompt_tokens_per_s"] > 0
 
 

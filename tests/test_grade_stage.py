@@ -322,3 +322,20 @@ def test_default_output_path_is_under_home(tmp_path: Path) -> None:
 
 def test_stack_and_model_failures_are_disjoint() -> None:
     assert not set(STACK_FAILURES) & set(MODEL_FAILURES)
+
+
+async def test_template_roundtrip_that_drops_tool_calls_is_inconclusive() -> None:
+    report, server = await grade(gs.oracle, renders="chatml")
+    assert report["verdict"]["verdict"] == "inconclusive"
+    assert report["verdict"]["stack_problem"].startswith(
+        "preflight_failed: the server's chat template drops the tool definitions, the assistant's tool call")
+    assert report["fingerprint"]["template_roundtrip"] == "failed"
+    assert server.chat_requests == []
+
+
+async def test_template_roundtrip_ok_or_unavailable() -> None:
+    ok_report, _ = await grade(gs.oracle, tier="quick")
+    assert ok_report["fingerprint"]["template_roundtrip"] == "ok"
+    report, _ = await grade(gs.oracle, tier="quick", renders="none")  # not a llama-server: grade anyway
+    assert report["fingerprint"]["template_roundtrip"] == "unavailable"
+    assert report["verdict"]["verdict"] == "pass"
