@@ -47,9 +47,9 @@ class CliContext:
 
 
 def _commands() -> list[Any]:
-    from pipeline.cli import auto, plan, probe, pull, registry, serve, status
+    from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status
 
-    return [probe, plan, registry, pull, auto, status, serve]
+    return [probe, plan, registry, pull, auto, status, serve, grade]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,97 @@
+"""hotfit grade: a multi-turn tool-use grade of a running OpenAI-compatible server (issue 12).
+
+``--endpoint URL`` grades what is already serving (``hotfit serve``, a llama-server started by
+hand, a server on another machine) through :mod:`stages.grade`. Grading the provisioned model
+through the Backend boundary (``--model``, ``hotfit auto --grade``) is not built yet.
+
+Exit status: 0 pass, 8 fail (a model failure), 9 inconclusive (a stack problem, named; or the
+budget ran out), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from grading.report import summary_text
+from grading.scenarios import TIERS
+from pipeline.cli import CliContext
+from pipeline.errors import UsageError
+from stages.grade import HttpChatEndpoint, default_output_path, grade_endpoint, write_report
+
+EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 8, 9
+_EXIT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE}
+
+
+def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "grade", parents=parents, help="grade multi-turn tool use of a running server",
+        description="Run hotfit's deterministic multi-turn tool-use scenarios against an OpenAI-compatible "
+                    "chat endpoint and report score, per-category results, a verdict (pass / fail / "
+                    "inconclusive, naming the stack problem), speeds and a fingerprint.",
+        epilog="exit codes: 0 pass, 8 fail, 9 inconclusive (stack problem or budget), 2 usage error",
+    )
+    p.add_argument("--endpoint", metavar="URL", help="base URL of the server, e.g. http://127.0.0.1:8080")
+    p.add_argument("--api-key-file", metavar="FILE", help="file whose first line is the server's API key")
+    p.add_argument("--model", metavar="NAME", help="(not built yet) grade a pulled model through the Backend")
+    p.add_argument("--tier", choices=TIERS, default="full",
+                   help="quick: 6 scenarios for CPU machines (a pass is provisional); full: 16 (default)")
+    p.add_argument("--budget-s", type=float, metavar="S",
+                   help="stop after S seconds with an inconclusive verdict instead of running past it")
+    p.add_argument("--output", metavar="FILE",
+                   help="write the record (with transcripts) here (default: <home>/grades/grade-<time>-<tier>.json)")
+    p.set_defaults(handler=handler)
+
+
+def _api_key(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except OSError as exc:
+        raise UsageError(f"cannot read --api-key-file {path}: {exc.strerror}",
+                         hint="give a readable file whose first line is the API key") from None
+    if not lines:
+        raise UsageError(f"--api-key-file {path} is empty", hint="put the server's API key on its first line")
+    return lines[0]
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.model:
+        raise UsageError("hotfit grade --model is not built yet (it needs the Backend boundary, issue 11)",
+                         hint="start the model with `hotfit serve` and grade it with --endpoint http://127.0.0.1:8080")
+    if not args.endpoint:
+        raise UsageError("hotfit grade needs --endpoint URL (grading the provisioned model directly is not built yet)",
+                         hint="start it with `hotfit serve`, then run hotfit grade --endpoint http://127.0.0.1:8080")
+    if not args.endpoint.startswith(("http://", "https://")):
+        raise UsageError(f"--endpoint {args.endpoint!r} is not an http(s) URL",
+                         hint="give the server's base URL, e.g. http://127.0.0.1:8080")
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise UsageError(f"--budget-s {args.budget_s:g} must be a positive number of seconds",
+                         hint="e.g. --budget-s 600")
+
+
+def handler(args: argparse.Namespace, ctx: CliContext) -> int:
+    _check(args)
+    api_key = _api_key(args.api_key_file)
+    output = Path(args.output) if args.output else default_output_path(ctx.settings.home, args.tier)
+
+    async def run() -> dict[str, Any]:
+        async with HttpChatEndpoint(args.endpoint, api_key=api_key) as endpoint:
+            return await grade_endpoint(endpoint, endpoint_label=args.endpoint, tier=args.tier,
+                                        budget_s=args.budget_s)
+
+    report = anyio.run(run)
+    try:
+        write_report({**report, "output": str(output)}, output)
+    except OSError as exc:
+        raise UsageError(f"cannot write the grade record to {output}: {exc.strerror}",
+                         hint="pass a writable --output FILE") from None
+    brief = {**report, "output": str(output),
+             "scenarios": [{k: v for k, v in s.items() if k not in ("transcript", "call_log")}
+                           for s in report["scenarios"]]}
+    ctx.emit(brief, summary_text(brief))
+    return _EXIT[report["verdict"]["verdict"]]

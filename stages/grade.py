@@ -1,0 +1,279 @@
+"""grade: run the multi-turn tool-use grade against an OpenAI-compatible server (issue 12).
+
+The effectful half of :mod:`grading`: an httpx :class:`HttpChatEndpoint` (chat completions,
+llama-server's slot erase, ``/props`` and ``/v1/models`` for the fingerprint), the budget
+(``--budget-s`` stops cleanly with an inconclusive verdict), one ``grade.scenario`` event per
+scenario, and the JSON record under ``<home>/grades/``.
+
+Determinism (design note §4.10): fixed sampling (:data:`grading.protocol.SAMPLING`), scenarios
+in a fixed order, the slot erased before each scenario where the server supports it
+(``POST /slots/0?action=erase``), deterministic tool-call ids echoed back, and a sha256 of each
+canonical transcript. A server with more than one slot is noted: with several slots a request
+may land on a slot whose cache the erase did not touch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import anyio
+import httpx
+
+from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
+from grading.protocol import (
+    HTTP_ERROR,
+    SAMPLING,
+    SLOT_ERASED,
+    SLOT_FRESH_PROMPT,
+    SLOT_UNSUPPORTED,
+    ChatEndpoint,
+    ChatReply,
+    EndpointFailure,
+    ServerFacts,
+    parse_chat_body,
+)
+from grading.report import GRADE_VERSION, call_validity, category_results, decide_verdict, speeds
+from grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
+from grading.scenarios import pack_hash, scenarios_for
+from pipeline.log import get_logger
+
+__all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "default_output_path", "grade_endpoint", "write_report"]
+
+log = get_logger()
+
+# One step on a CPU-only large model (prompt of ~1-3K tokens plus a call) can take minutes;
+# longer than this the server is not usable as an agent, and the grade says http_error.
+REQUEST_TIMEOUT_S = 300.0
+_DESCRIBE_TIMEOUT_S = 10.0
+
+
+def _base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url.removesuffix("/v1")
+
+
+class HttpChatEndpoint:
+    """:class:`~grading.protocol.ChatEndpoint` over httpx. Use as ``async with``."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
+                 transport: httpx.AsyncBaseTransport | None = None, slot_id: int = 0) -> None:
+        self.base_url = _base_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, transport=transport,
+                                         timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
+        self._slot_id = slot_id
+        self._skip_cache_once = False
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]],
+                   **sampling: Any) -> ChatReply:
+        body = {"messages": list(messages), "tools": list(tools), **sampling}
+        if self._skip_cache_once:
+            body["cache_prompt"] = False
+            self._skip_cache_once = False
+        try:
+            response = await self._client.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as exc:  # refused, reset, timed out: the stack, not the model
+            raise EndpointFailure(HTTP_ERROR, f"{type(exc).__name__}: {exc}") from None
+        return parse_chat_body(response.status_code, response.content)
+
+    async def reset(self) -> str:
+        try:
+            response = await self._client.post(f"/slots/{self._slot_id}", params={"action": "erase"},
+                                               timeout=_DESCRIBE_TIMEOUT_S)
+        except httpx.HTTPError:
+            return SLOT_UNSUPPORTED
+        if response.status_code == 200:
+            return SLOT_ERASED
+        if response.status_code == 501:
+            # llama-server without --slot-save-path refuses slot actions (measured on the pinned
+            # build: "Start it with `--slot-save-path`"), and then the next scenario reuses the last
+            # one's cache (cache_n in the thousands). cache_prompt:false on the scenario's first
+            # request starts it from an empty cache; later requests reuse the scenario's own prefix.
+            self._skip_cache_once = True
+            return SLOT_FRESH_PROMPT
+        return SLOT_UNSUPPORTED
+
+    async def _get_json(self, route: str) -> dict[str, Any]:
+        try:
+            response = await self._client.get(route, timeout=_DESCRIBE_TIMEOUT_S)
+            data = response.json() if response.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    async def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> str | None:
+        try:
+            response = await self._client.post("/apply-template", json={"messages": list(messages),
+                                                                         "tools": list(tools)},
+                                               timeout=_DESCRIBE_TIMEOUT_S)
+            prompt = response.json().get("prompt") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return prompt if isinstance(prompt, str) else None
+
+    async def describe(self) -> ServerFacts:
+        props = await self._get_json("/props")
+        models = await self._get_json("/v1/models")
+        return facts_from(props, models)
+
+
+def facts_from(props: Mapping[str, Any], models: Mapping[str, Any]) -> ServerFacts:
+    """Pure: what llama-server's /props and an OpenAI /v1/models answer say (None where silent)."""
+    caps = props.get("chat_template_caps") if isinstance(props.get("chat_template_caps"), dict) else {}
+    settings = props.get("default_generation_settings")
+    settings = settings if isinstance(settings, dict) else {}
+    template = props.get("chat_template")
+    entries = models.get("data") if isinstance(models.get("data"), list) else []
+    first = entries[0] if entries and isinstance(entries[0], dict) else {}
+    supports = caps.get("supports_tools") if isinstance(caps, dict) else None
+    chat_format = props.get("chat_format") or (settings.get("chat_format") if settings else None)
+    return ServerFacts(
+        model=first.get("id") or props.get("model_alias"),
+        model_path=props.get("model_path"),
+        model_sha256=props.get("model_sha256"),
+        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
+        chat_format=str(chat_format) if chat_format else None,
+        supports_tools=supports if isinstance(supports, bool) else None,
+        build=props.get("build_info"),
+        context_tokens=settings.get("n_ctx") if isinstance(settings.get("n_ctx"), int) else None,
+        slots=props.get("total_slots") if isinstance(props.get("total_slots"), int) else None,
+        raw={"props_keys": sorted(props), "models": [e.get("id") for e in entries if isinstance(e, dict)]},
+    )
+
+
+def _fingerprint(facts: ServerFacts, *, tier: str, pack_sha256: str) -> dict[str, Any]:
+    def known(value: Any) -> Any:
+        return "unknown" if value is None else value
+
+    return {
+        "model": known(facts.model),
+        "model_path": known(facts.model_path),
+        "model_sha256": known(facts.model_sha256),
+        "chat_template_sha256": known(facts.chat_template_sha256),
+        "chat_format": known(facts.chat_format),
+        "supports_tools": known(facts.supports_tools),
+        "build": known(facts.build),
+        "context_tokens": known(facts.context_tokens),
+        "slots": known(facts.slots),
+        "flags": "unknown",  # a server already running does not report its command line
+        "sampling": dict(SAMPLING),
+        "step_limit": STEP_LIMIT,
+        "grade_version": GRADE_VERSION,
+        "tier": tier,
+        "scenario_pack_sha256": pack_sha256,
+    }
+
+
+async def _preflight(endpoint: ChatEndpoint, facts: ServerFacts) -> tuple[str | None, str]:
+    """(problem or None, what the round trip showed: "ok", "failed" or "unavailable")."""
+    if facts.supports_tools is False:
+        return ("the server's chat template cannot express tool calls (/props chat_template_caps.supports_tools "
+                "is false): llama-server drops the tools and answers in prose; load a tool-capable template"), "skipped"
+    prompt = await endpoint.render(PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS)
+    if prompt is None:  # not a llama-server (no /apply-template): the scenarios still show a broken template
+        return None, "unavailable"
+    problem = roundtrip_problem(prompt)
+    return problem, "failed" if problem else "ok"
+
+
+async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: str = "full",
+                         budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                         ) -> dict[str, Any]:
+    """Grade ``endpoint``; return the report dict (transcripts included). Never raises for a
+    server failure: that becomes an inconclusive verdict naming it."""
+    scenarios = scenarios_for(tier)
+    pack_sha256 = pack_hash(scenarios, grade_version=GRADE_VERSION)
+    started = clock()
+    deadline = None if budget_s is None else started + budget_s
+    log.info("grade.start", endpoint=endpoint_label, tier=tier, scenarios=len(scenarios), budget_s=budget_s,
+             grade_version=GRADE_VERSION, scenario_pack_sha256=pack_sha256)
+    facts = await endpoint.describe()
+    preflight, roundtrip = await _preflight(endpoint, facts)
+    results: list[ScenarioResult] = []
+    budget_problem: str | None = None
+    for scenario in scenarios:
+        if preflight:
+            break
+        remaining = None if deadline is None else deadline - clock()
+        if remaining is not None and remaining <= 0:
+            results.append(ScenarioResult(scenario.id, scenario.category, NOT_RUN, "budget: not started"))
+            budget_problem = budget_problem or f"--budget-s {budget_s:g} ran out after {len(results) - 1} scenarios"
+            continue
+        t0 = clock()
+        result: ScenarioResult | None = None
+        with anyio.move_on_after(remaining if remaining is not None else float("inf")):
+            result = await run_scenario(endpoint, scenario)
+        wall_s = round(clock() - t0, 3)
+        if result is None:
+            result = ScenarioResult(scenario.id, scenario.category, NOT_RUN, f"budget: stopped after {wall_s} s")
+            budget_problem = budget_problem or (f"--budget-s {budget_s:g} ran out during {scenario.id} "
+                                                f"({len([r for r in results if r.outcome != NOT_RUN])} "
+                                                "scenarios finished)")
+        result = _with_wall(result, wall_s)
+        results.append(result)
+        log.info("grade.scenario", scenario=scenario.id, category=scenario.category, outcome=result.outcome,
+                 outcome_class=result.outcome_class, detail=result.detail, requests=result.requests,
+                 calls=len(result.calls), invalid_calls=result.invalid_calls, wall_s=wall_s,
+                 prompt_tokens=result.prompt_tokens, generated_tokens=result.generated_tokens,
+                 first_cache_n=result.first_cache_n, slot=result.slot, transcript_sha256=result.transcript_sha256)
+    wall_total = clock() - started
+    verdict = decide_verdict(results, tier=tier, preflight_problem=preflight, budget_problem=budget_problem)
+    notes = []
+    if facts.slots is not None and facts.slots > 1:
+        notes.append(f"the server has {facts.slots} slots; with more than one, the slot erase may miss the slot "
+                     "a request lands on (start it with -np 1 for reproducible transcripts)")
+    if any(r.slot == SLOT_FRESH_PROMPT for r in results):
+        notes.append("the server refused POST /slots/0?action=erase (llama-server needs --slot-save-path for it); "
+                     "each scenario's first request was sent with cache_prompt:false instead")
+    if any(r.slot == SLOT_UNSUPPORTED for r in results):
+        notes.append("the server did not accept POST /slots/0?action=erase; the prompt cache was not erased "
+                     "between scenarios")
+    passed = sum(r.outcome == "pass" for r in results)
+    report: dict[str, Any] = {
+        "grade_version": GRADE_VERSION,
+        "tier": tier,
+        "endpoint": endpoint_label,
+        "verdict": verdict.to_json(),
+        "score": {"passed": passed, "total": len(scenarios),
+                  "fraction": round(passed / len(scenarios), 4) if scenarios else 0.0},
+        "categories": category_results(results),
+        "call_validity": call_validity(results),
+        "speeds": speeds(results, wall_total),
+        "fingerprint": {**_fingerprint(facts, tier=tier, pack_sha256=pack_sha256), "template_roundtrip": roundtrip},
+        "determinism_notes": notes,
+        "scenarios": [r.to_json() for r in results],
+    }
+    log.info("grade.done", verdict=verdict.verdict, stack_problem=verdict.stack_problem, passed=passed,
+             total=len(scenarios), wall_s=round(wall_total, 3))
+    return report
+
+
+def _with_wall(result: ScenarioResult, wall_s: float) -> ScenarioResult:
+    return dataclasses.replace(result, wall_s=wall_s)
+
+
+def default_output_path(home: Path, tier: str, now: _dt.datetime | None = None) -> Path:
+    now = now or _dt.datetime.now(_dt.UTC)
+    return home / "grades" / f"grade-{now.strftime('%Y%m%dT%H%M%S')}Z-{tier}.json"
+
+
+def write_report(report: Mapping[str, Any], path: Path) -> Path:
+    """Write atomically (temp file + rename), so a reader never sees half a record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
