@@ -28,6 +28,7 @@ On-disk layout under the home directory (the one place it is written down)::
       models/<entry>/snapshot/ OpenVINO repository snapshot (+ snapshot.json: commit, file list)
       runs/<run_id>/           per-run files (llama-server logs, probe transcript)
       manifest.json            the last successful provisioning
+      grades/                  `hotfit grade` records (score, transcripts, fingerprint), one JSON each
       serve.pid                the llama-server `hotfit serve` exec'd (JSON: pid, start time, port,
                                model, window); trusted only while that process is it (pipeline/worker.py)
 """

@@ -25,6 +25,8 @@ EXIT_CODES_HELP = """exit codes:
   5    load / tool-call probe / hot-allocation re-check failure
   6    locked: another hotfit holds this --home (its PID is named)
   7    hardware probe failure (NVML present but failing)
+  8    grade: the model failed the multi-turn tool-use grade
+  9    grade: inconclusive (a stack problem, named, or --budget-s ran out)
   130  interrupted (SIGINT/SIGTERM); a rerun resumes
 """
 
