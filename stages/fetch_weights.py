@@ -54,6 +54,7 @@ from stages.transfer import (
     download_to_partial,
     finalize_file,
     is_commit,
+    log_retry,
     partial_paths,
     resolve_token,
     safe_relpath,
@@ -347,9 +348,11 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[
     check_endpoint(settings.hf_endpoint)
     token = resolve_token()
     try:
+        listing_url = f"{settings.hf_endpoint}/api/models/{repo}/tree/{revision}"
         async for attempt in AsyncRetrying(retry=retry_if_exception(_retryable_hub_exception),
                                            stop=stop_after_attempt(5),
-                                           wait=wait_exponential_jitter(multiplier=0.5, max=10), reraise=True):
+                                           wait=wait_exponential_jitter(multiplier=0.5, max=10),
+                                           before_sleep=log_retry(repo, None, lambda: listing_url), reraise=True):
             with attempt:
                 return await anyio.to_thread.run_sync(_list_snapshot_sync, settings, repo, revision, token)
     except TransferError:

@@ -26,6 +26,8 @@ and metadata calls. What this module guarantees for one pinned Hub file:
   from byte 0 writing at absolute offsets, so nothing is appended in the wrong place.
 - **Retries** (tenacity): exponential backoff with jitter, ``Retry-After`` honoured on 429/503 (capped),
   the attempt counter reset whenever bytes arrived, and a bounded time spent failing (new bytes restart it).
+  Every wait is announced as a ``download.retry`` event (attempt, cause, wait_s, the URL without
+  credentials or signed query), so an unreachable mirror is never minutes of silence.
 - **Disk**: free space is checked before starting (``statvfs``; blocks the partial already holds
   count as held); ENOSPC/EFBIG mid-write stops every connection, checkpoints the sidecar and raises
   :class:`DiskSpaceError` — the partial is kept. On Linux the partial's blocks are reserved up front
@@ -52,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import quote, urljoin, urlsplit
+from urllib.parse import quote, urljoin, urlsplit, urlunsplit
 
 import anyio
 import httpx
@@ -92,6 +94,8 @@ __all__ = [
     "is_commit",
     "safe_relpath",
     "check_endpoint",
+    "redact_url",
+    "log_retry",
 ]
 
 log = get_logger()
@@ -383,6 +387,18 @@ class HubSession:
                 hint="the registry's size is wrong for this commit; fix the entry after review",
                 repo=repo, file=path, expected_size_bytes=expected_size, served_size_bytes=remote.size_bytes)
         return remote
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be logged: no ``user:password@`` and no query (signed CDN links carry their
+    credentials there)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal keeps its brackets
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def _origin(url: str) -> tuple[str, str]:
@@ -832,11 +848,34 @@ def _wait_policy(options: TransferOptions) -> Callable[[RetryCallState], float]:
     return wait
 
 
-def _retrying(options: TransferOptions, progress_fn: Callable[[], int], deadline: float) -> AsyncRetrying:
+def _retry_cause(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown"
+    if isinstance(exc, _Retryable):
+        return str(exc)  # already says what failed ("HTTP 503 for …", "HEAD …: ConnectError: …")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def log_retry(repo: str, path: str | None, url_fn: Callable[[], str]) -> Callable[[RetryCallState], None]:
+    """A tenacity ``before_sleep`` hook: one ``download.retry`` event per wait, so retries are seen as
+    they happen (``url_fn`` gives the URL the failed attempt used; it is logged redacted)."""
+
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        wait_s = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning("download.retry", repo=repo, file=path, attempt=state.attempt_number,
+                    cause=_retry_cause(exc), wait_s=round(wait_s, 3), url=redact_url(url_fn()))
+
+    return before_sleep
+
+
+def _retrying(options: TransferOptions, progress_fn: Callable[[], int], deadline: float,
+              before_sleep: Callable[[RetryCallState], None]) -> AsyncRetrying:
     return AsyncRetrying(
         retry=retry_if_exception_type((_Retryable, httpx.TransportError)),
         stop=_StopPolicy(options, progress_fn, deadline),
         wait=_wait_policy(options),
+        before_sleep=before_sleep,
         reraise=True,
     )
 
@@ -1037,7 +1076,9 @@ async def head_retrying(session: HubSession, repo: str, revision: str, path: str
     counters: dict[str, Any] = {"attempts": 0,
                                 "deadline": time.monotonic() + session.options.max_total_retry_s}
     try:
-        async for attempt in _retrying(session.options, lambda: 0, counters["deadline"]):
+        url = session.resolve_url(repo, revision, path)
+        async for attempt in _retrying(session.options, lambda: 0, counters["deadline"],
+                                       log_retry(repo, path, lambda: url)):
             with attempt:
                 return await session.head(repo, revision, path)
     except (_Retryable, httpx.TransportError) as exc:
@@ -1055,7 +1096,9 @@ def _gave_up(repo: str, path: str, exc: BaseException, done_bytes: int) -> Trans
 
 async def _head_with_retry(session: HubSession, repo: str, revision: str, path: str,
                            expected_size: int | None, counters: dict[str, Any]) -> RemoteFile:
-    async for attempt in _retrying(session.options, lambda: 0, counters["deadline"]):
+    url = session.resolve_url(repo, revision, path)
+    async for attempt in _retrying(session.options, lambda: 0, counters["deadline"],
+                                   log_retry(repo, path, lambda: url)):
         with attempt:
             counters["attempts"] += 1
             return await session.head_pinned(repo, revision, path, expected_size)
@@ -1091,7 +1134,8 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
 
     async def _fetch_block(block: _Block) -> None:
         first = True
-        async for attempt in _retrying(session.options, lambda: block.done, counters["deadline"]):
+        async for attempt in _retrying(session.options, lambda: block.done, counters["deadline"],
+                                       log_retry(side.repo, side.file, lambda: state["url"])):
             with attempt:
                 counters["attempts"] += 1
                 url = state["url"] if first else await fresh_url()
