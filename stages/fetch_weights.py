@@ -53,6 +53,7 @@ from stages.transfer import (
     discard_partial,
     download_to_partial,
     finalize_file,
+    hf_exception_not_a_hub,
     is_commit,
     log_retry,
     partial_paths,
@@ -358,6 +359,9 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[
     except TransferError:
         raise
     except Exception as exc:
+        not_a_hub = hf_exception_not_a_hub(exc, settings.hf_endpoint, listing_url)
+        if not_a_hub is not None:
+            raise not_a_hub from exc
         mapped = _hub_exception_to_error(exc, repo, revision)
         if mapped is exc:
             raise HubError(f"listing {repo}@{revision} failed: {exc}", hint="check HF_ENDPOINT and rerun",

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pipeline.errors import TemplateError
+from pipeline.settings import load_settings
 from registry.model import TemplateSource
 from stages.fetch_template import TEMPLATE_FILENAME, check_tool_capable, extract_template, fetch_template
 from stages.fetch_weights import fetch_weights
@@ -228,3 +229,15 @@ async def test_an_oversized_template_source_is_refused_before_it_is_downloaded(l
         await fetch_template(entry, settings.model_dir("m"), settings=settings)
     assert local_hub.bytes_sent("chat_template.jinja") == 0
     assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
+
+
+@pytest.mark.anyio
+async def test_a_template_from_a_server_that_is_not_a_hub_says_so(not_a_hub: str, tmp_path: Path) -> None:
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
+    for src in (TemplateSource("org/m", "1" * 40, "chat_template.jinja"),
+                TemplateSource("org/m", None, "chat_template.jinja")):  # pinned, and resolved from main
+        entry = make_entry("m", "org/m-GGUF", "2" * 40, "model.gguf", 1000, "a" * 64, template=src)
+        with pytest.raises(TemplateError) as exc:
+            await fetch_template(entry, settings.model_dir("m"), settings=settings, options=FAST)
+        assert "HF_ENDPOINT does not answer like a Hugging Face Hub" in exc.value.what
+        assert not_a_hub in exc.value.what and "renamed" not in str(exc.value)

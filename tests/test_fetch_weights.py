@@ -685,3 +685,29 @@ async def test_a_retried_snapshot_listing_is_reported(local_hub: LocalHub, tmp_p
     retries = [e for e in events if e["event"] == "download.retry"]
     assert len(retries) == 1 and retries[0]["repo"] == "OpenVINO/m-ov" and retries[0]["file"] is None
     assert retries[0]["url"].startswith(f"{local_hub.endpoint}/api/models/OpenVINO/m-ov/tree/")
+
+
+NOT_A_HUB = "HF_ENDPOINT does not answer like a Hugging Face Hub"
+
+
+@pytest.mark.anyio
+async def test_a_web_server_that_is_not_a_hub_is_named_not_blamed_on_the_registry(not_a_hub: str,
+                                                                                  tmp_path: Path) -> None:
+    # Before: a bare 404 read as "the file was renamed or removed; fix the registry entry", and an
+    # HTML 200 as a missing X-Repo-Commit. Neither is the registry's fault.
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
+    entry = make_entry("m", "org/m-GGUF", "1" * 40, "model.gguf", 1000, "a" * 64)
+    with pytest.raises(HubError) as exc:
+        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert NOT_A_HUB in exc.value.what and not_a_hub in exc.value.what
+    assert "renamed" not in str(exc.value) and "registry" not in str(exc.value)
+    assert exc.value.details["endpoint"] == not_a_hub
+
+
+@pytest.mark.anyio
+async def test_a_snapshot_listing_from_a_server_that_is_not_a_hub_says_so(not_a_hub: str, tmp_path: Path) -> None:
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
+    with pytest.raises(HubError) as exc:
+        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                            options=FAST, progress=False)
+    assert NOT_A_HUB in exc.value.what and not_a_hub in exc.value.what

@@ -268,3 +268,32 @@ def test_write_atomic_failure_keeps_the_old_file(tmp_path: Path, monkeypatch: py
         write_atomic(path, "new")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["reg.json"]
+
+
+def test_lock_against_a_server_that_is_not_a_hub_says_so_and_writes_nothing(tmp_path: Path, not_a_hub: str,
+                                                                             hotfit_home: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.errors import HubError
+
+    src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None),
+                            _entry("other", artifact=_art("org/n-GGUF", None, "n.gguf"), template=None)])
+    before = src.read_text()
+    with pytest.raises(HubError) as exc:
+        lock_registry(src, None, endpoint=not_a_hub)
+    assert "HF_ENDPOINT does not answer like a Hugging Face Hub" in exc.value.what and not_a_hub in exc.value.what
+    monkeypatch.setenv("HF_ENDPOINT", not_a_hub)
+    buf = io.StringIO()
+    assert main(["--json", "registry", "lock", "--registry", str(src)], out=buf) == 4
+    assert "HF_ENDPOINT does not answer like a Hugging Face Hub" in json.loads(buf.getvalue())["error"]["message"]
+    assert src.read_text() == before
+
+
+def test_cli_lock_with_every_lookup_failing_does_not_claim_mismatches(tmp_path: Path, hotfit_home: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None)])
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    buf = io.StringIO()
+    assert main(["registry", "lock", "--registry", str(src)], out=buf) == 4
+    text = buf.getvalue()
+    assert "mismatch" not in text
+    assert "no lookup succeeded" in text and "nothing to write" in text

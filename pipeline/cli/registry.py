@@ -80,7 +80,10 @@ def run_lock(args: argparse.Namespace, ctx: CliContext) -> int:
     lines += [f"  pinned {c.entry} {c.field} = {c.new}" for c in report.changes]
     lines += [f"  {p.kind}: {p.entry} {p.field}: {p.message}" for p in report.problems]
     lines.append(f"wrote {report.output}" if report.output else "nothing to write")
-    if report.problems:
+    if report.all_failed:
+        lines.append("no lookup succeeded: nothing was pinned or compared; fix what the errors name "
+                     "(HF_ENDPOINT, the network, HF_TOKEN) and rerun")
+    elif any(p.kind == "mismatch" for p in report.problems):
         lines.append("recorded values are never overwritten: check the source of each mismatch and fix it by hand")
     ctx.emit({"schema": 1, **report.to_json(), "exit_code": report.exit_code}, "\n".join(lines))
     return report.exit_code
