@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.hubserver import LocalHub
+
 # Never let huggingface_hub reach the real Hub or send Xet headers / telemetry from tests.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
@@ -24,6 +26,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def local_hub(tmp_path: Path) -> Iterator[LocalHub]:
+    """A started local Hub (tests/hubserver.py) rooted in the test's tmp_path; stopped after the test."""
+    with LocalHub(tmp_path / "localhub") as hub:
+        yield hub
 
 
 @pytest.fixture

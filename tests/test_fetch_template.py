@@ -14,7 +14,7 @@ from registry.model import TemplateSource
 from stages.fetch_template import TEMPLATE_FILENAME, check_tool_capable, extract_template, fetch_template
 from stages.fetch_weights import fetch_weights
 from tests.gguf_fixtures import pinned_source_tree
-from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
 
 TOOLS = "{%- if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"

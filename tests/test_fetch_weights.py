@@ -35,7 +35,7 @@ from stages.transfer import TransferOptions, partial_paths
 from stages.verify import read_receipt, receipt_path
 from state.locks import FileLock
 from tests.e2e_support import sha256_of
-from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.hubserver import LocalHub
 
 MiB = 1 << 20
 FAST = TransferOptions(connections=4, block_bytes=512 * 1024, backoff_initial_s=0.01, backoff_max_s=0.05,
