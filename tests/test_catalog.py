@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,6 +108,35 @@ def test_agentic_entries_carry_sourced_evidence(bundled: Registry) -> None:
         if e.agentic_tier == "agentic":
             assert e.evidence, e.name
             assert all(ev.source and ev.summary for ev in e.evidence), e.name
+
+
+# Files only this project's authors can see: a registry reader must be able to follow every citation.
+_OUTSIDE_THE_PROJECT = re.compile(
+    r"\.\./|shared/reference|reference/|model-facts|pinned-artifacts|contenox-(auto-)?facts|contenox-curated"
+    r"|code index|index files? \d|\b\d{11}\b")
+# A public locator: a URL, or an arXiv id.
+_PUBLIC_LOCATOR = re.compile(r"https?://\S+|arXiv:\d{4}\.\d{4,5}")
+
+
+def _cited_texts(entry: dict[str, Any]) -> list[tuple[str, str]]:
+    out = [(f"evidence[{i}].source", ev["source"]) for i, ev in enumerate(entry.get("evidence") or [])]
+    if entry.get("config") and entry["config"].get("source") is not None:  # null: the geometry is unverified
+        out.append(("config.source", entry["config"]["source"]))
+    return out
+
+
+def test_every_source_cites_a_public_locator_and_nothing_outside_the_project() -> None:
+    for entry in BUNDLED_JSON["entries"]:
+        for where, text in _cited_texts(entry):
+            assert not _OUTSIDE_THE_PROJECT.search(text), f"{entry['name']} {where}: {text}"
+            assert _PUBLIC_LOCATOR.search(text), f"{entry['name']} {where} names no URL or arXiv id: {text}"
+
+
+def test_notes_and_reasons_point_nowhere_outside_the_project() -> None:
+    for entry in BUNDLED_JSON["entries"]:
+        for field in ("notes", "ineligible_reason"):
+            text = entry.get(field) or ""
+            assert not _OUTSIDE_THE_PROJECT.search(text), f"{entry['name']} {field}: {text}"
 
 
 def test_hybrid_and_sliding_geometry_is_recorded_as_the_sources_state(bundled: Registry) -> None:
