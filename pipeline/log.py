@@ -1,8 +1,10 @@
 """structlog set-up: events are stable names plus key/value facts.
 
 One renderer is chosen at start-up: JSON lines (machines, log pipelines) or console (a person at
-a TTY). JSON events always go to ``<home>/logs/hotfit.jsonl`` as well. Secrets are scrubbed by a
-processor so no token or API key reaches a log line.
+a TTY). Every event, whatever ``-q``/``-v`` say, is appended as JSON to ``<home>/logs/hotfit.jsonl``:
+the verbosity filters only what the stream shows, so the file is the complete record an operator
+reads after an unattended run. Secrets are scrubbed by a processor so no token or API key reaches
+a log line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import structlog
 
 SECRET_KEYS = frozenset({"token", "hf_token", "api_key", "authorization", "password", "secret"})
 _VERBOSITY_LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
+_LEVEL_NUMBERS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
+                  "error": logging.ERROR, "critical": logging.CRITICAL, "exception": logging.ERROR}
+_file_sink: TextIO | None = None  # the open log file of the last configure(), closed by the next one
 
 
 def _scrub_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -36,11 +41,16 @@ def configure(
     stream = stream or sys.stderr
     if log_format is None:
         log_format = "console" if stream.isatty() else "json"
-    level = _VERBOSITY_LEVELS[max(-1, min(1, verbosity))]
+    stream_level = _VERBOSITY_LEVELS[max(-1, min(1, verbosity))]
+    global _file_sink
+    if _file_sink is not None:
+        _file_sink.close()
+        _file_sink = None
     file_sink: TextIO | None = None
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_sink = open(log_file, "a", buffering=1, encoding="utf-8")  # line-buffered: one event, one write
+        _file_sink = file_sink
 
     shared = [
         structlog.contextvars.merge_contextvars,
@@ -56,13 +66,16 @@ def configure(
         line = json.dumps(event, default=str, sort_keys=False)
         if file_sink is not None:
             file_sink.write(line + "\n")
+        if _LEVEL_NUMBERS.get(str(event.get("level")), logging.INFO) < stream_level:
+            raise structlog.DropEvent  # kept in the file, not shown on the stream
         if console_renderer is not None:
             return console_renderer(_logger, _name, dict(event))
         return line
 
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, emit],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
+        # Nothing is filtered before emit: the file takes every level, emit filters the stream.
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )

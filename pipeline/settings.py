@@ -75,6 +75,17 @@ class Settings:
     download_connections: int
     # where llama_server came from: "flag" (--llama-server), "env" (HOTFIT_LLAMA_SERVER) or None
     llama_server_source: str | None = None
+    # where home came from: "flag" (--home), "env" (HOTFIT_HOME) or "default" (XDG/HOME)
+    home_source: str = "default"
+
+    @property
+    def home_named(self) -> str:
+        """The home as the operator set it, for messages: ``--home X``, ``HOTFIT_HOME=X`` or the default."""
+        if self.home_source == "flag":
+            return f"--home {self.home}"
+        if self.home_source == "env":
+            return f"HOTFIT_HOME={self.home}"
+        return f"the default home {self.home}"
 
     @property
     def state_db(self) -> Path:
@@ -139,4 +150,5 @@ def load_settings(
         kv_cache_type_raw=kv_raw if kv_raw not in (None, "") else None,
         download_connections=connections,
         llama_server_source=("flag" if llama_server else "env") if server else None,
+        home_source="flag" if home else ("env" if env.get("HOTFIT_HOME") else "default"),
     )

@@ -463,9 +463,25 @@ def _check_rules(c: _Checker, e: Entry) -> None:
 # --------------------------------------------------------------------------- serialisation
 
 
+def download_blocker(entry: Entry) -> str | None:
+    """Why ``hotfit pull`` cannot fetch this entry as recorded, or None when it can.
+
+    A GGUF is fetched only at a pinned 40-hex commit; an OpenVINO snapshot (``file`` null) follows
+    the repository's current commit (spec, 'Publisher and artifact evidence'), so an open revision
+    does not block it."""
+    art = entry.artifact
+    if art is None:
+        return "no artifact is recorded for it"
+    if art.file is not None and not _REVISION_RE.match(art.revision or ""):
+        return (f"its file {art.repo}/{art.file} is not pinned to a commit (revision {art.revision!r}); "
+                "pin it with `hotfit registry lock` after reviewing the source")
+    return None
+
+
 def entry_summary(entry: Entry) -> dict[str, Any]:
     """The facts ``registry list`` shows for one entry (JSON-ready)."""
     art = entry.artifact
+    blocker = download_blocker(entry)
     return {
         "name": entry.name,
         "display_name": entry.display_name,
@@ -482,4 +498,6 @@ def entry_summary(entry: Entry) -> dict[str, Any]:
         "repo": art.repo if art else None,
         "revision": art.revision if art else None,
         "file": art.file if art else None,
+        "downloadable": blocker is None,
+        "download_blocker": blocker,
     }

@@ -10,6 +10,9 @@ file sizes, LFS sha256) and fill the nulls. Rules:
 * an unpinned revision resolves to the repository's current ``main`` commit;
 * a file missing at the revision, an unknown repository or revision, a gated repository are reported
   (``error``) and leave the entry as it was;
+* an endpoint that does not answer like a Hub (a 404 without X-Error-Code, an HTML page where the
+  API answers JSON) stops the lock at its first answer with one HubError naming the URL: its
+  answers say nothing about the entries, so none is reported as missing;
 * the result is re-checked against the schema, then written atomically (temp file in the same
   directory, fsync, rename, fsync of the directory): a crash leaves the old file or the new one.
 
@@ -28,6 +31,7 @@ from typing import Any, Callable, Mapping
 from pipeline.errors import HubError, PinMismatch, UsageError
 from pipeline.log import get_logger
 from registry.catalog import bundled_registry_path, parse_registry
+from stages.transfer import hf_exception_not_a_hub
 from state.files import write_text_atomic
 
 log = get_logger()
@@ -79,6 +83,12 @@ class LockReport:
     checked: tuple[str, ...]
     changes: tuple[LockChange, ...] = ()
     problems: tuple[LockProblem, ...] = ()
+
+    @property
+    def all_failed(self) -> bool:
+        """Every lookup failed: nothing was pinned or compared."""
+        return bool(self.checked) and not self.changes and bool(self.problems) and all(
+            p.kind == "error" for p in self.problems) and {p.entry for p in self.problems} >= set(self.checked)
 
     @property
     def exit_code(self) -> int:
@@ -221,30 +231,17 @@ def render_registry(doc: Mapping[str, Any]) -> str:
 
 
 def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
-    """Ask the Hub for one repository at one revision (None = main); an error comes back as text."""
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
+    """Ask the Hub for one repository at one revision (None = main); an error comes back as text.
+    An endpoint that is not a Hub raises HubError (see the module doc)."""
+    endpoint = str(getattr(api, "endpoint", "") or "")
     try:
         info = api.model_info(repo, revision=revision, files_metadata=True)
-    except GatedRepoError:
-        return f"{repo} is gated: accept its terms on the Hub and log in (HF_TOKEN) before locking"
-    except RepositoryNotFoundError:
-        return f"repository {repo} not found on the Hub (renamed, private or deleted?)"
-    except RevisionNotFoundError:
-        return f"revision {revision} not found in {repo} (the pinned commit is gone?)"
-    except HfHubHTTPError as exc:
-        return f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}"
-    except OSError as exc:  # connection refused, DNS, TLS, timeouts (httpx errors derive from it or wrap it)
-        return f"cannot reach the Hub for {repo}: {exc}"
-    except Exception as exc:  # httpx transport errors are not OSError subclasses
-        if type(exc).__module__.startswith(("httpx", "httpcore")):
-            return f"cannot reach the Hub for {repo}: {exc}"
-        raise
+    except Exception as exc:
+        url = f"{endpoint}/api/models/{repo}" + (f"/revision/{revision}" if revision else "")
+        not_a_hub = hf_exception_not_a_hub(exc, endpoint, url)
+        if not_a_hub is not None:
+            raise not_a_hub from exc
+        return _lookup_error(exc, repo, revision)
     files: dict[str, FileFacts] = {}
     for sib in info.siblings or ():
         lfs = getattr(sib, "lfs", None)
@@ -253,6 +250,29 @@ def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
             return f"the Hub gave no size for {repo}/{sib.rfilename}; retry later"
         files[sib.rfilename] = FileFacts(size_bytes=int(size), sha256=lfs.sha256 if lfs is not None else None)
     return HubFacts(repo=repo, commit=info.sha, files=files)
+
+
+def _lookup_error(exc: Exception, repo: str, revision: str | None) -> str:
+    """A failed model_info call as the text a lock problem carries; an unexpected error is re-raised."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if isinstance(exc, GatedRepoError):
+        return f"{repo} is gated: accept its terms on the Hub and log in (HF_TOKEN) before locking"
+    if isinstance(exc, RepositoryNotFoundError):
+        return f"repository {repo} not found on the Hub (renamed, private or deleted?)"
+    if isinstance(exc, RevisionNotFoundError):
+        return f"revision {revision} not found in {repo} (the pinned commit is gone?)"
+    if isinstance(exc, HfHubHTTPError):
+        return f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}"
+    # connection refused, DNS, TLS, timeouts: OSError, or httpx transport errors (not OSError subclasses)
+    if isinstance(exc, OSError) or type(exc).__module__.startswith(("httpx", "httpcore")):
+        return f"cannot reach the Hub for {repo}: {exc}"
+    raise exc
 
 
 @dataclass

@@ -53,7 +53,9 @@ from stages.transfer import (
     discard_partial,
     download_to_partial,
     finalize_file,
+    hf_exception_not_a_hub,
     is_commit,
+    log_retry,
     partial_paths,
     resolve_token,
     safe_relpath,
@@ -347,14 +349,19 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[
     check_endpoint(settings.hf_endpoint)
     token = resolve_token()
     try:
+        listing_url = f"{settings.hf_endpoint}/api/models/{repo}/tree/{revision}"
         async for attempt in AsyncRetrying(retry=retry_if_exception(_retryable_hub_exception),
                                            stop=stop_after_attempt(5),
-                                           wait=wait_exponential_jitter(multiplier=0.5, max=10), reraise=True):
+                                           wait=wait_exponential_jitter(multiplier=0.5, max=10),
+                                           before_sleep=log_retry(repo, None, lambda: listing_url), reraise=True):
             with attempt:
                 return await anyio.to_thread.run_sync(_list_snapshot_sync, settings, repo, revision, token)
     except TransferError:
         raise
     except Exception as exc:
+        not_a_hub = hf_exception_not_a_hub(exc, settings.hf_endpoint, listing_url)
+        if not_a_hub is not None:
+            raise not_a_hub from exc
         mapped = _hub_exception_to_error(exc, repo, revision)
         if mapped is exc:
             raise HubError(f"listing {repo}@{revision} failed: {exc}", hint="check HF_ENDPOINT and rerun",

@@ -26,6 +26,8 @@ and metadata calls. What this module guarantees for one pinned Hub file:
   from byte 0 writing at absolute offsets, so nothing is appended in the wrong place.
 - **Retries** (tenacity): exponential backoff with jitter, ``Retry-After`` honoured on 429/503 (capped),
   the attempt counter reset whenever bytes arrived, and a bounded time spent failing (new bytes restart it).
+  Every wait is announced as a ``download.retry`` event (attempt, cause, wait_s, the URL without
+  credentials or signed query), so an unreachable mirror is never minutes of silence.
 - **Disk**: free space is checked before starting (``statvfs``; blocks the partial already holds
   count as held); ENOSPC/EFBIG mid-write stops every connection, checkpoints the sidecar and raises
   :class:`DiskSpaceError` — the partial is kept. On Linux the partial's blocks are reserved up front
@@ -52,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import quote, urljoin, urlsplit
+from urllib.parse import quote, urljoin, urlsplit, urlunsplit
 
 import anyio
 import httpx
@@ -92,6 +94,11 @@ __all__ = [
     "is_commit",
     "safe_relpath",
     "check_endpoint",
+    "redact_url",
+    "log_retry",
+    "NOT_A_HUB",
+    "not_a_hub_error",
+    "hf_exception_not_a_hub",
 ]
 
 log = get_logger()
@@ -225,12 +232,62 @@ class _RangeIgnored(Exception):
     """The server answered 200 (whole body) to a ranged GET."""
 
 
-def hub_error_from_response(resp: httpx.Response, *, repo: str, revision: str, path: str | None) -> Exception:
-    """Map an error response to a typed error (hf-protocol.md §3.1), or a retryable one."""
+NOT_A_HUB = "HF_ENDPOINT does not answer like a Hugging Face Hub"
+
+
+def not_a_hub_error(endpoint: str, url: str, answered: str) -> HubError:
+    """The endpoint is some other web server (a mistyped HF_ENDPOINT, a proxy's landing page, a plain
+    file server): its answer says nothing about the registry, so the registry is not blamed."""
+    return HubError(
+        f"{NOT_A_HUB}: {redact_url(url)} {answered}",
+        hint=f"HF_ENDPOINT is {redact_url(endpoint)}; point it at the Hub (https://huggingface.co, or unset it) "
+             "or at a mirror that speaks the Hub's protocol (X-Repo-Commit on resolve answers, X-Error-Code "
+             "on errors), then rerun",
+        endpoint=redact_url(endpoint), url=redact_url(url), hub_code=None)
+
+
+def _speaks_hub(resp: httpx.Response) -> bool:
+    """The real Hub puts X-Error-Code on every 404 and X-Repo-Commit on every resolve answer
+    (hf-protocol.md §3): a 404 carrying neither did not come from a Hub."""
+    return bool(resp.headers.get("x-error-code") or resp.headers.get("x-repo-commit"))
+
+
+def _answer_text(status: int, content_type: str | None) -> str:
+    kind = (content_type or "").split(";")[0].strip()
+    return f"answered HTTP {status}" + (f" ({kind})" if kind else "")
+
+
+def hf_exception_not_a_hub(exc: BaseException, endpoint: str, url: str) -> HubError | None:
+    """For a ``huggingface_hub`` API call (model_info, list_repo_tree): the not-a-Hub error when the
+    failure shows the endpoint is no Hub — a 404 without X-Error-Code, or a body that is not JSON."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError):
+        resp = getattr(exc, "response", None)
+        if resp is not None and resp.status_code == 404 and not (
+                resp.headers.get("x-error-code") or resp.headers.get("x-repo-commit")):
+            return not_a_hub_error(endpoint, str(resp.url), _answer_text(404, resp.headers.get("content-type"))
+                                   + " without the Hub's X-Error-Code")
+        return None
+    if isinstance(exc, ValueError):  # json.JSONDecodeError: an HTML page where the API answers JSON
+        return not_a_hub_error(endpoint, url, "answered with a body that is not the Hub API's JSON")
+    return None
+
+
+def hub_error_from_response(resp: httpx.Response, *, repo: str, revision: str, path: str | None,
+                            endpoint: str | None = None) -> Exception:
+    """Map an error response to a typed error (hf-protocol.md §3.1), or a retryable one.
+
+    ``endpoint``: the response came from HF_ENDPOINT itself (not a CDN), so an answer without the
+    Hub's headers means the endpoint is not a Hub."""
     status = resp.status_code
     code = resp.headers.get("x-error-code", "")
     message = resp.headers.get("x-error-message", "")
     target = f"{repo}@{revision[:12]}" + (f" {path}" if path else "")
+    if endpoint is not None and status == 404 and not _speaks_hub(resp):
+        return not_a_hub_error(endpoint, str(resp.request.url),
+                               _answer_text(status, resp.headers.get("content-type")) + " without the Hub's "
+                               "X-Error-Code")
     if status in _RETRYABLE_STATUS:
         return _Retryable(f"HTTP {status} for {target}" + (f": {message}" if message else ""),
                           parse_retry_after(resp.headers.get("retry-after")))
@@ -350,7 +407,8 @@ class HubSession:
                 url = target  # off-origin: a CDN; its signed URL is where the bytes come from
                 break
             if resp.status_code >= 400:
-                raise hub_error_from_response(resp, repo=repo, revision=revision, path=path)
+                raise hub_error_from_response(resp, repo=repo, revision=revision, path=path,
+                                              endpoint=self.endpoint)
             if size is None and resp.headers.get("content-length", "").isdigit():
                 size = int(resp.headers["content-length"])
             break
@@ -358,10 +416,9 @@ class HubSession:
             raise HubError(f"too many redirects resolving {repo}/{path}",
                            hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)",
                            repo=repo, file=path)
-        if not commit:
-            raise HubError(f"the Hub did not name the commit (X-Repo-Commit) for {repo}/{path}",
-                           hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)",
-                           repo=repo, file=path)
+        if not commit:  # every resolve answer of a Hub names the commit (hf-protocol.md §1)
+            raise not_a_hub_error(self.endpoint, url, _answer_text(resp.status_code, resp.headers.get("content-type"))
+                                  + f" for {repo}/{path} without X-Repo-Commit")
         tag = _normalize_etag(linked_etag or etag)
         lfs = _normalize_etag(linked_etag)
         return RemoteFile(resolve_url=resolve, download_url=url, commit=commit, etag=tag, size_bytes=size,
@@ -383,6 +440,18 @@ class HubSession:
                 hint="the registry's size is wrong for this commit; fix the entry after review",
                 repo=repo, file=path, expected_size_bytes=expected_size, served_size_bytes=remote.size_bytes)
         return remote
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be logged: no ``user:password@`` and no query (signed CDN links carry their
+    credentials there)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal keeps its brackets
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def _origin(url: str) -> tuple[str, str]:
@@ -832,11 +901,34 @@ def _wait_policy(options: TransferOptions) -> Callable[[RetryCallState], float]:
     return wait
 
 
-def _retrying(options: TransferOptions, progress_fn: Callable[[], int], deadline: float) -> AsyncRetrying:
+def _retry_cause(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown"
+    if isinstance(exc, _Retryable):
+        return str(exc)  # already says what failed ("HTTP 503 for …", "HEAD …: ConnectError: …")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def log_retry(repo: str, path: str | None, url_fn: Callable[[], str]) -> Callable[[RetryCallState], None]:
+    """A tenacity ``before_sleep`` hook: one ``download.retry`` event per wait, so retries are seen as
+    they happen (``url_fn`` gives the URL the failed attempt used; it is logged redacted)."""
+
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        wait_s = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning("download.retry", repo=repo, file=path, attempt=state.attempt_number,
+                    cause=_retry_cause(exc), wait_s=round(wait_s, 3), url=redact_url(url_fn()))
+
+    return before_sleep
+
+
+def _retrying(options: TransferOptions, progress_fn: Callable[[], int], deadline: float,
+              before_sleep: Callable[[RetryCallState], None]) -> AsyncRetrying:
     return AsyncRetrying(
         retry=retry_if_exception_type((_Retryable, httpx.TransportError)),
         stop=_StopPolicy(options, progress_fn, deadline),
         wait=_wait_policy(options),
+        before_sleep=before_sleep,
         reraise=True,
     )
 
@@ -1037,7 +1129,9 @@ async def head_retrying(session: HubSession, repo: str, revision: str, path: str
     counters: dict[str, Any] = {"attempts": 0,
                                 "deadline": time.monotonic() + session.options.max_total_retry_s}
     try:
-        async for attempt in _retrying(session.options, lambda: 0, counters["deadline"]):
+        url = session.resolve_url(repo, revision, path)
+        async for attempt in _retrying(session.options, lambda: 0, counters["deadline"],
+                                       log_retry(repo, path, lambda: url)):
             with attempt:
                 return await session.head(repo, revision, path)
     except (_Retryable, httpx.TransportError) as exc:
@@ -1055,7 +1149,9 @@ def _gave_up(repo: str, path: str, exc: BaseException, done_bytes: int) -> Trans
 
 async def _head_with_retry(session: HubSession, repo: str, revision: str, path: str,
                            expected_size: int | None, counters: dict[str, Any]) -> RemoteFile:
-    async for attempt in _retrying(session.options, lambda: 0, counters["deadline"]):
+    url = session.resolve_url(repo, revision, path)
+    async for attempt in _retrying(session.options, lambda: 0, counters["deadline"],
+                                   log_retry(repo, path, lambda: url)):
         with attempt:
             counters["attempts"] += 1
             return await session.head_pinned(repo, revision, path, expected_size)
@@ -1091,7 +1187,8 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
 
     async def _fetch_block(block: _Block) -> None:
         first = True
-        async for attempt in _retrying(session.options, lambda: block.done, counters["deadline"]):
+        async for attempt in _retrying(session.options, lambda: block.done, counters["deadline"],
+                                       log_retry(side.repo, side.file, lambda: state["url"])):
             with attempt:
                 counters["attempts"] += 1
                 url = state["url"] if first else await fresh_url()
@@ -1132,7 +1229,9 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: _Sidecar, b
                 # Hub for a fresh one, and the Hub itself answers gating/not-found properly.
                 raise _Retryable(f"{side.file}: CDN answered HTTP {resp.status_code} (link expired?)")
             else:
-                raise hub_error_from_response(resp, repo=side.repo, revision=side.revision, path=side.file)
+                from_endpoint = _origin(str(resp.url)) == _origin(session.endpoint)
+                raise hub_error_from_response(resp, repo=side.repo, revision=side.revision, path=side.file,
+                                              endpoint=session.endpoint if from_endpoint else None)
             encoding = resp.headers.get("content-encoding", "identity").lower()
             if encoding not in ("identity", ""):
                 raise TransferError(f"{side.file}: server compressed the body ({encoding}); byte offsets unusable",

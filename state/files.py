@@ -6,11 +6,43 @@ probe, template, receipts, download sidecars) and for renaming a verified downlo
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
 from contextlib import suppress
 from pathlib import Path
+
+from pipeline.errors import UsageError
+
+
+def unusable_home(home: Path, named: str, reason: str, **details: object) -> UsageError:
+    """The one error for a home hotfit cannot write (exit 2), whichever step found it."""
+    return UsageError(
+        f"{named} cannot be used as hotfit's home: {reason}",
+        hint="point --home (or HOTFIT_HOME) at a directory this user can write, e.g. ~/.local/share/hotfit "
+             "(created with its parents if missing)",
+        home=str(home), **details)
+
+
+def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
+    """Create ``home`` and its ``logs_dir`` (parents too) and check the home is a writable directory.
+
+    Every command appends to the event log, so this runs before any of them: a regular file, a
+    read-only or missing parent that cannot be created, or a pseudo-filesystem (``/proc``) is one
+    UsageError naming the home, never a traceback from wherever the first write happened to be.
+    """
+    if home.exists() and not home.is_dir():
+        raise unusable_home(home, named, "it is not a directory", errno=errno.ENOTDIR)
+    try:
+        logs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = f" (at {exc.filename})" if exc.filename and str(exc.filename) != str(logs_dir) else ""
+        raise unusable_home(home, named, f"cannot create {logs_dir}: {exc.strerror or exc}{where}",
+                            errno=exc.errno) from None
+    if not os.access(home, os.W_OK | os.X_OK) or not os.access(logs_dir, os.W_OK | os.X_OK):
+        raise unusable_home(home, named, "this user cannot write there (read-only filesystem or permissions)",
+                            errno=errno.EACCES)
 
 
 def fsync_dir(directory: Path) -> None:

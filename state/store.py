@@ -16,18 +16,21 @@ carry paths, sizes, hashes and verdicts, never tokens or API keys.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import anyio.to_thread
 
-from pipeline.errors import UsageError
+from pipeline.errors import LockedError, UsageError
+from state.locks import read_holder
 
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
 RunStatus = Literal["running", "done", "failed", "interrupted"]
@@ -140,15 +143,70 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
 
 
-class SyncStateStore:
-    """The blocking core. Every public method is one transaction."""
+def _is_busy(exc: BaseException) -> bool:
+    """SQLite's "database is locked" / "database is busy": another connection kept the write lock
+    past the busy timeout."""
+    return isinstance(exc, sqlite3.OperationalError) and any(w in str(exc) for w in ("locked", "busy"))
 
-    def __init__(self, path: Path) -> None:
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return " ".join(" ".join(a.decode("utf-8", "replace").split()) for a in raw.split(b"\0") if a)[:200]
+
+
+def processes_with_open(paths: Sequence[Path]) -> list[int]:
+    """PIDs (other than this one) with any of ``paths`` open, from ``/proc/*/fd`` (Linux; best effort:
+    another user's processes are not visible to a non-root caller)."""
+    wanted = {str(p) for p in paths}
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") in wanted:
+                    found.append(int(entry))
+                    break
+            except OSError:
+                continue
+    return sorted(found)
+
+
+class SyncStateStore:
+    """The blocking core. Every public method is one transaction.
+
+    ``lock_path`` is the home's pipeline lock: when the database stays busy past the wait, the
+    error names that lock's holder (or else the processes that have the file open)."""
+
+    def __init__(self, path: Path, *, lock_path: Path | None = None) -> None:
         self.path = Path(path)
+        self.lock_path = lock_path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a transaction takes the
         # write lock up front instead of failing half-way on an upgrade.
+        started = time.monotonic()
         self._conn = sqlite3.connect(
             str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
@@ -159,8 +217,8 @@ class SyncStateStore:
             # A damaged file or one from another hotfit version: say which file and what to do,
             # instead of a traceback (or a "no such column" half-way through a run).
             self._conn.close()
-            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-                raise
+            if _is_busy(exc):
+                raise self._busy_error(exc, time.monotonic() - started) from None
             aside = self.path.parent / f"{self.path.stem}-unusable"
             raise UsageError(
                 f"state database {self.path} cannot be used: {exc}",
@@ -171,6 +229,40 @@ class SyncStateStore:
             ) from None
         except BaseException:
             self._conn.close()
+            raise
+
+    def _busy_error(self, exc: BaseException, waited_s: float) -> LockedError:
+        """What a person needs when the database stayed busy: who holds it, and what to do."""
+        me = os.getpid()
+        holder = read_holder(self.lock_path) if self.lock_path is not None else None
+        pipeline_pid = (holder.pid if holder is not None and holder.pid is not None and holder.pid != me
+                        and _pid_alive(holder.pid) else None)
+        open_by = [p for p in processes_with_open([self.path, self.path.with_name(self.path.name + "-wal"),
+                                                   self.path.with_name(self.path.name + "-shm")])
+                   if p != pipeline_pid]
+        if pipeline_pid is not None and holder is not None:
+            who = f"hotfit PID {pipeline_pid} ({holder.command}) holds this home's pipeline lock"
+        elif open_by:
+            who = "held open by " + ", ".join(f"PID {p} ({_cmdline(p) or '?'})" for p in open_by)
+        else:
+            who = "the holder could not be identified (another user's process, or on another host)"
+        holder_pid = pipeline_pid if pipeline_pid is not None else (open_by[0] if open_by else None)
+        return LockedError(
+            f"state database {self.path} stayed busy (waited {waited_s:.1f} s) "
+            f"(another process kept a write transaction open): {who}",
+            hint="let it finish and rerun (`hotfit auto --wait` queues behind a running pipeline); if the "
+                 "holder is not a hotfit pipeline, end what holds the database open",
+            state_db=str(self.path), holder_pid=holder_pid, open_by_pids=open_by, waited_s=round(waited_s, 3),
+            sqlite_error=str(exc))
+
+    @contextlib.contextmanager
+    def _busy_is_locked(self) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if _is_busy(exc):
+                raise self._busy_error(exc, time.monotonic() - started) from None
             raise
 
     def _init_schema(self) -> None:
@@ -206,7 +298,7 @@ class SyncStateStore:
     # -- transactions ---------------------------------------------------------------------------
 
     def _write(self, statements: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
-        with self._lock:
+        with self._lock, self._busy_is_locked():
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 for sql, params in statements:
@@ -217,7 +309,7 @@ class SyncStateStore:
                 raise
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        with self._lock:
+        with self._lock, self._busy_is_locked():
             return list(self._conn.execute(sql, params))
 
     # -- runs -----------------------------------------------------------------------------------
@@ -227,7 +319,7 @@ class SyncStateStore:
         """A new run with every stage pending, in one transaction."""
         run_id = run_id or new_run_id()
         now = time.time()
-        with self._lock:
+        with self._lock, self._busy_is_locked():
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 seq = self._conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM runs").fetchone()[0]
@@ -274,7 +366,7 @@ class SyncStateStore:
 
     def mark_stale_runs_interrupted(self) -> int:
         """A run still 'running' when the pipeline lock is free was killed (kill -9, power cut)."""
-        with self._lock:
+        with self._lock, self._busy_is_locked():
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 now = time.time()
@@ -374,8 +466,8 @@ class StateStore:
         self.sync = sync
 
     @classmethod
-    async def open(cls, path: Path) -> "StateStore":
-        return cls(await anyio.to_thread.run_sync(SyncStateStore, path))
+    async def open(cls, path: Path, *, lock_path: Path | None = None) -> "StateStore":
+        return cls(await anyio.to_thread.run_sync(lambda: SyncStateStore(path, lock_path=lock_path)))
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.sync.close)

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.hubserver import LocalHub
 
 # Never let huggingface_hub reach the real Hub or send Xet headers / telemetry from tests.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
@@ -23,8 +29,56 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
+def local_hub(tmp_path: Path) -> Iterator[LocalHub]:
+    """A started local Hub (tests/hubserver.py) rooted in the test's tmp_path; stopped after the test."""
+    with LocalHub(tmp_path / "localhub") as hub:
+        yield hub
+
+
+@pytest.fixture
 def hotfit_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("HOTFIT_HOME", str(home))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     return home
+
+
+class _NotAHubHandler(BaseHTTPRequestHandler):
+    """A web server that is not a Hub: every path answers ``mode`` (set on the server)."""
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+    def _answer(self, body: bool) -> None:
+        mode = self.server.mode  # type: ignore[attr-defined]
+        if mode == "bare-404":  # what `python -m http.server` says for any Hub path
+            self.send_error(404, "File not found")
+            return
+        page = b"<!doctype html><html><body><h1>Welcome to our intranet</h1></body></html>"
+        self.send_response(200 if mode == "html-200" else 404)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if body:
+            self.wfile.write(page)
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802 - stdlib name
+        self._answer(body=False)
+
+
+@pytest.fixture(params=["bare-404", "html-200", "html-404"])
+def not_a_hub(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The endpoint of a plain web server on 127.0.0.1 that has none of the Hub's headers
+    (X-Repo-Commit, X-Error-Code): a mistyped HF_ENDPOINT, a proxy's landing page."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotAHubHandler)
+    server.mode = request.param  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -86,12 +86,16 @@ class World:
         return free
 
 
-def build_world(root: Path, hub: Any) -> World:
-    """Write the fixture models and template into ``hub`` and a registry file under ``root``."""
+def build_world(root: Path, hub: Any, template_text: str | None = None) -> World:
+    """Write the fixture models and template into ``hub`` and a registry file under ``root``.
+
+    ``template_text`` None: the pinned llama.cpp Qwen3 template (what makes the fixtures' tool calls
+    parse in the real llama-server); tests that stop before load may pass a stand-in."""
     root.mkdir(parents=True, exist_ok=True)
     models = root / "fixture-models"
     models.mkdir(exist_ok=True)
-    template_text = pinned_template().read_text(encoding="utf-8")
+    if template_text is None:
+        template_text = pinned_template().read_text(encoding="utf-8")
     template_commit = hub.create_repo(TEMPLATE_REPO, {"chat_template.jinja": template_text})
     template = TemplateSource(repo=TEMPLATE_REPO, revision=template_commit, file="chat_template.jinja")
     entries: dict[str, Entry] = {}

@@ -64,6 +64,9 @@ __all__ = [
     "require_llama_server",
     "pinned_source_tree",
     "pinned_template",
+    "STANDIN_TOOL_TEMPLATE",
+    "tool_template_text",
+    "write_standin_llama_server",
     "free_port",
     "RunningServer",
     "ServerFailedToStart",
@@ -491,6 +494,35 @@ def pinned_template(name: str = QWEN3_TEMPLATE_NAME) -> Path:
     path = pinned_source_tree() / "models" / "templates" / name
     if not path.is_file():
         _absent(f"pinned llama.cpp template {path} not found (run scripts/install-llama-server)")
+    return path
+
+
+# A tool-capable chat template for tests that need one on disk or on the Hub but no llama-server to
+# render it (plan, download, verify, serve's window decision). Tests that run the server read the
+# pinned llama.cpp template (pinned_template): that one is what makes a fixture's tool call parse.
+STANDIN_TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{#- a reply may carry <tool_call>{...}</tool_call> #}"
+)
+
+
+def tool_template_text() -> str:
+    """The pinned Qwen3 template when the llama.cpp tree is here, else :data:`STANDIN_TOOL_TEMPLATE`
+    (never a skip: the callers do not start llama-server)."""
+    path = pinned_source_tree() / "models" / "templates" / QWEN3_TEMPLATE_NAME
+    return path.read_text(encoding="utf-8") if path.is_file() else STANDIN_TOOL_TEMPLATE
+
+
+def write_standin_llama_server(path: Path) -> Path:
+    """A stand-in ``llama-server`` for tests that stop before load: it answers ``--version`` (what
+    hotfit checks before downloading) and refuses to serve (exit 1), so a run that reaches load
+    fails there with a LoadError."""
+    path.write_text("#!/bin/sh\n"
+                    'if [ "$1" = "--version" ]; then echo "version: 1 (0000000) stand-in" >&2; exit 0; fi\n'
+                    'echo "stand-in llama-server: cannot serve (tests/gguf_fixtures.py)" >&2\nexit 1\n')
+    path.chmod(0o755)
     return path
 
 

@@ -27,9 +27,10 @@ serves the same repos, and a branch moved by the test process is seen at once::
 
 Faults (``LocalHub.inject``) and counters (``requests``, ``bytes_sent``) live in the serving process.
 
-Use::
+No pytest here: ``scripts/provision-demo`` runs this server after a set-up without test dependencies.
+The pytest fixture ``local_hub`` (a started hub in the test's tmp_path) lives in ``tests/conftest.py``::
 
-    from tests.hubserver import LocalHub, local_hub  # `local_hub`: a pytest fixture (import it to use it)
+    from tests.hubserver import LocalHub
 
     def test_x(local_hub: LocalHub) -> None:
         commit = local_hub.create_repo("org/m", {"config.json": "{}", "m.gguf": Path(big)}, lfs=["m.gguf"])
@@ -54,14 +55,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
-
-import pytest
 
 # The real Hub stores files above ~10 MB in LFS (its pre-receive hook); tests can force any file LFS.
 DEFAULT_LFS_THRESHOLD_BYTES = 10 * 1000 * 1000
@@ -1176,14 +1175,7 @@ class LocalHub:
                         "authorized list. Visit the model page to ask for access.")
 
 
-# --------------------------------------------------------------------------- pytest and CLI
-
-
-@pytest.fixture
-def local_hub(tmp_path: Path) -> Iterator[LocalHub]:
-    """A started ``LocalHub`` rooted in the test's tmp_path; stopped after the test."""
-    with LocalHub(tmp_path / "localhub") as hub:
-        yield hub
+# --------------------------------------------------------------------------- CLI
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,11 @@
 Real parts only: the local Hub (tests/hubserver.py) serving two deterministic tool-call fixture
 models and the pinned Qwen3 chat template, the real llama-server, `hotfit` run as a subprocess
 with its own --home. A saved probe (--probe-file) gives the planner a chosen budget.
+
+Tests that stop before load (plan, dry run, refusals, an interrupted download and its resume) need
+no llama-server: they take ``plain_world`` and run against a stand-in binary that only answers
+``--version`` (tests/gguf_fixtures.py), so they run — not skip — on a machine without the build.
+Tests marked ``llama`` take ``world`` and the real server.
 """
 
 from __future__ import annotations
@@ -19,11 +24,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import GiB, LARGE, SMALL, World, build_world, sha256_of, write_probe
-from tests.gguf_fixtures import pinned_template, require_llama_server
+from tests.e2e_support import LARGE, SMALL, GiB, World, build_world, sha256_of, write_probe
+from tests.gguf_fixtures import pinned_template, require_llama_server, tool_template_text, write_standin_llama_server
 from tests.hubserver import LocalHub
 
-pytestmark = pytest.mark.llama
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
 ROOMY_FREE_BYTES = 8 * GiB  # both fixtures fit with their whole 65536-token window
@@ -38,9 +42,24 @@ def hub() -> Any:
 
 
 @pytest.fixture(scope="module")
-def world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
+def plain_world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
+    """The fixture models on the local Hub; no llama-server needed (the pinned template when the
+    llama.cpp tree is here, else a stand-in one)."""
+    return build_world(tmp_path_factory.mktemp("world"), hub, template_text=tool_template_text())
+
+
+@pytest.fixture
+def world(plain_world: World) -> World:
+    """``plain_world`` for a test that runs the real llama-server (skips, or fails under
+    HOTFIT_REQUIRE_LLAMA, without it or without the pinned template the fixtures need)."""
     require_llama_server()
-    return build_world(tmp_path_factory.mktemp("world"), hub)
+    pinned_template()
+    return plain_world
+
+
+@pytest.fixture(scope="module")
+def standin_server(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_standin_llama_server(tmp_path_factory.mktemp("standin") / "llama-server")
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +70,12 @@ def _clean_hub(hub: LocalHub) -> Any:
     hub.clear_faults()
 
 
-def env_for(hub: LocalHub) -> dict[str, str]:
+def env_for(hub: LocalHub, server: Path | None = None) -> dict[str, str]:
+    """The environment of a hotfit subprocess; ``server`` pins the llama-server it uses."""
     env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "CONTENOX_LLAMA_KV_CACHE_TYPE")}
     env.update(hub.env())
+    if server is not None:
+        env["HOTFIT_LLAMA_SERVER"] = str(server)
     return env
 
 
@@ -62,15 +84,16 @@ def cmd(home: Path, world: World, probe: Path, *args: str) -> list[str]:
             "--registry", str(world.registry_path), "--probe-file", str(probe), *args]
 
 
-def auto(hub: LocalHub, home: Path, world: World, probe: Path, *args: str,
-         timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd(home, world, probe, *args), cwd=REPO, env=env_for(hub), capture_output=True,
+def auto(hub: LocalHub, home: Path, world: World, probe: Path, *args: str, timeout: float = 240,
+         server: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd(home, world, probe, *args), cwd=REPO, env=env_for(hub, server), capture_output=True,
                           text=True, timeout=timeout)
 
 
-def start(hub: LocalHub, home: Path, world: World, probe: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd(home, world, probe, *args), cwd=REPO, env=env_for(hub), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start(hub: LocalHub, home: Path, world: World, probe: Path, *args: str,
+          server: Path | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd(home, world, probe, *args), cwd=REPO, env=env_for(hub, server),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def events(home: Path) -> list[dict[str, Any]]:
@@ -122,6 +145,7 @@ def stage_story(evs: list[dict[str, Any]], run_id: str) -> list[tuple[str, str]]
             if e.get("run_id") == run_id and e["event"] in ("stage.start", "stage.done", "stage.skip")]
 
 
+@pytest.mark.llama
 def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, world: World,
                                                                   tmp_path: Path) -> None:
     home = tmp_path / "home"
@@ -194,11 +218,12 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
                                                      "done", "done", "done"]
 
 
-def test_dry_run_prints_probe_plan_and_reuse_and_changes_nothing(hub: LocalHub, world: World,
-                                                                tmp_path: Path) -> None:
+def test_dry_run_prints_probe_plan_and_reuse_and_changes_nothing(hub: LocalHub, plain_world: World,
+                                                                standin_server: Path, tmp_path: Path) -> None:
+    world = plain_world
     home = tmp_path / "home"
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
-    dry = auto(hub, home, world, probe, "--dry-run", "us")
+    dry = auto(hub, home, world, probe, "--dry-run", "us", server=standin_server)
     assert dry.returncode == 0, dry.stderr[-2000:]
     data = json.loads(dry.stdout)
     assert data["probe"]["devices"][0]["free_bytes"] == ROOMY_FREE_BYTES
@@ -208,6 +233,7 @@ def test_dry_run_prints_probe_plan_and_reuse_and_changes_nothing(hub: LocalHub, 
     assert not (home / "models").exists() and hub.bytes_sent() == 0
 
 
+@pytest.mark.llama
 def test_budget_change_keeps_previous_model_while_it_qualifies(hub: LocalHub, world: World,
                                                                tmp_path: Path) -> None:
     home = tmp_path / "home"
@@ -242,10 +268,12 @@ def test_budget_change_keeps_previous_model_while_it_qualifies(hub: LocalHub, wo
     assert json.loads(auto(hub, home, world, roomy, "--dry-run", "--refresh").stdout)["model"] == LARGE
 
 
-def test_nothing_qualifies_fails_closed_with_exit_3(hub: LocalHub, world: World, tmp_path: Path) -> None:
+def test_nothing_qualifies_fails_closed_with_exit_3(hub: LocalHub, plain_world: World, standin_server: Path,
+                                                    tmp_path: Path) -> None:
+    world = plain_world
     home = tmp_path / "home"
     probe = write_probe(tmp_path / "small.json", world.floor_free_bytes(SMALL) - 1)
-    failed = auto(hub, home, world, probe, "--json")
+    failed = auto(hub, home, world, probe, "--json", server=standin_server)
     assert failed.returncode == 3, failed.stderr[-2000:]
     error = json.loads(failed.stdout)["error"]
     assert error["code"] == "no_model_qualifies"
@@ -260,9 +288,10 @@ def test_nothing_qualifies_fails_closed_with_exit_3(hub: LocalHub, world: World,
     assert rejected and rejected[0]["error"]["code"] == "no_model_qualifies"
     assert [e for e in events(home) if e["event"] == "stage.fail"][0]["stage"] == "plan"
     # an origin with no agentic model: same fail-closed exit code
-    assert auto(hub, home, world, probe, "gus").returncode == 3
+    assert auto(hub, home, world, probe, "gus", server=standin_server).returncode == 3
 
 
+@pytest.mark.llama
 def test_explicit_model_is_provisioned_without_fallback(hub: LocalHub, world: World, tmp_path: Path) -> None:
     home = tmp_path / "home"
     roomy = write_probe(tmp_path / "roomy.json", ROOMY_FREE_BYTES)
@@ -279,6 +308,7 @@ def test_explicit_model_is_provisioned_without_fallback(hub: LocalHub, world: Wo
     assert unknown.returncode == 2 and "no-such-model" in unknown.stderr
 
 
+@pytest.mark.llama
 def test_two_concurrent_runs_one_waits_or_exits_naming_the_holder(hub: LocalHub, world: World,
                                                                   tmp_path: Path) -> None:
     home = tmp_path / "home"
@@ -307,13 +337,14 @@ def test_two_concurrent_runs_one_waits_or_exits_naming_the_holder(hub: LocalHub,
     assert hub.bytes_sent(world.entry(LARGE).artifact.file) <= size + THROTTLE_BPS * 2
 
 
-def test_sigterm_mid_download_then_rerun_resumes_the_bytes(hub: LocalHub, world: World, tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+def _interrupt_mid_download(hub: LocalHub, home: Path, world: World, probe: Path,
+                            server: Path | None) -> dict[str, Any]:
+    """Start `hotfit auto`, SIGTERM it while the large fixture's bytes are arriving, check what an
+    interrupted run leaves behind, and return `hotfit status --json`."""
     large = world.entry(LARGE)
     slow_bps = 24_000  # about 9 s for the large fixture: SIGTERM lands mid-body
     hub.inject(file="*.gguf", throughput_bps=slow_bps, times=None)
-    proc = start(hub, home, world, probe, "--json")
+    proc = start(hub, home, world, probe, "--json", server=server)
     wait_for(lambda: any(e["event"] == "fetch.disk_check" for e in events(home)), what="the fetch to start")
     time.sleep(2.5)  # ~60 KB in: the sidecar has checkpointed some bytes, most are still to come
     proc.send_signal(signal.SIGTERM)
@@ -328,21 +359,52 @@ def test_sigterm_mid_download_then_rerun_resumes_the_bytes(hub: LocalHub, world:
     assert status["run"]["status"] == "interrupted"
     assert {s["stage"]: s["status"] for s in status["stages"]}["fetch-weights"] == "interrupted"
     assert not (home / "models" / LARGE / large.artifact.file).exists()  # never a partial final file
-
     hub.clear_faults()
     hub.reset_counters()
-    resumed = auto(hub, home, world, probe, "--json")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    manifest = json.loads(resumed.stdout)
-    assert manifest["run_id"] == status["run"]["run_id"]  # the same run continued
-    assert sha256_of(Path(manifest["model_path"])) == large.artifact.sha256
-    # the rerun fetched the rest, not the whole file again
-    assert hub.bytes_sent(large.artifact.file) < large.artifact.size_bytes
+    return status
+
+
+def _assert_the_rerun_fetched_only_the_rest(hub: LocalHub, home: Path, world: World) -> None:
+    large = world.entry(LARGE)
+    assert sha256_of(home / "models" / LARGE / large.artifact.file) == large.artifact.sha256
+    assert hub.bytes_sent(large.artifact.file) < large.artifact.size_bytes  # the rest, not the whole file
     fetched = [e for e in events(home) if e["event"] == "stage.done" and e["stage"] == "fetch-weights"]
     assert fetched[-1]["resumed_from_bytes"] > 0
 
 
+def test_sigterm_mid_download_then_rerun_resumes_the_bytes(hub: LocalHub, plain_world: World,
+                                                           standin_server: Path, tmp_path: Path) -> None:
+    # No model is served here: the stand-in binary passes the pre-download check and refuses at load.
+    world = plain_world
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    status = _interrupt_mid_download(hub, home, world, probe, standin_server)
+    resumed = auto(hub, home, world, probe, "--json", server=standin_server)
+    assert resumed.returncode == 5, resumed.stderr[-2000:]  # the stand-in cannot serve: load fails
+    _assert_the_rerun_fetched_only_the_rest(hub, home, world)
+    run_id = status["run"]["run_id"]
+    done = {e["stage"] for e in events(home) if e["event"] == "stage.done" and e.get("run_id") == run_id}
+    assert {"fetch-weights", "fetch-template", "verify"} <= done  # the same run continued through verify
+    failed = [e for e in events(home) if e["event"] == "stage.fail"]
+    assert failed and failed[-1]["stage"] == "load" and failed[-1]["run_id"] == run_id
+
+
+@pytest.mark.llama
+def test_sigterm_mid_download_then_rerun_provisions_with_the_real_server(hub: LocalHub, world: World,
+                                                                        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    status = _interrupt_mid_download(hub, home, world, probe, None)
+    resumed = auto(hub, home, world, probe, "--json")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    manifest = json.loads(resumed.stdout)
+    assert manifest["run_id"] == status["run"]["run_id"]  # the same run continued
+    assert Path(manifest["model_path"]) == home / "models" / LARGE / world.entry(LARGE).artifact.file
+    _assert_the_rerun_fetched_only_the_rest(hub, home, world)
+
+
 @pytest.mark.slow
+@pytest.mark.llama
 def test_kill_9_at_many_points_then_rerun_completes(hub: LocalHub, world: World, tmp_path: Path) -> None:
     """SIGKILL at ≥ 20 distinct points spread over every stage — after the N-th log event of a
     run, or part-way through the (paced) download; each time the next run completes, a completed
@@ -410,6 +472,7 @@ def test_kill_9_at_many_points_then_rerun_completes(hub: LocalHub, world: World,
     assert stages_hit >= {"fetch-weights", "fetch-template", "load", "probe-tool-call", "re-check"}, stages_hit
 
 
+@pytest.mark.llama
 def test_provision_demo_runs_every_stage_offline(tmp_path: Path) -> None:
     require_llama_server()
     env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_ENDPOINT")}
@@ -425,6 +488,7 @@ def test_provision_demo_runs_every_stage_offline(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the demo cleans up after itself
 
 
+@pytest.mark.llama
 def test_new_kv_type_replans_and_reopens_without_downloading_again(hub: LocalHub, world: World,
                                                                    tmp_path: Path) -> None:
     home = tmp_path / "home"
@@ -449,11 +513,13 @@ def test_new_kv_type_replans_and_reopens_without_downloading_again(hub: LocalHub
     assert q8["measured"]["opened_context_tokens"] == f16["measured"]["opened_context_tokens"]
 
 
-def test_origin_given_twice_differently_is_a_usage_error(hub: LocalHub, world: World, tmp_path: Path) -> None:
+def test_origin_given_twice_differently_is_a_usage_error(hub: LocalHub, plain_world: World, standin_server: Path,
+                                                         tmp_path: Path) -> None:
+    world = plain_world
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
-    clash = auto(hub, tmp_path / "home", world, probe, "us", "--origin", "eu")
+    clash = auto(hub, tmp_path / "home", world, probe, "us", "--origin", "eu", server=standin_server)
     assert clash.returncode == 2 and "two origins" in clash.stderr
-    same = auto(hub, tmp_path / "home", world, probe, "us", "--origin", "us", "--dry-run")
+    same = auto(hub, tmp_path / "home", world, probe, "us", "--origin", "us", "--dry-run", server=standin_server)
     assert same.returncode == 0 and json.loads(same.stdout)["plan"]["origin"] == "us"
 
 

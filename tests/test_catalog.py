@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,6 +108,35 @@ def test_agentic_entries_carry_sourced_evidence(bundled: Registry) -> None:
         if e.agentic_tier == "agentic":
             assert e.evidence, e.name
             assert all(ev.source and ev.summary for ev in e.evidence), e.name
+
+
+# Files only this project's authors can see: a registry reader must be able to follow every citation.
+_OUTSIDE_THE_PROJECT = re.compile(
+    r"\.\./|shared/reference|reference/|model-facts|pinned-artifacts|contenox-(auto-)?facts|contenox-curated"
+    r"|code index|index files? \d|\b\d{11}\b")
+# A public locator: a URL, or an arXiv id.
+_PUBLIC_LOCATOR = re.compile(r"https?://\S+|arXiv:\d{4}\.\d{4,5}")
+
+
+def _cited_texts(entry: dict[str, Any]) -> list[tuple[str, str]]:
+    out = [(f"evidence[{i}].source", ev["source"]) for i, ev in enumerate(entry.get("evidence") or [])]
+    if entry.get("config") and entry["config"].get("source") is not None:  # null: the geometry is unverified
+        out.append(("config.source", entry["config"]["source"]))
+    return out
+
+
+def test_every_source_cites_a_public_locator_and_nothing_outside_the_project() -> None:
+    for entry in BUNDLED_JSON["entries"]:
+        for where, text in _cited_texts(entry):
+            assert not _OUTSIDE_THE_PROJECT.search(text), f"{entry['name']} {where}: {text}"
+            assert _PUBLIC_LOCATOR.search(text), f"{entry['name']} {where} names no URL or arXiv id: {text}"
+
+
+def test_notes_and_reasons_point_nowhere_outside_the_project() -> None:
+    for entry in BUNDLED_JSON["entries"]:
+        for field in ("notes", "ineligible_reason"):
+            text = entry.get(field) or ""
+            assert not _OUTSIDE_THE_PROJECT.search(text), f"{entry['name']} {field}: {text}"
 
 
 def test_hybrid_and_sliding_geometry_is_recorded_as_the_sources_state(bundled: Registry) -> None:
@@ -307,7 +337,7 @@ def test_a_non_eligible_entry_may_leave_unverified_facts_null() -> None:
 # --------------------------------------------------------------------------- `hotfit registry list`
 
 
-def test_cli_registry_list_json_lists_downloadable_entries_with_their_facts(hotfit_home: Path) -> None:
+def test_cli_registry_list_json_lists_every_entry_with_its_facts(hotfit_home: Path) -> None:
     import io
 
     from pipeline.cli import main
@@ -316,7 +346,7 @@ def test_cli_registry_list_json_lists_downloadable_entries_with_their_facts(hotf
     assert main(["--json", "registry", "list"], out=buf) == 0
     data = json.loads(buf.getvalue())
     rows = {r["name"]: r for r in data["entries"]}
-    assert set(rows) == {e["name"] for e in BUNDLED_JSON["entries"] if e["artifact"] is not None}
+    assert set(rows) == {e["name"] for e in BUNDLED_JSON["entries"]}  # every entry; PULL marks what cannot be fetched
     minicpm = rows["minicpm5-2b"]
     assert minicpm["agentic_tier"] == "agentic" and minicpm["origin"] == "china" and minicpm["backend"] == "llama"
     assert minicpm["download_bytes"] == 1561318368 and minicpm["context_limit"] == 131072
@@ -355,3 +385,45 @@ def test_cli_registry_list_broken_file_exits_2_naming_the_field(tmp_path: Path, 
     error = json.loads(buf.getvalue())["error"]
     assert error["code"] == "registry" and "'backend'" in error["message"]
     assert error["details"]["entry"] == "gpt-oss-20b" and error["details"]["field"] == "backend"
+
+
+def test_cli_registry_list_marks_entries_that_cannot_be_downloaded(hotfit_home: Path) -> None:
+    import io
+
+    from pipeline.cli import main
+
+    buf = io.StringIO()
+    assert main(["--json", "registry", "list"], out=buf) == 0
+    rows = {r["name"]: r for r in json.loads(buf.getvalue())["entries"]}
+    nanbeige = rows["nanbeige4-3b-thinking"]  # its GGUF has no pinned revision: `pull` refuses it
+    assert nanbeige["downloadable"] is False and "not pinned to a commit" in nanbeige["download_blocker"]
+    assert rows["minicpm5-2b"]["downloadable"] is True and rows["minicpm5-2b"]["download_blocker"] is None
+    assert rows["qwen3-8b-ov"]["downloadable"] is True  # an OpenVINO snapshot follows the current commit (spec)
+    buf = io.StringIO()
+    assert main(["registry", "list"], out=buf) == 0
+    text = buf.getvalue()
+    header = next(line for line in text.splitlines() if line.startswith("NAME"))
+    assert "PULL" in header.split()
+    row = next(line for line in text.splitlines() if line.startswith("nanbeige4-3b-thinking "))
+    assert row.split()[header.split().index("PULL")] == "no"
+    minicpm = next(line for line in text.splitlines() if line.startswith("minicpm5-2b "))
+    assert minicpm.split()[header.split().index("PULL")] == "yes"
+    assert "cannot be downloaded (no pinned artifact)" in text
+    assert "  nanbeige4-3b-thinking: " in text.split("cannot be downloaded (no pinned artifact)")[1]
+
+
+def test_cli_registry_list_shows_an_entry_without_an_artifact_as_not_downloadable(tmp_path: Path,
+                                                                                  hotfit_home: Path) -> None:
+    import io
+
+    from pipeline.cli import main
+
+    entry = _valid_entry()
+    entry.update(auto_eligible=False, ineligible_cause="unverified", ineligible_reason="no artifact yet",
+                 artifact=None)
+    path = tmp_path / "reg.json"
+    path.write_text(json.dumps(_doc_with(entry)))
+    buf = io.StringIO()
+    assert main(["--json", "registry", "list", "--registry", str(path)], out=buf) == 0
+    (row,) = json.loads(buf.getvalue())["entries"]
+    assert row["name"] == "gpt-oss-20b" and row["downloadable"] is False and "no artifact" in row["download_blocker"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,57 @@ def test_bad_env_is_reported_as_usage_error_with_json(monkeypatch: pytest.Monkey
 def test_console_script_runs_as_module() -> None:
     proc = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "exit codes" in proc.stdout
+
+
+# One argv per command, each as an operator would type it; none of them may reach a traceback.
+EVERY_COMMAND = [["probe"], ["plan"], ["registry", "list"], ["pull", "qwen3-4b"], ["auto"], ["status"],
+                 ["serve", "--print-command"]]
+
+
+def _unusable_homes(tmp_path: Path) -> dict[str, Path]:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory\n")
+    if os.geteuid() == 0:
+        # root writes through a chmod 0555 directory; sysfs refuses new entries even to root
+        read_only_parent = Path("/sys/hotfit-test-home")
+    else:
+        ro = tmp_path / "read-only"
+        ro.mkdir()
+        ro.chmod(0o555)
+        read_only_parent = ro / "home"
+    return {"regular file": a_file, "parent is a file": a_file / "sub" / "home",
+            "read-only parent": read_only_parent, "under /proc": Path("/proc/hotfit-test-home")}
+
+
+@pytest.mark.parametrize("case", ["regular file", "parent is a file", "read-only parent", "under /proc"])
+@pytest.mark.parametrize("argv", EVERY_COMMAND, ids=lambda a: a[0] if a[0] != "registry" else "registry-list")
+def test_an_unusable_home_is_a_usage_error_for_every_command(argv: list[str], case: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    home = _unusable_homes(tmp_path)[case]
+    out = io.StringIO()
+    rc = main(["--home", str(home), "--json", *argv], out=out)
+    assert rc == 2
+    err = json.loads(out.getvalue())["error"]
+    assert err["code"] == "usage" and str(home) in err["message"] and "--home" in err["message"]
+    assert "HOTFIT_HOME" in err["hint"]
+    assert err["details"]["home"] == str(home)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_unusable_home_from_the_environment_names_the_variable(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "a-file"
+    home.write_text("x")
+    monkeypatch.setenv("HOTFIT_HOME", str(home))
+    out = io.StringIO()
+    assert main(["--json", "probe"], out=out) == 2
+    assert f"HOTFIT_HOME={home}" in json.loads(out.getvalue())["error"]["message"]
+
+
+def test_an_unusable_home_exits_2_without_a_traceback_in_a_real_process(tmp_path: Path) -> None:
+    home = tmp_path / "a-file"
+    home.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "probe"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and f"--home {home}" in proc.stderr

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from pipeline.errors import TemplateError
+from pipeline.settings import load_settings
 from registry.model import TemplateSource
 from stages.fetch_template import TEMPLATE_FILENAME, check_tool_capable, extract_template, fetch_template
 from stages.fetch_weights import fetch_weights
-from tests.gguf_fixtures import pinned_source_tree
-from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.gguf_fixtures import pinned_template
+from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
 
 TOOLS = "{%- if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -81,13 +82,14 @@ def test_tool_capability_check() -> None:
 
 
 def test_pinned_llama_cpp_templates() -> None:
-    root = pinned_source_tree() / "models" / "templates"
-    qwen = (root / "Qwen-Qwen3-0.6B.jinja").read_text()
+    # The pinned llama.cpp tree (scripts/install-llama-server): absent, this skips with the reason
+    # (and fails under HOTFIT_REQUIRE_LLAMA), like the tests that need the server.
+    qwen = pinned_template("Qwen-Qwen3-0.6B.jinja").read_text()
     assert {"tools", "<tool_call>"} <= set(check_tool_capable(qwen, source="qwen3"))
-    hermes = (root / "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
+    hermes = pinned_template("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
     assert check_tool_capable(hermes, source="hermes3")
     with pytest.raises(TemplateError):  # gemma-2's template has no tool support at all
-        check_tool_capable((root / "google-gemma-2-2b-it.jinja").read_text(), source="gemma2")
+        check_tool_capable(pinned_template("google-gemma-2-2b-it.jinja").read_text(), source="gemma2")
 
 
 # --------------------------------------------------------------------------- the stage
@@ -228,3 +230,15 @@ async def test_an_oversized_template_source_is_refused_before_it_is_downloaded(l
         await fetch_template(entry, settings.model_dir("m"), settings=settings)
     assert local_hub.bytes_sent("chat_template.jinja") == 0
     assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
+
+
+@pytest.mark.anyio
+async def test_a_template_from_a_server_that_is_not_a_hub_says_so(not_a_hub: str, tmp_path: Path) -> None:
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
+    for src in (TemplateSource("org/m", "1" * 40, "chat_template.jinja"),
+                TemplateSource("org/m", None, "chat_template.jinja")):  # pinned, and resolved from main
+        entry = make_entry("m", "org/m-GGUF", "2" * 40, "model.gguf", 1000, "a" * 64, template=src)
+        with pytest.raises(TemplateError) as exc:
+            await fetch_template(entry, settings.model_dir("m"), settings=settings, options=FAST)
+        assert "HF_ENDPOINT does not answer like a Hugging Face Hub" in exc.value.what
+        assert not_a_hub in exc.value.what and "renamed" not in str(exc.value)

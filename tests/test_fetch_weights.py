@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,17 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+import structlog
 
-from pipeline.errors import DiskSpaceError, HubError, IntegrityError, LockedError, PinMismatch, RegistryError
+from pipeline.errors import (
+    DiskSpaceError,
+    HubError,
+    IntegrityError,
+    LockedError,
+    PinMismatch,
+    RegistryError,
+    TransferError,
+)
 from pipeline.settings import Settings, load_settings
 from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from stages.fetch_weights import fetch_weights
@@ -25,7 +35,7 @@ from stages.transfer import TransferOptions, partial_paths
 from stages.verify import read_receipt, receipt_path
 from state.locks import FileLock
 from tests.e2e_support import sha256_of
-from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.hubserver import LocalHub
 
 MiB = 1 << 20
 FAST = TransferOptions(connections=4, block_bytes=512 * 1024, backoff_initial_s=0.01, backoff_max_s=0.05,
@@ -621,3 +631,83 @@ async def test_revision_header_mismatch_fails_closed(tmp_path: Path) -> None:
         server.server_close()
     assert seen == [f"HEAD /org/m/resolve/{'1' * 40}/model.gguf"]  # nothing fetched from a wrong commit
     assert not (tmp_path / "home" / "models" / "m" / "model.gguf").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.anyio
+async def test_an_unreachable_mirror_reports_each_retry_before_giving_up(tmp_path: Path) -> None:
+    # Before: ~18 s of silence, then the error. Each wait is now a download.retry event; the URL
+    # carries no credentials (a mirror's user:password in HF_ENDPOINT never reaches the log).
+    port = _free_port()  # nothing listens there: connection refused on every attempt
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"),
+                              "HF_ENDPOINT": f"http://mirror-user:s3cret@127.0.0.1:{port}"})
+    entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
+    with structlog.testing.capture_logs() as events:
+        with pytest.raises(TransferError, match="gave up after repeated failures"):
+            await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    retries = [e for e in events if e["event"] == "download.retry"]
+    assert [e["attempt"] for e in retries] == list(range(1, FAST.max_attempts_without_progress))
+    for e in retries:
+        assert e["url"] == f"http://127.0.0.1:{port}/org/m/resolve/{'1' * 40}/model.gguf"
+        assert "ConnectError" in e["cause"] and e["wait_s"] >= 0
+        assert e["repo"] == "org/m" and e["file"] == "model.gguf"
+    assert "s3cret" not in json.dumps(events, default=str)
+
+
+@pytest.mark.anyio
+async def test_a_retried_cdn_get_is_reported_without_the_signed_query(local_hub: LocalHub, repo: Any,
+                                                                      weights: Path, tmp_path: Path) -> None:
+    _repo, _commit, entry = repo
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(file="model.gguf", method="GET", where="cdn", status=503, retry_after=0, times=1)
+    with structlog.testing.capture_logs() as events:
+        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    retries = [e for e in events if e["event"] == "download.retry"]
+    assert len(retries) == 1
+    assert retries[0]["attempt"] == 1 and "HTTP 503" in retries[0]["cause"] and retries[0]["wait_s"] == 0
+    assert retries[0]["url"].startswith(local_hub.cdn_endpoint) and "?" not in retries[0]["url"]
+
+
+@pytest.mark.anyio
+async def test_a_retried_snapshot_listing_is_reported(local_hub: LocalHub, tmp_path: Path,
+                                                      ov_repo: dict[str, Any]) -> None:
+    settings = settings_for(local_hub, tmp_path / "home")
+    local_hub.inject(url="/api/models/*", status=503, retry_after=0, times=1)
+    with structlog.testing.capture_logs() as events:
+        result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                                     options=FAST, progress=False)
+    assert result.snapshot is not None
+    retries = [e for e in events if e["event"] == "download.retry"]
+    assert len(retries) == 1 and retries[0]["repo"] == "OpenVINO/m-ov" and retries[0]["file"] is None
+    assert retries[0]["url"].startswith(f"{local_hub.endpoint}/api/models/OpenVINO/m-ov/tree/")
+
+
+NOT_A_HUB = "HF_ENDPOINT does not answer like a Hugging Face Hub"
+
+
+@pytest.mark.anyio
+async def test_a_web_server_that_is_not_a_hub_is_named_not_blamed_on_the_registry(not_a_hub: str,
+                                                                                  tmp_path: Path) -> None:
+    # Before: a bare 404 read as "the file was renamed or removed; fix the registry entry", and an
+    # HTML 200 as a missing X-Repo-Commit. Neither is the registry's fault.
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
+    entry = make_entry("m", "org/m-GGUF", "1" * 40, "model.gguf", 1000, "a" * 64)
+    with pytest.raises(HubError) as exc:
+        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    assert NOT_A_HUB in exc.value.what and not_a_hub in exc.value.what
+    assert "renamed" not in str(exc.value) and "registry" not in str(exc.value)
+    assert exc.value.details["endpoint"] == not_a_hub
+
+
+@pytest.mark.anyio
+async def test_a_snapshot_listing_from_a_server_that_is_not_a_hub_says_so(not_a_hub: str, tmp_path: Path) -> None:
+    settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
+    with pytest.raises(HubError) as exc:
+        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                            options=FAST, progress=False)
+    assert NOT_A_HUB in exc.value.what and not_a_hub in exc.value.what

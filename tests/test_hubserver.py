@@ -24,7 +24,7 @@ from huggingface_hub.errors import (
 )
 
 from tests.conftest import REPO_ROOT
-from tests.hubserver import LocalHub, git_blob_sha1, local_hub, lfs_pointer, parse_range  # noqa: F401
+from tests.hubserver import LocalHub, git_blob_sha1, lfs_pointer, parse_range
 
 CONFIG = b'{"architectures": ["LlamaForCausalLM"]}\n'
 WEIGHTS = bytes(range(256)) * 40  # 10240 bytes, forced LFS below
@@ -433,6 +433,46 @@ def test_runs_as_a_process_sharing_the_store(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+# The demo (scripts/provision-demo) runs after `./scripts/bootstrap`, which installs no test
+# dependencies: its Hub and world must import and start with pytest unimportable.
+_WITHOUT_PYTEST = "import runpy, sys; sys.modules['pytest'] = None; sys.argv[0] = {module!r}; " \
+                  "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+
+
+def test_the_hub_server_runs_without_pytest(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WITHOUT_PYTEST.format(module="tests.hubserver"), "--root", str(tmp_path / "hub"),
+         "--port", "0"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        assert json.loads(line)["endpoint"].startswith("http://127.0.0.1:")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_demo_world_starts_without_pytest(tmp_path: Path) -> None:
+    from tests.gguf_fixtures import pinned_template
+
+    pinned_template()  # the world uploads the pinned llama.cpp template: skip (or fail) like the server
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WITHOUT_PYTEST.format(module="tests.e2e_support"), str(tmp_path / "world"),
+         "--free-gib", "8"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        world = json.loads(line)
+        assert world["models"] == ["fx-agent-large", "fx-agent-small"]
+        r = httpx.head(f"{world['endpoint']}/hotfit-fixtures/qwen3-chat-template/resolve/main/chat_template.jinja")
+        assert r.status_code == 200 and r.headers["X-Repo-Commit"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_parallel_ranges_on_separate_connections(repo: tuple[LocalHub, str]) -> None:

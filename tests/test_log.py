@@ -36,3 +36,41 @@ def test_console_renderer_still_writes_json_to_file(tmp_path: Path) -> None:
     assert "stage.start" in stream.getvalue()
     assert not stream.getvalue().lstrip().startswith("{")
     assert json.loads(log_file.read_text())["stage"] == "probe"
+
+
+def test_quiet_keeps_info_events_in_the_file_but_not_on_the_stream(tmp_path: Path) -> None:
+    # README: the log file is always appended; -q/-v choose what the stream shows, not what is kept.
+    stream = io.StringIO()
+    log_file = tmp_path / "hotfit.jsonl"
+    log.configure("json", -1, log_file, stream=stream)
+    log.get_logger().info("stage.done", stage="plan")
+    log.get_logger().warning("download.partial_short", file="m.gguf")
+    shown = [json.loads(x)["event"] for x in stream.getvalue().splitlines()]
+    kept = [json.loads(x)["event"] for x in log_file.read_text().splitlines()]
+    assert shown == ["download.partial_short"]
+    assert kept == ["stage.done", "download.partial_short"]
+
+
+def test_debug_events_reach_the_file_at_default_verbosity(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    log_file = tmp_path / "hotfit.jsonl"
+    log.configure("console", 0, log_file, stream=stream)
+    log.get_logger().debug("download.preallocate_skipped", errno=95)
+    assert "preallocate_skipped" not in stream.getvalue()
+    event = json.loads(log_file.read_text())
+    assert event["event"] == "download.preallocate_skipped" and event["level"] == "debug"
+
+
+def test_cli_quiet_run_still_appends_its_info_events_to_the_home_log(tmp_path: Path) -> None:
+    from pipeline.cli import main
+    from pipeline.plan import Device, ProbeResult
+
+    home = tmp_path / "home"
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps(ProbeResult(devices=(Device(index=0, kind="cpu", name="host", total_bytes=64 << 30,
+                                                                free_bytes=48 << 30),), selected=0).to_json()))
+    rc = main(["--home", str(home), "-q", "--log-format", "json", "plan", "--probe-file", str(probe)],
+              out=io.StringIO())
+    assert rc == 0
+    kept = [json.loads(x)["event"] for x in (home / "logs" / "hotfit.jsonl").read_text().splitlines()]
+    assert "plan.selected" in kept

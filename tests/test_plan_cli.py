@@ -13,6 +13,7 @@ import pytest
 from pipeline.cli import main
 from pipeline.errors import UsageError
 from pipeline.plan import Device, ProbeResult
+from registry.catalog import Registry, load_registry
 from registry.kv import KV_CACHE_TYPES
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
 from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
@@ -74,8 +75,8 @@ def test_kv_cache_type_resolution() -> None:
 # ----------------------------------------------------------------------------- the CLI, bundled registry
 
 
-def load_bundled():
-    return pytest.importorskip("registry.catalog").load_registry()
+def load_bundled() -> Registry:
+    return load_registry()
 
 
 def write_probe(tmp_path: Path, total: int, free: int, kind: str = "nvidia") -> Path:
@@ -92,9 +93,8 @@ def plan_cli(*argv: str) -> tuple[int, dict]:
 
 
 @pytest.fixture(autouse=True)
-def _home(request: pytest.FixtureRequest, hotfit_home: Path) -> None:
-    if "tmp_path" in request.fixturenames:  # the CLI tests need the bundled registry
-        pytest.importorskip("registry.catalog")
+def _home(hotfit_home: Path) -> None:
+    """Every test here runs with its own HOTFIT_HOME (the CLI writes its event log there)."""
 
 
 def test_spec_small_device_class_end_to_end(tmp_path: Path) -> None:

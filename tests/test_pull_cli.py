@@ -22,7 +22,7 @@ import pytest
 from registry.model import Entry, TemplateSource
 from stages.transfer import partial_paths
 from tests.conftest import REPO_ROOT
-from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.hubserver import LocalHub
 from tests.test_fetch_weights import make_entry, make_gguf, sha256_of
 
 MiB = 1 << 20

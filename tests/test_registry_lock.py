@@ -9,7 +9,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -45,18 +45,12 @@ def _art(repo: str, revision: str | None, file: str | None, size: int | None = N
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[LocalHub]:
-    with LocalHub(tmp_path / "localhub") as running:
-        yield running
-
-
-@pytest.fixture
-def repos(hub: LocalHub) -> dict[str, str]:
+def repos(local_hub: LocalHub) -> dict[str, str]:
     """org/m-GGUF (two commits: the file changed), org/m (template), org/snap (OpenVINO-like snapshot)."""
-    first = hub.store.create_repo("org/m-GGUF", {"m-Q4_K_M.gguf": GGUF}, lfs=["m-Q4_K_M.gguf"])
-    second = hub.store.commit("org/m-GGUF", {"m-Q4_K_M.gguf": GGUF + b"requant"}, lfs=["m-Q4_K_M.gguf"])
-    tpl = hub.store.create_repo("org/m", {"chat_template.jinja": TEMPLATE, "config.json": "{}"})
-    snap = hub.store.create_repo("org/snap", {"openvino_model.bin": b"\0" * 5000, "tokenizer_config.json": "{}"},
+    first = local_hub.store.create_repo("org/m-GGUF", {"m-Q4_K_M.gguf": GGUF}, lfs=["m-Q4_K_M.gguf"])
+    second = local_hub.store.commit("org/m-GGUF", {"m-Q4_K_M.gguf": GGUF + b"requant"}, lfs=["m-Q4_K_M.gguf"])
+    tpl = local_hub.store.create_repo("org/m", {"chat_template.jinja": TEMPLATE, "config.json": "{}"})
+    snap = local_hub.store.create_repo("org/snap", {"openvino_model.bin": b"\0" * 5000, "tokenizer_config.json": "{}"},
                                  lfs=["openvino_model.bin"])
     return {"first": first, "second": second, "tpl": tpl, "snap": snap}
 
@@ -74,7 +68,7 @@ def _by_name(path: Path) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------- against the local Hub
 
 
-def test_lock_fills_open_values_from_the_hub_and_keeps_the_rest(tmp_path: Path, hub: LocalHub,
+def test_lock_fills_open_values_from_the_hub_and_keeps_the_rest(tmp_path: Path, local_hub: LocalHub,
                                                                    repos: dict[str, str]) -> None:
     requant = GGUF + b"requant"
     src = _write(tmp_path, [
@@ -86,7 +80,7 @@ def test_lock_fills_open_values_from_the_hub_and_keeps_the_rest(tmp_path: Path, 
     ])
     before = src.read_text()
     out = tmp_path / "locked.json"
-    report = lock_registry(src, out, endpoint=hub.endpoint)
+    report = lock_registry(src, out, endpoint=local_hub.endpoint)
 
     assert report.problems == () and report.exit_code == 0
     assert src.read_text() == before, "--output leaves the source untouched"
@@ -108,7 +102,7 @@ def test_lock_fills_open_values_from_the_hub_and_keeps_the_rest(tmp_path: Path, 
         "artifact.revision", "artifact.size_bytes", "artifact.sha256", "chat_template.revision"}
 
 
-def test_a_recorded_value_that_disagrees_is_reported_never_overwritten(tmp_path: Path, hub: LocalHub,
+def test_a_recorded_value_that_disagrees_is_reported_never_overwritten(tmp_path: Path, local_hub: LocalHub,
                                                                        repos: dict[str, str]) -> None:
     wrong_sha = "0" * 64
     src = _write(tmp_path, [
@@ -116,7 +110,7 @@ def test_a_recorded_value_that_disagrees_is_reported_never_overwritten(tmp_path:
         _entry("bad-sha", artifact=_art("org/m-GGUF", None, "m-Q4_K_M.gguf", None, wrong_sha), template=None),
         _entry("bad-snapshot", artifact=_art("org/snap", None, None, 999), template=None),
     ])
-    report = lock_registry(src, None, endpoint=hub.endpoint)
+    report = lock_registry(src, None, endpoint=local_hub.endpoint)
 
     locked = _by_name(src)  # in place
     assert locked["bad-size"]["artifact"]["size_bytes"] == 123
@@ -132,7 +126,7 @@ def test_a_recorded_value_that_disagrees_is_reported_never_overwritten(tmp_path:
     assert any(str(len(GGUF)) in p.message for p in report.problems if p.entry == "bad-size")
 
 
-def test_missing_repo_file_or_template_is_reported_and_left_alone(tmp_path: Path, hub: LocalHub,
+def test_missing_repo_file_or_template_is_reported_and_left_alone(tmp_path: Path, local_hub: LocalHub,
                                                                   repos: dict[str, str]) -> None:
     src = _write(tmp_path, [
         _entry("no-repo", artifact=_art("org/missing", None, "x.gguf"), template=None),
@@ -143,7 +137,7 @@ def test_missing_repo_file_or_template_is_reported_and_left_alone(tmp_path: Path
         _entry("no-revision", artifact=_art("org/m-GGUF", "f" * 40, "m-Q4_K_M.gguf"), template=None),
     ])
     before = src.read_text()
-    report = lock_registry(src, None, endpoint=hub.endpoint)
+    report = lock_registry(src, None, endpoint=local_hub.endpoint)
     assert src.read_text() == before
     by_entry = {p.entry: p for p in report.problems}
     assert set(by_entry) == {"no-repo", "no-file", "no-template", "no-revision"}
@@ -155,9 +149,9 @@ def test_missing_repo_file_or_template_is_reported_and_left_alone(tmp_path: Path
     assert report.exit_code == 4
 
 
-def test_cli_lock_json_report_and_exit_code(tmp_path: Path, hub: LocalHub, repos: dict[str, str],
+def test_cli_lock_json_report_and_exit_code(tmp_path: Path, local_hub: LocalHub, repos: dict[str, str],
                                             monkeypatch: pytest.MonkeyPatch, hotfit_home: Path) -> None:
-    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_ENDPOINT", local_hub.endpoint)
     src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m-Q4_K_M.gguf"), template=None)])
     out = tmp_path / "out.json"
     buf = io.StringIO()
@@ -169,11 +163,11 @@ def test_cli_lock_json_report_and_exit_code(tmp_path: Path, hub: LocalHub, repos
     assert _by_name(out)["open"]["artifact"]["revision"] == repos["second"]
 
 
-def test_cli_lock_verify_reports_a_pinned_value_the_hub_contradicts(tmp_path: Path, hub: LocalHub,
+def test_cli_lock_verify_reports_a_pinned_value_the_hub_contradicts(tmp_path: Path, local_hub: LocalHub,
                                                                     repos: dict[str, str],
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     hotfit_home: Path) -> None:
-    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_ENDPOINT", local_hub.endpoint)
     src = _write(tmp_path, [_entry("full", artifact=_art("org/m-GGUF", repos["first"], "m-Q4_K_M.gguf",
                                                          len(GGUF), "1" * 64), template=None)])
     buf = io.StringIO()
@@ -268,3 +262,32 @@ def test_write_atomic_failure_keeps_the_old_file(tmp_path: Path, monkeypatch: py
         write_atomic(path, "new")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["reg.json"]
+
+
+def test_lock_against_a_server_that_is_not_a_hub_says_so_and_writes_nothing(tmp_path: Path, not_a_hub: str,
+                                                                             hotfit_home: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.errors import HubError
+
+    src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None),
+                            _entry("other", artifact=_art("org/n-GGUF", None, "n.gguf"), template=None)])
+    before = src.read_text()
+    with pytest.raises(HubError) as exc:
+        lock_registry(src, None, endpoint=not_a_hub)
+    assert "HF_ENDPOINT does not answer like a Hugging Face Hub" in exc.value.what and not_a_hub in exc.value.what
+    monkeypatch.setenv("HF_ENDPOINT", not_a_hub)
+    buf = io.StringIO()
+    assert main(["--json", "registry", "lock", "--registry", str(src)], out=buf) == 4
+    assert "HF_ENDPOINT does not answer like a Hugging Face Hub" in json.loads(buf.getvalue())["error"]["message"]
+    assert src.read_text() == before
+
+
+def test_cli_lock_with_every_lookup_failing_does_not_claim_mismatches(tmp_path: Path, hotfit_home: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None)])
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    buf = io.StringIO()
+    assert main(["registry", "lock", "--registry", str(src)], out=buf) == 4
+    text = buf.getvalue()
+    assert "mismatch" not in text
+    assert "no lookup succeeded" in text and "nothing to write" in text

@@ -22,8 +22,14 @@ from pipeline.plan import Device, ProbeResult
 from registry.kv import parse_kv_cache_type
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit
 from stages.plan import build_plan
-from tests.e2e_support import GiB, HOST_TOTAL_BYTES, fixture_entry, sha256_of, write_probe
-from tests.gguf_fixtures import free_port, pinned_template, require_llama_server, write_tool_call_model
+from tests.e2e_support import HOST_TOTAL_BYTES, GiB, fixture_entry, sha256_of, write_probe
+from tests.gguf_fixtures import (
+    free_port,
+    pinned_template,
+    require_llama_server,
+    tool_template_text,
+    write_tool_call_model,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 F16 = parse_kv_cache_type("f16")
@@ -42,7 +48,7 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model_dir.mkdir(parents=True)
     info = write_tool_call_model(model_dir / "fx-agent.gguf")
     template = model_dir / "chat_template.jinja"
-    template.write_text(pinned_template().read_text())
+    template.write_text(tool_template_text())  # only the window tests read it without a server
     entry = fixture_entry("fx-agent", info, repo="hotfit-fixtures/fx-agent-GGUF", revision="a" * 40,
                           sha256=sha256_of(info.path), params_b=0.02, template=None)
     roomy = probe_with(8 * GiB)
@@ -170,6 +176,7 @@ def test_missing_model_file_is_reported(provisioned: dict, tmp_path: Path) -> No
 @pytest.mark.llama
 def test_serve_starts_llama_server_with_the_window(provisioned: dict, tmp_path: Path) -> None:
     require_llama_server()
+    pinned_template()  # the real server renders the provisioned template: the pinned one must be there
     port = free_port()
     probe = write_probe(tmp_path / "p.json", 8 * GiB)
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "--home", str(provisioned["home"]), "--log-format",

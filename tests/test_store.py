@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -205,3 +206,88 @@ def test_database_with_a_newer_schema_number_is_refused(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(UsageError):
         SyncStateStore(path)
+
+
+# A process that holds the home's pipeline lock and a write transaction on state.db until told to stop.
+_BUSY_HOLDER = textwrap.dedent("""
+    import sqlite3, sys
+    from pathlib import Path
+    from state.locks import FileLock
+    home = Path(sys.argv[1])
+    lock = FileLock(home / "pipeline.lock")
+    lock.acquire()
+    conn = sqlite3.connect(home / "state.db", isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.fixture
+def busy_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    import state.store
+
+    monkeypatch.setattr(state.store, "BUSY_TIMEOUT_MS", 200)  # the wait itself is not under test
+    home = tmp_path / "home"
+    home.mkdir()
+    SyncStateStore(home / "state.db").close()
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_HOLDER, str(home)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, cwd=root, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield home, proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_busy_database_at_open_names_the_holder_not_a_sqlite_traceback(busy_home: Any) -> None:
+    from pipeline.errors import LockedError
+
+    home, holder_pid = busy_home
+    with pytest.raises(LockedError) as info:
+        SyncStateStore(home / "state.db", lock_path=home / "pipeline.lock")
+    assert f"PID {holder_pid}" in info.value.what and str(home / "state.db") in info.value.what
+    assert info.value.details["holder_pid"] == holder_pid
+    assert info.value.hint and "--wait" in info.value.hint
+
+
+def test_a_busy_database_on_write_names_the_process_that_has_it_open(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # No pipeline lock this time (another program, e.g. the sqlite3 shell, holds the write lock):
+    # the holder is found among the processes that have the file open.
+    import state.store
+    from pipeline.errors import LockedError
+
+    monkeypatch.setattr(state.store, "BUSY_TIMEOUT_MS", 200)
+    db = tmp_path / "state.db"
+    store = SyncStateStore(db, lock_path=tmp_path / "pipeline.lock")
+    run = store.create_run(STAGES)
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys\n"
+                               "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+                               "c.execute('BEGIN IMMEDIATE'); print('ready', flush=True); sys.stdin.read()",
+                               str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        with pytest.raises(LockedError) as info:
+            store.stage_running(run.run_id, "probe", "h", None)
+        assert f"PID {holder.pid}" in info.value.what
+    finally:
+        holder.kill()
+        holder.wait()
+    store.stage_running(run.run_id, "probe", "h", None)  # the store is still usable once it is free
+    assert store.get_stage(run.run_id, "probe").status == "running"  # type: ignore[union-attr]
+
+
+def test_status_on_a_busy_database_exits_6_naming_the_holder(busy_home: Any) -> None:
+    import io
+    import json
+
+    from pipeline.cli import main
+
+    home, holder_pid = busy_home
+    out = io.StringIO()
+    assert main(["--home", str(home), "--json", "status"], out=out) == 6
+    err = json.loads(out.getvalue())["error"]
+    assert err["code"] == "locked" and f"PID {holder_pid}" in err["message"]

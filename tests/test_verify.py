@@ -24,7 +24,7 @@ from stages.verify import (
     read_gguf_header,
     verify,
 )
-from tests.hubserver import LocalHub, local_hub  # noqa: F401  (fixture)
+from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
 
 SHA_A, SHA_B = "a" * 64, "b" * 64

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence, TextIO
 from pipeline import log
 from pipeline.errors import HotfitError, Interrupted
 from pipeline.settings import Settings, load_settings
+from state.files import prepare_home, unusable_home
 
 EXIT_CODES_HELP = """exit codes:
   0    success
@@ -90,7 +91,13 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     try:
         settings = load_settings(home=args.home, llama_server=args.llama_server)
         verbosity = args.verbose - args.quiet
-        log.configure(args.log_format, verbosity, settings.log_path)
+        prepare_home(settings.home, settings.home_named, settings.log_path.parent)
+        try:
+            log.configure(args.log_format, verbosity, settings.log_path)
+        except OSError as exc:
+            raise unusable_home(settings.home, settings.home_named,
+                                f"cannot append to {settings.log_path}: {exc.strerror or exc}",
+                                errno=exc.errno) from None
         ctx = CliContext(settings=settings, json=want_json, log_format=args.log_format,
                          verbosity=verbosity, out=out)
         handler: Callable[[argparse.Namespace, CliContext], int] = args.handler

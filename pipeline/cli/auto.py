@@ -292,7 +292,7 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
                 return AutoResult(manifest.to_json() | {"noop": True},
                                   summary(manifest, outcome.plan, noop=True), _kv_hint(outcome.plan))
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)
-        store = await StateStore.open(settings.state_db)
+        store = await StateStore.open(settings.state_db, lock_path=settings.lock_path)
         try:
             runner = Runner(hotfit_stages(), store, settings, run_args=opts.to_json(),
                             force=SESSION_STAGES if opts.recheck else (),

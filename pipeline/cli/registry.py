@@ -1,7 +1,8 @@
 """hotfit registry list|lock: the curated catalog.
 
-``list`` prints every downloadable entry with its agentic tier, origin, backend, parameters, download
-size, verified context ceiling and automatic-selection eligibility (with the reason when excluded).
+``list`` prints every entry with its agentic tier, origin, backend, parameters, download size, verified
+context ceiling, automatic-selection eligibility (with the reason when excluded) and whether ``pull``
+can fetch it as recorded (an entry without a pinned artifact is marked, with what to do).
 ``lock`` (online) pins the revisions, sizes and sha256 the registry leaves null (registry/lock.py);
 exit 0 when everything resolved, 4 when the Hub disagreed with a pinned value or could not answer.
 """
@@ -12,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli import CliContext
-from registry.catalog import entry_summary, load_registry
+from registry.catalog import download_blocker, entry_summary, load_registry
 from registry.lock import lock_registry
 
 
@@ -47,12 +48,14 @@ def _ctx(tokens: int | None) -> str:
 
 def run_list(args: argparse.Namespace, ctx: CliContext) -> int:
     registry = load_registry(Path(args.registry) if args.registry else None)
-    entries = [e for e in registry.entries if e.artifact is not None]
+    entries = list(registry.entries)
     rows = [entry_summary(e) for e in entries]
-    header = ("NAME", "TIER", "ORIGIN", "BACKEND", "PARAMS", "DOWNLOAD", "CONTEXT", "AUTO")
+    blocked = [(e, reason) for e in entries if (reason := download_blocker(e)) is not None]
+    header = ("NAME", "TIER", "ORIGIN", "BACKEND", "PARAMS", "DOWNLOAD", "CONTEXT", "AUTO", "PULL")
     table = [header] + [
         (e.name, e.agentic_tier, e.origin, e.backend, _params(e.params_total_b, e.params_active_b),
-         _gib(e.weights_bytes), _ctx(e.context_limit), "yes" if e.auto_eligible else "no")
+         _gib(e.weights_bytes), _ctx(e.context_limit), "yes" if e.auto_eligible else "no",
+         "yes" if download_blocker(e) is None else "no")
         for e in entries
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -61,6 +64,9 @@ def run_list(args: argparse.Namespace, ctx: CliContext) -> int:
     if excluded:
         lines += ["", "not auto-eligible (installable by name at the operator's risk once pinned):"]
         lines += [f"  {e.name}: {e.ineligible_reason}" for e in excluded]
+    if blocked:
+        lines += ["", "cannot be downloaded (no pinned artifact); `hotfit pull` refuses these until they are pinned:"]
+        lines += [f"  {e.name}: {reason}" for e, reason in blocked]
     lines += ["", "automatic selection also requires the agentic tier; tool-chat entries are picked only by name.",
               f"registry: {registry.source}"]
     ctx.emit({"schema": 1, "registry": registry.source, "entries": rows}, "\n".join(lines))
@@ -80,7 +86,10 @@ def run_lock(args: argparse.Namespace, ctx: CliContext) -> int:
     lines += [f"  pinned {c.entry} {c.field} = {c.new}" for c in report.changes]
     lines += [f"  {p.kind}: {p.entry} {p.field}: {p.message}" for p in report.problems]
     lines.append(f"wrote {report.output}" if report.output else "nothing to write")
-    if report.problems:
+    if report.all_failed:
+        lines.append("no lookup succeeded: nothing was pinned or compared; fix what the errors name "
+                     "(HF_ENDPOINT, the network, HF_TOKEN) and rerun")
+    elif any(p.kind == "mismatch" for p in report.problems):
         lines.append("recorded values are never overwritten: check the source of each mismatch and fix it by hand")
     ctx.emit({"schema": 1, **report.to_json(), "exit_code": report.exit_code}, "\n".join(lines))
     return report.exit_code

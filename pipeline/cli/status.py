@@ -75,7 +75,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     run: RunRecord | None = None
     stages: list[StageRecord] = []
     if settings.state_db.exists():
-        store = SyncStateStore(settings.state_db)
+        store = SyncStateStore(settings.state_db, lock_path=settings.lock_path)
         try:
             run = store.latest_run()
             stages = store.stages(run.run_id) if run else []
