@@ -48,11 +48,12 @@ import anyio
 import httpx
 
 from pipeline.backend import BUILD_INFO_NAME, BuildInfo, build_info_from_json, install_command
-from pipeline.errors import BackendError, LoadError
+from pipeline.errors import BackendError, IntegrityError, LoadError
 from pipeline.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, missing_features
 from pipeline.log import get_logger
 from pipeline.plan import Plan
 from registry.kv import LLAMA_UBATCH_TOKENS
+from stages.verify import read_gguf_header
 
 __all__ = [
     "API_KEY_ENV",
@@ -415,6 +416,11 @@ def signal_known_causes(sig: int, build: BuildInfo | None, isa: IsaComparison) -
         if gpu:
             causes.append("a GPU driver that does not match the runtime the binary was built against "
                           "(CUDA: a driver older than the toolkit; Vulkan: another loader or ICD)")
+        if backend in ("vulkan", None):
+            # seen here: Mesa lavapipe 22.3.6 dies in its own thread running ggml's flash-attention
+            # shader for head_dim 256 (Gemma 3); the same model runs with -fa off
+            causes.append("a Vulkan driver bug in one of ggml's shaders (seen: Mesa's lavapipe 22.3.6 crashes in "
+                          "flash attention for Gemma 3's head_dim 256; the backtrace ends in the driver's library)")
         causes.append("a llama.cpp bug with this model's architecture or tensor types: the backtrace says where")
     elif name == "SIGILL":
         if isa.missing:
@@ -562,13 +568,14 @@ def template_used(template_path: Path | None, gguf_has_template: bool | None) ->
 
 
 def _gguf_has_chat_template(model_path: Path) -> bool | None:
-    """Does the GGUF embed ``tokenizer.chat_template``? None when the header cannot be read."""
-    try:
-        import gguf
+    """Does the GGUF embed ``tokenizer.chat_template``? None when the header cannot be read.
 
-        reader = gguf.GGUFReader(model_path, "r")
-        return "tokenizer.chat_template" in reader.fields
-    except Exception:  # a broken file is load's business to report, not this helper's
+    The bounded header reader, not ``gguf.GGUFReader``: that one maps and parses every tensor,
+    7–33 s and hundreds of MiB for the real test models (0.4–0.8 s here), memory a CPU plan
+    never budgeted for."""
+    try:
+        return read_gguf_header(model_path).has_chat_template
+    except (IntegrityError, OSError):  # a broken file is load's business to report, not this helper's
         return None
 
 
