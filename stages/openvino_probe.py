@@ -53,6 +53,7 @@ __all__ = [
     "PARSERS",
     "tool_call_family",
     "structural_tag",
+    "template_expresses_tools",
     "answer_from_text",
     "OpenVinoProbeResult",
     "probe_openvino_tool_call",
@@ -63,6 +64,7 @@ log = get_logger()
 Family = Literal["hermes", "harmony", "phi4"]
 FAMILIES: tuple[str, ...] = ("hermes", "harmony", "phi4")
 PROBE_FILE = "probe-tool-call.json"
+TOOL_DESCRIPTION: str = PROBE_TOOL["function"]["description"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,26 @@ def tool_call_family(chat_template: str | None, entry_name: str = "") -> Family:
     if "phi-4" in name or "phi4" in name:
         return "phi4"
     return "hermes"
+
+
+# minja (GenAI's template engine) "polyfills" a template that ignores `tools`: it prepends a system
+# turn listing them with a generic JSON syntax (measured: this sentence, for a ChatML template without
+# a tools branch). The model never learned that syntax, so a polyfilled rendering does not count.
+_MINJA_TOOLS_POLYFILL = "You can call any of the following tools to satisfy the user's requests"
+_TEMPLATE_TOOLS_RE = re.compile(r"{[{%][^}]*\btools\b")
+
+
+def template_expresses_tools(template: str | None, prompt: str) -> tuple[bool, str]:
+    """Pure: (True, "") when the template itself renders ``tools`` into ``prompt``; else why not."""
+    if not template:
+        return False, "the export carries no chat template"
+    if not _TEMPLATE_TOOLS_RE.search(template):
+        return False, "the template never reads the `tools` variable"
+    if _MINJA_TOOLS_POLYFILL in prompt:
+        return False, "the template ignored the tools and the engine's generic tool prompt was substituted"
+    if TOOL_DESCRIPTION not in prompt:
+        return False, f"the rendered prompt does not hold the {PROBE_TOOL_NAME!r} tool's definition"
+    return True, ""
 
 
 def _tag(family: str) -> tuple[str, str, str]:
@@ -258,10 +280,9 @@ async def probe_openvino_tool_call(
     template = rendered.get("chat_template") or ""
     fam = family or tool_call_family(template, session.plan.entry.name)
     prompt = rendered["prompt"]
-    renders_tools = PROBE_TOOL_NAME in prompt
+    renders_tools, why_not = template_expresses_tools(template, prompt)
     if not renders_tools:
-        raise fail("tool-call probe failed: the model's chat template dropped the tools (the rendered prompt "
-                   f"does not mention {PROBE_TOOL_NAME!r})",
+        raise fail(f"tool-call probe failed: the model's chat template cannot express tools ({why_not})",
                    "the export's template cannot express tool calls: use an export whose template renders "
                    "`tools`, or the registry entry must not be auto-eligible",
                    cause="prose", reason="template drops tools", family=fam)

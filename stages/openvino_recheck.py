@@ -71,11 +71,12 @@ class OpenVinoAllocationReport:
         return asdict(self)
 
 
-def _matching_precision(actual: int, shape: KvShape, block_tokens: int) -> str | None:
-    for precision in sorted(set(KV_PRECISIONS.values())):
-        per_block = kv_bytes_per_token(shape, precision) * block_tokens
-        if per_block and actual % per_block == 0:
-            return precision
+def _fallback_precision(actual: int, shape: KvShape, config: SessionConfig) -> str | None:
+    """Another precision whose configured blocks give exactly ``actual`` bytes (None if the planned one does)."""
+    for precision in sorted(set(KV_PRECISIONS.values()) - {config.kv_precision}):
+        if actual == kv_bytes_per_token(shape, precision) * config.block_tokens * config.num_kv_blocks:
+            planned = kv_bytes_per_token(shape, config.kv_precision) * config.block_tokens * config.num_kv_blocks
+            return precision if planned != actual else None
     return None
 
 
@@ -101,15 +102,22 @@ def judge_openvino_allocation(
         problems.append("OpenVINO reports 0 KV bytes allocated: the cache was never allocated (no generation step "
                         "ran), so the hot context cannot be verified")
     elif per_block:
-        if actual_kv_bytes % per_block:
-            seen = _matching_precision(actual_kv_bytes, shape, config.block_tokens)
+        fallback = _fallback_precision(actual_kv_bytes, shape, config)
+        if fallback is not None:
+            problems.append(
+                f"OpenVINO allocated {actual_kv_bytes} KV bytes: {config.num_kv_blocks} blocks at {fallback}, not at "
+                f"the planned {config.kv_precision} (the precision fell back)"
+            )
+        elif actual_kv_bytes % per_block:
             problems.append(
                 f"OpenVINO allocated {actual_kv_bytes} KV bytes, not whole {config.block_tokens}-token blocks of "
-                f"{per_block} bytes at {config.kv_precision}"
-                + (f" (it matches {seen}: the precision fell back)" if seen else " (the KV geometry differs from the IR)")
+                f"{per_block} bytes at {config.kv_precision} (the KV geometry differs from the IR's)"
             )
         else:
             opened = actual_kv_bytes // per_token
+            if opened != config.capacity_tokens:
+                warnings.append(f"OpenVINO opened {opened} tokens of cache, the configuration asked for "
+                                f"{config.capacity_tokens}")
             if opened < config.planned_tokens:
                 problems.append(f"the opened cache holds {opened} tokens, below the planned {config.planned_tokens}")
             if opened < floor_tokens:

@@ -497,7 +497,7 @@ async def open_openvino_session(
         tail = _tail(log_path)
         log.error("openvino.load_failed", cause=cause, what=what, pid=process.pid)
         return LoadError(what, hint=hint, cause=cause, ir_dir=str(ir_dir), log_path=str(log_path),
-                         log_lines=tail, returncode=process.poll(), **details)
+                         log_lines=tail, returncode=process.poll(), pid=process.pid, **details)
 
     try:
         try:

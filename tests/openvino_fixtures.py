@@ -246,7 +246,7 @@ def make_ov_fixture(root: Path, kind: str, chat_template: str = QWEN3_TOOLS_TEMP
 def ov_entry(fx: OvFixture, name: str | None = None) -> Entry:
     from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig
 
-    size = sum((fx.ir_dir / f).stat().st_size for f in IR_FILES)
+    size = sum(p.stat().st_size for p in fx.ir_dir.iterdir() if p.is_file())
     return Entry(
         name=name or f"fixture-ov-{fx.kind}", display_name=f"OpenVINO fixture {fx.kind}", backend="openvino",
         origin="us", license="Apache-2.0", params_total_b=0.001, params_active_b=None, release_date=None,
