@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pipeline.errors import ToolCallProbeFailed
 from pipeline.log import get_logger
@@ -44,19 +45,19 @@ from stages.probe_tool_call import (
 )
 
 __all__ = [
-    "Family",
     "FAMILIES",
-    "ParsedCall",
-    "parse_hermes",
-    "parse_harmony",
-    "parse_phi4",
     "PARSERS",
-    "tool_call_family",
+    "Family",
+    "OpenVinoProbeResult",
+    "ParsedCall",
+    "answer_from_text",
+    "parse_harmony",
+    "parse_hermes",
+    "parse_phi4",
+    "probe_openvino_tool_call",
     "structural_tag",
     "template_expresses_tools",
-    "answer_from_text",
-    "OpenVinoProbeResult",
-    "probe_openvino_tool_call",
+    "tool_call_family",
 ]
 
 log = get_logger()
@@ -94,7 +95,7 @@ def _call_from_object(value: Any) -> ParsedCall | None:
     return ParsedCall(value["name"], args)
 
 
-_HERMES_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+_HERMES_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 def parse_hermes(text: str) -> list[ParsedCall]:
@@ -112,7 +113,7 @@ _HARMONY_RE = re.compile(
     r"to=functions\.(?P<name>[\w.\-]+)"  # recipient, in the header or after the channel
     r"[^<]*(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?"
     r"<\|message\|>(?P<body>.*?)(?:<\|call\|>|<\|end\|>|<\|return\|>|<\|start\|>|\Z)",
-    re.S,
+    re.DOTALL,
 )
 
 
@@ -121,7 +122,7 @@ def parse_harmony(text: str) -> list[ParsedCall]:
     return [ParsedCall(m["name"], _json_value(m["body"])) for m in _HARMONY_RE.finditer(text)]
 
 
-_PHI4_RE = re.compile(r"(?:functools|<\|tool_call\|>)\s*(\[.*)", re.S)
+_PHI4_RE = re.compile(r"(?:functools|<\|tool_call\|>)\s*(\[.*)", re.DOTALL)
 
 
 def parse_phi4(text: str) -> list[ParsedCall]:

@@ -186,10 +186,16 @@ async def recheck_openvino_allocation(
         max_cache_usage=metrics.get("max_cache_usage"),
     )
     (session.run_dir / RECHECK_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-    facts = dict(verdict=report.verdict, planned_hot_context_tokens=report.planned_hot_context_tokens,
-                 opened_context_tokens=report.opened_context_tokens, estimated_kv_bytes=report.estimated_kv_bytes,
-                 actual_kv_bytes=report.actual_kv_bytes, ratio=round(report.ratio, 6) if report.ratio else None,
-                 kv_precision=report.kv_precision, backend="openvino")
+    facts: dict[str, Any] = {
+        "verdict": report.verdict,
+        "planned_hot_context_tokens": report.planned_hot_context_tokens,
+        "opened_context_tokens": report.opened_context_tokens,
+        "estimated_kv_bytes": report.estimated_kv_bytes,
+        "actual_kv_bytes": report.actual_kv_bytes,
+        "ratio": round(report.ratio, 6) if report.ratio else None,
+        "kv_precision": report.kv_precision,
+        "backend": "openvino",
+    }
     for w in report.warnings:
         log.warning("recheck.kv_below_estimate", detail=w, **facts)
     if report.problems:

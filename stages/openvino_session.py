@@ -28,16 +28,16 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Mapping
+from typing import Any
 
 import anyio
 
@@ -46,27 +46,27 @@ from pipeline.log import get_logger
 from pipeline.plan import Plan
 
 __all__ = [
-    "OPENVINO_GENAI_VERSION",
-    "OPENVINO_INSTALL_HINT",
     "IR_REQUIRED_FILES",
-    "VISION_PATH_FILES",
     "KV_BLOCK_TOKENS",
     "KV_PRECISIONS",
-    "OPEN_TIMEOUT_S",
     "MAX_NUM_BATCHED_TOKENS",
-    "SessionConfig",
+    "OPENVINO_GENAI_VERSION",
+    "OPENVINO_INSTALL_HINT",
+    "OPEN_TIMEOUT_S",
+    "VISION_PATH_FILES",
     "KvShape",
-    "require_openvino",
-    "openvino_kv_precision",
-    "openvino_device",
-    "kv_blocks_for",
-    "session_config",
-    "check_ir_dir",
-    "parse_ir_kv_shape",
-    "kv_bytes_per_token",
-    "diagnose_openvino_failure",
     "OpenVinoSession",
+    "SessionConfig",
+    "check_ir_dir",
+    "diagnose_openvino_failure",
+    "kv_blocks_for",
+    "kv_bytes_per_token",
     "open_openvino_session",
+    "openvino_device",
+    "openvino_kv_precision",
+    "parse_ir_kv_shape",
+    "require_openvino",
+    "session_config",
 ]
 
 log = get_logger()
@@ -325,14 +325,14 @@ def kv_bytes_per_token_for_entry(layer_groups: Iterable[tuple[int, int, int, int
 
 
 _FAILURE_CAUSES: tuple[tuple[str, re.Pattern[str], str], ...] = (
-    ("out_of_memory", re.compile(r"bad_alloc|out of memory|cannot allocate|failed to allocate|oom", re.I),
+    ("out_of_memory", re.compile(r"bad_alloc|out of memory|cannot allocate|failed to allocate|oom", re.IGNORECASE),
      "the host did not have the memory the plan counted on: free memory, or re-plan (`hotfit plan`)"),
     ("damaged_ir", re.compile(r"Incorrect weights in bin file|Unable to read the model|Error parsing|"
-                              r"xml|\.bin|Cannot create .* layer|unexpected end", re.I),
+                              r"xml|\.bin|Cannot create .* layer|unexpected end", re.IGNORECASE),
      "the IR files are damaged: re-fetch and verify the snapshot (`hotfit pull NAME`)"),
-    ("kv_precision_unsupported", re.compile(r"kvcache type|cache precision|KV_CACHE_PRECISION", re.I),
+    ("kv_precision_unsupported", re.compile(r"kvcache type|cache precision|KV_CACHE_PRECISION", re.IGNORECASE),
      "this CPU does not take the planned KV precision: plan another KV type (CONTENOX_LLAMA_KV_CACHE_TYPE)"),
-    ("unsupported_model", re.compile(r"not supported|unsupported|Model references undeclared", re.I),
+    ("unsupported_model", re.compile(r"not supported|unsupported|Model references undeclared", re.IGNORECASE),
      "this OpenVINO GenAI release cannot run the export: the registry entry must not be auto-eligible"),
 )
 
@@ -484,12 +484,16 @@ async def open_openvino_session(
     log_path = run_dir / WORKER_LOG
     (run_dir / SESSION_FILE).write_text(json.dumps(config.to_json(), indent=2) + "\n", encoding="utf-8")
     started = time.monotonic()
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(
-            [python or sys.executable, "-m", "stages.openvino_worker", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
-            cwd=str(Path(__file__).resolve().parent.parent), env=worker_env(), start_new_session=True,
-        )  # fmt: skip
+
+    def spawn() -> subprocess.Popen[bytes]:
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(
+                [python or sys.executable, "-m", "stages.openvino_worker", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                cwd=str(Path(__file__).resolve().parent.parent), env=worker_env(), start_new_session=True,
+            )  # fmt: skip
+
+    process = await anyio.to_thread.run_sync(spawn)
     log.info("openvino.start", pid=process.pid, ir_dir=str(ir_dir), **config.scheduler_json(),
              kv_precision=config.kv_precision, device=config.device)
 
@@ -543,5 +547,5 @@ def _tail(path: Path, limit: int = 12) -> list[str]:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return []
-    picked = [ln for ln in lines if re.search(r"error|exception|fail|incorrect|unable|cannot", ln, re.I)]
+    picked = [ln for ln in lines if re.search(r"error|exception|fail|incorrect|unable|cannot", ln, re.IGNORECASE)]
     return (picked or [ln for ln in lines if ln.strip()])[-limit:]

@@ -43,7 +43,7 @@ class _Worker:
 
     def open(self, req: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
-        import openvino_genai as og  # noqa: PLC0415 - the child exists to import it
+        import openvino_genai as og
 
         self.og = og
         sc = og.SchedulerConfig()

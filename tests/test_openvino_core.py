@@ -68,8 +68,8 @@ def test_parse_hermes(text: str, expected: list[tuple[str, object]]) -> None:
     [
         ('<|channel|>commentary to=functions.hotfit_probe <|constrain|>json<|message|>{"text": "ping"}<|call|>',
          [("hotfit_probe", ARGS)]),
-        ('<|channel|>analysis<|message|>Need to call.<|end|><|start|>assistant<|channel|>commentary '
-         'to=functions.hotfit_probe <|constrain|>json<|message|>{"text":"ping"}<|call|>', [("hotfit_probe", ARGS)]),
+        (('<|channel|>analysis<|message|>Need to call.<|end|><|start|>assistant<|channel|>commentary '
+          'to=functions.hotfit_probe <|constrain|>json<|message|>{"text":"ping"}<|call|>'), [("hotfit_probe", ARGS)]),
         ('<|start|>assistant to=functions.hotfit_probe<|channel|>commentary json<|message|>{"text": "ping"}<|call|>',
          [("hotfit_probe", ARGS)]),  # recipient in the role header
         ('<|channel|>commentary to=functions.hotfit_probe<|message|>{"text": "ping"}', [("hotfit_probe", ARGS)]),
