@@ -11,6 +11,10 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,12 +58,12 @@ def _copy(fx: OvFixture, dest: Path) -> OvFixture:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its init, counts as dead)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
         return False
-    # a zombie is dead for our purposes, but _reap waits, so none should remain
-    return True
+    return state != "Z"
 
 
 def test_the_fixture_is_the_hub_file_set(tool_ir: OvFixture) -> None:
@@ -197,3 +201,45 @@ async def test_cancellation_leaves_nothing_running(tool_ir: OvFixture, tmp_path:
             pids.append(session.pid)
             await anyio.sleep(60)  # cancelled by the scope, like a SIGINT in hotfit's runner
     assert pids and not _alive(pids[0])
+
+
+_HOLDER = """
+import sys, anyio
+from pathlib import Path
+from tests.openvino_fixtures import OvFixture, ov_plan
+from stages.openvino_session import open_openvino_session
+
+async def main() -> None:
+    fx = OvFixture(Path(sys.argv[1]), "tool-call", 1, 1, 32, 0.0)
+    async with open_openvino_session(ov_plan(fx, 32768), fx.ir_dir, Path(sys.argv[2])) as session:
+        print("WORKER", session.pid, flush=True)
+        await anyio.sleep(120)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_worker_dies_with_hotfit(tool_ir: OvFixture, tmp_path: Path, sig: int) -> None:
+    # The holder has no signal handlers, so both signals end it with no cleanup at all (hotfit's runner
+    # turns SIGTERM into cancellation, which reaps like test_cancellation_leaves_nothing_running):
+    # what is left is PR_SET_PDEATHSIG and the worker seeing its stdin close.
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tool_ir.ir_dir), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert holder.stdout is not None
+        line = ""
+        while not line.startswith("WORKER "):  # hotfit's own log lines come first
+            line = holder.stdout.readline()
+            assert line, "the holder exited before opening the session"
+        worker_pid = int(line.split()[1])
+        assert _alive(worker_pid)
+        holder.send_signal(sig)
+        holder.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker_pid)
+    finally:
+        holder.kill()
+        holder.wait()
