@@ -16,6 +16,8 @@ through the model's own Jinja template as GenAI renders it (minja, like llama-se
 Families (:func:`tool_call_family`), with the parser each uses:
 
 - ``hermes`` — Qwen3 (and Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
+- ``qwen3_coder`` — Qwen3-Coder: ``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>``
+  (what its template teaches; values are text, typed here by the tool's schema);
 - ``harmony`` — gpt-oss: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``
   (the recipient may also sit in the role header: ``<|start|>assistant to=functions.NAME<|channel|>...``);
 - ``phi4`` — Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]`` (vLLM's and OVMS's phi4
@@ -54,6 +56,7 @@ __all__ = [
     "parse_harmony",
     "parse_hermes",
     "parse_phi4",
+    "parse_qwen3_coder",
     "probe_openvino_tool_call",
     "structural_tag",
     "template_expresses_tools",
@@ -62,8 +65,8 @@ __all__ = [
 
 log = get_logger()
 
-Family = Literal["hermes", "harmony", "phi4"]
-FAMILIES: tuple[str, ...] = ("hermes", "harmony", "phi4")
+Family = Literal["hermes", "qwen3_coder", "harmony", "phi4"]
+FAMILIES: tuple[str, ...] = ("hermes", "qwen3_coder", "harmony", "phi4")
 PROBE_FILE = "probe-tool-call.json"
 TOOL_DESCRIPTION: str = PROBE_TOOL["function"]["description"]
 
@@ -109,6 +112,34 @@ def parse_hermes(text: str) -> list[ParsedCall]:
     return calls
 
 
+_CODER_CALL_RE = re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<body>.*?)(?:</function>|\Z)", re.DOTALL)
+_CODER_PARAM_RE = re.compile(r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>", re.DOTALL)
+
+
+def _typed(value: str, schema: dict[str, Any] | None) -> Any:
+    """A Qwen3-Coder parameter's text as the schema's type (strings stay text; others parse as JSON)."""
+    kind = (schema or {}).get("type")
+    if kind == "string" or kind is None:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def parse_qwen3_coder(text: str, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
+    """Pure: Qwen3-Coder XML calls; parameter values typed by ``tools``' schemas (default: the probe tool)."""
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {}).get("properties", {})
+               for t in (tools if tools is not None else [PROBE_TOOL])}
+    calls = []
+    for m in _CODER_CALL_RE.finditer(text):
+        name = m["name"].strip()
+        props = schemas.get(name, {})
+        args = {p["key"].strip(): _typed(p["value"], props.get(p["key"].strip())) for p in _CODER_PARAM_RE.finditer(m["body"])}
+        calls.append(ParsedCall(name, args))
+    return calls
+
+
 _HARMONY_RE = re.compile(
     r"to=functions\.(?P<name>[\w.\-]+)"  # recipient, in the header or after the channel
     r"[^<]*(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?"
@@ -138,6 +169,7 @@ def parse_phi4(text: str) -> list[ParsedCall]:
 
 PARSERS: dict[str, Callable[[str], list[ParsedCall]]] = {
     "hermes": parse_hermes,
+    "qwen3_coder": parse_qwen3_coder,
     "harmony": parse_harmony,
     "phi4": parse_phi4,
 }
@@ -151,6 +183,8 @@ def tool_call_family(chat_template: str | None, entry_name: str = "") -> Family:
         return "harmony"
     if "functools" in t or "<|tool_call|>" in t:
         return "phi4"
+    if "<function=" in t and "<parameter=" in t:
+        return "qwen3_coder"
     if "<tool_call>" in t:
         return "hermes"
     name = entry_name.lower()
@@ -158,6 +192,8 @@ def tool_call_family(chat_template: str | None, entry_name: str = "") -> Family:
         return "harmony"
     if "phi-4" in name or "phi4" in name:
         return "phi4"
+    if "coder" in name and "qwen3" in name:
+        return "qwen3_coder"
     return "hermes"
 
 
@@ -193,18 +229,29 @@ def _tag(family: str) -> tuple[str, str, str]:
     raise ValueError(f"unknown tool-call family {family!r}")
 
 
+# Qwen3-Coder's parameters are XML, not JSON: the forced content is a regex over the probe tool's two
+# parameters, every repeat bounded (an unbounded one never ends on a random-weight model; design note §3).
+_CODER_PROBE_PATTERN = (
+    r"<parameter=text>\n[^<\n]{0,64}\n</parameter>\n(<parameter=loud>\n(true|false)\n</parameter>\n)?"
+)
+
+
 def structural_tag(family: str) -> str:
     """Pure: the xgrammar structural tag (JSON) that forces exactly one probe call (contenox's
     ``openvino:json_schema_tool_calls`` idea, with ``at_least_one`` for ``tool_choice: required``)."""
-    trigger, begin, end = _tag(family)
-    schema = PROBE_TOOL["function"]["parameters"]
+    if family == "qwen3_coder":
+        trigger = "<tool_call>"
+        begin, end = f"<tool_call>\n<function={PROBE_TOOL_NAME}>\n", "</function>\n</tool_call>"
+        content: dict[str, Any] = {"type": "regex", "pattern": _CODER_PROBE_PATTERN}
+    else:
+        trigger, begin, end = _tag(family)
+        content = {"type": "json_schema", "json_schema": PROBE_TOOL["function"]["parameters"]}
     tag = {
         "type": "structural_tag",
         "format": {
             "type": "triggered_tags",
             "triggers": [trigger],
-            "tags": [{"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": schema},
-                      "end": end}],
+            "tags": [{"type": "tag", "begin": begin, "content": content, "end": end}],
             "at_least_one": True,
             "stop_after_first": True,
         },

@@ -17,6 +17,7 @@ from stages.openvino_probe import (
     parse_harmony,
     parse_hermes,
     parse_phi4,
+    parse_qwen3_coder,
     structural_tag,
     tool_call_family,
 )
@@ -97,32 +98,61 @@ def test_parse_phi4(text: str, expected: list[tuple[str, object]]) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n</function>\n</tool_call>",
+         [("hotfit_probe", ARGS)]),
+        (("Let me call it.\n<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n"
+         "<parameter=loud>\ntrue\n</parameter>\n</function>\n</tool_call>"), [("hotfit_probe", {"text": "ping", "loud": True})]),
+        ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\ntwo\nlines\n</parameter>\n</function>",
+         [("hotfit_probe", {"text": "two\nlines"})]),  # unclosed call, multi-line value
+        ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\n123\n</parameter>\n</function>\n</tool_call>",
+         [("hotfit_probe", {"text": "123"})]),  # a string parameter stays text
+        ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}\n</tool_call>', []),  # JSON: not this syntax
+        ("No tools needed.", []),
+    ],
+)
+def test_parse_qwen3_coder(text: str, expected: list[tuple[str, object]]) -> None:
+    assert [(c.name, c.arguments) for c in parse_qwen3_coder(text)] == expected
+
+
+@pytest.mark.parametrize(
     ("template", "name", "family"),
     [
         ("...<tool_call>\\n{...}</tool_call>...", "qwen3-8b-ov", "hermes"),
+        ("<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>", "x", "qwen3_coder"),
+        ("", "qwen3-coder-30b-a3b-ov", "qwen3_coder"),
         ("{{- '<|start|>assistant<|channel|>' }} to=functions.", "anything", "harmony"),
         ("<|tool|>{{ tools }}<|/tool|> functools[", "x", "phi4"),
         ("", "gpt-oss-20b-ov", "harmony"),
         ("", "phi-4-mini-ov", "phi4"),
-        (None, "qwen3-coder-ov", "hermes"),
+        (None, "qwen3-8b-ov", "hermes"),
     ],
 )
 def test_tool_call_family(template: str | None, name: str, family: str) -> None:
     assert tool_call_family(template, name) == family
 
 
-@pytest.mark.parametrize("family", ["hermes", "harmony", "phi4"])
-def test_structural_tag_forces_one_probe_call_with_the_probe_schema(family: str) -> None:
+@pytest.mark.parametrize(("family", "arguments"), [
+    ("hermes", '{"text": "ping"}'), ("harmony", '{"text": "ping"}'), ("phi4", '{"text": "ping"}'),
+    ("qwen3_coder", "<parameter=text>\nping\n</parameter>\n"),
+])
+def test_structural_tag_forces_one_probe_call(family: str, arguments: str) -> None:
+    import re
+
+    from stages.openvino_probe import PARSERS
+
     tag = json.loads(structural_tag(family))
     fmt = tag["format"]
     assert fmt["type"] == "triggered_tags" and fmt["at_least_one"] is True and fmt["stop_after_first"] is True
     (only,) = fmt["tags"]
-    assert only["content"]["json_schema"] == PROBE_TOOL["function"]["parameters"]
     assert only["begin"].startswith(fmt["triggers"][0])
-    # what the tag forces, with schema-valid arguments, parses with the family's own parser
-    from stages.openvino_probe import PARSERS
-
-    forced = only["begin"] + '{"text": "ping"}' + only["end"]
+    if family == "qwen3_coder":  # XML parameters: a bounded regex admits these arguments
+        assert re.fullmatch(only["content"]["pattern"], arguments)
+    else:
+        assert only["content"]["json_schema"] == PROBE_TOOL["function"]["parameters"]
+    # what the tag forces, with valid arguments, parses with the family's own parser
+    forced = only["begin"] + arguments + only["end"]
     assert [(c.name, c.arguments) for c in PARSERS[family](forced)] == [(PROBE_TOOL_NAME, ARGS)]
 
 
