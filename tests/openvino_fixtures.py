@@ -1,0 +1,285 @@
+"""Tiny OpenVINO IR models for tests, made offline at test time (issue 13 item 6).
+
+OpenVINO GenAI's GGUF reader converts a GGUF to the IR file set of the ``OpenVINO/*-ov`` Hub
+repositories (``openvino_model``, ``openvino_tokenizer``, ``openvino_detokenizer`` ``.xml``/``.bin``)
+when it loads one with ``enable_save_ov_model=True`` (``../shared/design/openvino.md`` §5 A). The
+GGUFs are written here with the writers' building blocks from :mod:`tests.gguf_fixtures`, with two
+differences the reader needs:
+
+- matrices are F16 (the reader refuses F32 matrices: "Unsupported quantization type");
+- the BPE merge list holds a merge whose result is in the vocabulary: the llama.cpp fixtures'
+  placeholder merge of two special tokens makes the OpenVINO BPE tokenizer fail at the first
+  encode (``BPETokenizer ... unordered_map::at``, measured). One merged token (``ab``) is appended
+  after the chat special tokens, so every token id of :mod:`tests.gguf_fixtures` stays the same.
+
+Writers: :func:`write_ov_tool_call_gguf` (the deterministic tool-call recipe of
+:func:`tests.gguf_fixtures.write_tool_call_model`, Qwen3 template embedded) and
+:func:`write_ov_random_gguf` (random weights: its greedy output is prose-like noise).
+:func:`convert_gguf_to_ir` runs the conversion in a child process (the reader is C++ and cannot be
+interrupted from Python) and returns the IR directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import gguf
+import numpy as np
+
+from tests.gguf_fixtures import (
+    _BYTE_TEXT,
+    BOS_ID,
+    EOS_ID,
+    N_BYTE_TOKENS,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    TOKEN_ID,
+    _finish,
+    _gaussian,
+    _llama_block,
+    _Shape,
+    _tensor,
+)
+
+if TYPE_CHECKING:
+    from pipeline.plan import Plan
+    from registry.model import Entry
+
+__all__ = [
+    "CHATML_NO_TOOLS_TEMPLATE",
+    "IR_FILES",
+    "OV_N_VOCAB",
+    "QWEN3_TOOLS_TEMPLATE",
+    "REQUIRE_OPENVINO_ENV",
+    "OvFixture",
+    "convert_gguf_to_ir",
+    "make_ov_fixture",
+    "ov_entry",
+    "ov_plan",
+    "require_openvino_genai",
+    "write_ov_random_gguf",
+    "write_ov_tool_call_gguf",
+]
+
+# One real merge ("a" + "b" -> "ab") after the specials: the OpenVINO BPE needs its result in the vocabulary.
+_MERGED = ("a", "b")
+OV_N_VOCAB = N_BYTE_TOKENS + len(SPECIAL_TOKENS) + 1
+IR_FILES = (
+    "openvino_model.xml", "openvino_model.bin",
+    "openvino_tokenizer.xml", "openvino_tokenizer.bin",
+    "openvino_detokenizer.xml", "openvino_detokenizer.bin",
+)  # fmt: skip
+CONVERT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class OvFixture:
+    """An IR directory made from a fixture GGUF, with the shape figures the KV check needs."""
+
+    ir_dir: Path
+    kind: str  # "tool-call" | "random"
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    convert_seconds: float
+
+
+def _open_ov_writer(path: Path, name: str, s: _Shape, chat_template: str) -> gguf.GGUFWriter:
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(name)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_context_length(s.n_ctx_train)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layers)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_heads)
+    w.add_head_count_kv(s.n_kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    tokens = [_BYTE_TEXT[b] for b in range(N_BYTE_TOKENS)] + [t for t, _ in SPECIAL_TOKENS] + ["".join(_MERGED)]
+    types = (
+        [gguf.TokenType.NORMAL] * N_BYTE_TOKENS + [ty for _, ty in SPECIAL_TOKENS] + [gguf.TokenType.NORMAL]
+    )
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([" ".join(_MERGED)])
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_eot_token_id(EOS_ID)
+    w.add_pad_token_id(PAD_ID)
+    w.add_add_bos_token(False)
+    w.add_chat_template(chat_template)
+    return w
+
+
+def write_ov_tool_call_gguf(path: Path, chat_template: str, *, n_ctx_train: int = 65536) -> _Shape:
+    """The deterministic tool-call model (recipe: :func:`tests.gguf_fixtures.write_tool_call_model`)
+    with F16 matrices and the OpenVINO-safe vocabulary. Unconstrained, its first token is end of
+    turn (an empty answer); constrained to a call, it fills the arguments as ``{"text":""}``."""
+    shape = _Shape(1, 2, 1, 32, 64, 32, n_ctx_train, "f16")
+    rand = _gaussian(1)
+    nl, quote, lbrace, rbrace = ord("\n"), ord('"'), ord("{"), ord("}")
+    embd = np.zeros((OV_N_VOCAB, shape.n_embd))
+    embd[:, 0] = 1.0
+    embd[TOKEN_ID["<tool_call>"], 1] = 4.0
+    embd[quote, 2] = 4.0
+    out = np.zeros((OV_N_VOCAB, shape.n_embd))
+    for token, pref in (
+        (EOS_ID, 6.0),
+        (TOKEN_ID["<tool_call>"], 5.0),
+        (TOKEN_ID["</tool_call>"], 4.0),
+        (quote, 3.0),
+        (rbrace, 2.0),
+        (lbrace, 1.0),
+        *((ord(ws), -1.0) for ws in " \t\n\r"),
+    ):
+        out[token, 0] = pref
+    out[nl, 1] = 10.0
+    out[quote, 2] = 10.0
+    w = _open_ov_writer(path, "hotfit-ov-tool-call", shape, chat_template)
+    _tensor(w, "token_embd.weight", embd, "f16")
+    _tensor(w, "output_norm.weight", np.ones(shape.n_embd), "f16")
+    _tensor(w, "output.weight", out, "f16")
+    _llama_block(w, 0, rand, shape, zero_out=True)
+    _finish(w)
+    return shape
+
+
+def write_ov_random_gguf(path: Path, chat_template: str, *, seed: int = 0) -> _Shape:
+    """2 layers, 2 KV heads, head_dim 32, seeded random F16 weights: unconstrained output is noise."""
+    shape = _Shape(2, 4, 2, 32, 64, 128, 65536, "f16")
+    rand = _gaussian(seed)
+    w = _open_ov_writer(path, "hotfit-ov-random", shape, chat_template)
+    _tensor(w, "token_embd.weight", rand(OV_N_VOCAB, shape.n_embd), "f16")
+    _tensor(w, "output_norm.weight", np.ones(shape.n_embd), "f16")
+    _tensor(w, "output.weight", rand(OV_N_VOCAB, shape.n_embd), "f16")
+    for i in range(shape.n_layers):
+        _llama_block(w, i, rand, shape)
+    _finish(w)
+    return shape
+
+
+_CONVERT = (
+    "import sys, openvino_genai as og\n"
+    "og.LLMPipeline(sys.argv[1], 'CPU', enable_save_ov_model=True)\n"
+)
+
+
+def convert_gguf_to_ir(gguf_path: Path, ir_dir: Path) -> float:
+    """GGUF -> IR directory (the six IR files only); returns the conversion's wall seconds."""
+    work = gguf_path.parent
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT, str(gguf_path)],
+        check=False, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, env=os.environ | {"CI": "true"},
+    )  # fmt: skip
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"GGUF -> IR conversion of {gguf_path} failed: {proc.stderr[-2000:]}")
+    ir_dir.mkdir(parents=True, exist_ok=True)
+    for name in IR_FILES:
+        shutil.move(str(work / name), ir_dir / name)
+    return seconds
+
+
+# Qwen3's tool branch (the system block listing the tools, then ChatML turns), compact: the
+# fixtures must not depend on the llama.cpp tree; what GenAI renders from it is checked by the tests.
+QWEN3_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{%- endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}{%- if message.role != 'system' %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+# ChatML without a tools branch: a template that cannot express tools.
+CHATML_NO_TOOLS_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+REQUIRE_OPENVINO_ENV = "HOTFIT_REQUIRE_OPENVINO"
+
+
+def require_openvino_genai() -> None:
+    """Skip the calling test without openvino-genai, unless HOTFIT_REQUIRE_OPENVINO=1 (then fail)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("openvino_genai") is not None:
+        return
+    why = "openvino-genai is not installed (pip install -e '.[openvino]')"
+    if os.environ.get(REQUIRE_OPENVINO_ENV) == "1":
+        pytest.fail(f"{why}; {REQUIRE_OPENVINO_ENV}=1 is set, so this is a failure, not a skip")
+    pytest.skip(why)
+
+
+def make_ov_fixture(root: Path, kind: str, chat_template: str = QWEN3_TOOLS_TEMPLATE) -> OvFixture:
+    """Write the GGUF of ``kind`` ("tool-call" | "random") under ``root`` and convert it to ``root/ir``."""
+    root.mkdir(parents=True, exist_ok=True)
+    gguf_path = root / "model.gguf"
+    writer = write_ov_tool_call_gguf if kind == "tool-call" else write_ov_random_gguf
+    shape = writer(gguf_path, chat_template)
+    seconds = convert_gguf_to_ir(gguf_path, root / "ir")
+    gguf_path.unlink()
+    return OvFixture(root / "ir", kind, shape.n_layers, shape.n_kv_heads, shape.head_dim, seconds)
+
+
+def ov_entry(fx: OvFixture, name: str | None = None) -> Entry:
+    from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig
+
+    size = sum(p.stat().st_size for p in fx.ir_dir.iterdir() if p.is_file())
+    return Entry(
+        name=name or f"fixture-ov-{fx.kind}", display_name=f"OpenVINO fixture {fx.kind}", backend="openvino",
+        origin="us", license="Apache-2.0", params_total_b=0.001, params_active_b=None, release_date=None,
+        architecture=None, agentic_tier="agentic",
+        evidence=(Evidence("measured", "fixture", "tests/openvino_fixtures.py"),),
+        auto_eligible=True, ineligible_reason=None,
+        artifact=Artifact(repo="hotfit-test/ov-fixture", revision=None, file=None, size_bytes=size, sha256=None),
+        projector=None, chat_template=None,
+        config=SourceConfig(n_layers=fx.n_layers,
+                            layer_groups=(LayerGroup(fx.n_layers, fx.n_kv_heads, fx.head_dim, fx.head_dim),),
+                            source="tests/openvino_fixtures.py"),
+        context_limit=65536, tool_parser="openvino: hermes (Qwen3 <tool_call>)", notes="test fixture",
+    )  # fmt: skip
+
+
+def ov_plan(fx: OvFixture, tokens: int, kv_type: str = "f16", *, estimated_kv_bytes: int | None = None,
+            entry_name: str | None = None) -> Plan:
+    """A host-memory plan for ``fx`` whose estimate is OpenVINO's own KV arithmetic (what the planner
+    must use for OpenVINO entries: stages.openvino_session.kv_bytes_per_token_for_entry)."""
+    from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
+    from stages.openvino_session import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
+
+    entry = ov_entry(fx, entry_name)
+    per_token = kv_bytes_per_token_for_entry(
+        [(fx.n_layers, fx.n_kv_heads, fx.head_dim, fx.head_dim)], KV_PRECISIONS.get(kv_type, "f16"))
+    block = KV_BLOCK_TOKENS["CPU"]
+    estimate = per_token * kv_blocks_for(tokens, block) * block if estimated_kv_bytes is None else estimated_kv_bytes
+    device = Device(index=0, kind="cpu", name="test host", total_bytes=16 << 30, free_bytes=12 << 30)
+    budget = BudgetBreakdown(
+        free_bytes=12 << 30, reserve_bytes=0, headroom_bytes=0, usable_bytes=12 << 30,
+        weights_bytes=entry.artifact.size_bytes or 0, allowance_bytes=256 << 20, kv_budget_bytes=estimate,
+        hot_context_tokens=tokens,
+    )  # fmt: skip
+    return Plan(entry=entry, probe=ProbeResult(devices=(device,), selected=0), kv_cache_type=kv_type,
+                kv_cache_type_source="flag", hot_context_tokens=tokens, estimated_kv_bytes=estimate,
+                budget=budget, origin=None)
