@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from stages.load import LLAMA_BATCH_TOKENS, LLAMA_UBATCH_TOKENS, LOG_VERBOSITY, free_port, read_server_log
 from stages.recheck import parse_log_allocation
+from stages.verify import read_gguf_header
 
 MiB = 1 << 20
 
@@ -162,45 +163,63 @@ class GGUFFacts:
     head_dim_v: int
 
 
+def read_tensor_sizes(path: Path, header_bytes: int, tensor_count: int) -> dict[str, int]:
+    """Bytes of each tensor's data, from the tensor-info table after the key/value header
+    (``gguf.GGUFReader`` takes over a minute on Gemma 3's 262k-token vocabulary; this takes ms)."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb", buffering=1 << 20) as fh:
+        fh.seek(header_bytes)
+        out: dict[str, int] = {}
+        for _ in range(tensor_count):
+            (n,) = struct.unpack("<Q", fh.read(8))
+            name = fh.read(n).decode("utf-8", "replace")
+            (n_dims,) = struct.unpack("<I", fh.read(4))
+            dims = struct.unpack(f"<{n_dims}Q", fh.read(8 * n_dims))
+            ttype, _offset = struct.unpack("<IQ", fh.read(12))
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            elems = 1
+            for d in dims:
+                elems *= d
+            out[name] = elems // block * type_size
+            if name == "token_embd.weight":
+                out["\0token_embd_rows"] = dims[-1]
+    return out
+
+
 def gguf_facts(path: Path) -> GGUFFacts:
     """Weights one generated token reads: every tensor once, except the token embedding, of which
     a decode step reads one row, unless the output projection is tied to it (no ``output.weight``:
     then the logits matmul reads it whole)."""
-    import gguf  # a hotfit dependency
+    from gguf import LlamaFileType
 
-    reader = gguf.GGUFReader(str(path))
+    header = read_gguf_header(path)
+    meta = header.metadata
+    arch = str(header.architecture)
 
-    def field(key: str) -> Any:
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]].tolist()[0]
+    def key(k: str) -> Any:
+        return meta.get(f"{arch}.{k}")
 
-    arch = str(field("general.architecture"))
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    sizes = read_tensor_sizes(path, header.header_bytes, header.tensor_count)
+    rows = sizes.pop("\0token_embd_rows", 0)
     total = sum(sizes.values())
     embd = sizes.get("token_embd.weight", 0)
     tied = "output.weight" not in sizes
-    n_vocab_rows = None
-    for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            n_vocab_rows = int(t.shape[-1])
-    row = embd // n_vocab_rows if n_vocab_rows else 0
-    read = total if tied else total - embd + row
-    ftype = field("general.file_type")
+    read = total if tied else total - embd + (embd // rows if rows else 0)
+    ftype = meta.get("general.file_type")
     try:
-        ftype_name = gguf.LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_") if ftype is not None else "?"
+        ftype_name = LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_") if ftype is not None else "?"
     except ValueError:
         ftype_name = str(ftype)
-    window = field(f"{arch}.attention.sliding_window")
-    n_head = int(field(f"{arch}.attention.head_count"))
-    n_kv = field(f"{arch}.attention.head_count_kv")
-    head_k = field(f"{arch}.attention.key_length")
-    head_v = field(f"{arch}.attention.value_length")
-    head_default = int(field(f"{arch}.embedding_length")) // n_head
+    window = key("attention.sliding_window")
+    n_head = int(key("attention.head_count"))
+    n_kv = key("attention.head_count_kv")
+    head_k, head_v = key("attention.key_length"), key("attention.value_length")
+    head_default = int(key("embedding_length")) // n_head
     return GGUFFacts(
-        architecture=arch, n_layers=int(field(f"{arch}.block_count")),
-        n_ctx_train=int(field(f"{arch}.context_length")),
+        architecture=arch, n_layers=int(key("block_count")), n_ctx_train=int(key("context_length")),
         sliding_window_tokens=int(window) if window else None,
         tensor_bytes=total, weights_read_per_token_bytes=read, token_embd_bytes=embd, tied_output=tied,
         file_type=ftype_name, n_kv_heads=int(n_kv) if n_kv is not None else n_head,
