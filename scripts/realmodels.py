@@ -227,6 +227,22 @@ def gguf_facts(path: Path) -> GGUFFacts:
     )  # fmt: skip
 
 
+def kv_read_per_token_bytes(alloc: Any, window: int | None, prompt: int, gen: int) -> float:
+    """Mean KV bytes a generated token attends, over positions prompt .. prompt+gen-1, from the
+    server's KV records (``stages.recheck.LogAllocation``: bytes per cell of each cache, all its
+    layers, K and V): the token at position p attends p+1 cells of a full cache and
+    min(p+1, window) of a sliding-window one. A lower bound: llama.cpp reads whole padded blocks."""
+    total = 0.0
+    for cache in alloc.caches:
+        per_cell = cache.size_mib * MiB / cache.cells
+        for p in range(prompt, prompt + gen):
+            cells = p + 1
+            if cache.role == "swa" and window:
+                cells = min(cells, window)
+            total += per_cell * cells
+    return total / gen
+
+
 # ---------------------------------------------------------------- llama-server
 
 
