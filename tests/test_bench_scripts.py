@@ -23,6 +23,7 @@ from registry.kv import allocation_kv_bytes
 from stages.recheck import KvBufferRecord, KvCacheRecord, LogAllocation
 from tests.e2e_support import write_registry
 from tests.gguf_fixtures import write_gemma3_swa_model, write_llama_model
+from tests.test_load import process_gone
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 MiB = 1 << 20
@@ -123,3 +124,12 @@ def test_gemma3_check_entry_loads_and_predicts_llamas_swa_allocation(tmp_path: P
     # llama.cpp at 32768 cells, f16, ubatch 512: 3 full layers x 32768 cells + 15 SWA layers x
     # (512 + 512) cells, 1 KiB per cell per layer (256 K + 256 V halves) -> 96 + 15 = 111 MiB
     assert allocation_kv_bytes(loaded, 32768, "f16") == (3 * 32768 + 15 * 1024) * 1024
+
+
+def test_a_step_past_its_limit_fails_and_takes_its_children_with_it(tmp_path: Path, gpu_check: ModuleType) -> None:
+    pids = tmp_path / "pids"
+    script = f"echo $$ > {pids}; sleep 300 & echo $! >> {pids}; wait"
+    with pytest.raises(gpu_check.StepFailed, match="did not finish within 1 s"):
+        gpu_check.sh(["bash", "-c", script], 1, tmp_path / "log", what="a slow step")
+    shell, child = (int(x) for x in pids.read_text().split())
+    assert process_gone(shell) and process_gone(child)  # a build's compilers must not outlive the check
