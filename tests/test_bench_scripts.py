@@ -133,3 +133,23 @@ def test_a_step_past_its_limit_fails_and_takes_its_children_with_it(tmp_path: Pa
         gpu_check.sh(["bash", "-c", script], 1, tmp_path / "log", what="a slow step")
     shell, child = (int(x) for x in pids.read_text().split())
     assert process_gone(shell) and process_gone(child)  # a build's compilers must not outlive the check
+
+
+def test_bench_summary_pairs_rounds_and_bounds_generation_by_bandwidth() -> None:
+    bench = load_script("bench-backend")
+
+    def build(prompt: list[float], gen: list[float]) -> dict[str, object]:
+        return {"prompt_tokens_per_s": prompt, "generated_tokens_per_s": gen,
+                "prompt_median": sorted(prompt)[len(prompt) // 2], "gen_median": sorted(gen)[len(gen) // 2]}
+
+    # round 2 is a burst of background load that hits both builds: paired ratios ignore it
+    row = {"weights_read_per_token_bytes": 90_000_000, "kv_read_per_token_bytes": 10_000_000,
+           "builds": {"cpu": build([100, 10, 100], [50, 5, 50]), "cpu-generic": build([110, 11, 110], [40, 4, 40])}}
+    assert bench.summarize([row], bandwidth_gb_per_s=20.0) is False  # prompt 100/110 < 0.95
+    ours, generic = row["builds"]["cpu"], row["builds"]["cpu-generic"]
+    assert ours["prompt_vs_best"] == pytest.approx(100 / 110) and generic["prompt_vs_best"] == 1.0
+    assert ours["gen_vs_best"] == 1.0 and generic["gen_vs_best"] == pytest.approx(0.8)
+    assert row["limit_tokens_per_s"] == pytest.approx(200.0)  # 20 GB/s over 100 MB a token
+    assert ours["roofline_fraction"] == pytest.approx(0.25) and generic["roofline_fraction"] == pytest.approx(0.2)
+    row["builds"]["cpu"] = build([108, 10, 106], [50, 5, 50])
+    assert bench.summarize([row], bandwidth_gb_per_s=20.0) is True  # within 0.95 on both
