@@ -44,7 +44,11 @@ import anyio
 from pipeline.errors import BackendNotFound, LoadError
 from pipeline.log import get_logger
 from pipeline.plan import Plan
-from registry.kv import OPENVINO_KV_BLOCK_TOKENS, OPENVINO_KV_PRECISIONS, openvino_state_bytes_per_token
+from registry.kv import (
+    OPENVINO_KV_BLOCK_TOKENS,
+    OPENVINO_KV_PRECISIONS,
+    openvino_state_bytes_per_token,
+)
 
 __all__ = [
     "IR_REQUIRED_FILES",

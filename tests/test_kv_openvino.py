@@ -19,7 +19,13 @@ from registry.kv import (
     layer_profile,
 )
 from registry.model import LayerGroup
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_memory, select_auto
+from registry.select import (
+    MIN_AGENTIC_HOT_CONTEXT,
+    device_budget,
+    model_fit,
+    required_memory,
+    select_auto,
+)
 from stages.openvino_session import KV_PRECISIONS, kv_bytes_per_token_for_entry
 from tests.entries import GiB, entry
 
