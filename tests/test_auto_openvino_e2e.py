@@ -161,6 +161,14 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     assert json.loads(again.stdout).get("noop") is True
     assert [e for e in events(home) if e["event"] == "run.noop"]
     assert len(_worker_pids(home)) == 1  # the rerun opened nothing
+    status = hotfit(hub, home, "status")
+    assert status.returncode == 0 and json.loads(status.stdout)["provisioned"]["backend"] == "openvino"
+
+    rechecked = auto(hub, home, ov_world.agent, probe, "--kv-cache-type", kv, "--recheck")
+    assert rechecked.returncode == 0, rechecked.stderr[-3000:]
+    assert json.loads(rechecked.stdout)["measured"]["actual_kv_bytes"] == tokens * per_token
+    pids = _worker_pids(home)
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)  # opened again, and closed again
 
 
 def test_serve_prints_the_ovms_command_and_refuses_to_exec(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:

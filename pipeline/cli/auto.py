@@ -203,14 +203,17 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
 
 def summary(manifest: Any, plan: Any, *, noop: bool, resumed: bool = False, skipped: tuple[str, ...] = ()) -> str:
     opened = manifest.opened_context_tokens
-    own_template = "(the export's own)" if manifest.backend == "openvino" else "(none: the GGUF template)"
+    own_template = "(none: the GGUF template)"
+    if manifest.backend == "openvino":  # GenAI (and OVMS) render the export's own template; the probe proved it
+        own_template = "the export's own" + (f" (registry copy checked: {manifest.template_path})"
+                                             if manifest.template_path else "")
     lines = [
         ("already provisioned (nothing to do): " if noop else "provisioned: ") + manifest.entry_name,
         f"  KV cache type   {manifest.kv_cache_type} ({plan.kv_cache_type_source})",
         f"  hot context     {plan.hot_context_tokens} tokens planned"
         + (f", {opened} opened at verification" if opened is not None else ""),
         f"  model           {manifest.model_path}",
-        f"  chat template   {manifest.template_path or own_template}",
+        f"  chat template   {own_template if manifest.backend == 'openvino' else manifest.template_path or own_template}",
         f"  tool-call probe {'passed' if manifest.probe_verdict.get('passed') else 'FAILED'}"
         + (f" ({manifest.probe_verdict.get('generation_tokens_per_s'):.1f} tok/s generation)"
            if manifest.probe_verdict.get("generation_tokens_per_s") else ""),
