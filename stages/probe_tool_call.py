@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 log = get_logger()
+DYING_SERVER_WAIT_S = 15.0
 
 PROBE_TOOL_NAME = "hotfit_probe"
 PROBE_REQUIRED_PARAM = "text"
@@ -313,8 +314,11 @@ async def probe_tool_call(
         log.error("probe_tool_call.failed", what=what, template=template, **details)
         return ToolCallProbeFailed(what, hint=hint, template=template, log_path=str(server.log_path), **details)
 
-    if "error" in outcome:  # a dropped connection: give a dying server a moment to be seen dead
-        with anyio.move_on_after(1.0):
+    if "error" in outcome:
+        # A dropped connection: give a dying server time to be seen dead. A crashing process may
+        # still be writing its core dump (seconds for a big mapped model, more on a loaded host),
+        # and calling that a transport error would hide the crash.
+        with anyio.move_on_after(DYING_SERVER_WAIT_S):
             while server.returncode() is None:
                 await anyio.sleep(0.05)
     code = server.returncode()

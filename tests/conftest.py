@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e_support import World, build_world
+from tests.gguf_fixtures import pinned_template, require_llama_server, tool_template_text
 from tests.hubserver import LocalHub
 
 # Never let huggingface_hub reach the real Hub or send Xet headers / telemetry from tests.
@@ -33,6 +35,29 @@ def local_hub(tmp_path: Path) -> Iterator[LocalHub]:
     """A started local Hub (tests/hubserver.py) rooted in the test's tmp_path; stopped after the test."""
     with LocalHub(tmp_path / "localhub") as hub:
         yield hub
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[LocalHub]:
+    """One local Hub per test module, for the end-to-end tests (they reset its faults and counters)."""
+    with LocalHub() as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def plain_world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
+    """The fixture models on the module's Hub; no llama-server needed (the pinned template when the
+    llama.cpp tree is here, else a stand-in one)."""
+    return build_world(tmp_path_factory.mktemp("world"), hub, template_text=tool_template_text())
+
+
+@pytest.fixture
+def world(plain_world: World) -> World:
+    """``plain_world`` for a test that runs the real llama-server (skips, or fails under
+    HOTFIT_REQUIRE_LLAMA, without it or without the pinned template the fixtures need)."""
+    require_llama_server()
+    pinned_template()
+    return plain_world
 
 
 @pytest.fixture

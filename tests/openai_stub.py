@@ -22,6 +22,8 @@ import argparse
 import json
 import os
 import signal
+import threading
+import time
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -83,7 +85,10 @@ def main(argv: list[str]) -> int:
                 fh.write(json.dumps(json.loads(body)) + "\n")
             if script.get("die_by"):  # a crash at the first inference: the process really dies by it
                 print(f"openai_stub: dying by SIG{script['die_by']} (not a real crash)", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), getattr(signal, f"SIG{script['die_by']}"))
+                # at this thread (a process-wide kill is delivered asynchronously: the answer
+                # below could still go out first on a loaded machine), and never answer after it
+                signal.pthread_kill(threading.get_ident(), getattr(signal, f"SIG{script['die_by']}"))
+                time.sleep(3600)
             self._send(200, script["answer"])
 
     host = "127.0.0.1" if args.host not in ("127.0.0.1", "localhost") else args.host  # loopback only

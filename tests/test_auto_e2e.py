@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import LARGE, SMALL, GiB, World, build_world, sha256_of, write_probe
-from tests.gguf_fixtures import pinned_template, require_llama_server, tool_template_text, write_standin_llama_server
+from tests.e2e_support import LARGE, SMALL, GiB, World, sha256_of, write_probe
+from tests.gguf_fixtures import pinned_template, require_llama_server, write_standin_llama_server
 from tests.hubserver import LocalHub
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,28 +33,6 @@ STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", 
 ROOMY_FREE_BYTES = 8 * GiB  # both fixtures fit with their whole 65536-token window
 # Pace the model downloads so that a fetch lasts long enough to be interrupted part-way.
 THROTTLE_BPS = 64_000
-
-
-@pytest.fixture(scope="module")
-def hub() -> Any:
-    with LocalHub() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def plain_world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
-    """The fixture models on the local Hub; no llama-server needed (the pinned template when the
-    llama.cpp tree is here, else a stand-in one)."""
-    return build_world(tmp_path_factory.mktemp("world"), hub, template_text=tool_template_text())
-
-
-@pytest.fixture
-def world(plain_world: World) -> World:
-    """``plain_world`` for a test that runs the real llama-server (skips, or fails under
-    HOTFIT_REQUIRE_LLAMA, without it or without the pinned template the fixtures need)."""
-    require_llama_server()
-    pinned_template()
-    return plain_world
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,10 @@ from typing import Any
 import pytest
 
 from pipeline.plan import Device, ProbeResult
-from tests.e2e_support import GiB, SMALL, World, build_world, write_probe
+from tests.e2e_support import GiB, SMALL, World, write_probe
 from tests.hubserver import LocalHub
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def hub() -> Any:
-    with LocalHub() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
-    return build_world(tmp_path_factory.mktemp("world"), hub)
 
 
 def _auto(hub: LocalHub, world: World, home: Path, probe: Path, binary: Path) -> subprocess.CompletedProcess[str]:
@@ -79,14 +68,14 @@ def _nvidia_probe(path: Path) -> Path:
     ],
 )
 def test_an_unusable_binary_stops_auto_before_any_weight_is_fetched(
-        hub: LocalHub, world: World, tmp_path: Path, case: str, script: str | None, record: dict[str, Any] | None,
+        hub: LocalHub, plain_world: World, tmp_path: Path, case: str, script: str | None, record: dict[str, Any] | None,
         mode: int, probe_kind: str, expect: str) -> None:
     hub.reset_counters()
     directory = tmp_path / "bin"
     binary = directory / "llama-server" if script is None else _binary(directory, script, record, mode)
     probe = (_nvidia_probe(tmp_path / "probe.json") if probe_kind == "nvidia"
              else write_probe(tmp_path / "probe.json", 12 * GiB))
-    proc = _auto(hub, world, tmp_path / "home", probe, binary)
+    proc = _auto(hub, plain_world, tmp_path / "home", probe, binary)
     assert proc.returncode == 5, (case, proc.stdout, proc.stderr[-2000:])
     assert expect in proc.stdout + proc.stderr, case
     sent = hub.bytes_sent()

@@ -18,29 +18,15 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e_support import LARGE, GiB, World, build_world, sha256_of, write_probe
-from tests.gguf_fixtures import require_llama_server
+from tests.e2e_support import LARGE, GiB, World, sha256_of, write_probe
 from tests.hubserver import LocalHub
 from tests.test_auto_e2e import REPO, cmd, env_for, events, stage_story
 from tests.test_load import real_build_info, write_crashing_stand_in
 
 pytestmark = pytest.mark.llama
-
-
-@pytest.fixture(scope="module")
-def hub() -> Any:
-    with LocalHub() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
-    require_llama_server()
-    return build_world(tmp_path_factory.mktemp("world"), hub)
 
 
 def run_auto(hub: LocalHub, home: Path, world: World, probe: Path,

@@ -20,25 +20,13 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import LARGE, SMALL, GiB, World, build_world, write_probe
-from tests.gguf_fixtures import free_port, require_llama_server
+from tests.e2e_support import LARGE, SMALL, GiB, World, write_probe
+from tests.gguf_fixtures import free_port
 from tests.hubserver import LocalHub
 
 pytestmark = pytest.mark.llama
 REPO = Path(__file__).resolve().parent.parent
 ROOMY_FREE_BYTES = 8 * GiB
-
-
-@pytest.fixture(scope="module")
-def hub() -> Any:
-    with LocalHub() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> World:
-    require_llama_server()
-    return build_world(tmp_path_factory.mktemp("world"), hub)
 
 
 def env_for(hub: LocalHub) -> dict[str, str]:

@@ -1,0 +1,155 @@
+"""The pure parts of scripts/bench-backend and scripts/gpu-check (issue 9 items 7 and 8).
+
+The scripts themselves are benchmarks and a GPU check, run by hand; what they compute from a GGUF
+and a llama-server log is checked here on fixtures, without llama-server: the tensor sizes the
+roofline uses (against the gguf package's own reader), the KV bytes a token attends, where a
+check says layers and KV belong, and that the registry entry gpu-check writes for Gemma 3 is one
+the registry loader accepts and whose allocation prediction is what llama.cpp allocates.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import gguf
+import pytest
+
+from registry.catalog import load_registry
+from registry.kv import allocation_kv_bytes
+from stages.recheck import KvBufferRecord, KvCacheRecord, LogAllocation
+from tests.e2e_support import write_registry
+from tests.gguf_fixtures import write_gemma3_swa_model, write_llama_model
+from tests.test_load import process_gone
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+MiB = 1 << 20
+
+
+def load_script(name: str) -> ModuleType:
+    """Import an extension-less script as a module (its main() is not run)."""
+    sys.path.insert(0, str(SCRIPTS))
+    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), str(SCRIPTS / name))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[loader.name] = module  # dataclasses look their module up there
+    loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def realmodels() -> ModuleType:
+    sys.path.insert(0, str(SCRIPTS))
+    import realmodels as mod
+
+    return mod
+
+
+@pytest.fixture(scope="module")
+def gpu_check() -> ModuleType:
+    return load_script("gpu-check")
+
+
+def test_tensor_sizes_match_the_gguf_readers(tmp_path: Path, realmodels: ModuleType) -> None:
+    for info in (write_llama_model(tmp_path / "llama.gguf", n_layers=3, tensor_type="f16"),
+                 write_gemma3_swa_model(tmp_path / "gemma.gguf", n_layers=6, sliding_window_tokens=64)):
+        reader = gguf.GGUFReader(str(info.path))
+        want = {t.name: int(t.n_bytes) for t in reader.tensors}
+        facts = realmodels.gguf_facts(info.path)
+        assert facts.tensor_bytes == sum(want.values())
+        assert facts.n_layers == info.n_layers
+        assert facts.n_kv_heads == info.n_kv_heads
+        assert (facts.head_dim_k, facts.head_dim_v) == (info.head_dim_k, info.head_dim_v)
+        assert facts.sliding_window_tokens == info.sliding_window_tokens
+        # an own output.weight: a token reads one embedding row; tied: the logits read the table whole
+        assert facts.tied_output == ("output.weight" not in want)
+        row = want["token_embd.weight"] // info.n_vocab
+        embd_read = want["token_embd.weight"] if facts.tied_output else row
+        assert facts.weights_read_per_token_bytes == sum(want.values()) - want["token_embd.weight"] + embd_read
+    assert {realmodels.gguf_facts(tmp_path / f).tied_output for f in ("llama.gguf", "gemma.gguf")} == {True, False}
+
+
+def cache(role: str, cells: int, mib: float) -> KvCacheRecord:
+    return KvCacheRecord(role=role, cells=cells, layers=1, seqs=1, k_type="f16", v_type="f16",
+                         size_mib=mib, k_mib=mib / 2, v_mib=mib / 2)
+
+
+def test_kv_read_per_token_counts_attended_cells_and_caps_the_window(realmodels: ModuleType) -> None:
+    # 1 MiB for 1024 cells = 1 KiB per cell in each cache
+    alloc = LogAllocation(caches=(cache("non-swa", 1024, 1.0), cache("swa", 1024, 1.0)), buffers=(),
+                          n_ctx=1024, n_ctx_seq=1024, flash_attn=None, offloaded_layers=None)
+    # positions 100 and 101 attend 101 and 102 cells: mean 101.5 cells in both caches (below the window)
+    assert realmodels.kv_read_per_token_bytes(alloc, 512, 100, 2) == pytest.approx(2 * 101.5 * 1024)
+    # at positions 600, 601 the full cache attends 601.5 cells on average, the windowed one 512
+    assert realmodels.kv_read_per_token_bytes(alloc, 512, 600, 2) == pytest.approx((601.5 + 512) * 1024)
+
+
+def alloc_with(buffers: tuple[str, ...], offloaded: tuple[int, int] | None) -> LogAllocation:
+    return LogAllocation(caches=(cache("kv", 4096, 8.0),), buffers=tuple(KvBufferRecord(b, 8.0) for b in buffers),
+                         n_ctx=4096, n_ctx_seq=4096, flash_attn="auto", offloaded_layers=offloaded)
+
+
+def test_placement_check_wants_every_layer_and_all_kv_on_the_gpu(gpu_check: ModuleType) -> None:
+    ok, figures = gpu_check.check_placement(alloc_with(("CUDA0",), (19, 19)), "cuda")
+    assert ok == [] and figures["offloaded_layers"] == (19, 19)
+    partial, _ = gpu_check.check_placement(alloc_with(("CUDA0",), (18, 19)), "cuda")
+    assert partial and "18/19" in partial[0]
+    host_kv, _ = gpu_check.check_placement(alloc_with(("CPU", "CUDA0"), (19, 19)), "cuda")
+    assert host_kv and "not all on the GPU" in host_kv[0]
+    silent, _ = gpu_check.check_placement(alloc_with((), None), "cuda")
+    assert len(silent) == 2  # neither the offload line nor a KV buffer: fail, never pass by default
+    assert gpu_check.check_placement(alloc_with(("CPU",), None), "cpu")[0] == []
+    assert gpu_check.check_placement(alloc_with(("CUDA0",), (19, 19)), "cpu")[0]
+
+
+def test_gemma3_check_entry_loads_and_predicts_llamas_swa_allocation(tmp_path: Path, realmodels: ModuleType,
+                                                                     gpu_check: ModuleType) -> None:
+    # Gemma 3 270M's geometry (its GGUF header): 18 layers, 1 KV head of 256, window 512
+    facts = realmodels.GGUFFacts(
+        architecture="gemma3", n_layers=18, n_ctx_train=32768, sliding_window_tokens=512, tensor_bytes=1,
+        weights_read_per_token_bytes=1, token_embd_bytes=1, tied_output=True, file_type="Q4_K_M",
+        n_kv_heads=1, head_dim_k=256, head_dim_v=256,
+    )  # fmt: skip
+    model = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    model.write_bytes(b"GGUF")
+    entry = gpu_check.real_entry(model, facts, "hotfit-check/gemma", "a" * 40, "b" * 64)
+    write_registry(tmp_path / "registry.json", [entry])
+    loaded = next(e for e in load_registry(tmp_path / "registry.json").entries if e.name == entry.name)
+    groups = {(g.count, g.window_tokens) for g in loaded.config.layer_groups}
+    assert groups == {(3, None), (15, 512)}  # llama.cpp: every 6th gemma3 layer is full attention
+    # llama.cpp at 32768 cells, f16, ubatch 512: 3 full layers x 32768 cells + 15 SWA layers x
+    # (512 + 512) cells, 1 KiB per cell per layer (256 K + 256 V halves) -> 96 + 15 = 111 MiB
+    assert allocation_kv_bytes(loaded, 32768, "f16") == (3 * 32768 + 15 * 1024) * 1024
+
+
+def test_a_step_past_its_limit_fails_and_takes_its_children_with_it(tmp_path: Path, gpu_check: ModuleType) -> None:
+    pids = tmp_path / "pids"
+    script = f"echo $$ > {pids}; sleep 300 & echo $! >> {pids}; wait"
+    with pytest.raises(gpu_check.StepFailed, match="did not finish within 1 s"):
+        gpu_check.sh(["bash", "-c", script], 1, tmp_path / "log", what="a slow step")
+    shell, child = (int(x) for x in pids.read_text().split())
+    assert process_gone(shell) and process_gone(child)  # a build's compilers must not outlive the check
+
+
+def test_bench_summary_pairs_rounds_and_bounds_generation_by_bandwidth() -> None:
+    bench = load_script("bench-backend")
+
+    def build(prompt: list[float], gen: list[float]) -> dict[str, object]:
+        return {"prompt_tokens_per_s": prompt, "generated_tokens_per_s": gen,
+                "prompt_median": sorted(prompt)[len(prompt) // 2], "gen_median": sorted(gen)[len(gen) // 2]}
+
+    # round 2 is a burst of background load that hits both builds: paired ratios ignore it
+    row = {"weights_read_per_token_bytes": 90_000_000, "kv_read_per_token_bytes": 10_000_000,
+           "builds": {"cpu": build([100, 10, 100], [50, 5, 50]), "cpu-generic": build([110, 11, 110], [40, 4, 40])}}
+    assert bench.summarize([row], bandwidth_gb_per_s=20.0) is False  # prompt 100/110 < 0.95
+    ours, generic = row["builds"]["cpu"], row["builds"]["cpu-generic"]
+    assert ours["prompt_vs_best"] == pytest.approx(100 / 110) and generic["prompt_vs_best"] == 1.0
+    assert ours["gen_vs_best"] == 1.0 and generic["gen_vs_best"] == pytest.approx(0.8)
+    assert row["limit_tokens_per_s"] == pytest.approx(200.0)  # 20 GB/s over 100 MB a token
+    assert ours["roofline_fraction"] == pytest.approx(0.25) and generic["roofline_fraction"] == pytest.approx(0.2)
+    row["builds"]["cpu"] = build([108, 10, 106], [50, 5, 50])
+    assert bench.summarize([row], bandwidth_gb_per_s=20.0) is True  # within 0.95 on both
