@@ -3,7 +3,7 @@
 Real parts only: fixture IR models made at test time by GenAI's own GGUF reader
 (tests/openvino_fixtures.py), uploaded to the local Hub (tests/hubserver.py) as OpenVINO snapshot
 repositories, a registry file naming them, `hotfit` run as a subprocess with its own --home, and
-the real OpenVINO GenAI pipeline in its worker process. A saved probe gives the planner a budget.
+the real OpenVINO GenAI pipeline in its worker process. A saved probe gives the planner a budget. ``hub`` is the module-scoped one of tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -45,12 +45,6 @@ class OvWorld:
     prose: Path
     damaged: Path
     entries: dict[str, Entry]
-
-
-@pytest.fixture(scope="module")
-def hub() -> Any:
-    with LocalHub() as h:
-        yield h
 
 
 def _publish(hub: LocalHub, fx: OvFixture, name: str, template: TemplateSource, *,
