@@ -48,6 +48,7 @@ class Manifest:
     plan: Mapping[str, Any]  # the full frozen plan (entry facts serve needs to re-plan)
     extra: Mapping[str, Any] = field(default_factory=dict)
     template_sha256: str | None = None  # of the verified template text (edited → not in place)
+    backend: str = "llama"  # "openvino": model_path is the IR snapshot directory, served by OVMS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +71,7 @@ class Manifest:
             "plan": dict(self.plan),
             **({"extra": dict(self.extra)} if self.extra else {}),
             **({"template_sha256": self.template_sha256} if self.template_sha256 else {}),
+            "backend": self.backend,
         }
 
     @classmethod
@@ -111,6 +113,7 @@ class Manifest:
             llama_cpp=mapping("llama_cpp"), device=mapping("device"),
             plan=mapping("plan"), extra=mapping("extra"),
             template_sha256=text("template_sha256", optional=True),
+            backend=text("backend", optional=True) or "llama",  # manifests before OpenVINO: llama
         )
 
     @property
@@ -122,7 +125,13 @@ class Manifest:
         """What is missing or the wrong size on disk ([] = all in place)."""
         problems: list[str] = []
         model = Path(self.model_path)
-        if not model.is_file():
+        if self.backend == "openvino":  # the verified snapshot directory: its files, at their total size
+            size = sum(p.stat().st_size for p in model.rglob("*") if p.is_file()) if model.is_dir() else None
+            if size is None:
+                problems.append(f"model snapshot directory missing: {model}")
+            elif self.model_size_bytes is not None and size != self.model_size_bytes:
+                problems.append(f"model snapshot holds {size} bytes, expected {self.model_size_bytes}")
+        elif not model.is_file():
             problems.append(f"model file missing: {model}")
         elif self.model_size_bytes is not None and model.stat().st_size != self.model_size_bytes:
             problems.append(f"model file has {model.stat().st_size} bytes, expected {self.model_size_bytes}")

@@ -449,6 +449,14 @@ async def _plan_stage(ctx: StageContext) -> Any:
 
         await anyio.to_thread.run_sync(
             functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
+    elif plan.backend == "openvino":
+        # The OpenVINO equivalent: the extra importable, a device and a KV precision the session
+        # takes — each refused here with its fix rather than after the download.
+        from stages.openvino_session import openvino_device, openvino_kv_precision, require_openvino
+
+        require_openvino()
+        openvino_device(plan)
+        openvino_kv_precision(plan.kv_cache_type)
     return plan
 
 
@@ -604,11 +612,29 @@ class LoadResult:
         return {**self.server.to_json(), "backend": self.backend.to_json()}
 
 
-async def _load_stage(ctx: StageContext) -> LoadResult:
+@dataclass(frozen=True)
+class OpenVinoLoadResult:
+    """The live OpenVINO session (valid until the pipeline ends): its worker, settings, GenAI version."""
+
+    session: Any  # stages.openvino_session.OpenVinoSession
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.session.to_json(), "backend": {"name": "openvino",
+                                                      "genai_version": self.session.opened.get("genai_version")}}
+
+
+async def _load_stage(ctx: StageContext) -> LoadResult | OpenVinoLoadResult:
     from pipeline.backend import find_llama_server
     from stages.load import open_server
 
     plan = ctx.plan
+    if plan.backend == "openvino":
+        from stages.openvino_session import open_openvino_session
+
+        verified = ctx.results["verify"]
+        snapshot = verified["weights_path"] if isinstance(verified, Mapping) else verified.weights_path
+        session = await ctx.enter_context(open_openvino_session(plan, Path(snapshot), ctx.run_dir))
+        return OpenVinoLoadResult(session)
     backend = await anyio.to_thread.run_sync(
         functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
     verified = ctx.results["verify"]
@@ -622,6 +648,8 @@ async def _load_stage(ctx: StageContext) -> LoadResult:
 
 def _load_fingerprint(out: Mapping[str, Any]) -> Any:
     # the port, pid and timing change every start; the command line without the port does not
+    if "config" in out:  # OpenVINO: every pipeline setting; the pid and timing are volatile
+        return {"config": out.get("config")}
     argv = list(out.get("argv") or [])
     if "--port" in argv:
         i = argv.index("--port")
@@ -629,7 +657,12 @@ def _load_fingerprint(out: Mapping[str, Any]) -> Any:
     return {"argv": argv, "template": out.get("template")}
 
 
-def _load_figures(result: LoadResult) -> dict[str, Any]:
+def _load_figures(result: LoadResult | OpenVinoLoadResult) -> dict[str, Any]:
+    if isinstance(result, OpenVinoLoadResult):
+        ov = result.session
+        return {"pid": ov.pid, "load_seconds": round(ov.load_seconds, 3), "backend": "openvino",
+                "kv_precision": ov.config.kv_precision, "num_kv_blocks": ov.config.num_kv_blocks,
+                "capacity_tokens": ov.config.capacity_tokens, "device": ov.config.device}
     s = result.server
     return {"pid": s.pid, "load_seconds": round(s.load_seconds, 3), "template": s.template.describe(),
             "llama_server": str(result.backend.server_path)}
@@ -638,12 +671,18 @@ def _load_figures(result: LoadResult) -> dict[str, Any]:
 async def _probe_tool_call_stage(ctx: StageContext) -> Any:
     from stages.probe_tool_call import probe_tool_call
 
-    return await probe_tool_call(ctx.results["load"].server)
+    load = ctx.results["load"]
+    if isinstance(load, OpenVinoLoadResult):
+        from stages.openvino_probe import probe_openvino_tool_call
+
+        return await probe_openvino_tool_call(load.session)
+    return await probe_tool_call(load.server)
 
 
 def _probe_call_figures(result: Any) -> dict[str, Any]:
+    # llama-server's ProbeResult and OpenVinoProbeResult share the verdict and the generation speed
     return {"passed": result.verdict.passed, "reason": result.verdict.reason, "tool": result.verdict.tool_name,
-            "prompt_tokens_per_s": result.prompt_tokens_per_s,
+            "prompt_tokens_per_s": getattr(result, "prompt_tokens_per_s", None),
             "generation_tokens_per_s": result.generation_tokens_per_s}
 
 
@@ -655,8 +694,14 @@ def _probe_call_fingerprint(out: Mapping[str, Any]) -> Any:
 async def _recheck_stage(ctx: StageContext) -> Any:
     from stages.recheck import recheck_allocation
 
-    report = await recheck_allocation(ctx.results["load"].server, ctx.plan)
-    opened = min(report.opened_n_ctx_per_slot) if report.opened_n_ctx_per_slot else None
+    load = ctx.results["load"]
+    if isinstance(load, OpenVinoLoadResult):
+        from stages.openvino_recheck import recheck_openvino_allocation
+
+        report: Any = await recheck_openvino_allocation(load.session)
+    else:
+        report = await recheck_allocation(load.server, ctx.plan)
+    opened = opened_context_tokens(report.to_json())
     # contenox `auto`: an opened session holding less than half the estimate is worth a warning
     if opened is not None and opened * 2 < ctx.plan.hot_context_tokens:
         log.warning("recheck.below_half_estimate", opened_context_tokens=opened,
@@ -664,8 +709,20 @@ async def _recheck_stage(ctx: StageContext) -> Any:
     return report
 
 
+def opened_context_tokens(recheck: Mapping[str, Any]) -> int | None:
+    """The window the re-check verified, from either backend's report: llama-server's smallest slot,
+    or what OpenVINO's allocated bytes hold."""
+    if "opened_n_ctx_per_slot" in recheck:
+        slots = recheck.get("opened_n_ctx_per_slot") or []
+        return min(slots) if slots else None
+    value = recheck.get("opened_context_tokens")
+    return int(value) if value is not None else None
+
+
 def _recheck_figures(report: Any) -> dict[str, Any]:
-    return {"verdict": report.verdict, "opened_context_tokens": list(report.opened_n_ctx_per_slot),
+    data = report.to_json()  # llama-server: the window per slot; OpenVINO: the one window its bytes hold
+    opened = list(data["opened_n_ctx_per_slot"]) if "opened_n_ctx_per_slot" in data else data.get("opened_context_tokens")
+    return {"verdict": report.verdict, "opened_context_tokens": opened,
             "planned_hot_context_tokens": report.planned_hot_context_tokens,
             "estimated_kv_bytes": report.estimated_kv_bytes, "actual_kv_bytes": report.actual_kv_bytes,
             "ratio": round(report.ratio, 6) if report.ratio is not None else None}

@@ -16,6 +16,13 @@ What the estimate mirrors, from the pinned llama.cpp tree (``src/llama-context.c
   tensor of ``n_kv_heads * head_dim_v`` elements per cell, stored as ggml rows of the cache
   type (``ggml_row_size``: whole blocks).
 
+OpenVINO entries (``Entry.backend == "openvino"``) are priced by what GenAI's paged cache
+allocates instead (:class:`PagedKV`, measured in ``../shared/design/openvino.md`` §4 and its
+addendum): whole 32-token blocks on CPU, every layer the full window (the continuous-batching
+cache has no separate sliding-window pool), and at q8_0 the CPU plugin's u8 with its scales —
+85,248 B/token for Qwen3-8B where llama.cpp's q8_0 costs 78,336. Priced as llama.cpp, a q8_0
+OpenVINO plan would fail its re-check by design.
+
 Deliberate departures (spec, "Selection and hot context"): Gemma profiles charge every layer the
 larger per-layer footprint of its two attention types and assume no shared-KV saving; MLA and
 recurrent/hybrid models are charged as dense attention over all their layers. These can only
@@ -35,6 +42,11 @@ KV_CELL_PAD_TOKENS = 256
 # llama-server's default micro-batch (-ub); the SWA cache keeps window + n_ubatch cells.
 LLAMA_UBATCH_TOKENS = 512
 DEFAULT_KV_CACHE_TYPE = "f16"  # spec: "Unset means f16"
+# Tokens per block of OpenVINO GenAI's paged KV cache on CPU (continuous_batching/cache/kv_cache_manager.hpp).
+OPENVINO_KV_BLOCK_TOKENS = 32
+# The plan's KV type -> OpenVINO's KV_CACHE_PRECISION. u8 is the analogue of q8_0; f32 is refused by
+# the CPU plugin on BF16-capable CPUs and u4 costs more than u8 there (measured), so neither is offered.
+OPENVINO_KV_PRECISIONS: dict[str, str] = {"f16": "f16", "bf16": "bf16", "q8_0": "u8"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,50 @@ class KVLayerShape:
         return self.count * (cache_type.row_bytes(self.k_elems) + cache_type.row_bytes(self.v_elems))
 
 
+def openvino_state_bytes_per_token(kv_heads: int, head_dim: int, precision: str, *, is_key: bool) -> int:
+    """Bytes one cached token costs in one K or V state of OpenVINO's CPU cache at ``precision``."""
+    if precision in ("f16", "bf16"):
+        return kv_heads * head_dim * 2
+    if precision == "u8":
+        # Measured on the CPU plugin (design note addendum): keys carry a per-channel scale and zero
+        # point per 32-token block (head_dim/4 bytes per token), values a per-token pair (8 bytes).
+        return kv_heads * (head_dim + (head_dim // 4 if is_key else 8))
+    raise ValueError(f"no byte model for OpenVINO KV precision {precision!r}")
+
+
+def openvino_layer_bytes_per_token(group: LayerGroup, precision: str) -> int:
+    """K + V bytes per token of one layer of ``group`` at OpenVINO ``precision``."""
+    return (openvino_state_bytes_per_token(group.n_kv_heads, group.head_dim_k, precision, is_key=True)
+            + openvino_state_bytes_per_token(group.n_kv_heads, group.head_dim_v, precision, is_key=False))
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """OpenVINO's cache: whole ``block_tokens`` blocks at a fixed cost per token per KV type."""
+
+    block_tokens: int
+    bytes_per_token: tuple[tuple[str, int], ...]  # (plan KV type name: f16, bf16, q8_0; bytes per token)
+
+    def per_token(self, cache_type: KVCacheType) -> int:
+        for name, cost in self.bytes_per_token:
+            if name == cache_type.name:
+                return cost
+        raise ValueError(f"KV type {cache_type.name} has no OpenVINO precision "
+                         f"(supported: {', '.join(n for n, _ in self.bytes_per_token)})")
+
+    def supports(self, cache_type: KVCacheType) -> bool:
+        return any(name == cache_type.name for name, _ in self.bytes_per_token)
+
+
+def openvino_paged_kv(groups: tuple[LayerGroup, ...], n_layers: int, *, dense: bool) -> PagedKV:
+    """The OpenVINO price of ``groups``; ``dense`` (MLA, hybrid) charges every layer the costliest layer."""
+    table = []
+    for name, precision in OPENVINO_KV_PRECISIONS.items():
+        costs = [(g.count, openvino_layer_bytes_per_token(g, precision)) for g in groups]
+        table.append((name, n_layers * max(c for _, c in costs) if dense else sum(n * c for n, c in costs)))
+    return PagedKV(OPENVINO_KV_BLOCK_TOKENS, tuple(table))
+
+
 @dataclass(frozen=True)
 class LayerKVProfile:
     """The per-layer KV geometry selection budgets with, plus the context ceiling it may open."""
@@ -113,6 +169,12 @@ class LayerKVProfile:
     shapes: tuple[KVLayerShape, ...]
     context_limit_tokens: int
     basis: str  # how the profile was derived ("exact", "gemma: larger footprint", "dense: MLA", ...)
+    paged: PagedKV | None = None  # set: priced as OpenVINO's cache, not llama.cpp's
+
+    @property
+    def step_tokens(self) -> int:
+        """The granularity the allocation grows by (llama.cpp's 256-cell pad, OpenVINO's block)."""
+        return self.paged.block_tokens if self.paged is not None else KV_CELL_PAD_TOKENS
 
     @property
     def n_layers(self) -> int:
@@ -128,9 +190,12 @@ class UnknownKV:
 
 def kv_bytes(profile: LayerKVProfile, tokens: int, cache_type: KVCacheType,
              ubatch_tokens: int = LLAMA_UBATCH_TOKENS) -> int:
-    """Bytes llama.cpp allocates for a ``-c tokens`` window (see module docstring)."""
+    """Bytes llama.cpp (or, for a paged profile, OpenVINO) allocates for a ``tokens`` window."""
     if tokens <= 0:
         return 0
+    if profile.paged is not None:
+        block = profile.paged.block_tokens
+        return -(-tokens // block) * block * profile.paged.per_token(cache_type)
     cells = pad_cells(tokens)
     total = 0
     for shape in profile.shapes:
@@ -146,21 +211,23 @@ def context_for_budget(profile: LayerKVProfile, budget_bytes: int, cache_type: K
                        ceiling_tokens: int, ubatch_tokens: int = LLAMA_UBATCH_TOKENS) -> int:
     """The largest n ≤ ceiling with kv_bytes(n) ≤ budget (0 if not even one padded block fits).
 
-    kv_bytes is constant on each 256-cell block and non-decreasing, so the answer is
-    min(ceiling, 256·k) for the largest block count k that fits; found by bisection on integers.
+    kv_bytes is constant on each step (llama.cpp's 256-cell block, OpenVINO's 32-token block) and
+    non-decreasing, so the answer is min(ceiling, step·k) for the largest block count k that fits;
+    found by bisection on integers.
     """
     if budget_bytes <= 0 or ceiling_tokens <= 0:
         return 0
-    lo, hi = 0, -(-ceiling_tokens // KV_CELL_PAD_TOKENS)  # invariant: lo blocks fit
-    if kv_bytes(profile, hi * KV_CELL_PAD_TOKENS, cache_type, ubatch_tokens) <= budget_bytes:
+    step = profile.step_tokens
+    lo, hi = 0, -(-ceiling_tokens // step)  # invariant: lo blocks fit
+    if kv_bytes(profile, hi * step, cache_type, ubatch_tokens) <= budget_bytes:
         return ceiling_tokens
     while hi - lo > 1:  # hi blocks do not fit
         mid = (lo + hi) // 2
-        if kv_bytes(profile, mid * KV_CELL_PAD_TOKENS, cache_type, ubatch_tokens) <= budget_bytes:
+        if kv_bytes(profile, mid * step, cache_type, ubatch_tokens) <= budget_bytes:
             lo = mid
         else:
             hi = mid
-    return min(ceiling_tokens, lo * KV_CELL_PAD_TOKENS)
+    return min(ceiling_tokens, lo * step)
 
 
 def _is_gemma(architecture: str | None) -> bool:
@@ -201,10 +268,18 @@ def layer_profile(entry: Entry, max_context_tokens: int | None = None) -> LayerK
         # a full-attention layer at the widest recorded shape, no compression or state savings.
         kind = "MLA" if cfg.mla else "recurrent/hybrid"
         shape = KVLayerShape(n_layers, widest_k, widest_v, None)
-        return LayerKVProfile((shape,), ceiling, f"dense ({kind} budgeted as full attention on all {n_layers} layers)")
+        paged = openvino_paged_kv(groups, n_layers, dense=True) if entry.backend == "openvino" else None
+        return LayerKVProfile((shape,), ceiling, f"dense ({kind} budgeted as full attention on all {n_layers} layers)",
+                              paged)
 
     if covered != n_layers:
         return UnknownKV(f"layer groups cover {covered} of {n_layers} layers")
+
+    if entry.backend == "openvino":
+        # GenAI's paged cache: every layer holds the whole window, in 32-token blocks (module docstring).
+        shapes = tuple(KVLayerShape(g.count, *footprint(g), None) for g in groups)
+        return LayerKVProfile(shapes, ceiling, "openvino (paged blocks, per layer group)",
+                              openvino_paged_kv(groups, n_layers, dense=False))
 
     if _is_gemma(entry.architecture):
         # Spec: Gemma profiles use the larger per-layer footprint across the two attention types,

@@ -32,6 +32,7 @@ from typing import Iterable, Literal
 from pipeline.errors import NoModelQualifies, UsageError
 from registry.kv import (
     KV_CACHE_TYPES,
+    OPENVINO_KV_PRECISIONS,
     KVCacheType,
     LayerKVProfile,
     UnknownKV,
@@ -225,10 +226,23 @@ def model_profile(entry: Entry) -> LayerKVProfile | UnknownKV:
     return layer_profile(entry, MAX_HOT_CONTEXT_TOKENS)
 
 
+def _unpriceable(profile: LayerKVProfile, cache_type: KVCacheType) -> UnknownKV | None:
+    """An OpenVINO entry at a KV type its runtime has no precision for has no KV price at all."""
+    if profile.paged is not None and not profile.paged.supports(cache_type):
+        supported = ", ".join(OPENVINO_KV_PRECISIONS)
+        return UnknownKV(f"OpenVINO has no KV precision for {cache_type.name} (supported: {supported}; "
+                         "q8_0 runs as u8)")
+    return None
+
+
 def model_fit(entry: Entry, usable_bytes: int, cache_type: KVCacheType) -> ModelFit | UnknownKV:
+    """An OpenVINO entry's profile is priced as OpenVINO's paged cache (registry.kv.PagedKV)."""
     profile = model_profile(entry)
     if isinstance(profile, UnknownKV):
         return profile
+    unpriced = _unpriceable(profile, cache_type)
+    if unpriced is not None:
+        return unpriced
     weights = entry.weights_bytes
     assert weights is not None
     allowance = runtime_allowance(weights)
@@ -364,6 +378,8 @@ def required_memory(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType)
     """Free memory ``entry`` needs on this device to hold 32768 tokens; None if it never can."""
     profile = model_profile(entry)
     if isinstance(profile, UnknownKV) or profile.context_limit_tokens < MIN_AGENTIC_HOT_CONTEXT:
+        return None
+    if _unpriceable(profile, cache_type) is not None:
         return None
     weights = entry.weights_bytes
     assert weights is not None

@@ -44,6 +44,11 @@ import anyio
 from pipeline.errors import BackendNotFound, LoadError
 from pipeline.log import get_logger
 from pipeline.plan import Plan
+from registry.kv import (
+    OPENVINO_KV_BLOCK_TOKENS,
+    OPENVINO_KV_PRECISIONS,
+    openvino_state_bytes_per_token,
+)
 
 __all__ = [
     "IR_REQUIRED_FILES",
@@ -92,11 +97,11 @@ VISION_PATH_FILES: tuple[str, ...] = (
     "openvino_text_embeddings_model.xml",
 )
 # Tokens per KV block of GenAI's paged cache (continuous_batching/cache/kv_cache_manager.hpp).
-KV_BLOCK_TOKENS: dict[str, int] = {"CPU": 32, "GPU": 16}
+KV_BLOCK_TOKENS: dict[str, int] = {"CPU": OPENVINO_KV_BLOCK_TOKENS, "GPU": 16}
 # The plan's KV type (ggml names, CONTENOX_LLAMA_KV_CACHE_TYPE) -> OpenVINO's KV_CACHE_PRECISION.
 # u8 is the analogue of q8_0 (design note §4). f32 is refused by the CPU plugin on BF16-capable
 # CPUs and u4 costs more than u8 there (measured), so neither is offered.
-KV_PRECISIONS: dict[str, str] = {"f16": "f16", "bf16": "bf16", "q8_0": "u8"}
+KV_PRECISIONS: dict[str, str] = dict(OPENVINO_KV_PRECISIONS)
 # Compiling an 8B int4 IR on a cold disk takes a minute or two; beyond this it is reported hung.
 OPEN_TIMEOUT_S = 600.0
 # Prompt chunk per scheduler step (GenAI's default is 256); llama-server's -ub is 512.
@@ -299,14 +304,8 @@ def _is_key_state(variable_id: str) -> bool:
 
 
 def _state_bytes_per_token(variable_id: str, kv_heads: int, head_dim: int, precision: str) -> int:
-    if precision in ("f16", "bf16"):
-        return kv_heads * head_dim * 2
-    if precision == "u8":
-        # Measured on the CPU plugin (design note addendum): keys carry a per-channel scale and zero
-        # point per 32-token block (head_dim/4 bytes per token), values a per-token pair (8 bytes).
-        is_key = _is_key_state(variable_id)
-        return kv_heads * (head_dim + (head_dim // 4 if is_key else 8))
-    raise ValueError(f"no byte model for KV precision {precision!r}")
+    # the planner prices OpenVINO entries with the same function (registry.kv), so estimate and check agree
+    return openvino_state_bytes_per_token(kv_heads, head_dim, precision, is_key=_is_key_state(variable_id))
 
 
 def kv_bytes_per_token(shape: KvShape, precision: str) -> int:

@@ -23,6 +23,7 @@ from pipeline.cli import CliContext
 from pipeline.cli.plan import add_plan_options
 from pipeline.errors import UsageError
 from pipeline.manifest import plan_from_json
+from pipeline.runner import opened_context_tokens
 from pipeline.worker import find_worker, worker_held_bytes
 from stages.plan import PreviousModel
 
@@ -60,12 +61,6 @@ class AutoOptions:
         if args.origin_pos and args.origin and args.origin_pos != args.origin:
             raise UsageError(f"two origins given: {args.origin_pos!r} and --origin {args.origin!r}",
                              hint="give the origin once, as ORIGIN or as --origin")
-        if args.backend == "openvino" and not args.dry_run:
-            # hotfit's load, tool-call probe and re-check stages drive llama-server only.
-            raise UsageError(
-                "hotfit auto provisions llama-server; it cannot load, probe or re-check an OpenVINO export",
-                hint="plan one with 'hotfit plan --backend openvino' or 'hotfit auto --backend openvino --dry-run', "
-                     "download it with 'hotfit pull NAME', and serve it with an OpenVINO runtime")
         return cls(
             origin=args.origin or args.origin_pos,
             model=args.model,
@@ -140,10 +135,22 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
     load = out["load"] or {}
     call = out["probe-tool-call"] or {}
     recheck = out["re-check"] or {}
-    slots = recheck.get("opened_n_ctx_per_slot") or []
     verdict = call.get("verdict") or {}
     backend = load.get("backend") or {}
     device = plan.probe.device
+    openvino = plan.backend == "openvino"
+    # what each runtime reports beside the shared KV figures (a small adapter, not a Backend boundary)
+    runtime_facts: dict[str, Any] = {
+        "kv_precision": recheck.get("kv_precision"), "kv_bytes_per_token": recheck.get("kv_bytes_per_token"),
+        "predicted_kv_bytes": recheck.get("predicted_kv_bytes"),
+        "configured_kv_blocks": recheck.get("configured_kv_blocks"), "block_tokens": recheck.get("block_tokens"),
+    } if openvino else {
+        "actual_kv_bytes_uncertainty": recheck.get("actual_kv_bytes_uncertainty"),
+        "flash_attn": recheck.get("flash_attn"),
+        # where the session really put things: "offloaded N/N layers", KV buffers by device
+        "offloaded_layers": recheck.get("offloaded_layers"),
+        "kv_buffers": recheck.get("kv_buffers"),
+    }
     return Manifest(
         run_id=outcome.run_id,
         plan_id=plan.plan_id,
@@ -159,17 +166,13 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
         planned_hot_context_tokens=plan.hot_context_tokens,
         measured={
             # a measurement of one session on one day, not a setting (serve re-checks it)
-            "opened_context_tokens": min(slots) if slots else None,
+            "opened_context_tokens": opened_context_tokens(recheck),
             "estimated_kv_bytes": recheck.get("estimated_kv_bytes"),
             "actual_kv_bytes": recheck.get("actual_kv_bytes"),
-            "actual_kv_bytes_uncertainty": recheck.get("actual_kv_bytes_uncertainty"),
             "kv_ratio": recheck.get("ratio"),
             "verdict": recheck.get("verdict"),
             "warnings": recheck.get("warnings"),
-            "flash_attn": recheck.get("flash_attn"),
-            # where the session really put things: "offloaded N/N layers", KV buffers by device
-            "offloaded_layers": recheck.get("offloaded_layers"),
-            "kv_buffers": recheck.get("kv_buffers"),
+            **runtime_facts,
             "measured_by_run": outcome.run_id,
         },
         probe_verdict={
@@ -180,7 +183,7 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
             "prompt_tokens_per_s": call.get("prompt_tokens_per_s"),
             "generation_tokens_per_s": call.get("generation_tokens_per_s"),
         },
-        llama_cpp={
+        llama_cpp={} if openvino else {
             "server_path": backend.get("server_path"),
             "source": backend.get("source"),
             **(backend.get("build") or {}),
@@ -190,19 +193,27 @@ def build_manifest(outcome: Any, settings: Any) -> Any:
                 "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes,
                 "ggml_device": device.ggml_device},
         plan=plan.to_json(),
-        extra={"vision": fetch.get("vision"), "load_argv": load.get("argv")},
+        extra={"vision": fetch.get("vision"), "load_argv": load.get("argv")} | ({"openvino": {
+            "genai_version": backend.get("genai_version"), "session": load.get("config"),
+            "snapshot_commit": (fetch.get("snapshot") or {}).get("commit"), "tool_call_family": call.get("family"),
+        }} if openvino else {}),
+        backend=plan.backend,
     )
 
 
 def summary(manifest: Any, plan: Any, *, noop: bool, resumed: bool = False, skipped: tuple[str, ...] = ()) -> str:
     opened = manifest.opened_context_tokens
+    own_template = "(none: the GGUF template)"
+    if manifest.backend == "openvino":  # GenAI (and OVMS) render the export's own template; the probe proved it
+        own_template = "the export's own" + (f" (registry copy checked: {manifest.template_path})"
+                                             if manifest.template_path else "")
     lines = [
         ("already provisioned (nothing to do): " if noop else "provisioned: ") + manifest.entry_name,
         f"  KV cache type   {manifest.kv_cache_type} ({plan.kv_cache_type_source})",
         f"  hot context     {plan.hot_context_tokens} tokens planned"
         + (f", {opened} opened at verification" if opened is not None else ""),
         f"  model           {manifest.model_path}",
-        f"  chat template   {manifest.template_path or '(none: the GGUF template)'}",
+        f"  chat template   {own_template if manifest.backend == 'openvino' else manifest.template_path or own_template}",
         f"  tool-call probe {'passed' if manifest.probe_verdict.get('passed') else 'FAILED'}"
         + (f" ({manifest.probe_verdict.get('generation_tokens_per_s'):.1f} tok/s generation)"
            if manifest.probe_verdict.get("generation_tokens_per_s") else ""),
@@ -213,7 +224,8 @@ def summary(manifest: Any, plan: Any, *, noop: bool, resumed: bool = False, skip
         lines.append("  kept the previous model (it still qualifies; --refresh selects afresh)")
     if resumed:
         lines.append(f"  resumed an interrupted run; reused: {', '.join(skipped) or 'nothing'}")
-    lines.append("  serve it with: hotfit serve   (or --print-systemd-unit)")
+    lines.append("  serve it with: hotfit serve --print-command   (OpenVINO Model Server; see the README)"
+                 if manifest.backend == "openvino" else "  serve it with: hotfit serve   (or --print-systemd-unit)")
     return "\n".join(lines)
 
 

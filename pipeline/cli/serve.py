@@ -7,6 +7,11 @@ free memory), so when the device has less free now, serve re-plans the window ag
 device as it is — never below the 32768-token agentic floor — and says so; below the floor it
 fails closed (exit 3).
 
+An OpenVINO manifest is not served by hotfit: no maintained OpenAI-compatible server for OpenVINO
+GenAI is on PyPI, and the official one, OpenVINO Model Server (``ovms``), ships only as release
+tarballs and container images. ``serve`` exits 2 saying so, and ``--print-command`` prints the
+``ovms`` command line with the verified settings (:func:`ovms_argv`) for the operator to run.
+
 ``--print-command`` and ``--print-systemd-unit`` hand the result to a service manager. The unit
 runs ``hotfit serve`` itself, so the memory check happens at every start. Plain ``serve``
 replaces itself with llama-server (exec), so a supervisor sees and signals llama-server directly.
@@ -149,6 +154,57 @@ def _hotfit_command(ctx: CliContext, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
+# OVMS's --tool_parser per hotfit tool-call family (stages.openvino_probe.tool_call_family), as OVMS
+# names them (openvinotoolkit/model_server: src/llm/io_processing, demos' export_model.py choices).
+OVMS_TOOL_PARSERS: dict[str, str] = {"hermes": "hermes3", "harmony": "gptoss", "qwen3_coder": "qwen3coder",
+                                     "phi4": "phi4"}
+GB = 1 << 30
+
+
+def ovms_cache_size_gb(kv_bytes: int) -> int:
+    """Pure: OVMS takes the KV cache in whole GB (``--cache_size``); rounded up, at least 1, so the
+    verified window always fits (OVMS allocates that much, a little more than was verified)."""
+    return max(1, -(-kv_bytes // GB))
+
+
+def ovms_argv(manifest: Manifest, plan: Any, *, host: str, port: int) -> list[str]:
+    """Pure: the ``ovms`` command line serving the verified OpenVINO snapshot with the verified
+    settings: the snapshot directory, CPU, one sequence (max_num_seqs 1, like hotfit's session),
+    the KV cache in whole GB covering the verified bytes, and the family's tool parser."""
+    openvino = dict(manifest.extra.get("openvino") or {})
+    session = dict(openvino.get("session") or {})
+    kv_bytes = int(manifest.measured.get("actual_kv_bytes") or plan.estimated_kv_bytes)
+    argv = [
+        "ovms", "--rest_bind_address", host, "--rest_port", str(port),
+        "--model_name", manifest.entry_name, "--model_path", manifest.model_path,
+        "--task", "text_generation", "--target_device", session.get("device") or "CPU",
+        "--cache_size", str(ovms_cache_size_gb(kv_bytes)), "--max_num_seqs", "1",
+        "--enable_prefix_caching", "false",
+    ]
+    parser = OVMS_TOOL_PARSERS.get(str(openvino.get("tool_call_family")))
+    if parser:
+        argv += ["--tool_parser", parser]
+    return argv
+
+
+def _openvino_handler(args: argparse.Namespace, ctx: CliContext, manifest: Manifest, plan: Any) -> int:
+    """OpenVINO: print the OVMS command (--print-command), else exit 2 saying what to run."""
+    argv = ovms_argv(manifest, plan, host=args.host, port=args.port)
+    data: dict[str, Any] = {"model": manifest.entry_name, "backend": "openvino", "server": "ovms", "argv": argv,
+                            "kv_cache_type": manifest.kv_cache_type,
+                            "verified_context_tokens": manifest.opened_context_tokens}
+    if args.print_command:
+        ctx.emit(data, shlex.join(argv))
+        return 0
+    raise UsageError(
+        f"{manifest.entry_name} is an OpenVINO model: hotfit serve runs llama-server only, and no maintained "
+        "OpenAI-compatible server for OpenVINO GenAI is on PyPI",
+        hint="serve it with OpenVINO Model Server (release tarball or container image, not on PyPI): "
+             f"`hotfit serve --print-command` prints the command with the verified settings: {shlex.join(argv)}",
+        backend="openvino", argv=argv,
+    )
+
+
 def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     import anyio
 
@@ -169,6 +225,8 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"manifest {settings.manifest_path} holds no usable plan ({exc!r})",
                          hint="run `hotfit auto` to provision again; it rewrites the manifest") from None
+    if manifest.backend == "openvino":
+        return _openvino_handler(args, ctx, manifest, plan)
     # What hotfit sets for the child beyond the inherited environment: the device pin, built by
     # the same function the load stage uses (an empty base leaves exactly hotfit's own variables).
     pin_env = child_env(plan, None, {})

@@ -1,0 +1,239 @@
+"""End-to-end: `hotfit auto --backend openvino` as an operator runs it (issue 13 items 4 and 6).
+
+Real parts only: fixture IR models made at test time by GenAI's own GGUF reader
+(tests/openvino_fixtures.py), uploaded to the local Hub (tests/hubserver.py) as OpenVINO snapshot
+repositories, a registry file naming them, `hotfit` run as a subprocess with its own --home, and
+the real OpenVINO GenAI pipeline in its worker process. A saved probe gives the planner a budget. ``hub`` is the module-scoped one of tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.plan import Device, ProbeResult
+from registry.model import Artifact, Entry, TemplateSource
+from tests.e2e_support import GiB, write_probe, write_registry
+from tests.hubserver import LocalHub
+from tests.openvino_fixtures import (
+    CHATML_NO_TOOLS_TEMPLATE,
+    IR_FILES,
+    QWEN3_TOOLS_TEMPLATE,
+    OvFixture,
+    make_ov_fixture,
+    ov_entry,
+    require_openvino_genai,
+)
+
+pytestmark = pytest.mark.openvino
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
+ROOMY_FREE_BYTES = 8 * GiB
+TEMPLATE_REPO = "hotfit-fixtures/ov-qwen3-template"
+
+
+@dataclasses.dataclass(frozen=True)
+class OvWorld:
+    agent: Path  # registry files, one entry each
+    prose: Path
+    damaged: Path
+    entries: dict[str, Entry]
+
+
+def _publish(hub: LocalHub, fx: OvFixture, name: str, template: TemplateSource, *,
+             truncate_bin: bool = False) -> Entry:
+    files: dict[str, Any] = {n: fx.ir_dir / n for n in IR_FILES}
+    if truncate_bin:  # what the Hub serves is damaged: fetch and verify pass, the runtime refuses it
+        files["openvino_model.bin"] = (fx.ir_dir / "openvino_model.bin").read_bytes()[:-4096]
+    repo = f"OpenVINO/{name}-ov"
+    hub.create_repo(repo, files, lfs=[n for n in IR_FILES if n.endswith(".bin")])
+    size = sum(len(v) if isinstance(v, bytes) else v.stat().st_size for v in files.values())
+    entry = ov_entry(fx, name)
+    return dataclasses.replace(entry, artifact=Artifact(repo=repo, revision=None, file=None, size_bytes=size,
+                                                        sha256=None), chat_template=template)
+
+
+@pytest.fixture(scope="module")
+def ov_world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> OvWorld:
+    require_openvino_genai()
+    root = tmp_path_factory.mktemp("ov-world")
+    agent_ir = make_ov_fixture(root / "agent", "tool-call")
+    # The export renders its own template (the IR's rt_info); the registry's tool-capable template is
+    # fetched and checked beside it, as for the real entries (their tokenizer_config.json).
+    prose_ir = make_ov_fixture(root / "prose", "tool-call", chat_template=CHATML_NO_TOOLS_TEMPLATE)
+    commit = hub.create_repo(TEMPLATE_REPO, {"tokenizer_config.json": json.dumps(
+        {"chat_template": QWEN3_TOOLS_TEMPLATE})})
+    template = TemplateSource(repo=TEMPLATE_REPO, revision=commit, file="tokenizer_config.json")
+    entries = {
+        "fx-ov-agent": _publish(hub, agent_ir, "fx-ov-agent", template),
+        "fx-ov-prose": _publish(hub, prose_ir, "fx-ov-prose", template),
+        "fx-ov-damaged": _publish(hub, agent_ir, "fx-ov-damaged", template, truncate_bin=True),
+    }
+    paths = {}
+    for key in ("agent", "prose", "damaged"):
+        paths[key] = root / f"registry-{key}.json"
+        write_registry(paths[key], [entries[f"fx-ov-{key}"]])
+    return OvWorld(agent=paths["agent"], prose=paths["prose"], damaged=paths["damaged"], entries=entries)
+
+
+def hotfit(hub: LocalHub, home: Path, *args: str, env: dict[str, str] | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "CONTENOX_LLAMA_KV_CACHE_TYPE")}
+    cmd = [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "--json", *args]
+    return subprocess.run(cmd, cwd=REPO, env=base | hub.env() | (env or {}), capture_output=True, text=True, check=False,
+                          timeout=timeout)
+
+
+def auto(hub: LocalHub, home: Path, registry: Path, probe: Path, *args: str,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return hotfit(hub, home, "auto", "--backend", "openvino", "--registry", str(registry), "--probe-file",
+                  str(probe), *args, env=env)
+
+
+def events(home: Path) -> list[dict[str, Any]]:
+    path = home / "logs" / "hotfit.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _worker_pids(home: Path) -> list[int]:
+    return [e["pid"] for e in events(home) if e.get("event") == "openvino.start"]
+
+
+@pytest.mark.parametrize(("kv", "precision", "per_token"), [("q8_0", "u8", 80), ("f16", "f16", 128)])
+def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world: OvWorld, tmp_path: Path,
+                                                         kv: str, precision: str, per_token: int) -> None:
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    done = auto(hub, home, ov_world.agent, probe, "--kv-cache-type", kv)
+    assert done.returncode == 0, done.stderr[-4000:]
+    manifest = json.loads(done.stdout)
+    assert manifest["backend"] == "openvino" and manifest["entry_name"] == "fx-ov-agent"
+    assert manifest["kv_cache_type"] == kv
+    snapshot = Path(manifest["model_path"])
+    assert snapshot.is_dir() and sorted(p.name for p in snapshot.iterdir()) == sorted(IR_FILES)
+    # every stage ran, in order, and closed
+    evs = events(home)
+    run_id = manifest["run_id"]
+    started = [e["stage"] for e in evs if e.get("run_id") == run_id and e["event"] == "stage.start"]
+    finished = [e["stage"] for e in evs if e.get("run_id") == run_id and e["event"] == "stage.done"]
+    assert started == STAGES and finished == STAGES
+    # the planned window is the fixture's whole ceiling, and what OpenVINO allocated is what was planned:
+    # whole 32-token blocks at the planned precision (the planner's OpenVINO price, not llama.cpp's)
+    measured = manifest["measured"]
+    tokens = manifest["planned_hot_context_tokens"]
+    assert tokens == 65536 and measured["opened_context_tokens"] == tokens
+    assert measured["kv_precision"] == precision and measured["kv_bytes_per_token"] == per_token
+    assert measured["actual_kv_bytes"] == measured["estimated_kv_bytes"] == tokens * per_token
+    assert measured["kv_ratio"] == 1.0 and measured["verdict"] == "pass"
+    assert manifest["probe_verdict"]["passed"] is True and manifest["probe_verdict"]["tool"] == "hotfit_probe"
+    ov = manifest["extra"]["openvino"]
+    assert ov["genai_version"].startswith("2026.4.1") and ov["tool_call_family"] == "hermes"
+    assert ov["session"]["num_kv_blocks"] == tokens // 32 and ov["session"]["kv_precision"] == precision
+    assert ov["snapshot_commit"]
+    assert manifest["llama_cpp"] == {}
+    # nothing left running once hotfit exited
+    pids = _worker_pids(home)
+    assert len(pids) == 1 and not _alive(pids[0])
+
+    again = auto(hub, home, ov_world.agent, probe, "--kv-cache-type", kv)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout).get("noop") is True
+    assert [e for e in events(home) if e["event"] == "run.noop"]
+    assert len(_worker_pids(home)) == 1  # the rerun opened nothing
+    status = hotfit(hub, home, "status")
+    assert status.returncode == 0 and json.loads(status.stdout)["provisioned"]["backend"] == "openvino"
+
+    rechecked = auto(hub, home, ov_world.agent, probe, "--kv-cache-type", kv, "--recheck")
+    assert rechecked.returncode == 0, rechecked.stderr[-3000:]
+    assert json.loads(rechecked.stdout)["measured"]["actual_kv_bytes"] == tokens * per_token
+    pids = _worker_pids(home)
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)  # opened again, and closed again
+
+
+def test_serve_prints_the_ovms_command_and_refuses_to_exec(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    assert auto(hub, home, ov_world.agent, probe, "--kv-cache-type", "q8_0").returncode == 0
+    manifest = json.loads((home / "manifest.json").read_text())
+    printed = hotfit(hub, home, "serve", "--print-command", "--port", "9001")
+    assert printed.returncode == 0, printed.stderr
+    argv = json.loads(printed.stdout)["argv"]
+    assert argv[0] == "ovms"
+    opt = dict(zip(argv[1::2], argv[2::2]))
+    assert opt["--model_path"] == manifest["model_path"] and opt["--model_name"] == "fx-ov-agent"
+    assert opt["--target_device"] == "CPU" and opt["--max_num_seqs"] == "1" and opt["--rest_port"] == "9001"
+    assert opt["--tool_parser"] == "hermes3" and opt["--task"] == "text_generation"
+    assert opt["--cache_size"] == "1"  # 5 MiB of verified KV: OVMS takes whole GB, rounded up
+    refused = hotfit(hub, home, "serve")
+    assert refused.returncode == 2
+    err = json.loads(refused.stdout)["error"]
+    assert "OpenVINO model" in err["message"] and "OpenVINO Model Server" in err["hint"]
+    assert "ovms --rest_bind_address" in err["hint"]
+
+
+def test_a_template_that_cannot_express_tools_fails_the_probe(hub: LocalHub, ov_world: OvWorld,
+                                                              tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    failed = auto(hub, home, ov_world.prose, probe)
+    assert failed.returncode == 5, failed.stderr[-3000:]
+    err = json.loads(failed.stdout)["error"]
+    assert err["code"] == "tool_call_probe" and "cannot express tools" in err["message"]
+    assert err["details"]["cause"] == "prose" and err["details"]["backend"] == "openvino"
+    assert not (home / "manifest.json").exists()
+    assert [p for p in _worker_pids(home) if _alive(p)] == []
+
+
+def test_a_damaged_ir_is_refused_at_load(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    failed = auto(hub, home, ov_world.damaged, probe)
+    assert failed.returncode == 5, failed.stderr[-3000:]
+    err = json.loads(failed.stdout)["error"]
+    assert err["code"] == "load" and err["details"]["cause"] == "damaged_ir", err
+    assert "could not open" in err["message"] and "re-fetch" in err["hint"]
+    assert not (home / "manifest.json").exists()
+    assert [p for p in _worker_pids(home) if _alive(p)] == []
+
+
+def test_a_non_cpu_plan_is_refused_before_download(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    probe = tmp_path / "probe.json"
+    gpu = Device(index=0, kind="nvidia", name="fixture GPU", total_bytes=24 * GiB, free_bytes=20 * GiB)
+    probe.write_text(json.dumps(ProbeResult(devices=(gpu,), selected=0).to_json()))
+    failed = auto(hub, home, ov_world.agent, probe)
+    assert failed.returncode == 5, failed.stderr[-3000:]
+    err = json.loads(failed.stdout)["error"]
+    assert err["details"]["cause"] == "device_unsupported" and "--device cpu" in err["hint"]
+    assert not (home / "models").exists()
+
+
+def test_a_missing_openvino_extra_is_refused_before_download(hub: LocalHub, ov_world: OvWorld,
+                                                              tmp_path: Path) -> None:
+    # sitecustomize hides the installed package (sys.modules[name] = None: find_spec answers None)
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['openvino_genai'] = None\n")
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    failed = auto(hub, home, ov_world.agent, probe, env={"PYTHONPATH": f"{hide}{os.pathsep}{REPO}"})
+    assert failed.returncode == 5, failed.stderr[-3000:]
+    err = json.loads(failed.stdout)["error"]
+    assert err["code"] == "backend_not_found" and "openvino-genai" in err["message"]
+    assert 'pip install -e ".[openvino]"' in err["hint"]
+    assert not (home / "models").exists()
