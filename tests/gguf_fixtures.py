@@ -48,6 +48,8 @@ import numpy as np
 
 __all__ = [
     "FixtureInfo",
+    "FixtureVocab",
+    "LLAMA_VOCAB",
     "SPECIAL_TOKENS",
     "PROBE_TOOL",
     "QWEN3_TEMPLATE_NAME",
@@ -186,17 +188,39 @@ def byte_token_text(byte: int) -> str:
     return _BYTE_TEXT[byte]
 
 
-def _add_vocab(w: gguf.GGUFWriter) -> None:
-    tokens = [_BYTE_TEXT[b] for b in range(N_BYTE_TOKENS)] + [t for t, _ in SPECIAL_TOKENS]
-    types = [gguf.TokenType.NORMAL] * N_BYTE_TOKENS + [ty for _, ty in SPECIAL_TOKENS]
+@dataclass(frozen=True)
+class FixtureVocab:
+    """The vocabulary past the byte and chat special tokens, and the BPE merge list.
+
+    ``extra_tokens`` are NORMAL tokens appended after :data:`SPECIAL_TOKENS`, so every token id
+    the recipes use stays the same whatever is appended."""
+
+    extra_tokens: tuple[str, ...] = ()
+    # Byte-level BPE without real merges: every byte is its own token. llama.cpp insists on the
+    # merges key and gguf refuses an empty array, so the default is one merge of two special
+    # tokens, which are split off before BPE runs and so never merge.
+    merges: tuple[str, ...] = ("<|endoftext|> <|endoftext|>",)
+
+    @property
+    def n_vocab(self) -> int:
+        return N_VOCAB + len(self.extra_tokens)
+
+
+LLAMA_VOCAB = FixtureVocab()  # what the llama.cpp fixtures carry
+
+
+def _add_vocab(w: gguf.GGUFWriter, vocab: FixtureVocab = LLAMA_VOCAB) -> None:
+    tokens = [_BYTE_TEXT[b] for b in range(N_BYTE_TOKENS)] + [t for t, _ in SPECIAL_TOKENS] + list(vocab.extra_tokens)
+    types = (
+        [gguf.TokenType.NORMAL] * N_BYTE_TOKENS
+        + [ty for _, ty in SPECIAL_TOKENS]
+        + [gguf.TokenType.NORMAL] * len(vocab.extra_tokens)
+    )
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_types(types)
-    # Byte-level BPE without real merges: every byte is its own token. llama.cpp insists on the
-    # merges key and gguf refuses an empty array, so write one merge of two special tokens, which
-    # are split off before BPE runs and so never merge.
-    w.add_token_merges(["<|endoftext|> <|endoftext|>"])
+    w.add_token_merges(list(vocab.merges))
     w.add_bos_token_id(BOS_ID)
     w.add_eos_token_id(EOS_ID)
     w.add_eot_token_id(EOS_ID)
@@ -254,7 +278,8 @@ def _gaussian(seed: int) -> Callable[..., np.ndarray]:
     return lambda *shape: rng.normal(0.0, 0.02, size=shape)
 
 
-def _open_writer(path: Path, architecture: str, name: str, s: _Shape, chat_template: str | None) -> gguf.GGUFWriter:
+def _open_writer(path: Path, architecture: str, name: str, s: _Shape, chat_template: str | None,
+                 vocab: FixtureVocab = LLAMA_VOCAB) -> gguf.GGUFWriter:
     """A writer with the hyperparameters, vocabulary and optional template every fixture carries."""
     w = gguf.GGUFWriter(path, architecture)
     w.add_name(name)
@@ -270,14 +295,14 @@ def _open_writer(path: Path, architecture: str, name: str, s: _Shape, chat_templ
     w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    _add_vocab(w)
+    _add_vocab(w, vocab)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     return w
 
 
 def _fixture_info(path: Path, kind: str, architecture: str, s: _Shape, chat_template: str | None,
-                  **extra: Any) -> FixtureInfo:
+                  vocab: FixtureVocab = LLAMA_VOCAB, **extra: Any) -> FixtureInfo:
     return FixtureInfo(
         path=path,
         kind=kind,
@@ -289,7 +314,7 @@ def _fixture_info(path: Path, kind: str, architecture: str, s: _Shape, chat_temp
         head_dim_v=s.head_dim,
         n_embd=s.n_embd,
         n_ctx_train=s.n_ctx_train,
-        n_vocab=N_VOCAB,
+        n_vocab=vocab.n_vocab,
         tensor_type=s.tensor_type,
         has_chat_template=chat_template is not None,
         size_bytes=path.stat().st_size,
@@ -311,24 +336,25 @@ def write_llama_model(
     tensor_type: str = "f16",
     seed: int = 0,
     name: str = "hotfit-fixture-llama",
+    vocab: FixtureVocab = LLAMA_VOCAB,
 ) -> FixtureInfo:
     """A llama-architecture model with seeded random weights (output is noise, shapes are real).
 
     ``head_dim`` is written as ``attention.key_length``/``value_length``, so it need not equal
-    ``n_embd / n_heads``. Defaults make a ~100 KB file."""
+    ``n_embd / n_heads``. Defaults make a ~100 KB file. ``vocab``: see :class:`FixtureVocab`."""
     _check_shape(n_heads, n_kv_heads, head_dim, tensor_type)
     path = Path(path)
     shape = _Shape(n_layers, n_heads, n_kv_heads, head_dim, n_embd, n_ff, n_ctx_train, tensor_type)
     rand = _gaussian(seed)
-    w = _open_writer(path, "llama", name, shape, chat_template)
+    w = _open_writer(path, "llama", name, shape, chat_template, vocab)
     # numpy shapes are ggml's ne reversed: ggml {n_embd, n_vocab} is numpy (n_vocab, n_embd).
-    _tensor(w, "token_embd.weight", rand(N_VOCAB, n_embd), tensor_type)
+    _tensor(w, "token_embd.weight", rand(vocab.n_vocab, n_embd), tensor_type)
     _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
-    _tensor(w, "output.weight", rand(N_VOCAB, n_embd), tensor_type)
+    _tensor(w, "output.weight", rand(vocab.n_vocab, n_embd), tensor_type)
     for i in range(n_layers):
         _llama_block(w, i, rand, shape)
     _finish(w)
-    return _fixture_info(path, "llama", "llama", shape, chat_template)
+    return _fixture_info(path, "llama", "llama", shape, chat_template, vocab)
 
 
 def _llama_block(w: gguf.GGUFWriter, i: int, rand: Any, s: _Shape, *, zero_out: bool = False) -> None:
@@ -665,6 +691,8 @@ def write_tool_call_model(
     chat_template: str | None = None,
     n_ctx_train: int = 65536,
     tensor_type: str = "f32",
+    name: str = "hotfit-fixture-tool-call",
+    vocab: FixtureVocab = LLAMA_VOCAB,
 ) -> FixtureInfo:
     """A llama model whose greedy output is fixed by construction (issue 5 item 4).
 
@@ -701,7 +729,9 @@ def write_tool_call_model(
 
     ``embed_template``: embed the pinned Qwen3 template (or ``chat_template`` when given) as
     ``tokenizer.chat_template``; otherwise the file carries none and a test passes the template
-    with ``--jinja --chat-template-file``.
+    with ``--jinja --chat-template-file``. ``tensor_type``: the matrices' type ("f32" | "f16").
+    ``vocab``: tokens appended after the specials (ids past every one the recipe uses, so they
+    take only the default direction) and the merge list; see :class:`FixtureVocab`.
     """
     path = Path(path)
     n_embd, n_heads, n_kv_heads, head_dim, n_ff = 64, 2, 1, 32, 32
@@ -712,11 +742,11 @@ def write_tool_call_model(
     rand = _gaussian(1)
     nl, quote, lbrace, rbrace = ord("\n"), ord('"'), ord("{"), ord("}")
     dim_default, dim_tool_call, dim_quote = 0, 1, 2
-    embd = np.zeros((N_VOCAB, n_embd))
+    embd = np.zeros((vocab.n_vocab, n_embd))
     embd[:, dim_default] = 1.0
     embd[TOKEN_ID["<tool_call>"], dim_tool_call] = 4.0
     embd[quote, dim_quote] = 4.0
-    out = np.zeros((N_VOCAB, n_embd))
+    out = np.zeros((vocab.n_vocab, n_embd))
     for token, pref in (
         (EOS_ID, 6.0),
         (TOKEN_ID["<tool_call>"], 5.0),
@@ -731,13 +761,13 @@ def write_tool_call_model(
     out[nl, dim_tool_call] = 10.0
     out[quote, dim_quote] = 10.0
 
-    w = _open_writer(path, "llama", "hotfit-fixture-tool-call", shape, template)
+    w = _open_writer(path, "llama", name, shape, template, vocab)
     _tensor(w, "token_embd.weight", embd, tensor_type)
     _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
     _tensor(w, "output.weight", out, tensor_type)
     _llama_block(w, 0, rand, shape, zero_out=True)
     _finish(w)
-    return _fixture_info(path, "tool-call", "llama", shape, template)
+    return _fixture_info(path, "tool-call", "llama", shape, template, vocab)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,18 +3,18 @@
 OpenVINO GenAI's GGUF reader converts a GGUF to the IR file set of the ``OpenVINO/*-ov`` Hub
 repositories (``openvino_model``, ``openvino_tokenizer``, ``openvino_detokenizer`` ``.xml``/``.bin``)
 when it loads one with ``enable_save_ov_model=True`` (``../shared/design/openvino.md`` §5 A). The
-GGUFs are written here with the writers' building blocks from :mod:`tests.gguf_fixtures`, with two
-differences the reader needs:
+GGUFs are written by the writers of :mod:`tests.gguf_fixtures`, with two arguments the reader needs:
 
-- matrices are F16 (the reader refuses F32 matrices: "Unsupported quantization type");
-- the BPE merge list holds a merge whose result is in the vocabulary: the llama.cpp fixtures'
-  placeholder merge of two special tokens makes the OpenVINO BPE tokenizer fail at the first
-  encode (``BPETokenizer ... unordered_map::at``, measured). One merged token (``ab``) is appended
-  after the chat special tokens, so every token id of :mod:`tests.gguf_fixtures` stays the same.
+- ``tensor_type="f16"`` (the reader refuses F32 matrices: "Unsupported quantization type");
+- ``vocab=OV_VOCAB``: the BPE merge list holds a merge whose result is in the vocabulary: the
+  llama.cpp fixtures' placeholder merge of two special tokens makes the OpenVINO BPE tokenizer fail
+  at the first encode (``BPETokenizer ... unordered_map::at``, measured). One merged token (``ab``)
+  is appended after the chat special tokens, so every token id of :mod:`tests.gguf_fixtures` stays
+  the same.
 
-Writers: :func:`write_ov_tool_call_gguf` (the deterministic tool-call recipe of
-:func:`tests.gguf_fixtures.write_tool_call_model`, Qwen3 template embedded) and
-:func:`write_ov_random_gguf` (random weights: its greedy output is prose-like noise).
+Writers: :func:`write_ov_tool_call_gguf` (:func:`tests.gguf_fixtures.write_tool_call_model`'s
+deterministic recipe, template embedded) and :func:`write_ov_random_gguf`
+(:func:`tests.gguf_fixtures.write_llama_model`: random weights, greedy output is prose-like noise).
 :func:`convert_gguf_to_ir` runs the conversion in a child process (the reader is C++ and cannot be
 interrupted from Python) and returns the IR directory.
 """
@@ -30,23 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import gguf
-import numpy as np
-
-from tests.gguf_fixtures import (
-    _BYTE_TEXT,
-    BOS_ID,
-    EOS_ID,
-    N_BYTE_TOKENS,
-    PAD_ID,
-    SPECIAL_TOKENS,
-    TOKEN_ID,
-    _finish,
-    _gaussian,
-    _llama_block,
-    _Shape,
-    _tensor,
-)
+from tests.gguf_fixtures import FixtureInfo, FixtureVocab, write_llama_model, write_tool_call_model
 
 if TYPE_CHECKING:
     from pipeline.plan import Plan
@@ -56,6 +40,7 @@ __all__ = [
     "CHATML_NO_TOOLS_TEMPLATE",
     "IR_FILES",
     "OV_N_VOCAB",
+    "OV_VOCAB",
     "QWEN3_TOOLS_TEMPLATE",
     "REQUIRE_OPENVINO_ENV",
     "OvFixture",
@@ -69,8 +54,8 @@ __all__ = [
 ]
 
 # One real merge ("a" + "b" -> "ab") after the specials: the OpenVINO BPE needs its result in the vocabulary.
-_MERGED = ("a", "b")
-OV_N_VOCAB = N_BYTE_TOKENS + len(SPECIAL_TOKENS) + 1
+OV_VOCAB = FixtureVocab(extra_tokens=("ab",), merges=("a b",))
+OV_N_VOCAB = OV_VOCAB.n_vocab
 IR_FILES = (
     "openvino_model.xml", "openvino_model.bin",
     "openvino_tokenizer.xml", "openvino_tokenizer.bin",
@@ -91,84 +76,19 @@ class OvFixture:
     convert_seconds: float
 
 
-def _open_ov_writer(path: Path, name: str, s: _Shape, chat_template: str) -> gguf.GGUFWriter:
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name(name)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_context_length(s.n_ctx_train)
-    w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layers)
-    w.add_feed_forward_length(s.n_ff)
-    w.add_head_count(s.n_heads)
-    w.add_head_count_kv(s.n_kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    tokens = [_BYTE_TEXT[b] for b in range(N_BYTE_TOKENS)] + [t for t, _ in SPECIAL_TOKENS] + ["".join(_MERGED)]
-    types = (
-        [gguf.TokenType.NORMAL] * N_BYTE_TOKENS + [ty for _, ty in SPECIAL_TOKENS] + [gguf.TokenType.NORMAL]
-    )
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([" ".join(_MERGED)])
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_eot_token_id(EOS_ID)
-    w.add_pad_token_id(PAD_ID)
-    w.add_add_bos_token(False)
-    w.add_chat_template(chat_template)
-    return w
+def write_ov_tool_call_gguf(path: Path, chat_template: str, *, n_ctx_train: int = 65536) -> FixtureInfo:
+    """The deterministic tool-call model (:func:`tests.gguf_fixtures.write_tool_call_model`) with
+    F16 matrices and the OpenVINO-safe vocabulary. Unconstrained, its first token is end of turn
+    (an empty answer); constrained to a call, it fills the arguments as ``{"text":""}``."""
+    return write_tool_call_model(path, chat_template=chat_template, n_ctx_train=n_ctx_train, tensor_type="f16",
+                                 name="hotfit-ov-tool-call", vocab=OV_VOCAB)
 
 
-def write_ov_tool_call_gguf(path: Path, chat_template: str, *, n_ctx_train: int = 65536) -> _Shape:
-    """The deterministic tool-call model (recipe: :func:`tests.gguf_fixtures.write_tool_call_model`)
-    with F16 matrices and the OpenVINO-safe vocabulary. Unconstrained, its first token is end of
-    turn (an empty answer); constrained to a call, it fills the arguments as ``{"text":""}``."""
-    shape = _Shape(1, 2, 1, 32, 64, 32, n_ctx_train, "f16")
-    rand = _gaussian(1)
-    nl, quote, lbrace, rbrace = ord("\n"), ord('"'), ord("{"), ord("}")
-    embd = np.zeros((OV_N_VOCAB, shape.n_embd))
-    embd[:, 0] = 1.0
-    embd[TOKEN_ID["<tool_call>"], 1] = 4.0
-    embd[quote, 2] = 4.0
-    out = np.zeros((OV_N_VOCAB, shape.n_embd))
-    for token, pref in (
-        (EOS_ID, 6.0),
-        (TOKEN_ID["<tool_call>"], 5.0),
-        (TOKEN_ID["</tool_call>"], 4.0),
-        (quote, 3.0),
-        (rbrace, 2.0),
-        (lbrace, 1.0),
-        *((ord(ws), -1.0) for ws in " \t\n\r"),
-    ):
-        out[token, 0] = pref
-    out[nl, 1] = 10.0
-    out[quote, 2] = 10.0
-    w = _open_ov_writer(path, "hotfit-ov-tool-call", shape, chat_template)
-    _tensor(w, "token_embd.weight", embd, "f16")
-    _tensor(w, "output_norm.weight", np.ones(shape.n_embd), "f16")
-    _tensor(w, "output.weight", out, "f16")
-    _llama_block(w, 0, rand, shape, zero_out=True)
-    _finish(w)
-    return shape
-
-
-def write_ov_random_gguf(path: Path, chat_template: str, *, seed: int = 0) -> _Shape:
+def write_ov_random_gguf(path: Path, chat_template: str, *, seed: int = 0) -> FixtureInfo:
     """2 layers, 2 KV heads, head_dim 32, seeded random F16 weights: unconstrained output is noise."""
-    shape = _Shape(2, 4, 2, 32, 64, 128, 65536, "f16")
-    rand = _gaussian(seed)
-    w = _open_ov_writer(path, "hotfit-ov-random", shape, chat_template)
-    _tensor(w, "token_embd.weight", rand(OV_N_VOCAB, shape.n_embd), "f16")
-    _tensor(w, "output_norm.weight", np.ones(shape.n_embd), "f16")
-    _tensor(w, "output.weight", rand(OV_N_VOCAB, shape.n_embd), "f16")
-    for i in range(shape.n_layers):
-        _llama_block(w, i, rand, shape)
-    _finish(w)
-    return shape
+    return write_llama_model(path, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_embd=64, n_ff=128,
+                             n_ctx_train=65536, chat_template=chat_template, tensor_type="f16", seed=seed,
+                             name="hotfit-ov-random", vocab=OV_VOCAB)
 
 
 _CONVERT = (
@@ -237,10 +157,10 @@ def make_ov_fixture(root: Path, kind: str, chat_template: str = QWEN3_TOOLS_TEMP
     root.mkdir(parents=True, exist_ok=True)
     gguf_path = root / "model.gguf"
     writer = write_ov_tool_call_gguf if kind == "tool-call" else write_ov_random_gguf
-    shape = writer(gguf_path, chat_template)
+    info = writer(gguf_path, chat_template)
     seconds = convert_gguf_to_ir(gguf_path, root / "ir")
     gguf_path.unlink()
-    return OvFixture(root / "ir", kind, shape.n_layers, shape.n_kv_heads, shape.head_dim, seconds)
+    return OvFixture(root / "ir", kind, info.n_layers, info.n_kv_heads, info.head_dim_k, seconds)
 
 
 def ov_entry(fx: OvFixture, name: str | None = None) -> Entry:
