@@ -184,7 +184,8 @@ def _fa_off_wrapper(binary: Path, directory: Path) -> Path:
     """lavapipe (Mesa 22.3.6) segfaults inside its own driver thread running ggml's flash-attention
     shader for Gemma 3's head_dim 256 (gdb: libvulkan_lvp.so; SmolLM2's and Qwen's head_dim 64
     run, and Gemma 3 runs with -fa off). This wrapper appends -fa off (last flag wins) so the
-    placement can be checked on that model; the crash itself is tested below."""
+    placement can be checked on that model. The crash is intermittent (most runs here, not all),
+    so it is no test: the signal diagnosis is tested on stand-ins in tests/test_load.py."""
     wrapper = directory / "llama-server"
     directory.mkdir(parents=True, exist_ok=True)
     wrapper.write_text(f'#!/bin/sh\nexec "{binary}" "$@" -fa off\n')
@@ -235,25 +236,3 @@ async def test_a_real_quantized_model_runs_on_lavapipe_with_every_layer_and_the_
     assert report.ratio is not None and abs(report.ratio - 1) <= 0.01
     print({"model": name, "vulkan_generation_tokens_per_s": answer["timings"]["predicted_per_second"],
            "kv_ratio": report.ratio, "offloaded": report.offloaded_layers})  # figures, never asserted
-
-
-@pytest.mark.anyio
-async def test_a_real_crash_at_the_first_inference_is_diagnosed_naming_the_vulkan_build(
-        lavapipe: Path, tmp_path: Path) -> None:
-    """A real SIGSEGV, not a stand-in: Gemma 3 with flash attention on lavapipe loads (the
-    warm-up passes) and crashes in the driver at the first real prompt, the tool-call probe's.
-    The probe's error names the signal and the Vulkan build; the model file is kept."""
-    from pipeline.errors import ToolCallProbeFailed
-    from stages.probe_tool_call import probe_tool_call
-
-    m, plan = _real_plan("gemma3-270m", lavapipe_device(lavapipe))
-    async with open_server(plan, m.path, binary=lavapipe, run_dir=tmp_path / "run", threads=2,
-                           warmup=True) as srv:
-        with pytest.raises(ToolCallProbeFailed) as caught:
-            await probe_tool_call(srv)
-    err = caught.value
-    assert err.details["cause"] == "server_exited", err.to_json()
-    assert "SIGSEGV" in err.what and "vulkan" in err.what, err.what
-    assert "gdb" in (err.hint or "")
-    assert m.path.is_file()
-    print(err.what, "\nhint:", err.hint)  # the operator's view, for the report (pytest -s)
