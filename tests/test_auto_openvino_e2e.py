@@ -31,6 +31,7 @@ from tests.openvino_fixtures import (
     ov_entry,
     require_openvino_genai,
 )
+from tests.test_load import process_gone
 
 pytestmark = pytest.mark.openvino
 REPO = Path(__file__).resolve().parent.parent
@@ -102,13 +103,6 @@ def events(home: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
-
 
 def _worker_pids(home: Path) -> list[int]:
     return [e["pid"] for e in events(home) if e.get("event") == "openvino.start"]
@@ -148,7 +142,7 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     assert manifest["llama_cpp"] == {}
     # nothing left running once hotfit exited
     pids = _worker_pids(home)
-    assert len(pids) == 1 and not _alive(pids[0])
+    assert len(pids) == 1 and process_gone(pids[0])
 
     again = auto(hub, home, ov_world.agent, probe, "--kv-cache-type", kv)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -162,7 +156,7 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     assert rechecked.returncode == 0, rechecked.stderr[-3000:]
     assert json.loads(rechecked.stdout)["measured"]["actual_kv_bytes"] == tokens * per_token
     pids = _worker_pids(home)
-    assert len(pids) == 2 and not any(_alive(p) for p in pids)  # opened again, and closed again
+    assert len(pids) == 2 and all(process_gone(p) for p in pids)  # opened again, and closed again
 
 
 def test_serve_prints_the_ovms_command_and_refuses_to_exec(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:
@@ -196,7 +190,7 @@ def test_a_template_that_cannot_express_tools_fails_the_probe(hub: LocalHub, ov_
     assert err["code"] == "tool_call_probe" and "cannot express tools" in err["message"]
     assert err["details"]["cause"] == "prose" and err["details"]["backend"] == "openvino"
     assert not (home / "manifest.json").exists()
-    assert [p for p in _worker_pids(home) if _alive(p)] == []
+    assert [p for p in _worker_pids(home) if not process_gone(p)] == []
 
 
 def test_a_damaged_ir_is_refused_at_load(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:
@@ -208,7 +202,7 @@ def test_a_damaged_ir_is_refused_at_load(hub: LocalHub, ov_world: OvWorld, tmp_p
     assert err["code"] == "load" and err["details"]["cause"] == "damaged_ir", err
     assert "could not open" in err["message"] and "re-fetch" in err["hint"]
     assert not (home / "manifest.json").exists()
-    assert [p for p in _worker_pids(home) if _alive(p)] == []
+    assert [p for p in _worker_pids(home) if not process_gone(p)] == []
 
 
 def test_a_non_cpu_plan_is_refused_before_download(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from tests.openvino_fixtures import (
     ov_plan,
     require_openvino_genai,
 )
+from tests.test_load import process_gone
 
 pytestmark = [pytest.mark.openvino, pytest.mark.anyio]
 
@@ -57,14 +58,6 @@ def _copy(fx: OvFixture, dest: Path) -> OvFixture:
     return dataclasses.replace(fx, ir_dir=dest)
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie, exited but not yet reaped by its init, counts as dead)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
-
 
 def test_the_fixture_is_the_hub_file_set(tool_ir: OvFixture) -> None:
     assert sorted(p.name for p in tool_ir.ir_dir.iterdir()) == sorted(IR_FILES)
@@ -88,7 +81,7 @@ async def test_forced_call_parses_and_the_kv_is_what_was_configured(
     assert report.actual_kv_bytes == 32768 * bytes_per_token
     assert report.opened_context_tokens == 32768 and report.kv_precision == precision
     assert report.ratio == pytest.approx(1.0)
-    assert not _alive(pid)  # nothing left running
+    assert process_gone(pid)  # nothing left running
 
 
 @pytest.mark.parametrize(("template", "family", "marker"), [
@@ -205,7 +198,7 @@ async def test_a_start_past_its_deadline_is_killed(tool_ir: OvFixture, tmp_path:
         async with open_openvino_session(ov_plan(tool_ir, 32768), tool_ir.ir_dir, tmp_path, timeout_s=0.01):
             pytest.fail("opened within 10 ms")
     assert err.value.details["cause"] == "timeout"
-    assert not _alive(err.value.details["pid"])  # the worker was killed and reaped
+    assert process_gone(err.value.details["pid"])  # the worker was killed and reaped
     saved = json.loads((tmp_path / SESSION_FILE).read_text())  # the settings were recorded before starting
     assert saved["num_kv_blocks"] == 1024
 
@@ -218,7 +211,7 @@ async def test_cancellation_leaves_nothing_running(tool_ir: OvFixture, tmp_path:
         async with open_openvino_session(ov_plan(tool_ir, 32768), tool_ir.ir_dir, tmp_path) as session:
             pids.append(session.pid)
             await anyio.sleep(60)  # cancelled by the scope, like a SIGINT in hotfit's runner
-    assert pids and not _alive(pids[0])
+    assert pids and process_gone(pids[0])
 
 
 _HOLDER = """
@@ -251,13 +244,13 @@ def test_the_worker_dies_with_hotfit(tool_ir: OvFixture, tmp_path: Path, sig: in
             line = holder.stdout.readline()
             assert line, "the holder exited before opening the session"
         worker_pid = int(line.split()[1])
-        assert _alive(worker_pid)
+        assert not process_gone(worker_pid)
         holder.send_signal(sig)
         holder.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while _alive(worker_pid) and time.monotonic() < deadline:
+        while not process_gone(worker_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(worker_pid)
+        assert process_gone(worker_pid)
     finally:
         holder.kill()
         holder.wait()
