@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.errors import UsageError
+from core.errors import UsageError
 from state.files import write_text_atomic
 
 SCHEMA = 1
@@ -179,7 +179,7 @@ def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:
 
 def entry_from_json(d: Mapping[str, Any]) -> Any:
     """Inverse of ``dataclasses.asdict(Entry)`` (as ``Plan.to_json`` writes it)."""
-    from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+    from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 
     def artifact(a: Mapping[str, Any] | None) -> Artifact | None:
         return None if a is None else Artifact(**a)
@@ -200,7 +200,7 @@ def entry_from_json(d: Mapping[str, Any]) -> Any:
 
 def plan_from_json(d: Mapping[str, Any]) -> Any:
     """Inverse of ``Plan.to_json`` (its ``plan_id`` comes out the same)."""
-    from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
+    from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
 
     probe = d["probe"]
     return Plan(

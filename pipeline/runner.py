@@ -16,7 +16,7 @@ it (issue 6, items 2-6):
   ``ctx.enter_context`` is closed when the pipeline ends, fails or is interrupted;
 * signals: SIGINT/SIGTERM cancel the runner's task group; the running stage is recorded as
   ``interrupted``, entered contexts are closed (llama-server reaped) under a shield, and
-  :class:`~pipeline.errors.Interrupted` is raised (exit 130). ``kill -9`` leaves a ``running``
+  :class:`~core.errors.Interrupted` is raised (exit 130). ``kill -9`` leaves a ``running``
   record that the next run, holding the lock, turns into ``interrupted`` and resumes;
 * events: ``run.start``, ``stage.start``, ``stage.skip``, ``stage.done``, ``stage.fail``,
   ``run.done`` — each bound with ``run_id``, ``stage`` and ``plan_id``.
@@ -36,9 +36,9 @@ from typing import Any, AsyncContextManager, Awaitable, Callable, Mapping, Seque
 
 import anyio
 
-from pipeline.errors import HotfitError, Interrupted
-from pipeline.log import bind, get_logger, unbind
-from pipeline.plan import canonical_json
+from core.errors import HotfitError, Interrupted
+from core.log import bind, get_logger, unbind
+from core.plan import canonical_json
 from state.store import StageRecord, StateStore
 
 T = TypeVar("T")
@@ -53,7 +53,7 @@ class StageContext:
     run_id: str
     run_dir: Path
     settings: Any
-    plan: Any | None  # pipeline.plan.Plan once the plan stage has run
+    plan: Any | None  # core.plan.Plan once the plan stage has run
     results: Mapping[str, Any]  # read-only: stage name -> frozen result of an earlier stage
     enter_context: Callable[[AsyncContextManager[Any]], Awaitable[Any]]
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -403,7 +403,7 @@ def _opts(ctx: StageContext) -> Any:
 def compute_plan(opts: Any, settings: Any, probe: Any, previous: Any) -> Any:
     """Selection for ``probe`` (stages.plan). Returns the ``PlanOutcome``; raises the fail-closed
     :class:`NoModelQualifies` (logged as ``plan.rejected``) when nothing qualifies."""
-    from pipeline.errors import NoModelQualifies
+    from core.errors import NoModelQualifies
     from registry.catalog import load_registry
     from stages.plan import build_plan, resolve_kv_cache_type
 
@@ -428,7 +428,7 @@ async def _probe_stage(ctx: StageContext) -> Any:
     path = _opts(ctx).probe_file
     if path is not None:
         return await anyio.to_thread.run_sync(load_probe_file, path)
-    from pipeline.backend import gpu_listing_binaries
+    from backends.llama_server import gpu_listing_binaries
 
     binaries = gpu_listing_binaries(ctx.settings)
     return await anyio.to_thread.run_sync(functools.partial(probe_devices, ggml_binaries=binaries))
@@ -445,7 +445,7 @@ async def _plan_stage(ctx: StageContext) -> Any:
     if plan.backend == "llama":
         # The binary that will serve this plan must exist, answer --version, suit this CPU and
         # the plan's device before a single weight byte is fetched (issue 9 item 4).
-        from pipeline.backend import find_llama_server
+        from backends.llama_server import find_llama_server
 
         await anyio.to_thread.run_sync(
             functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
@@ -491,7 +491,7 @@ def disk_needed_bytes(entry: Any, present_bytes: int) -> int:
 def check_disk(entry: Any, dest: Path) -> None:
     import shutil as _shutil
 
-    from pipeline.errors import DiskSpaceError
+    from core.errors import DiskSpaceError
 
     probe_dir = dest
     while not probe_dir.exists():
@@ -606,7 +606,7 @@ class LoadResult:
     """The live llama-server (valid until the pipeline ends) and the binary it runs."""
 
     server: Any  # stages.load.LoadedServer
-    backend: Any  # pipeline.backend.Backend
+    backend: Any  # backends.llama_server.Backend
 
     def to_json(self) -> dict[str, Any]:
         return {**self.server.to_json(), "backend": self.backend.to_json()}
@@ -624,7 +624,7 @@ class OpenVinoLoadResult:
 
 
 async def _load_stage(ctx: StageContext) -> LoadResult | OpenVinoLoadResult:
-    from pipeline.backend import find_llama_server
+    from backends.llama_server import find_llama_server
     from stages.load import open_server
 
     plan = ctx.plan

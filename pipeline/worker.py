@@ -30,9 +30,9 @@ from typing import Any, Literal, Mapping
 
 import httpx
 
-from pipeline.log import get_logger
+from core.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json
-from pipeline.plan import Device, ProbeResult
+from core.plan import Device, ProbeResult
 from registry.kv import UnknownKV, kv_bytes, layer_profile, parse_kv_cache_type
 from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import available_with_worker, same_device

@@ -2,7 +2,7 @@
 
 The bundled registry is ``registry/data/curated.json`` (package data)::
 
-    {"schema": 1, "description": "...", "entries": [ {<every field of registry.model.Entry>}, ... ]}
+    {"schema": 1, "description": "...", "entries": [ {<every field of core.entry.Entry>}, ... ]}
 
 Every entry records every field, ``null`` where a fact could not be verified (spec: "Unknown context
 or KV metadata excludes a model from automatic selection"). The checks below refuse a file that
@@ -28,8 +28,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from pipeline.errors import RegistryError, UsageError
-from registry.model import (
+from core.errors import RegistryError, UsageError
+from core.entry import (
     AGENTIC_TIERS,
     BACKENDS,
     INELIGIBLE_CAUSES,

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.errors import UsageError
-from registry.model import Entry, LayerGroup
+from core.errors import UsageError
+from core.entry import Entry, LayerGroup
 
 # llama.cpp pads n_ctx and the SWA cache to 256 cells (llama-context.cpp, llama-kv-cache-iswa.cpp).
 KV_CELL_PAD_TOKENS = 256

@@ -29,7 +29,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
-from pipeline.errors import NoModelQualifies, UsageError
+from core.errors import NoModelQualifies, UsageError
 from registry.kv import (
     KV_CACHE_TYPES,
     OPENVINO_KV_PRECISIONS,
@@ -40,7 +40,7 @@ from registry.kv import (
     kv_bytes,
     layer_profile,
 )
-from registry.model import BACKENDS, ORIGINS, PERMISSIVE_LICENSES, Entry
+from core.entry import BACKENDS, ORIGINS, PERMISSIVE_LICENSES, Entry
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import HubError, IntegrityError, TemplateError, TransferError
-from pipeline.log import get_logger
-from pipeline.settings import Settings
-from registry.model import Entry
+from core.errors import HubError, IntegrityError, TemplateError, TransferError
+from core.log import get_logger
+from core.settings import Settings
+from core.entry import Entry
 from stages.transfer import (
     HubSession,
     TransferOptions,

@@ -36,10 +36,10 @@ from typing import Any
 import anyio
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from pipeline.errors import HubError, IntegrityError, RegistryError, TransferError
-from pipeline.log import get_logger
-from pipeline.settings import Settings
-from registry.model import Artifact, Entry
+from core.errors import HubError, IntegrityError, RegistryError, TransferError
+from core.log import get_logger
+from core.settings import Settings
+from core.entry import Artifact, Entry
 from stages import verify as verify_mod
 from stages.transfer import (
     DownloadOutcome,

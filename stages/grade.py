@@ -42,7 +42,7 @@ from grading.protocol import (
 from grading.report import GRADE_VERSION, call_validity, category_results, decide_verdict, speeds
 from grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
 from grading.scenarios import pack_hash, scenarios_for
-from pipeline.log import get_logger
+from core.log import get_logger
 
 __all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "default_output_path", "grade_endpoint", "write_report"]
 

@@ -47,11 +47,11 @@ from typing import Any, AsyncIterator, Literal, Mapping, Sequence
 import anyio
 import httpx
 
-from pipeline.backend import BUILD_INFO_NAME, BuildInfo, build_info_from_json, install_command
-from pipeline.errors import BackendError, IntegrityError, LoadError
-from pipeline.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, missing_features
-from pipeline.log import get_logger
-from pipeline.plan import Plan
+from backends.llama_server import BUILD_INFO_NAME, BuildInfo, build_info_from_json, install_command
+from core.errors import BackendError, IntegrityError, LoadError
+from core.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, missing_features
+from core.log import get_logger
+from core.plan import Plan
 from registry.kv import LLAMA_UBATCH_TOKENS
 from stages.verify import read_gguf_header
 
@@ -354,7 +354,7 @@ def diagnose_load_failure(lines: Sequence[LogLine]) -> tuple[str, str]:
     return "unknown", "read the quoted llama-server log lines; the full log is in the run directory"
 
 
-# The ISA names a compiler can target (pipeline.isa): the part of /proc/cpuinfo's flags that says
+# The ISA names a compiler can target (core.isa): the part of /proc/cpuinfo's flags that says
 # which binaries this CPU can run. The rest (vmx, hypervisor, ...) says nothing about a crash.
 _ISA_NAMES = frozenset(MACRO_TO_CPUINFO.values())
 _SIGNAL_WORDS = {
@@ -763,7 +763,7 @@ async def open_server(
 
     Raises :class:`LoadError` quoting the relevant log lines when the server exits early or is
     not healthy within ``health_timeout_s``. ``build`` (``Backend.build`` from
-    :func:`pipeline.backend.find_llama_server`) is what a death by signal is diagnosed against;
+    :func:`backends.llama_server.find_llama_server`) is what a death by signal is diagnosed against;
     without it the ``build-info.json`` beside ``binary`` is read, if there is one."""
     model_path = Path(model_path)
     if not model_path.is_file():

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from pipeline.errors import ToolCallProbeFailed
-from pipeline.log import get_logger
+from core.errors import ToolCallProbeFailed
+from core.log import get_logger
 from stages.openvino_session import OpenVinoSession, _WorkerGone
 from stages.probe_tool_call import (
     PROBE_MAX_TOKENS,

@@ -23,8 +23,8 @@ from typing import Any
 
 import anyio
 
-from pipeline.errors import AllocationMismatch
-from pipeline.log import get_logger
+from core.errors import AllocationMismatch
+from core.log import get_logger
 from stages.openvino_session import (
     KV_PRECISIONS,
     KvShape,

@@ -41,9 +41,9 @@ from typing import Any
 
 import anyio
 
-from pipeline.errors import BackendNotFound, LoadError
-from pipeline.log import get_logger
-from pipeline.plan import Plan
+from core.errors import BackendNotFound, LoadError
+from core.log import get_logger
+from core.plan import Plan
 from registry.kv import (
     OPENVINO_KV_BLOCK_TOKENS,
     OPENVINO_KV_PRECISIONS,

@@ -4,7 +4,7 @@
 budget, GPU and host memory never added — and takes the plan that wins by the spec's ordering
 (parameters, then hot context, then name; the previous model kept while it qualifies on its
 device). The winner's device becomes ``plan.probe.selected``, the device load pins. The pick is
-wrapped in ``pipeline.plan.Plan``; when nothing qualifies the outcome carries the refusal
+wrapped in ``core.plan.Plan``; when nothing qualifies the outcome carries the refusal
 instead, so ``hotfit plan`` can still print every candidate's verdict next to the error.
 """
 
@@ -15,12 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
-from pipeline.errors import NoModelQualifies, UsageError
-from pipeline.log import get_logger
-from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
-from pipeline.settings import KV_CACHE_ENV
+from core.errors import NoModelQualifies, UsageError
+from core.log import get_logger
+from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from core.settings import KV_CACHE_ENV
 from registry.kv import KVCacheType, parse_kv_cache_type
-from registry.model import Entry
+from core.entry import Entry
 from registry.select import (
     ACCELERATOR_KINDS,
     DEVICE_KINDS,

@@ -41,9 +41,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
-from pipeline.errors import HardwareProbeError, UsageError
-from pipeline.log import get_logger
-from pipeline.plan import Device, ProbeResult
+from core.errors import HardwareProbeError, UsageError
+from core.log import get_logger
+from core.plan import Device, ProbeResult
 from registry.select import device_budget
 from state.files import write_text_atomic
 

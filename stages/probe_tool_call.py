@@ -31,8 +31,8 @@ from typing import Any
 import anyio
 import httpx
 
-from pipeline.errors import ToolCallProbeFailed
-from pipeline.log import get_logger
+from core.errors import ToolCallProbeFailed
+from core.log import get_logger
 from stages.load import LoadedServer, relevant_log_lines, signal_death_report
 
 __all__ = [

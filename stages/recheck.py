@@ -41,9 +41,9 @@ from typing import Any, Sequence
 import anyio
 import httpx
 
-from pipeline.errors import AllocationMismatch
-from pipeline.log import get_logger
-from pipeline.plan import Plan
+from core.errors import AllocationMismatch
+from core.log import get_logger
+from core.plan import Plan
 from stages.load import LoadedServer, LogLine, read_server_log
 
 try:  # the floor is selection's constant (spec: MinAgenticHotContext)

@@ -65,7 +65,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from pipeline.errors import (
+from core.errors import (
     DiskSpaceError,
     HubError,
     IntegrityError,
@@ -73,8 +73,8 @@ from pipeline.errors import (
     TransferError,
     UsageError,
 )
-from pipeline.log import get_logger
-from pipeline.settings import Settings
+from core.log import get_logger
+from core.settings import Settings
 from state.files import finalize_file, fsync_dir, write_text_atomic  # noqa: F401  (re-exported)
 
 __all__ = [

@@ -36,9 +36,9 @@ from typing import Any, BinaryIO
 import anyio
 from gguf import GGUF_MAGIC, GGUFValueType, Keys
 
-from pipeline.errors import IntegrityError, TemplateError
-from pipeline.log import get_logger
-from registry.model import Artifact, Entry
+from core.errors import IntegrityError, TemplateError
+from core.log import get_logger
+from core.entry import Artifact, Entry
 
 log = get_logger()
 

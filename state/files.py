@@ -13,7 +13,7 @@ import tempfile
 from contextlib import suppress
 from pathlib import Path
 
-from pipeline.errors import UsageError
+from core.errors import UsageError
 
 
 def unusable_home(home: Path, named: str, reason: str, **details: object) -> UsageError:

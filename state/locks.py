@@ -12,7 +12,7 @@ Semantics:
   missing, parents too) and writes the holder's PID and command line into it, so the *next*
   process can say who holds it. The kernel drops a ``flock`` when its holder dies (``kill -9``,
   crash, reboot), so a stale lock never blocks: a dead holder's text is simply overwritten.
-- Held by another process: ``wait=False`` raises :class:`pipeline.errors.LockedError` naming the
+- Held by another process: ``wait=False`` raises :class:`core.errors.LockedError` naming the
   holder PID and command; ``wait=True`` polls until it is free (``timeout_s`` bounds the wait,
   then ``LockedError`` too). Polling — not a blocking ``flock`` in a thread — keeps the wait
   cancellable from anyio (``acquire_async``) and from SIGINT.
@@ -38,8 +38,8 @@ from typing import AsyncIterator, Iterator
 
 import anyio
 
-from pipeline.errors import LockedError
-from pipeline.log import get_logger
+from core.errors import LockedError
+from core.log import get_logger
 
 __all__ = ["FileLock", "LockHolder", "read_holder"]
 

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Literal, Sequence
 
 import anyio.to_thread
 
-from pipeline.errors import LockedError, UsageError
+from core.errors import LockedError, UsageError
 from state.locks import read_holder
 
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]

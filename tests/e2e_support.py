@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.plan import Device, ProbeResult
+from core.plan import Device, ProbeResult
 from registry.kv import parse_kv_cache_type
-from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
 from tests.gguf_fixtures import FixtureInfo, pinned_template, write_tool_call_model
 

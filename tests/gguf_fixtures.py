@@ -20,7 +20,7 @@ Writers
 
 Helpers
 -------
-- :func:`require_llama_server` — the llama-server to test against, via ``pipeline.backend``;
+- :func:`require_llama_server` — the llama-server to test against, via ``backends.llama_server``;
   ``pytest.skip`` only when none exists and ``HOTFIT_REQUIRE_LLAMA`` is unset (CI sets it).
 - :func:`llama_server` — context manager that starts llama-server on a model with nothing left to
   its defaults that matters here (``--fit off -np 1``), waits for ``/health`` and always kills it.
@@ -509,8 +509,8 @@ def write_garbage_file(path: str | os.PathLike[str], *, size_bytes: int = 4096, 
 
 def pinned_source_tree() -> Path:
     """The pinned llama.cpp source tree (kept by scripts/install-llama-server)."""
-    from pipeline.backend import pinned_source_tree as tree
-    from pipeline.settings import load_settings
+    from backends.llama_server import pinned_source_tree as tree
+    from core.settings import load_settings
 
     return tree(load_settings())
 
@@ -561,16 +561,16 @@ def _absent(why: str) -> None:
 
 
 def require_llama_server() -> Path:
-    """The llama-server tests run (found the way hotfit finds it: pipeline.backend).
+    """The llama-server tests run (found the way hotfit finds it: backends.llama_server).
 
     Skips the calling test only when no binary exists and ``HOTFIT_REQUIRE_LLAMA`` is unset;
     with it set (CI) a missing binary fails loudly. A binary named by ``HOTFIT_LLAMA_SERVER``
     that is unusable always fails: someone asked for that one."""
     import pytest
 
-    from pipeline.backend import find_llama_server
-    from pipeline.errors import BackendNotFound
-    from pipeline.settings import load_settings
+    from backends.llama_server import find_llama_server
+    from core.errors import BackendNotFound
+    from core.settings import load_settings
 
     settings = load_settings()
     try:

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 from tests.gguf_fixtures import FixtureInfo, FixtureVocab, write_llama_model, write_tool_call_model
 
 if TYPE_CHECKING:
-    from pipeline.plan import Plan
-    from registry.model import Entry
+    from core.plan import Plan
+    from core.entry import Entry
 
 __all__ = [
     "CHATML_NO_TOOLS_TEMPLATE",
@@ -164,7 +164,7 @@ def make_ov_fixture(root: Path, kind: str, chat_template: str = QWEN3_TOOLS_TEMP
 
 
 def ov_entry(fx: OvFixture, name: str | None = None) -> Entry:
-    from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig
+    from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
 
     size = sum(p.stat().st_size for p in fx.ir_dir.iterdir() if p.is_file())
     return Entry(
@@ -186,7 +186,7 @@ def ov_plan(fx: OvFixture, tokens: int, kv_type: str = "f16", *, estimated_kv_by
             entry_name: str | None = None) -> Plan:
     """A host-memory plan for ``fx`` whose estimate is OpenVINO's own KV arithmetic (what the planner
     must use for OpenVINO entries: stages.openvino_session.kv_bytes_per_token_for_entry)."""
-    from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
+    from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
     from stages.openvino_session import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
 
     entry = ov_entry(fx, entry_name)

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.plan import Device, ProbeResult
-from registry.model import Artifact, Entry, TemplateSource
+from core.plan import Device, ProbeResult
+from core.entry import Artifact, Entry, TemplateSource
 from tests.e2e_support import GiB, write_probe, write_registry
 from tests.hubserver import LocalHub
 from tests.openvino_fixtures import (

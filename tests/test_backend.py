@@ -1,4 +1,4 @@
-"""pipeline.backend finds llama-server in the documented order (flag > env > cache > PATH), says
+"""backends.llama_server finds llama-server in the documented order (flag > env > cache > PATH), says
 which one it used, and refuses clearly when none is usable (issue 2 item 4). The binaries here are
 real executables written to temporary directories; one test runs the real pinned build."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from pipeline.backend import (
+from backends.llama_server import (
     Backend,
     build_info_from_json,
     cache_bin_dir,
@@ -20,8 +20,8 @@ from pipeline.backend import (
     parse_version_text,
     pinned_source_tree,
 )
-from pipeline.errors import BackendError, BackendNotFound
-from pipeline.settings import LLAMA_SDIST_VERSION, load_settings
+from core.errors import BackendError, BackendNotFound
+from core.settings import LLAMA_SDIST_VERSION, load_settings
 from tests import gguf_fixtures as gf
 
 
@@ -320,7 +320,7 @@ def test_only_a_cpu_build_for_a_gpu_plan_names_the_gpu_build_to_make(places: dic
 
 
 def test_backend_from_the_libraries_a_binary_links() -> None:
-    from pipeline.backend import backend_from_libraries
+    from backends.llama_server import backend_from_libraries
 
     assert backend_from_libraries("\tlibvulkan.so.1 => /lib/x86_64-linux-gnu/libvulkan.so.1 (0x1)\n") == "vulkan"
     assert backend_from_libraries("\tlibcuda.so.1 => /usr/lib/libcuda.so.1\n\tlibvulkan.so.1 => x\n") == "cuda"

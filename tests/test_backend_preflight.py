@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.plan import Device, ProbeResult
+from core.plan import Device, ProbeResult
 from tests.e2e_support import GiB, SMALL, World, write_probe
 from tests.hubserver import LocalHub
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 
-from pipeline.errors import RegistryError, UsageError
+from core.errors import RegistryError, UsageError
 from registry.catalog import (
     Registry,
     bundled_registry_path,
@@ -18,7 +18,7 @@ from registry.catalog import (
     parse_registry,
     parse_registry_text,
 )
-from registry.model import BACKENDS, INELIGIBLE_CAUSES, ORIGINS, PERMISSIVE_LICENSES
+from core.entry import BACKENDS, INELIGIBLE_CAUSES, ORIGINS, PERMISSIVE_LICENSES
 
 BUNDLED_JSON = json.loads(bundled_registry_path().read_text(encoding="utf-8"))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import errors
+from core import errors
 from pipeline.cli import EXIT_CODES_HELP, build_parser, main
 
 COMMANDS = [["probe"], ["plan"], ["registry", "list"], ["registry", "lock"], ["pull", "x"], ["auto"], ["status"], ["serve"]]

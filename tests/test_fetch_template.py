@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.errors import TemplateError
-from pipeline.settings import load_settings
-from registry.model import TemplateSource
+from core.errors import TemplateError
+from core.settings import load_settings
+from core.entry import TemplateSource
 from stages.fetch_template import TEMPLATE_FILENAME, check_tool_capable, extract_template, fetch_template
 from stages.fetch_weights import fetch_weights
 from tests.gguf_fixtures import pinned_template
@@ -195,7 +195,7 @@ async def test_relative_redirect_to_resolve_cache_is_followed(tmp_path: Path) ->
 @pytest.mark.anyio
 async def test_template_in_place_is_not_fetched_again_and_works_offline(local_hub: LocalHub, tmp_path: Path,
                                                                         hub_repo: dict[str, Any]) -> None:
-    from pipeline.settings import load_settings
+    from core.settings import load_settings
 
     src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)

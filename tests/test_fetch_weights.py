@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import structlog
 
-from pipeline.errors import (
+from core.errors import (
     DiskSpaceError,
     HubError,
     IntegrityError,
@@ -28,8 +28,8 @@ from pipeline.errors import (
     RegistryError,
     TransferError,
 )
-from pipeline.settings import Settings, load_settings
-from registry.model import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+from core.settings import Settings, load_settings
+from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from stages.fetch_weights import fetch_weights
 from stages.transfer import TransferOptions, partial_paths
 from stages.verify import read_receipt, receipt_path

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import IntegrityError, TemplateError
+from core.errors import IntegrityError, TemplateError
 from stages.fetch_template import check_tool_capable, extract_template
 from stages.verify import read_gguf_header
 from tests.test_fetch_weights import make_gguf

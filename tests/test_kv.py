@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import UsageError
+from core.errors import UsageError
 from registry.kv import (
     KV_CACHE_TYPES,
     KVLayerShape,
@@ -19,7 +19,7 @@ from registry.kv import (
     layer_profile,
     parse_kv_cache_type,
 )
-from registry.model import LayerGroup
+from core.entry import LayerGroup
 from tests.entries import MINICPM5_2B, entry
 
 

@@ -18,7 +18,7 @@ from registry.kv import (
     kv_bytes,
     layer_profile,
 )
-from registry.model import LayerGroup
+from core.entry import LayerGroup
 from registry.select import (
     MIN_AGENTIC_HOT_CONTEXT,
     device_budget,

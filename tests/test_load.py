@@ -19,12 +19,12 @@ import anyio
 import httpx
 import pytest
 
-from pipeline.backend import BuildInfo, build_info_from_json
-from pipeline.errors import LoadError
-from pipeline.isa import MACRO_TO_CPUINFO, cpuinfo_flags
-from pipeline.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from backends.llama_server import BuildInfo, build_info_from_json
+from core.errors import LoadError
+from core.isa import MACRO_TO_CPUINFO, cpuinfo_flags
+from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
-from registry.model import Entry, LayerGroup, SourceConfig
+from core.entry import Entry, LayerGroup, SourceConfig
 from stages.load import (
     API_KEY_ENV,
     LLAMA_UBATCH_TOKENS,

@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline.errors import LockedError
+from core.errors import LockedError
 from state.locks import FileLock, read_holder
 
 

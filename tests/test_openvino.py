@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import AllocationMismatch, LoadError, ToolCallProbeFailed
+from core.errors import AllocationMismatch, LoadError, ToolCallProbeFailed
 from stages.openvino_probe import probe_openvino_tool_call
 from stages.openvino_recheck import recheck_openvino_allocation
 from stages.openvino_session import SESSION_FILE, open_openvino_session

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import BackendNotFound, LoadError
-from pipeline.plan import Device, ProbeResult
+from core.errors import BackendNotFound, LoadError
+from core.plan import Device, ProbeResult
 from stages import openvino_session
 from stages.openvino_probe import (
     answer_from_text,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.errors import UsageError
-from pipeline.plan import Device, ProbeResult
+from core.errors import UsageError
+from core.plan import Device, ProbeResult
 from registry.catalog import Registry, load_registry
 from registry.kv import KV_CACHE_TYPES
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.cli import main
-from pipeline.errors import HardwareProbeError, UsageError
-from pipeline.plan import ProbeResult
+from core.errors import HardwareProbeError, UsageError
+from core.plan import ProbeResult
 from stages.probe import load_probe_file, probe_devices, save_probe
 
 GiB = 1 << 30

@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 import pytest
 
-from pipeline.backend import BuildInfo
-from pipeline.errors import ToolCallProbeFailed
+from backends.llama_server import BuildInfo
+from core.errors import ToolCallProbeFailed
 from stages.load import open_server
 from stages.probe_tool_call import (
     CALL_SCAN_MAX_CHARS,

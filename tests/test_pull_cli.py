@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from registry.model import Entry, TemplateSource
+from core.entry import Entry, TemplateSource
 from stages.transfer import partial_paths
 from tests.conftest import REPO_ROOT
 from tests.hubserver import LocalHub

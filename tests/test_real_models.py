@@ -4,7 +4,7 @@ The models (tests/real_models.py) are fetched once by scripts/fetch-test-models;
 test compares with llama-server comes from the file's header or from hotfit's planner, never
 typed in. Generation is kept to a few tokens: these run on 2 CPU cores in CI.
 
-Tests marked ``llama`` start the real CPU llama-server (pipeline.backend.find_llama_server).
+Tests marked ``llama`` start the real CPU llama-server (backends.llama_server.find_llama_server).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
+from core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
 from stages.load import _gguf_has_chat_template, open_server

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from pipeline.errors import AllocationMismatch
+from core.errors import AllocationMismatch
 from stages.load import LogLine, open_server
 from stages.recheck import (
     KV_EXCESS_TOLERANCE,

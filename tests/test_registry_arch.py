@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.settings import LLAMA_SDIST_VERSION, default_llama_cache
+from core.settings import LLAMA_SDIST_VERSION, default_llama_cache
 from registry.catalog import Registry, load_registry
 
 REQUIRE_ENV = "HOTFIT_REQUIRE_LLAMA"
@@ -30,7 +30,7 @@ _HANDLER = re.compile(r"^([a-z0-9_]+) \(")
 
 
 def llama_source_tree(env: dict[str, str] | os._Environ[str] = os.environ) -> Path:
-    """Where the install script unpacks the vendored llama.cpp (pipeline/settings.py cache layout)."""
+    """Where the install script unpacks the vendored llama.cpp (core/settings.py cache layout)."""
     return default_llama_cache(env) / LLAMA_SDIST_VERSION / "work" / "src" / "vendor" / "llama.cpp"
 
 

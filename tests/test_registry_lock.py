@@ -1,4 +1,4 @@
-"""registry.lock / `hotfit registry lock`: pin open revisions, sizes and sha256 from a (local) Hub."""
+"""pipeline.registry_lock / `hotfit registry lock`: pin open revisions, sizes and sha256 from a (local) Hub."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from pipeline.cli import main
-from pipeline.errors import UsageError
+from core.errors import UsageError
 from registry.catalog import bundled_registry_path, load_registry
-from registry.lock import (
+from pipeline.registry_lock import (
     FileFacts,
     HubFacts,
     apply_hub_facts,
@@ -267,7 +267,7 @@ def test_write_atomic_failure_keeps_the_old_file(tmp_path: Path, monkeypatch: py
 def test_lock_against_a_server_that_is_not_a_hub_says_so_and_writes_nothing(tmp_path: Path, not_a_hub: str,
                                                                              hotfit_home: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.errors import HubError
+    from core.errors import HubError
 
     src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None),
                             _entry("other", artifact=_art("org/n-GGUF", None, "n.gguf"), template=None)])

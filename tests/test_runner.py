@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 import pytest
 
-from pipeline import log as hlog
-from pipeline.errors import Interrupted, TransferError
+from core import log as hlog
+from core.errors import Interrupted, TransferError
 from pipeline.runner import Runner, Stage, StageContext
 from state.store import StateStore, SyncStateStore
 
@@ -275,8 +275,8 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
     from contextlib import asynccontextmanager
     from pathlib import Path
     import anyio
-    from pipeline import log
-    from pipeline.errors import Interrupted
+    from core import log
+    from core.errors import Interrupted
     from pipeline.runner import Runner, Stage
     from state.store import StateStore
 
@@ -389,12 +389,12 @@ _LOAD_SIGNAL_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
     import anyio
-    from pipeline import log
-    from pipeline.backend import find_llama_server
-    from pipeline.errors import Interrupted
-    from pipeline.plan import Device, ProbeResult
+    from core import log
+    from backends.llama_server import find_llama_server
+    from core.errors import Interrupted
+    from core.plan import Device, ProbeResult
     from pipeline.runner import Runner, Stage
-    from pipeline.settings import load_settings
+    from core.settings import load_settings
     from registry.kv import parse_kv_cache_type
     from stages.load import open_server
     from stages.plan import build_plan
@@ -466,9 +466,9 @@ def test_signal_during_load_reaps_llama_server(tmp_path: Path, signum: int) -> N
 def test_disk_check_needs_artifact_projector_and_margin(tmp_path: Path) -> None:
     import dataclasses
 
-    from pipeline.errors import DiskSpaceError
+    from core.errors import DiskSpaceError
     from pipeline.runner import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
-    from registry.model import Artifact
+    from core.entry import Artifact
     from tests.e2e_support import fixture_entry
     from tests.gguf_fixtures import write_tool_call_model
 

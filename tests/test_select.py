@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import NoModelQualifies, UsageError
+from core.errors import NoModelQualifies, UsageError
 from registry.catalog import load_registry
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
-from registry.model import LayerGroup
+from core.entry import LayerGroup
 from registry.select import (
     MAX_HOT_CONTEXT_TOKENS,
     MIN_AGENTIC_HOT_CONTEXT,

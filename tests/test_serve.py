@@ -16,9 +16,9 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.cli.serve import decide_window, systemd_unit
-from pipeline.errors import NoModelQualifies
+from core.errors import NoModelQualifies
 from pipeline.manifest import Manifest, read_manifest, write_manifest
-from pipeline.plan import Device, ProbeResult
+from core.plan import Device, ProbeResult
 from registry.kv import parse_kv_cache_type
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit
 from stages.plan import build_plan
@@ -287,12 +287,12 @@ def nvidia_home(provisioned: dict, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_serve_and_load_pin_the_verified_nvidia_card_through_one_function(nvidia_home: dict,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     binary = require_llama_server()
-    import pipeline.backend
+    import backends.llama_server
     from stages.load import child_env, new_api_key
 
     # Stand-in: this machine has only the CPU build, which serve rightly refuses for an nvidia
     # plan; the pinning under test does not depend on the build, so the check is waived here.
-    monkeypatch.setattr(pipeline.backend, "compatibility_problem", lambda *a, **k: None)
+    monkeypatch.setattr(backends.llama_server, "compatibility_problem", lambda *a, **k: None)
     monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
 
     load_env = child_env(nvidia_home["plan"], new_api_key(), {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"})

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import UsageError
-from pipeline.settings import DEFAULT_HF_ENDPOINT, load_settings
+from core.errors import UsageError
+from core.settings import DEFAULT_HF_ENDPOINT, load_settings
 
 
 def test_defaults_follow_xdg() -> None:

@@ -170,7 +170,7 @@ def test_kill_9_mid_write_leaves_a_consistent_database(tmp_path: Path) -> None:
 
 
 def test_corrupt_database_is_a_usage_error_naming_the_file(tmp_path: Path) -> None:
-    from pipeline.errors import UsageError
+    from core.errors import UsageError
 
     path = tmp_path / "state.db"
     path.write_bytes(b"this is not an sqlite database" * 100)
@@ -182,7 +182,7 @@ def test_corrupt_database_is_a_usage_error_naming_the_file(tmp_path: Path) -> No
 
 
 def test_database_from_an_older_schema_is_refused_not_crashed_on(tmp_path: Path) -> None:
-    from pipeline.errors import UsageError
+    from core.errors import UsageError
 
     path = tmp_path / "state.db"
     conn = sqlite3.connect(path)
@@ -196,7 +196,7 @@ def test_database_from_an_older_schema_is_refused_not_crashed_on(tmp_path: Path)
 
 
 def test_database_with_a_newer_schema_number_is_refused(tmp_path: Path) -> None:
-    from pipeline.errors import UsageError
+    from core.errors import UsageError
 
     path = tmp_path / "state.db"
     SyncStateStore(path).close()
@@ -243,7 +243,7 @@ def busy_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_a_busy_database_at_open_names_the_holder_not_a_sqlite_traceback(busy_home: Any) -> None:
-    from pipeline.errors import LockedError
+    from core.errors import LockedError
 
     home, holder_pid = busy_home
     with pytest.raises(LockedError) as info:
@@ -258,7 +258,7 @@ def test_a_busy_database_on_write_names_the_process_that_has_it_open(tmp_path: P
     # No pipeline lock this time (another program, e.g. the sqlite3 shell, holds the write lock):
     # the holder is found among the processes that have the file open.
     import state.store
-    from pipeline.errors import LockedError
+    from core.errors import LockedError
 
     monkeypatch.setattr(state.store, "BUSY_TIMEOUT_MS", 200)
     db = tmp_path / "state.db"

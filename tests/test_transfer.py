@@ -198,8 +198,8 @@ def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("endpoint", ["localhost:8080", "ftp://mirror.example", "http://", "hf-mirror.com/hf"])
 def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoint: str, tmp_path: Path) -> None:
-    from pipeline.errors import UsageError
-    from pipeline.settings import load_settings
+    from core.errors import UsageError
+    from core.settings import load_settings
     from stages.transfer import HubSession
 
     settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
@@ -210,7 +210,7 @@ def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoin
 
 @pytest.mark.parametrize("endpoint", ["https://huggingface.co", "http://127.0.0.1:8080/", "https://mirror.example/hf"])
 def test_http_endpoints_with_or_without_a_path_are_accepted(endpoint: str, tmp_path: Path) -> None:
-    from pipeline.settings import load_settings
+    from core.settings import load_settings
     from stages.transfer import HubSession
 
     settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})

@@ -12,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 
-from pipeline.errors import IntegrityError, TemplateError
-from registry.model import LayerGroup, TemplateSource
+from core.errors import IntegrityError, TemplateError
+from core.entry import LayerGroup, TemplateSource
 from stages.fetch_template import fetch_template
 from stages.fetch_weights import fetch_weights
 from stages.verify import (
@@ -252,7 +252,7 @@ def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, mani
 
 
 def test_a_receipt_without_its_sha256_is_not_a_match(tmp_path: Path) -> None:
-    from registry.model import Artifact
+    from core.entry import Artifact
     from stages.verify import receipt_matches
 
     final = tmp_path / "m.gguf"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.backend import cache_bin_dir, find_llama_server
-from pipeline.errors import AllocationMismatch, BackendError
-from pipeline.plan import Device, ProbeResult
-from pipeline.settings import load_settings
+from backends.llama_server import cache_bin_dir, find_llama_server
+from core.errors import AllocationMismatch, BackendError
+from core.plan import Device, ProbeResult
+from core.settings import load_settings
 from stages.load import open_server
 from stages.probe import list_ggml_devices, probe_devices
 from stages.recheck import recheck_allocation

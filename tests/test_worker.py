@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.manifest import Manifest
-from pipeline.plan import Device, ProbeResult
+from core.plan import Device, ProbeResult
 from pipeline.worker import (
     WorkerFacts,
     WorkerRecord,
@@ -26,7 +26,7 @@ from pipeline.worker import (
     write_worker_record,
 )
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
-from registry.model import LayerGroup
+from core.entry import LayerGroup
 from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import PreviousModel, available_with_worker, build_plan
 from tests.entries import GiB, MiB, entry

@@ -1,7 +1,7 @@
 """``hotfit`` command line: global options, sub-command dispatch, error → exit-code mapping.
 
 Each sub-command lives in its own module here with ``add_parser(subparsers, parents)`` and
-``run(args, ctx) -> int``. Errors from ``pipeline.errors`` become their exit code; with ``--json``
+``run(args, ctx) -> int``. Errors from ``core.errors`` become their exit code; with ``--json``
 the error is printed as ``{"error": {...}}`` on stdout so scripts can read it.
 """
 
@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
-from pipeline import log
-from pipeline.errors import HotfitError, Interrupted
-from pipeline.settings import Settings, load_settings
+from core import log
+from core.errors import HotfitError, Interrupted
+from core.settings import Settings, load_settings
 from state.files import prepare_home, unusable_home
 
 EXIT_CODES_HELP = """exit codes:

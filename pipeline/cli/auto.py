@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 
 from pipeline.cli import CliContext
 from pipeline.cli.plan import add_plan_options
-from pipeline.errors import UsageError
+from core.errors import UsageError
 from pipeline.manifest import plan_from_json
 from pipeline.runner import opened_context_tokens
 from pipeline.worker import find_worker, worker_held_bytes
@@ -233,7 +233,7 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
     """Dry run, fast no-op, or the resumable pipeline under the one-per-home lock."""
     import anyio
 
-    from pipeline.log import get_logger
+    from core.log import get_logger
     from pipeline.manifest import read_manifest, write_manifest
     from pipeline.runner import SESSION_STAGES, Runner, compute_plan, hotfit_stages
     from state.locks import FileLock
@@ -246,7 +246,7 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
         if opts.probe_file is not None:
             probe = await anyio.to_thread.run_sync(load_probe_file, opts.probe_file)
         else:
-            from pipeline.backend import gpu_listing_binaries
+            from backends.llama_server import gpu_listing_binaries
 
             binaries = gpu_listing_binaries(settings)
             probe = await anyio.to_thread.run_sync(lambda: probe_devices(ggml_binaries=binaries))
@@ -330,8 +330,8 @@ async def _held_interruptibly(lock: Any) -> AsyncIterator[Any]:
 
     import anyio
 
-    from pipeline.errors import Interrupted
-    from pipeline.log import get_logger
+    from core.errors import Interrupted
+    from core.log import get_logger
 
     received: list[int] = []
     failure: Exception | None = None

@@ -19,7 +19,7 @@ import anyio
 from grading.report import summary_text
 from grading.scenarios import TIERS
 from pipeline.cli import CliContext
-from pipeline.errors import UsageError
+from core.errors import UsageError
 from stages.grade import HttpChatEndpoint, default_output_path, grade_endpoint, write_report
 
 EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 8, 9

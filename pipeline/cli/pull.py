@@ -16,9 +16,9 @@ from typing import Any
 import anyio
 
 from pipeline.cli import CliContext
-from pipeline.errors import UsageError
-from pipeline.settings import Settings
-from registry.model import Entry
+from core.errors import UsageError
+from core.settings import Settings
+from core.entry import Entry
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

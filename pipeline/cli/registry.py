@@ -3,7 +3,7 @@
 ``list`` prints every entry with its agentic tier, origin, backend, parameters, download size, verified
 context ceiling, automatic-selection eligibility (with the reason when excluded) and whether ``pull``
 can fetch it as recorded (an entry without a pinned artifact is marked, with what to do).
-``lock`` (online) pins the revisions, sizes and sha256 the registry leaves null (registry/lock.py);
+``lock`` (online) pins the revisions, sizes and sha256 the registry leaves null (pipeline/registry_lock.py);
 exit 0 when everything resolved, 4 when the Hub disagreed with a pinned value or could not answer.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline.cli import CliContext
 from registry.catalog import download_blocker, entry_summary, load_registry
-from registry.lock import lock_registry
+from pipeline.registry_lock import lock_registry
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.cli import CliContext
-from pipeline.errors import NoModelQualifies, UsageError
-from pipeline.log import get_logger
+from core.errors import NoModelQualifies, UsageError
+from core.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
 from pipeline.worker import record_for_self, write_worker_record
 
@@ -110,7 +110,7 @@ def _matching_device(probe_now: Any, planned: Any) -> Any:
 
 
 def _probe_now(args: argparse.Namespace, settings: Any) -> Any:
-    from pipeline.backend import gpu_listing_binaries
+    from backends.llama_server import gpu_listing_binaries
     from stages import probe as probe_stage
 
     if args.probe_file:
@@ -208,7 +208,7 @@ def _openvino_handler(args: argparse.Namespace, ctx: CliContext, manifest: Manif
 def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     import anyio
 
-    from pipeline.backend import find_llama_server
+    from backends.llama_server import find_llama_server
     from stages.load import child_env, llama_server_argv, probe_server_features
 
     settings = ctx.settings

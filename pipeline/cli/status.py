@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from pipeline.cli import CliContext
-from pipeline.errors import UsageError
+from core.errors import UsageError
 from pipeline.manifest import read_manifest
 from state.locks import read_holder
 from state.store import RunRecord, StageRecord, SyncStateStore

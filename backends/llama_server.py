@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pipeline.errors import BackendError, BackendNotFound
-from pipeline.isa import cpuinfo_flags, missing_features
-from pipeline.log import get_logger
-from pipeline.settings import LLAMA_SDIST_VERSION, Settings
+from core.errors import BackendError, BackendNotFound
+from core.isa import cpuinfo_flags, missing_features
+from core.log import get_logger
+from core.settings import LLAMA_SDIST_VERSION, Settings
 
 __all__ = [
     "INSTALL_HINT",

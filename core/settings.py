@@ -126,7 +126,7 @@ def load_settings(
     llama_server: str | os.PathLike[str] | None = None,
 ) -> Settings:
     """Read the environment once; explicit arguments (CLI flags) win over it."""
-    from pipeline.errors import UsageError
+    from core.errors import UsageError
 
     env = os.environ if env is None else env
     raw_conn = env.get("HOTFIT_DOWNLOAD_CONNECTIONS")

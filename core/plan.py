@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from registry.model import Entry
+from core.entry import Entry
 
 # "vulkan": a GPU seen only through a Vulkan llama-server's device list (Intel, lavapipe, an AMD
 # card without sysfs VRAM counters); its memory figures are what ggml's Vulkan backend reports.

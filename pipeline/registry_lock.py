@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from pipeline.errors import HubError, PinMismatch, UsageError
-from pipeline.log import get_logger
+from core.errors import HubError, PinMismatch, UsageError
+from core.log import get_logger
 from registry.catalog import bundled_registry_path, parse_registry
 from stages.transfer import hf_exception_not_a_hub
 from state.files import write_text_atomic

@@ -7,7 +7,7 @@ hotfit compares the recorded names with this CPU's flags, so a binary copied to 
 lacks one fails with a message naming it instead of dying by SIGILL in the middle of a run.
 
 Pure, standard library only: the install script runs it with the system ``python3`` before the
-virtualenv exists (``python3 pipeline/isa.py < macros``).
+virtualenv exists (``python3 core/isa.py < macros``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Model servers hotfit drives: llama.cpp's llama-server and OpenVINO GenAI."""
