@@ -404,7 +404,7 @@ def compute_plan(opts: Any, settings: Any, probe: Any, previous: Any) -> Any:
     """Selection for ``probe`` (stages.plan). Returns the ``PlanOutcome``; raises the fail-closed
     :class:`NoModelQualifies` (logged as ``plan.rejected``) when nothing qualifies."""
     from core.errors import NoModelQualifies
-    from registry.catalog import load_registry
+    from pipeline.registry_file import load_registry
     from stages.plan import build_plan, resolve_kv_cache_type
 
     registry = load_registry(opts.registry_file)

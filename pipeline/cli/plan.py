@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    from registry.catalog import load_registry
+    from pipeline.registry_file import load_registry
     from registry.select import normalize_origin
     from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
     from stages.probe import load_probe_file, probe_devices

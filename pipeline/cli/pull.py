@@ -64,7 +64,7 @@ async def pull_entry(entry: Entry, settings: Settings, *, connections: int | Non
 
 
 def _load_entry(name: str, registry_file: str | None) -> Entry:
-    from registry.catalog import load_registry
+    from pipeline.registry_file import load_registry
 
     registry = load_registry(Path(registry_file) if registry_file else None)
     try:
