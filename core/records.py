@@ -100,11 +100,12 @@ class Fields:
         return value
 
     def items(self, value: Any, field: str, *, non_empty: bool = False, what: str = "the items") -> list[Any]:
-        if not isinstance(value, list) or (non_empty and not value):
-            got = f"got {type(value).__name__}" if not isinstance(value, list) else "got an empty list"
+        """A JSON list (or the tuple a frozen record's ``to_json`` leaves before it is serialised)."""
+        if not isinstance(value, (list, tuple)) or (non_empty and not value):
+            got = "got an empty list" if isinstance(value, (list, tuple)) else f"got {type(value).__name__}"
             raise self.fail(field, f"must be a {'non-empty ' if non_empty else ''}list, {got}",
                             f"list {what} under {self.path(field)!r}")
-        return value
+        return list(value)
 
     def mapping(self, value: Any, field: str, *, nullable: bool = False) -> Mapping[str, Any]:
         """Any JSON object (free-form facts: measurements, figures); null = {} when ``nullable``."""
@@ -126,7 +127,7 @@ class Fields:
         return value
 
     def strings(self, value: Any, field: str) -> tuple[str, ...]:
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
             raise self.fail(field, f"must be a list of strings, got {value!r}", 'write ["...", ...]')
         return tuple(value)
 
@@ -135,12 +136,13 @@ class Fields:
             raise self.fail(field, f"must be true or false, got {value!r}", "write a JSON boolean")
         return value
 
-    def integer(self, value: Any, field: str, *, minimum: int = 1, nullable: bool = False) -> Any:
-        """A whole number ≥ ``minimum`` (JSON's true/false and 12.0 are not whole numbers here)."""
+    def integer(self, value: Any, field: str, *, minimum: int | None = 1, nullable: bool = False) -> Any:
+        """A whole number ≥ ``minimum`` (None: any); JSON's true/false and 12.0 are not whole numbers here."""
         if value is None and nullable:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            bound = "a positive whole number" if minimum == 1 else f"a whole number ≥ {minimum}"
+        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+            bound = ("a whole number" if minimum is None else "a positive whole number" if minimum == 1
+                     else f"a whole number ≥ {minimum}")
             raise self.fail(field, f"must be {bound}{' or null' if nullable else ''}, got {value!r}",
                             "write an exact integer (bytes, tokens or a count), never a rounded figure"
                             + ("; null if unknown" if nullable else ""))

@@ -57,13 +57,12 @@ _DATE_RE = re.compile(r"(\d{4})-(\d{2})(?:-(\d{2}))?")
 _PIN_HINT = "pin the full commit sha (a branch or tag moves); null if not yet pinned ('hotfit registry lock')"
 
 
-def encode_entry(entry: Entry) -> dict[str, Any]:
-    """The JSON form :func:`decode_entry` reads back (what ``Plan.to_json`` writes for its entry)."""
-    return dataclasses.asdict(entry)
+def decode_entry(raw: Any, f: Fields, *, rules: bool = True) -> Entry:
+    """Check one entry object and build the frozen :class:`Entry`; errors name ``f``'s file and field.
 
-
-def decode_entry(raw: Any, f: Fields) -> Entry:
-    """Check one entry object and build the frozen :class:`Entry`; errors name ``f``'s file and field."""
+    ``rules``: also the registry's cross-field rules (:func:`check_rules`). A registry file always
+    applies them; the manifest's plan decodes with ``rules=False``, since its entry passed them when
+    it was selected (and a plan built in code from an entry of its own never went through a file)."""
     obj = f.object(raw, "", ENTRY_FIELDS)
     name = f.string(obj["name"], "name")
     if not NAME_RE.fullmatch(name):
@@ -99,7 +98,8 @@ def decode_entry(raw: Any, f: Fields) -> Entry:
         tool_parser=f.string(obj["tool_parser"], "tool_parser", nullable=True),
         notes=f.string(obj["notes"], "notes", nullable=True),
     )
-    _check_rules(f, entry)
+    if rules:
+        check_rules(f, entry)
     return entry
 
 
@@ -114,7 +114,7 @@ def _release_date(f: Fields, value: Any) -> str | None:
 
 
 def _evidence(f: Fields, value: Any) -> tuple[Evidence, ...]:
-    if not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         raise f.fail("evidence", f"must be a list, got {type(value).__name__}",
                      'write [] or [{"kind": "measured"|"provenance", "summary": ..., "source": ...}]')
     out = []
@@ -163,7 +163,7 @@ def _config(f: Fields, value: Any) -> SourceConfig:
     n_layers = f.integer(obj["n_layers"], "n_layers", nullable=True)
     groups: tuple[LayerGroup, ...] | None = None
     if obj["layer_groups"] is not None:
-        if not isinstance(obj["layer_groups"], list) or not obj["layer_groups"]:
+        if not isinstance(obj["layer_groups"], (list, tuple)) or not obj["layer_groups"]:
             raise f.fail("layer_groups", "must be a non-empty list or null",
                          "list the KV layer groups, or null when the geometry is not verified")
         parsed = []
@@ -197,7 +197,7 @@ def _config(f: Fields, value: Any) -> SourceConfig:
     return SourceConfig(n_layers=n_layers, layer_groups=groups, mla=mla, recurrent=recurrent, source=src)
 
 
-def _check_rules(f: Fields, e: Entry) -> None:
+def check_rules(f: Fields, e: Entry) -> None:
     """Cross-field rules: what automatic selection may rely on (spec, 'Selection and hot context')."""
     if e.agentic_tier == "agentic" and not e.evidence:
         raise f.fail("evidence", "is empty for an agentic entry",

@@ -119,7 +119,7 @@ def _provisioned_device(manifest: Any) -> Any:
     previous model is kept on whichever device it still qualifies)."""
     try:
         return plan_from_json(manifest.plan).probe.device
-    except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
+    except UsageError:  # plan_from_json names the damaged field
         return None
 
 
@@ -263,7 +263,7 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
         if worker is not None:
             try:
                 held = worker_held_bytes(manifest, worker)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan in the manifest
+            except (UsageError, KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan
                 log.info("worker.unjudged", reason=str(exc))
         return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest),
                                        worker_held_bytes=held)
