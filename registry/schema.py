@@ -3,19 +3,20 @@
 A registry entry is written in JSON as ``dataclasses.asdict(core.entry.Entry)``: every field of
 the entry, ``null`` where a fact could not be verified (spec: "Unknown context or KV metadata
 excludes a model from automatic selection"). The curated registry (registry/catalog.py) and the
-manifest's frozen plan (pipeline/manifest.py) both decode it here, so an entry means the same
-wherever it is read. :func:`decode_entry` refuses what would let an unverified model be picked
-automatically:
+manifest's frozen plan (pipeline/manifest.py) both decode it with :func:`decode_entry`, so an
+entry means the same wherever it is read:
 
-* types and enums (backend, origin, agentic tier, evidence kind, ineligibility cause), 40-hex
-  revisions, 64-hex sha256, positive integer sizes/layer counts/context;
-* ``auto_eligible`` requires a permissive licence (Apache-2.0 or MIT), a pinned artifact revision
-  with its exact size, a chat-template source, a known context ceiling and KV geometry (and, on the
-  llama backend, a ``.gguf`` file and a llama.cpp architecture); a non-eligible entry says why;
-* an ``agentic`` entry carries its evidence (measured result or training provenance, with source).
+* shape: types and enums (backend, origin, agentic tier, evidence kind, ineligibility cause),
+  40-hex revisions, 64-hex sha256, positive integer sizes/layer counts/context, ISO dates, layer
+  groups that add up to the layers;
+* rules (:func:`check_rules`, which a registry file always passes): ``auto_eligible`` requires a
+  permissive licence (Apache-2.0 or MIT), a pinned artifact revision with its exact size, a
+  chat-template source, a known context ceiling and KV geometry (and, on the llama backend, a
+  ``.gguf`` file and a llama.cpp architecture); a non-eligible entry says why; an ``agentic``
+  entry carries its evidence (measured result or training provenance, with source).
 
 Errors come from the caller's :class:`core.records.Fields` reader, so they name the caller's file
-and the path to the field ('artifact.revision', 'plan.entry.artifact.revision').
+and the path to the field ('artifact.revision', 'entry.artifact.revision').
 """
 
 from __future__ import annotations

@@ -214,3 +214,27 @@ def test_a_damaged_probe_file_names_the_file_and_field_at_the_cli(tmp_path: Path
         assert error["message"].startswith(f"probe file {path}: {field} "), error
         assert error["details"] == {"file": str(path), "field": field}
         assert "hotfit probe --save" in error["hint"]
+
+
+# --------------------------------------------------------------------------- registry/ stays pure
+
+
+def test_no_registry_module_reaches_files_network_or_processes() -> None:
+    """registry/ parses text and computes (issue 11, item 1): the file reads live in pipeline/registry_file.py."""
+    import ast
+
+    effectful = {"os", "io", "pathlib", "shutil", "subprocess", "socket", "urllib", "httpx", "huggingface_hub",
+                 "importlib", "sqlite3", "state", "stages", "pipeline", "backends", "download"}
+    package = Path(__file__).resolve().parent.parent / "registry"
+    modules = sorted(package.glob("*.py"))
+    assert len(modules) >= 7
+    for module in modules:
+        tree = ast.parse(module.read_text(encoding="utf-8"))
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & effectful, f"{module.name} imports {sorted(imported & effectful)}"
+        calls = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Attribute)}
+        assert not calls & {"read_text", "read_bytes", "write_text", "open"}, module.name
