@@ -8,9 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import json
+
 import gguf
 import numpy as np
 import pytest
+import structlog
 
 from core.errors import IntegrityError, TemplateError
 from core.entry import LayerGroup, TemplateSource
@@ -24,6 +27,7 @@ from stages.verify import (
     read_gguf_header,
     verify,
 )
+from state.receipts import decode_receipt, read_receipt, receipt_matches, receipt_path
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
 
@@ -147,12 +151,19 @@ async def test_verify_stage_after_pull_and_after_tampering(local_hub: LocalHub, 
     dest = settings.model_dir("m")
     fetched = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
     with pytest.raises(TemplateError, match="missing"):
-        await verify(entry, dest)  # the entry names a template and it is not there yet
-    await fetch_template(entry, dest, settings=settings, weights_path=fetched.weights_path)
-    result = await verify(entry, dest)
+        await verify(entry, dest, fetched=fetched)  # the entry names a template and it is not there yet
+    template = await fetch_template(entry, dest, settings=settings)
+    result = await verify(entry, dest, fetched=fetched, template=template)
     assert result.sha256 == sha256_of(weights) and result.sha256_source == "streamed"
     assert result.chat_template_path and result.gguf_embeds_chat_template is False
+    assert result.gguf is not None and result.gguf.architecture == "llama" and result.gguf.block_count == 4
+    assert result.gguf.head_count_kv == 2 and result.gguf.context_length == 8192
     assert (await verify(entry, dest, rehash=True)).sha256_source == "rehashed"
+    # the template fetch-template checked, and no other text
+    Path(template.path).write_text("{% if tools %}other{% endif %}")  # type: ignore[arg-type]
+    with pytest.raises(TemplateError, match="not the template fetch-template checked"):
+        await verify(entry, dest)
+    Path(template.path).write_text("{% if tools %}x{% endif %}")  # type: ignore[arg-type]
 
     final = dest / "model.gguf"
     data = bytearray(final.read_bytes())
@@ -241,7 +252,7 @@ def test_a_real_gguf_with_a_string_key_length_is_an_integrity_error(tmp_path: Pa
 def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, manifest: dict[str, Any]) -> None:
     import json
 
-    from stages.fetch_weights import verify_snapshot_dir
+    from stages.verify import verify_snapshot_dir
 
     (tmp_path / "snapshot").mkdir()
     (tmp_path / "snapshot" / "model.xml").write_bytes(b"x")
@@ -253,21 +264,39 @@ def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, mani
 
 def test_a_receipt_without_its_sha256_is_not_a_match(tmp_path: Path) -> None:
     from core.entry import Artifact
-    from stages.verify import receipt_matches
 
     final = tmp_path / "m.gguf"
     final.write_bytes(b"x" * 10)
     art = Artifact("o/r", "0" * 40, "m.gguf", 10, None)
-    assert receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10,
-                            "sha256": "a" * 64}, art, final)
-    assert not receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10}, art, final)
+    base = {"schema": 1, "repo": "o/r", "file": "m.gguf", "revision": "0" * 40, "size_bytes": 10}
+    assert receipt_matches(decode_receipt(json.dumps({**base, "sha256": "a" * 64}), path="r"), art, final)
+    assert not receipt_matches(decode_receipt(json.dumps(base), path="r"), art, final)
 
 
-@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1]", "not json"])
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1]", "not json",
+                                  '{"schema": 1, "repo": "o/r", "file": "m.gguf", "size_bytes": "10"}',
+                                  '{"schema": 1, "repo": "o/r", "file": "m.gguf", "sha256": 7}',
+                                  '{"schema": 2, "repo": "o/r", "file": "m.gguf"}'])
 def test_a_damaged_receipt_is_no_receipt(tmp_path: Path, text: str) -> None:
-    from stages.verify import read_receipt, receipt_path
-
     path = receipt_path(tmp_path, "m.gguf")
     path.parent.mkdir(parents=True)
     path.write_text(text)
-    assert read_receipt(tmp_path, "m.gguf") is None
+    with structlog.testing.capture_logs() as logs:
+        assert read_receipt(tmp_path, "m.gguf") is None  # today's behaviour: verified again, never trusted
+    # the one decoder says which file is damaged and why
+    with pytest.raises(IntegrityError, match=f"receipt {path} is damaged") as exc:
+        decode_receipt(text, path=path)
+    assert exc.value.details["file"] == str(path) and exc.value.details["field"] == "receipt"
+    damaged = [e for e in logs if e["event"] == "receipt.damaged"]
+    assert damaged and damaged[0]["file"] == str(path)
+
+
+def test_receipts_written_today_read_back_unchanged(tmp_path: Path) -> None:
+    """The receipt files on disk keep their keys (a home written by an earlier hotfit stays valid)."""
+    weights = {"schema": 1, "repo": "o/r", "revision": "0" * 40, "file": "m.gguf", "size_bytes": 10,
+               "sha256": "a" * 64, "hub_lfs_sha256": "a" * 64, "verified_against": ["registry", "hub_lfs"]}
+    template = {"schema": 1, "repo": "o/t", "revision": "1" * 40, "file": "tokenizer_config.json",
+                "sha256": "b" * 64, "variant": "tokenizer_config:tool_use", "tool_markers": ["tools"]}
+    for data in (weights, template):
+        r = decode_receipt(json.dumps(data), path="r")
+        assert r.to_json() == data
