@@ -424,10 +424,13 @@ async def test_header_mismatch_names_the_field_and_keeps_the_file_out(local_hub:
     _repo, _commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     wrong = replace(entry, config=replace(entry.config, layer_groups=(LayerGroup(4, 8, 64, 64),)))
+    fetched = await fetch_weights(wrong, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     with pytest.raises(IntegrityError, match="head_count_kv") as exc:
-        await fetch_and_verify(wrong, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await verify(wrong, settings.model_dir("m"), fetched=fetched)
     assert exc.value.details["field"] == "head_count_kv"
     assert not (settings.model_dir("m") / "model.gguf").exists()
+    # the same bytes would fail again: the hashed partial is kept (never in place), not discarded
+    assert Path(fetched.weights.partial_path).is_file()  # type: ignore[union-attr, arg-type]
 
 
 @pytest.mark.anyio

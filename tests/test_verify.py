@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -15,10 +16,11 @@ import numpy as np
 import pytest
 import structlog
 
-from core.errors import IntegrityError, TemplateError
 from core.entry import LayerGroup, TemplateSource
+from core.errors import IntegrityError, TemplateError
+from core.model_files import FetchResult
 from stages.fetch_template import fetch_template
-from stages.fetch_weights import fetch_weights
+from stages.fetch_weights import fetch_weights, fetched_still_on_disk
 from stages.verify import (
     GGUFHeader,
     check_header_against_entry,
@@ -300,3 +302,71 @@ def test_receipts_written_today_read_back_unchanged(tmp_path: Path) -> None:
     for data in (weights, template):
         r = decode_receipt(json.dumps(data), path="r")
         assert r.to_json() == data
+
+
+# --------------------------------------------------------------------------- the hashed partial, reused or not
+
+
+async def _fetched_partial(local_hub: LocalHub, tmp_path: Path, repo: str = "org/m") -> tuple[Any, Any, Path, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    weights = make_gguf(tmp_path / "model.gguf", pad_bytes=300_000)
+    commit = local_hub.create_repo(repo, {"model.gguf": weights}, lfs=["model.gguf"])
+    entry = make_entry("m", repo, commit, "model.gguf", weights.stat().st_size, sha256_of(weights))
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    fetched = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    return entry, fetched, dest, weights
+
+
+@pytest.mark.anyio
+async def test_a_recorded_partial_is_verified_from_its_streamed_hash_after_a_restart(local_hub: LocalHub,
+                                                                                      tmp_path: Path) -> None:
+    # A run killed between fetch-weights and verify: the next run decodes the recorded result
+    # (state.db) and verify reuses its sha256 — the partial is the same file, unchanged since hashing.
+    entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path)
+    record = json.loads(json.dumps(fetched.to_json()))
+    assert FetchResult.from_json(record) == fetched
+    assert fetched_still_on_disk(record)
+    with structlog.testing.capture_logs() as logs:
+        result = await verify(entry, dest, fetched=FetchResult.from_json(record))
+    assert result.sha256_source == "streamed" and not [e for e in logs if e["event"] == "verify.rehash"]
+    assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
+    assert fetched_still_on_disk(record)  # the partial is gone, but in place with a receipt for that sha256
+    receipt_path(dest, "model.gguf").unlink()
+    assert not fetched_still_on_disk(record)
+
+
+@pytest.mark.anyio
+async def test_a_partial_touched_since_hashing_is_rehashed_and_a_damaged_one_discarded(local_hub: LocalHub,
+                                                                                       tmp_path: Path) -> None:
+    entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path)
+    partial = Path(fetched.weights.partial_path)
+    st = partial.stat()
+    os.utime(partial, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # same bytes, another mtime
+    assert not fetched_still_on_disk(fetched.to_json())  # a rerun would fetch (and hash) it again
+    result = await verify(entry, dest, fetched=fetched)
+    assert result.sha256_source == "rehashed" and result.sha256 == sha256_of(weights)
+
+    entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path / "second", "org/m2")
+    partial = Path(fetched.weights.partial_path)
+    data = bytearray(partial.read_bytes())
+    data[-1] ^= 0xFF  # one bit of rot, same size
+    partial.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as exc:
+        await verify(entry, dest, fetched=fetched)
+    assert exc.value.details["field"] == "sha256"
+    assert not partial.exists() and not (dest / "model.gguf").exists()  # never resumed from, never in place
+    assert not fetched_still_on_disk(fetched.to_json())  # so the next run fetches it again
+    again = await fetch_weights(entry, dest, settings=settings_for(local_hub, tmp_path / "second" / "home"),
+                                options=FAST, progress=False)
+    assert again.weights is not None and again.weights.resumed_from_bytes == 0
+    assert (await verify(entry, dest, fetched=again)).sha256 == sha256_of(weights)
+
+
+@pytest.mark.anyio
+async def test_a_partial_of_another_pin_is_refused(local_hub: LocalHub, tmp_path: Path) -> None:
+    entry, fetched, dest, _weights = await _fetched_partial(local_hub, tmp_path)
+    other = replace(fetched, weights=replace(fetched.weights, revision="f" * 40))
+    with pytest.raises(IntegrityError, match="pins") as exc:
+        await verify(entry, dest, fetched=other)
+    assert exc.value.details["field"] == "revision" and not (dest / "model.gguf").exists()
