@@ -21,7 +21,7 @@ from core.errors import IntegrityError
 
 __all__ = [
     "TEMPLATE_FILENAME", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST", "PARTIAL_DIRNAME",
-    "FileIdentity", "FetchedFile", "SnapshotResult", "FetchResult", "TemplateResult",
+    "FileIdentity", "FetchedFile", "SnapshotFile", "SnapshotResult", "FetchResult", "TemplateResult",
     "FieldCheck", "GGUFFacts", "VerifyResult", "check_integrity",
 ]
 
@@ -104,6 +104,25 @@ class FetchedFile:
 
 
 @dataclass(frozen=True)
+class SnapshotFile:
+    """One file of an OpenVINO snapshot as listed at the commit, and what fetch-weights left for it:
+    a hashed partial (``partial_path``), or nothing when its receipt already matched (in place)."""
+
+    path: str  # inside the repository (and under <dest>/snapshot/)
+    size_bytes: int
+    lfs_sha256: str | None
+    blob_id: str | None  # git blob sha1, checked for non-LFS files
+    partial_path: str | None = None
+    sha256: str | None = None  # computed while streaming
+    git_sha1: str | None = None
+    identity: FileIdentity | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SnapshotFile:
+        return _build(cls, data, identity=FileIdentity.from_json)
+
+
+@dataclass(frozen=True)
 class SnapshotResult:
     repo: str
     revision_requested: str
@@ -114,13 +133,14 @@ class SnapshotResult:
     bytes_transferred: int
     bytes_reread: int
     files_already_present: int
+    listed: tuple[SnapshotFile, ...] = ()  # every file of the commit (verify puts the partials in place)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SnapshotResult:
-        return _build(cls, data)
+        return _build(cls, data, listed=lambda fs: tuple(SnapshotFile.from_json(f) for f in fs))
 
 
 @dataclass(frozen=True)

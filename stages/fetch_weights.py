@@ -18,10 +18,11 @@ Entry point::
 - **OpenVINO entries** (``artifact.file is None``): the repository snapshot is listed through the Hub
   tree API at the *current* commit of ``artifact.revision`` (default ``main``; spec: OpenVINO downloads
   follow their current repository snapshots) — the commit is recorded — and every file is fetched
-  resumably into ``<dest>/snapshot/``, checked by size and LFS sha256, or git blob id for small non-LFS
-  files, and put in place with its receipt here (verify re-confirms the directory). A listed path that
-  would escape the directory (absolute, ``..``) refuses the whole snapshot. ``<dest>/snapshot.json``
-  lists what was verified.
+  resumably into a hashed partial, checked by size and LFS sha256, or git blob id for small non-LFS
+  files (a corrupt one is fetched again); the listing and the partials are recorded in
+  :class:`~core.model_files.SnapshotResult`, and verify puts them in ``<dest>/snapshot/`` and writes
+  ``<dest>/snapshot.json``. A listed path that would escape the directory (absolute, ``..``) refuses
+  the whole snapshot.
 
 Idempotent: a file whose receipt matches the pin is not touched (no network; works offline); a file
 in place without one is moved back to the partial slot and re-hashed (``adopt_as_partial``).
@@ -31,7 +32,6 @@ waits (``wait=True``) or gets LockedError naming the holder PID.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +46,9 @@ from core.log import get_logger
 from core.model_files import (
     PARTIAL_DIRNAME,
     SNAPSHOT_DIRNAME,
-    SNAPSHOT_MANIFEST,
     FetchedFile,
     FetchResult,
+    SnapshotFile,
     SnapshotResult,
     check_integrity,
 )
@@ -64,17 +64,15 @@ from stages.transfer import (
     check_endpoint,
     discard_partial,
     download_to_partial,
-    finalize_file,
     hf_exception_not_a_hub,
     is_commit,
     log_retry,
     partial_paths,
     resolve_token,
     safe_relpath,
-    write_text_atomic,
 )
 from state.locks import FileLock
-from state.receipts import Receipt, file_identity, read_receipt, receipt_matches, write_receipt
+from state.receipts import file_identity, read_receipt, receipt_matches
 
 log = get_logger()
 
@@ -215,7 +213,15 @@ def fetched_still_on_disk(outputs: Mapping[str, Any]) -> bool:
     except (TypeError, ValueError, AttributeError):
         return False
     if fetched.snapshot is not None:
-        return Path(fetched.snapshot.directory).is_dir()
+        snap_dir = Path(fetched.snapshot.directory)
+        for sf in fetched.snapshot.listed:
+            partial = Path(sf.partial_path) if sf.partial_path else None
+            if partial is not None and partial.is_file():
+                if file_identity(partial) != sf.identity:
+                    return False
+            elif not (snap_dir / sf.path).is_file() or (snap_dir / sf.path).stat().st_size != sf.size_bytes:
+                return False
+        return snap_dir.is_dir() or bool(fetched.snapshot.listed)
     for f in fetched.files():
         partial = Path(f.partial_path) if f.partial_path else None
         if partial is not None and partial.is_file():
@@ -367,6 +373,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
         check_disk_space(partial_dir, _snapshot_needed_bytes(partial_dir, artifact.repo, todo),
                          f"{artifact.repo} snapshot")
         transferred = reread = 0
+        hashed: dict[str, SnapshotFile] = {}
         async with HubSession(settings, options) as session:
             for f in todo:
                 outcome: DownloadOutcome | None = None
@@ -391,27 +398,16 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
                         continue
                     break
                 assert outcome is not None
-                final = snap_dir / f.path
-                await anyio.to_thread.run_sync(finalize_file, outcome.partial_path, final)
-                write_receipt(dest_dir, Receipt(
-                    repo=artifact.repo, revision=commit, commit_listed=commit, file=f.path, size_bytes=f.size_bytes,
-                    sha256=outcome.sha256, git_sha1=outcome.git_sha1), key=f"{SNAPSHOT_DIRNAME}/{f.path}")
-                _p, side, _l = partial_paths(partial_dir, artifact.repo, f.path)
-                discard_partial(_p, side)
-        # Files of an older snapshot that the current commit no longer lists are removed.
-        keep = {f.path for f in listed}
-        if snap_dir.is_dir():
-            for path in sorted(snap_dir.rglob("*"), reverse=True):
-                rel = path.relative_to(snap_dir).as_posix()
-                if path.is_file() and rel not in keep:
-                    path.unlink()
-        manifest = {"schema": 1, "repo": artifact.repo, "revision_requested": revision, "commit": commit,
-                    "files": [{"path": f.path, "size_bytes": f.size_bytes, "lfs_sha256": f.lfs_sha256,
-                               "blob_id": f.blob_id} for f in listed]}
-        write_text_atomic(dest_dir / SNAPSHOT_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+                identity = await anyio.to_thread.run_sync(file_identity, outcome.partial_path)
+                hashed[f.path] = SnapshotFile(
+                    path=f.path, size_bytes=f.size_bytes, lfs_sha256=f.lfs_sha256, blob_id=f.blob_id,
+                    partial_path=str(outcome.partial_path), sha256=outcome.sha256, git_sha1=outcome.git_sha1,
+                    identity=identity)
+    files = tuple(hashed.get(f.path) or SnapshotFile(path=f.path, size_bytes=f.size_bytes, lfs_sha256=f.lfs_sha256,
+                                                    blob_id=f.blob_id) for f in listed)
     total = sum(f.size_bytes for f in listed)
     log.info("fetch.snapshot_done", entry=entry.name, repo=artifact.repo, commit=commit, files=len(listed),
              size_bytes=total, bytes_transferred=transferred, files_already_present=len(listed) - len(todo))
     return SnapshotResult(repo=artifact.repo, revision_requested=revision, commit=commit, directory=str(snap_dir),
                           files=len(listed), size_bytes=total, bytes_transferred=transferred, bytes_reread=reread,
-                          files_already_present=len(listed) - len(todo))
+                          files_already_present=len(listed) - len(todo), listed=files)

@@ -21,13 +21,14 @@ then fsyncs and renames the file into place atomically and writes its receipt
 ``rehash``). The chat template must be the one fetch-template checked (its receipt's sha256). The
 header's facts (:class:`~core.model_files.GGUFFacts`) travel forward in the :class:`VerifyResult`:
 load takes "does the GGUF embed a template" from there instead of opening the file again.
-OpenVINO snapshots (placed by their fetch) are re-confirmed against ``snapshot.json``.
+OpenVINO snapshots go the same way (:func:`place_snapshot`: size and LFS sha256 or git blob id per
+file, rename, receipt, stale files dropped, ``snapshot.json`` written) and are then re-confirmed
+against ``snapshot.json`` (:func:`verify_snapshot_dir`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,9 @@ from core.model_files import (
     check_integrity,
 )
 from stages._gguf_header import GGUFHeader, read_gguf_header, whole_number
-from stages.transfer import discard_partial, finalize_file, partial_paths, safe_relpath
+from stages._snapshot_verify import place_snapshot, verify_snapshot_dir
+from stages.transfer import discard_partial, partial_paths
+from state.files import finalize_file
 from state.receipts import Receipt, file_identity, read_receipt, receipt_matches, sha256_file, write_receipt
 
 log = get_logger()
@@ -64,6 +67,7 @@ __all__ = [
     "check_integrity",
     "check_header_against_entry",
     "ensure_header_matches",
+    "place_snapshot",
     "verify_snapshot_dir",
     "verify",
 ]
@@ -254,7 +258,7 @@ def _place(entry: Entry, artifact: Artifact, dest_dir: Path, fetched: FetchedFil
     return _verify_in_place(entry, artifact, dest_dir, rehash=rehash, gguf=gguf)
 
 
-# --------------------------------------------------------------------------- template and snapshot
+# --------------------------------------------------------------------------- template
 
 
 def _check_template(entry: Entry, dest_dir: Path, template: TemplateResult | None) -> str | None:
@@ -274,44 +278,6 @@ def _check_template(entry: Entry, dest_dir: Path, template: TemplateResult | Non
                             hint="rerun `hotfit pull` (or `hotfit auto`) to fetch and check it again",
                             entry=entry.name, file=str(tpl))
     return str(tpl)
-
-
-def verify_snapshot_dir(dest_dir: Path, *, rehash: bool = False) -> tuple[int, int]:
-    """Every file of ``snapshot.json`` present with its size (and, with ``rehash``, its hash)."""
-    try:
-        manifest = json.loads((dest_dir / SNAPSHOT_MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        raise IntegrityError(f"{dest_dir / SNAPSHOT_MANIFEST} is missing or unreadable",
-                             hint="rerun `hotfit pull`", field="manifest") from None
-    total = 0
-    if not isinstance(files, list):
-        files = None
-    for f in files or [None]:
-        # a manifest edited (or damaged) on disk must not crash the stage or point outside it
-        try:
-            rel = safe_relpath(f["path"])  # type: ignore[index]
-            size = f["size_bytes"]  # type: ignore[index]
-            if isinstance(size, bool) or not isinstance(size, int):
-                raise TypeError(size)
-        except (TypeError, KeyError, ValueError):
-            raise IntegrityError(f"{dest_dir / SNAPSHOT_MANIFEST}: entry {f!r} is not a file of the snapshot",
-                                 hint="rerun `hotfit pull` to fetch and record the snapshot again",
-                                 field="manifest") from None
-        path = dest_dir / SNAPSHOT_DIRNAME / rel
-        if not path.is_file() or path.stat().st_size != size:
-            raise IntegrityError(f"{path} is missing or has the wrong size", hint="rerun `hotfit pull`",
-                                 field="size_bytes", file=str(path))
-        if rehash:
-            h = hashlib.sha256() if f.get("lfs_sha256") else hashlib.sha1(b"blob %d\0" % size)
-            with open(path, "rb") as fh:
-                while chunk := fh.read(8 << 20):
-                    h.update(chunk)
-            if h.hexdigest() != (f.get("lfs_sha256") or f.get("blob_id")):
-                raise IntegrityError(f"{path}: hash differs from the Hub's", hint="rerun `hotfit pull`",
-                                     field="sha256", file=str(path))
-        total += size
-    return total, len(files)
 
 
 # --------------------------------------------------------------------------- stage
@@ -335,6 +301,8 @@ def _verify_sync(entry: Entry, dest_dir: Path, fetched: FetchResult | None, temp
         raise IntegrityError(f"registry entry {entry.name} has no artifact to verify",
                              hint="choose an entry with an artifact (hotfit registry list)", entry=entry.name)
     if entry.backend == "openvino" or artifact.file is None:
+        if fetched is not None and fetched.snapshot is not None:
+            place_snapshot(dest_dir, fetched.snapshot, rehash=rehash)
         total, count = verify_snapshot_dir(dest_dir, rehash=rehash)
         return VerifyResult(entry=entry.name, weights_path=str(dest_dir / SNAPSHOT_DIRNAME), size_bytes=total,
                             sha256=None, sha256_source="rehashed" if rehash else "streamed", header_checks=(),

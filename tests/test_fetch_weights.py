@@ -520,10 +520,15 @@ async def test_openvino_snapshot_fetches_every_file_and_records_the_commit(local
 
     settings = settings_for(local_hub, tmp_path / "home")
     dest = settings.model_dir("ov")
-    result = await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST,
+    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST,
                                  progress=False)
     snap = result.snapshot
     assert snap is not None and snap.commit == ov_repo["commit"] and snap.files == 4
+    # fetch-weights leaves hashed partials; verify checks them and puts the snapshot in place
+    assert not (dest / "snapshot").exists() and not (dest / "snapshot.json").exists()
+    assert len(snap.listed) == 4 and all(f.partial_path and Path(f.partial_path).is_file() for f in snap.listed)
+    placed = await verify(_openvino_entry("OpenVINO/m-ov"), dest, fetched=result)
+    assert placed.files_checked == 4 and not list((dest / ".partial").glob("*.part"))
     for path, content in ov_repo["files"].items():
         data = content.encode() if isinstance(content, str) else content
         assert (dest / "snapshot" / path).read_bytes() == data
