@@ -38,7 +38,9 @@ import anyio
 
 from core.errors import HotfitError, Interrupted
 from core.log import bind, get_logger, unbind
+from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.plan import canonical_json
+from stages.fetch_weights import fetched_still_on_disk
 from state.store import StageRecord, StateStore
 
 T = TypeVar("T")
@@ -368,34 +370,6 @@ def _verify_inputs(ctx: StageContext) -> dict[str, Any]:
             "context_limit": entry.context_limit}
 
 
-def _files_still_there(outputs: Mapping[str, Any]) -> bool:
-    """A recorded download/verify is reusable only while its files are on disk at their size."""
-    for path, size in _recorded_files(outputs):
-        p = Path(path)
-        if not p.is_file() or (size is not None and p.stat().st_size != size):
-            return False
-    return True
-
-
-def _recorded_files(outputs: Any) -> list[tuple[str, int | None]]:
-    """(path, size) pairs anywhere in a stage's outputs: ``{"path": ..., "size_bytes": ...}``
-    objects and ``*_path`` keys (size unknown)."""
-    found: list[tuple[str, int | None]] = []
-    if isinstance(outputs, Mapping):
-        if isinstance(outputs.get("path"), str):
-            size = outputs.get("size_bytes")
-            found.append((outputs["path"], size if isinstance(size, int) else None))
-        for key, value in outputs.items():
-            if key.endswith("_path") and isinstance(value, str) and key not in ("log_path", "stderr_path"):
-                found.append((value, None))
-            elif isinstance(value, (Mapping, list, tuple)):
-                found.extend(_recorded_files(value))
-    elif isinstance(outputs, (list, tuple)):
-        for item in outputs:
-            found.extend(_recorded_files(item))
-    return found
-
-
 def _opts(ctx: StageContext) -> Any:
     return ctx.options["auto"]
 
@@ -546,20 +520,13 @@ def _fetch_figures(result: Any) -> dict[str, Any]:
             "sha256": w.sha256, "vision": result.vision}
 
 
-def _weights_path(ctx: StageContext) -> Path | None:
-    entry = ctx.plan.entry
-    if entry.artifact is None or entry.artifact.file is None:
-        return None
-    return ctx.settings.model_dir(entry.name) / entry.artifact.file
-
-
 async def _fetch_template_stage(ctx: StageContext) -> Any:
     from stages.fetch_template import fetch_template
 
     entry = ctx.plan.entry
     async with _model_lock(ctx):
         return await fetch_template(entry, ctx.settings.model_dir(entry.name), settings=ctx.settings,
-                                    weights_path=_weights_path(ctx), wait=_opts(ctx).wait)
+                                    wait=_opts(ctx).wait)
 
 
 def _template_fingerprint(out: Mapping[str, Any]) -> Any:
@@ -584,7 +551,8 @@ async def _verify_stage(ctx: StageContext) -> Any:
 
     entry = ctx.plan.entry
     async with _model_lock(ctx):
-        return await verify(entry, ctx.settings.model_dir(entry.name))
+        return await verify(entry, ctx.settings.model_dir(entry.name), fetched=ctx.results["fetch-weights"],
+                            template=ctx.results["fetch-template"])
 
 
 def _verify_fingerprint(out: Mapping[str, Any]) -> Any:
@@ -631,18 +599,19 @@ async def _load_stage(ctx: StageContext) -> LoadResult | OpenVinoLoadResult:
     if plan.backend == "openvino":
         from stages.openvino_session import open_openvino_session
 
-        verified = ctx.results["verify"]
-        snapshot = verified["weights_path"] if isinstance(verified, Mapping) else verified.weights_path
+        snapshot = ctx.results["verify"].weights_path
         session = await ctx.enter_context(open_openvino_session(plan, Path(snapshot), ctx.run_dir))
         return OpenVinoLoadResult(session)
     backend = await anyio.to_thread.run_sync(
         functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
-    verified = ctx.results["verify"]
-    weights = verified["weights_path"] if isinstance(verified, Mapping) else verified.weights_path
-    template_path = verified["chat_template_path"] if isinstance(verified, Mapping) else verified.chat_template_path
+    verified: VerifyResult = ctx.results["verify"]
+    template_path = verified.chat_template_path
+    assert verified.weights_path is not None
+    # what verify read from the GGUF header (once per run): load does not open the file again
     server = await ctx.enter_context(open_server(
-        plan, Path(weights), binary=backend.server_path, run_dir=ctx.run_dir,
-        template_path=Path(template_path) if template_path else None, build=backend.build))
+        plan, Path(verified.weights_path), binary=backend.server_path, run_dir=ctx.run_dir,
+        template_path=Path(template_path) if template_path else None, build=backend.build,
+        gguf_has_chat_template=verified.gguf_embeds_chat_template))
     return LoadResult(server=server, backend=backend)
 
 
@@ -733,12 +702,12 @@ def hotfit_stages() -> list[Stage]:
     return [
         Stage("probe", _probe_stage, always_run=True, figures=_probe_figures),
         Stage("plan", _plan_stage, deps=("probe",), always_run=True, figures=_plan_figures),
-        Stage("fetch-weights", _fetch_weights_stage, inputs=_pins, still_valid=_files_still_there,
-              fingerprint=_fetch_fingerprint, figures=_fetch_figures),
+        Stage("fetch-weights", _fetch_weights_stage, inputs=_pins, still_valid=fetched_still_on_disk,
+              fingerprint=_fetch_fingerprint, figures=_fetch_figures, decode=FetchResult.from_json),
         Stage("fetch-template", _fetch_template_stage, deps=("fetch-weights",), inputs=_template_pin,
-              still_valid=_template_still_there, fingerprint=_template_fingerprint),
+              still_valid=_template_still_there, fingerprint=_template_fingerprint, decode=TemplateResult.from_json),
         Stage("verify", _verify_stage, deps=("fetch-weights", "fetch-template"), inputs=_verify_inputs,
-              still_valid=_verify_still_there, fingerprint=_verify_fingerprint),
+              still_valid=_verify_still_there, fingerprint=_verify_fingerprint, decode=VerifyResult.from_json),
         Stage("load", _load_stage, deps=("verify",), session=SERVER_SESSION, fingerprint=_load_fingerprint,
               figures=_load_figures),
         Stage("probe-tool-call", _probe_tool_call_stage, deps=("load",), session=SERVER_SESSION,

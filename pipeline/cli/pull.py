@@ -56,10 +56,8 @@ async def pull_entry(entry: Entry, settings: Settings, *, connections: int | Non
     async with FileLock(dest / ".partial" / "pull.lock", wait=wait, what=f"model directory {dest}").async_held():
         fetched = await fetch_weights(entry, dest, settings=settings, connections=connections, progress=progress,
                                       wait=wait)
-        weights_path = fetched.weights.path if fetched.weights is not None else None
-        template = await fetch_template(entry, dest, settings=settings,
-                                        weights_path=Path(weights_path) if weights_path else None, wait=wait)
-        verified = await verify(entry, dest)
+        template = await fetch_template(entry, dest, settings=settings, wait=wait)
+        verified = await verify(entry, dest, fetched=fetched, template=template)
     return PullResult(entry=entry.name, directory=str(dest), fetch=fetched, template=template, verify=verified)
 
 
@@ -86,8 +84,9 @@ def _human(result: PullResult) -> str:
         how = "already present" if w.already_present else (
             f"{w.bytes_transferred} bytes over {w.connections} connection(s)"
             + (f", resumed from {w.resumed_from_bytes}" if w.resumed_from_bytes else ""))
+        against = result.verify.verified_against
         lines.append(f"  weights   {w.path} ({w.size_bytes} bytes, sha256 {w.sha256[:16]}…, "
-                     f"verified against {'+'.join(w.verified_against) or 'receipt'}; {how})")
+                     f"verified against {'+'.join(against) or 'receipt'}; {how})")
     if f.snapshot is not None:
         s = f.snapshot
         lines.append(f"  snapshot  {s.directory} at {s.commit} ({s.files} files, {s.size_bytes} bytes)")
@@ -96,7 +95,7 @@ def _human(result: PullResult) -> str:
         lines.append(f"  template  {t.path} ({t.variant}; tool markers: {', '.join(t.tool_markers)})")
     else:
         lines.append("  template  none named by the entry"
-                     + (" (the GGUF embeds one)" if t.gguf_embeds_chat_template else ""))
+                     + (" (the GGUF embeds one)" if result.verify.gguf_embeds_chat_template else ""))
     lines.append(f"  vision    {'yes' if result.verify.vision else 'no'}")
     for w in f.warnings:
         lines.append(f"  warning   {w}")
