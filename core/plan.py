@@ -12,8 +12,9 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
+from core.decode import decode_record
 from core.entry import Entry
 
 # "vulkan": a GPU seen only through a Vulkan llama-server's device list (Intel, lavapipe, an AMD
@@ -50,6 +51,11 @@ class ProbeResult:
             "selected": self.selected,
             "notes": list(self.notes),
         }
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> ProbeResult:
+        """A stage record of this result (``to_json()``) back into it; StageRecordError names a damaged field."""
+        return decode_record(cls, record, extra_keys=frozenset({"schema"}))
 
 
 @dataclass(frozen=True)

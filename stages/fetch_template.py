@@ -22,8 +22,9 @@ import json
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from core.decode import decode_record
 from core.errors import HubError, IntegrityError, TemplateError, TransferError
 from core.log import get_logger
 from core.settings import Settings
@@ -75,6 +76,11 @@ class TemplateResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> TemplateResult:
+        """A stage record of this result (``to_json()``) back into it; StageRecordError names a damaged field."""
+        return decode_record(cls, record)
 
 
 # --------------------------------------------------------------------------- pure core

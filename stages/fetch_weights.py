@@ -31,11 +31,12 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import anyio
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from core.decode import decode_record
 from core.errors import HubError, IntegrityError, RegistryError, TransferError
 from core.log import get_logger
 from core.settings import Settings
@@ -134,6 +135,11 @@ class FetchResult:
         out = asdict(self)
         out["header_checks"] = [asdict(c) for c in self.header_checks]
         return out
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> FetchResult:
+        """A stage record of this result (``to_json()``) back into it; StageRecordError names a damaged field."""
+        return decode_record(cls, record)
 
 
 def _reporter_factory(enabled: bool, label: str) -> Any:

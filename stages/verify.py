@@ -31,11 +31,12 @@ import math
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Mapping
 
 import anyio
 from gguf import GGUF_MAGIC, GGUFValueType, Keys
 
+from core.decode import decode_record
 from core.errors import IntegrityError, TemplateError
 from core.log import get_logger
 from core.entry import Artifact, Entry
@@ -447,6 +448,11 @@ class VerifyResult:
         out = asdict(self)
         out["header_checks"] = [asdict(c) for c in self.header_checks]
         return out
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> VerifyResult:
+        """A stage record of this result (``to_json()``) back into it; StageRecordError names a damaged field."""
+        return decode_record(cls, record)
 
 
 async def verify(entry: Entry, dest_dir: Path, *, rehash: bool = False) -> VerifyResult:

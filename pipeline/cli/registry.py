@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli import CliContext
+from pipeline.cli.context import CliContext
 from registry.catalog import download_blocker, entry_summary, load_registry
 from pipeline.registry_lock import lock_registry
 
