@@ -41,7 +41,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
@@ -61,6 +61,13 @@ CLEANUP_TIMEOUT_S = 30.0
 IN_MEMORY = Path(":memory:")
 
 
+class EnterContext(Protocol):
+    """Enter an async context manager for the rest of the pipeline (closed when it ends, fails or is
+    interrupted) and return what it yields: how load keeps llama-server up for the later stages."""
+
+    def __call__(self, cm: AsyncContextManager[T], /) -> Awaitable[T]: ...
+
+
 @dataclass(frozen=True)
 class StageContext:
     run_id: str
@@ -68,7 +75,7 @@ class StageContext:
     settings: Settings
     plan: Plan | None  # set once the plan stage has run
     results: Mapping[str, object]  # read-only: stage name -> frozen result of an earlier stage
-    enter_context: Callable[[AsyncContextManager[Any]], Awaitable[Any]]
+    enter_context: EnterContext
 
     def result(self, stage: str, kind: type[T]) -> T:
         """The result of an earlier ``stage``, which is a ``kind`` whether it ran or was reused."""

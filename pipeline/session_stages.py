@@ -122,7 +122,9 @@ def decode_load(record: Mapping[str, Any]) -> LoadResult | OpenVinoLoadResult:
 
 
 def decode_probe_call(record: Mapping[str, Any]) -> ProbeToolCallResult | OpenVinoProbeResult:
-    return decode_record(OpenVinoProbeResult if "family" in record else ProbeToolCallResult, record)
+    if "family" in record:  # the OpenVINO probe names its tool-call parser family
+        return decode_record(OpenVinoProbeResult, record)
+    return decode_record(ProbeToolCallResult, record)
 
 
 def decode_recheck(record: Mapping[str, Any]) -> AllocationReport | OpenVinoAllocationReport:
