@@ -5,7 +5,9 @@ A stage that is reused hands downstream the same type a fresh run does, so no ca
 float, bool, None, ``X | None``, ``Literal[...]``, ``tuple[X, ...]``, ``tuple[X, Y]``,
 ``dict[str, X]``, ``Any`` and nested dataclasses. Anything else in a record — a missing field,
 a field of the wrong kind, a key the type does not have — is a :class:`StageRecordError` naming
-the field path, which the runner turns into "rerun the stage". Unknown keys are refused (a record
+the field path, which the runner turns into "rerun the stage". (The probe and the plan, which have
+their one decoder on the ``core.records`` toolkit, decode their stage records with it and
+:func:`stage_record_fail`.) Unknown keys are refused (a record
 from another version is not half-trusted) unless listed in ``extra_keys`` (e.g. a ``schema`` tag).
 """
 
@@ -32,6 +34,12 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _fail(path: str, problem: str) -> StageRecordError:
     return StageRecordError(f"{path or '(record)'}: {problem}", field=path or None)
+
+
+def stage_record_fail(field: str, problem: str, hint: str) -> StageRecordError:
+    """A ``core.records.FieldFail`` for stage records: where a format already has its one decoder on
+    the records toolkit (the probe, the plan), a stage record is decoded with it and this error."""
+    return _fail("" if field == "(document)" else field, problem)
 
 
 def _kind(value: Any) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import anyio
 
-from core.errors import Interrupted
+from core.errors import Interrupted, UsageError
 from core.log import get_logger
 from core.plan import Device, Plan, ProbeResult
 from core.settings import Settings
@@ -68,7 +68,7 @@ def _provisioned_device(manifest: Manifest) -> Device | None:
     previous model is kept on whichever device it still qualifies)."""
     try:
         return plan_from_json(manifest.plan).probe.device
-    except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
+    except UsageError:  # plan_from_json names the damaged field
         return None
 
 
@@ -161,7 +161,7 @@ async def previous_model(opts: AutoOptions, settings: Settings) -> tuple[Manifes
     if worker is not None:
         try:
             held = worker_held_bytes(manifest, worker)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan in the manifest
+        except (UsageError, KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan
             log.info("worker.unjudged", reason=str(exc))
     return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest), worker_held_bytes=held)
 

@@ -25,15 +25,17 @@ from typing import Any
 import anyio
 
 from backends.llama_server import find_llama_server, gpu_listing_binaries
+from core.decode import stage_record_fail
 from core.entry import Entry
-from core.errors import DiskSpaceError, NoModelQualifies, StageRecordError
+from core.errors import DiskSpaceError, NoModelQualifies
 from core.log import get_logger
 from core.plan import Plan, ProbeResult
+from core.records import Fields
 from core.settings import Settings
 from pipeline.engine import Stage, StageContext
-from pipeline.manifest import plan_from_json
+from pipeline.manifest import decode_plan as decode_plan_json
+from pipeline.registry_file import load_registry
 from pipeline.session_stages import SESSION_STAGES, session_stages
-from registry.catalog import load_registry
 from stages.fetch_template import TemplateResult, fetch_template
 from stages.fetch_weights import FetchResult, fetch_weights
 from stages.openvino_session import openvino_device, openvino_kv_precision, require_openvino
@@ -119,11 +121,9 @@ def _plan_figures(plan: Plan) -> dict[str, Any]:
 
 
 def decode_plan(record: Mapping[str, Any]) -> Plan:
-    """The plan stage's record (``Plan.to_json()``) back into the Plan (the manifest's decoder)."""
-    try:
-        return plan_from_json(record)
-    except (KeyError, TypeError, ValueError, AttributeError, StopIteration) as exc:
-        raise StageRecordError(f"plan record: {type(exc).__name__}: {exc}") from None
+    """The plan stage's record (``Plan.to_json()``) back into the Plan, through the manifest's (one)
+    plan decoder; StageRecordError names a damaged field."""
+    return decode_plan_json(record, Fields(stage_record_fail, noun="plan"))
 
 
 def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,

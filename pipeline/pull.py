@@ -17,7 +17,7 @@ from core.errors import UsageError
 from core.settings import Settings
 from pipeline.engine import Runner
 from pipeline.provision import FetchJob, fetch_stages
-from registry.catalog import load_registry
+from pipeline.registry_file import load_registry
 from stages.fetch_template import TemplateResult
 from stages.fetch_weights import FetchResult
 from stages.verify import VerifyResult

@@ -7,7 +7,7 @@ import sys
 
 from backends.llama_server import gpu_listing_binaries
 from pipeline.cli.context import CliContext
-from registry.catalog import load_registry
+from pipeline.registry_file import load_registry
 from registry.select import normalize_origin
 from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
 from stages.probe import load_probe_file, probe_devices

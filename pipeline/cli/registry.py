@@ -13,7 +13,8 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli.context import CliContext
-from registry.catalog import download_blocker, entry_summary, load_registry
+from pipeline.registry_file import load_registry
+from registry.catalog import download_blocker, entry_summary
 from pipeline.registry_lock import lock_registry
 
 

@@ -220,11 +220,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     if problems:
         raise UsageError(f"the provisioned files are not in place: {'; '.join(problems)}",
                          hint="run `hotfit auto` again; it re-fetches what is missing")
-    try:
-        plan = plan_from_json(manifest.plan)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UsageError(f"manifest {settings.manifest_path} holds no usable plan ({exc!r})",
-                         hint="run `hotfit auto` to provision again; it rewrites the manifest") from None
+    plan = plan_from_json(manifest.plan, source=f"manifest {settings.manifest_path}")  # UsageError naming the field
     if manifest.backend == "openvino":
         return _openvino_handler(args, ctx, manifest, plan)
     # What hotfit sets for the child beyond the inherited environment: the device pin, built by
