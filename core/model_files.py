@@ -8,8 +8,9 @@ share, and the pure integrity rule.
 - verify ends with :class:`VerifyResult`: the file renamed into place and the GGUF header's facts
   (:class:`GGUFFacts`, read once per run) that load and later stages use instead of re-reading it.
 
-Every result has ``to_json`` and a ``from_json`` decoder, so a stage reused from ``state.db`` hands
-downstream the same type a fresh one does. Nothing here touches the disk.
+Every result has ``to_json`` and a ``decode`` (core.decode: one decoder for every stage record, a
+StageRecordError naming the field), so a stage reused from ``state.db`` hands downstream the same
+type a fresh one does. Nothing here touches the disk.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
+from core.decode import decode_record
 from core.errors import IntegrityError
 
 __all__ = [
@@ -30,21 +32,6 @@ TEMPLATE_FILENAME = "chat_template.jinja"
 SNAPSHOT_DIRNAME = "snapshot"  # an OpenVINO repository snapshot
 SNAPSHOT_MANIFEST = "snapshot.json"  # what the snapshot fetch verified
 PARTIAL_DIRNAME = ".partial"  # downloads in progress, hashed partials, locks
-
-
-def _build(cls: type, data: Mapping[str, Any], **nested: Any) -> Any:
-    """``cls(**data)`` keeping only its fields (a record from a newer hotfit may carry more);
-    ``nested`` converts the named fields (lists back to tuples, dicts back to dataclasses)."""
-    names = {f.name for f in fields(cls)}
-    kw = {k: v for k, v in data.items() if k in names}
-    for key, convert in nested.items():
-        if kw.get(key) is not None:
-            kw[key] = convert(kw[key])
-    return cls(**kw)
-
-
-def _tuple(value: Any) -> tuple[Any, ...]:
-    return tuple(tuple(v) if isinstance(v, list) else v for v in value)
 
 
 @dataclass(frozen=True)
@@ -63,9 +50,6 @@ class FileIdentity:
     mtime_ns: int
     ctime_ns: int
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> FileIdentity:
-        return _build(cls, data)
 
 
 @dataclass(frozen=True)
@@ -98,9 +82,6 @@ class FetchedFile:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> FetchedFile:
-        return _build(cls, data, identity=FileIdentity.from_json, verified_against=tuple)
 
 
 @dataclass(frozen=True)
@@ -117,9 +98,6 @@ class SnapshotFile:
     git_sha1: str | None = None
     identity: FileIdentity | None = None
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SnapshotFile:
-        return _build(cls, data, identity=FileIdentity.from_json)
 
 
 @dataclass(frozen=True)
@@ -138,9 +116,6 @@ class SnapshotResult:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SnapshotResult:
-        return _build(cls, data, listed=lambda fs: tuple(SnapshotFile.from_json(f) for f in fs))
 
 
 @dataclass(frozen=True)
@@ -160,9 +135,8 @@ class FetchResult:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> FetchResult:
-        return _build(cls, data, weights=FetchedFile.from_json, projector=FetchedFile.from_json,
-                      snapshot=SnapshotResult.from_json, warnings=tuple)
+    def decode(cls, data: Mapping[str, Any]) -> FetchResult:
+        return decode_record(cls, data)
 
 
 @dataclass(frozen=True)
@@ -179,8 +153,8 @@ class TemplateResult:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> TemplateResult:
-        return _build(cls, data, tool_markers=tuple)
+    def decode(cls, data: Mapping[str, Any]) -> TemplateResult:
+        return decode_record(cls, data)
 
 
 @dataclass(frozen=True)
@@ -193,9 +167,6 @@ class FieldCheck:
     ok: bool | None
     note: str | None = None
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> FieldCheck:
-        return _build(cls, data)
 
 
 PerLayer = int | tuple[int, ...] | None  # one value, or one per layer (GGUF arrays)
@@ -226,10 +197,6 @@ class GGUFFacts:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> GGUFFacts:
-        per_layer = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
-        return _build(cls, data, head_count=per_layer, head_count_kv=per_layer)
 
 
 @dataclass(frozen=True)
@@ -252,9 +219,8 @@ class VerifyResult:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> VerifyResult:
-        return _build(cls, data, header_checks=lambda cs: tuple(FieldCheck.from_json(c) for c in cs),
-                      notes=tuple, verified_against=tuple, gguf=GGUFFacts.from_json)
+    def decode(cls, data: Mapping[str, Any]) -> VerifyResult:
+        return decode_record(cls, data)
 
 
 def check_integrity(*, file: str, size_bytes: int, sha256: str | None, expected_size: int | None,

@@ -13,9 +13,11 @@ import hashlib
 import json
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from core.decode import stage_record_fail
 from core.entry import Entry
 from core.records import Fields
 
@@ -56,6 +58,12 @@ class ProbeResult:
             "selected": self.selected,
             "notes": list(self.notes),
         }
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> ProbeResult:
+        """The probe stage's record (``to_json()``) back into it, through the one probe decoder
+        (:func:`decode_probe`); StageRecordError names a damaged field."""
+        return decode_probe(record, Fields(stage_record_fail, noun="probe"))
 
 
 _DEVICE_REQUIRED = ("index", "kind", "name", "total_bytes", "free_bytes")

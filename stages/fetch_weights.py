@@ -209,7 +209,7 @@ def fetched_still_on_disk(outputs: Mapping[str, Any]) -> bool:
     """May a recorded fetch-weights result be reused? Each file's hashed partial is still there as it
     was hashed, or verify has since put it in place (its receipt vouches for that sha256)."""
     try:
-        fetched = FetchResult.from_json(outputs)
+        fetched = FetchResult.decode(outputs)
     except (TypeError, ValueError, AttributeError):
         return False
     if fetched.snapshot is not None:

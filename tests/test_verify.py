@@ -325,10 +325,10 @@ async def test_a_recorded_partial_is_verified_from_its_streamed_hash_after_a_res
     # (state.db) and verify reuses its sha256 — the partial is the same file, unchanged since hashing.
     entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path)
     record = json.loads(json.dumps(fetched.to_json()))
-    assert FetchResult.from_json(record) == fetched
+    assert FetchResult.decode(record) == fetched
     assert fetched_still_on_disk(record)
     with structlog.testing.capture_logs() as logs:
-        result = await verify(entry, dest, fetched=FetchResult.from_json(record))
+        result = await verify(entry, dest, fetched=FetchResult.decode(record))
     assert result.sha256_source == "streamed" and not [e for e in logs if e["event"] == "verify.rehash"]
     assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
     assert fetched_still_on_disk(record)  # the partial is gone, but in place with a receipt for that sha256

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli import CliContext
+from pipeline.cli.context import CliContext
 from core.errors import NoModelQualifies, UsageError
 from core.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
