@@ -39,6 +39,9 @@ import anyio
 from core.errors import HotfitError, Interrupted
 from core.log import bind, get_logger, unbind
 from core.plan import canonical_json
+from stages import load as load_stage
+from stages.probe_tool_call import probe_tool_call
+from stages.recheck import recheck_allocation
 from state.store import StageRecord, StateStore
 
 T = TypeVar("T")
@@ -428,7 +431,7 @@ async def _probe_stage(ctx: StageContext) -> Any:
     path = _opts(ctx).probe_file
     if path is not None:
         return await anyio.to_thread.run_sync(load_probe_file, path)
-    from backends.llama_server import gpu_listing_binaries
+    from backends.llama_server.discovery import gpu_listing_binaries
 
     binaries = gpu_listing_binaries(ctx.settings)
     return await anyio.to_thread.run_sync(functools.partial(probe_devices, ggml_binaries=binaries))
@@ -439,24 +442,13 @@ def _probe_figures(probe: Any) -> dict[str, Any]:
     return {"device_kind": d.kind, "device_name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes}
 
 
-async def _plan_stage(ctx: StageContext) -> Any:
+async def _plan_stage(ctx: StageContext, resolved: dict[str, Any]) -> Any:
     outcome = compute_plan(_opts(ctx), ctx.settings, ctx.results["probe"], ctx.options.get("previous"))
     plan = outcome.plan
-    if plan.backend == "llama":
-        # The binary that will serve this plan must exist, answer --version, suit this CPU and
-        # the plan's device before a single weight byte is fetched (issue 9 item 4).
-        from backends.llama_server import find_llama_server
-
-        await anyio.to_thread.run_sync(
-            functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
-    elif plan.backend == "openvino":
-        # The OpenVINO equivalent: the extra importable, a device and a KV precision the session
-        # takes — each refused here with its fix rather than after the download.
-        from stages.openvino_session import openvino_device, openvino_kv_precision, require_openvino
-
-        require_openvino()
-        openvino_device(plan)
-        openvino_kv_precision(plan.kv_cache_type)
+    # The backend that will serve this plan must be usable here before a single weight byte is
+    # fetched (issue 9 item 4): llama-server found, answering, suiting this CPU and the device;
+    # OpenVINO importable with the plan's device and KV precision. Resolved once: load reuses it.
+    resolved[ctx.run_id] = await anyio.to_thread.run_sync(load_stage.preflight, plan, ctx.settings)
     return plan
 
 
@@ -601,49 +593,16 @@ def _verify_still_there(out: Mapping[str, Any]) -> bool:
     return p.is_file() and p.stat().st_size == out.get("size_bytes")
 
 
-@dataclass(frozen=True)
-class LoadResult:
-    """The live llama-server (valid until the pipeline ends) and the binary it runs."""
-
-    server: Any  # stages.load.LoadedServer
-    backend: Any  # backends.llama_server.Backend
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.server.to_json(), "backend": self.backend.to_json()}
-
-
-@dataclass(frozen=True)
-class OpenVinoLoadResult:
-    """The live OpenVINO session (valid until the pipeline ends): its worker, settings, GenAI version."""
-
-    session: Any  # stages.openvino_session.OpenVinoSession
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.session.to_json(), "backend": {"name": "openvino",
-                                                      "genai_version": self.session.opened.get("genai_version")}}
-
-
-async def _load_stage(ctx: StageContext) -> LoadResult | OpenVinoLoadResult:
-    from backends.llama_server import find_llama_server
-    from stages.load import open_server
-
+async def _load_stage(ctx: StageContext, resolved: dict[str, Any]) -> load_stage.LoadResult:
     plan = ctx.plan
-    if plan.backend == "openvino":
-        from stages.openvino_session import open_openvino_session
-
-        verified = ctx.results["verify"]
-        snapshot = verified["weights_path"] if isinstance(verified, Mapping) else verified.weights_path
-        session = await ctx.enter_context(open_openvino_session(plan, Path(snapshot), ctx.run_dir))
-        return OpenVinoLoadResult(session)
-    backend = await anyio.to_thread.run_sync(
-        functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
     verified = ctx.results["verify"]
     weights = verified["weights_path"] if isinstance(verified, Mapping) else verified.weights_path
     template_path = verified["chat_template_path"] if isinstance(verified, Mapping) else verified.chat_template_path
-    server = await ctx.enter_context(open_server(
-        plan, Path(weights), binary=backend.server_path, run_dir=ctx.run_dir,
-        template_path=Path(template_path) if template_path else None, build=backend.build))
-    return LoadResult(server=server, backend=backend)
+    files = await load_stage.model_files(plan, Path(weights), Path(template_path) if template_path else None)
+    binary = resolved.pop(ctx.run_id, None)  # the plan stage's preflight (None: resolve it now)
+    session = await ctx.enter_context(load_stage.open_session(plan, files, run_dir=ctx.run_dir,
+                                                              settings=ctx.settings, binary=binary))
+    return load_stage.LoadResult(session=session, binary=binary)
 
 
 def _load_fingerprint(out: Mapping[str, Any]) -> Any:
@@ -657,26 +616,12 @@ def _load_fingerprint(out: Mapping[str, Any]) -> Any:
     return {"argv": argv, "template": out.get("template")}
 
 
-def _load_figures(result: LoadResult | OpenVinoLoadResult) -> dict[str, Any]:
-    if isinstance(result, OpenVinoLoadResult):
-        ov = result.session
-        return {"pid": ov.pid, "load_seconds": round(ov.load_seconds, 3), "backend": "openvino",
-                "kv_precision": ov.config.kv_precision, "num_kv_blocks": ov.config.num_kv_blocks,
-                "capacity_tokens": ov.config.capacity_tokens, "device": ov.config.device}
-    s = result.server
-    return {"pid": s.pid, "load_seconds": round(s.load_seconds, 3), "template": s.template.describe(),
-            "llama_server": str(result.backend.server_path)}
+def _load_figures(result: load_stage.LoadResult) -> dict[str, Any]:
+    return result.session.load_figures()
 
 
 async def _probe_tool_call_stage(ctx: StageContext) -> Any:
-    from stages.probe_tool_call import probe_tool_call
-
-    load = ctx.results["load"]
-    if isinstance(load, OpenVinoLoadResult):
-        from stages.openvino_probe import probe_openvino_tool_call
-
-        return await probe_openvino_tool_call(load.session)
-    return await probe_tool_call(load.server)
+    return await probe_tool_call(ctx.results["load"].session)
 
 
 def _probe_call_figures(result: Any) -> dict[str, Any]:
@@ -692,15 +637,7 @@ def _probe_call_fingerprint(out: Mapping[str, Any]) -> Any:
 
 
 async def _recheck_stage(ctx: StageContext) -> Any:
-    from stages.recheck import recheck_allocation
-
-    load = ctx.results["load"]
-    if isinstance(load, OpenVinoLoadResult):
-        from stages.openvino_recheck import recheck_openvino_allocation
-
-        report: Any = await recheck_openvino_allocation(load.session)
-    else:
-        report = await recheck_allocation(load.server, ctx.plan)
+    report = await recheck_allocation(ctx.results["load"].session, ctx.plan)
     opened = opened_context_tokens(report.to_json())
     # contenox `auto`: an opened session holding less than half the estimate is worth a warning
     if opened is not None and opened * 2 < ctx.plan.hot_context_tokens:
@@ -730,16 +667,17 @@ def _recheck_figures(report: Any) -> dict[str, Any]:
 
 def hotfit_stages() -> list[Stage]:
     """The pipeline of ``hotfit auto``, in order (issue 6)."""
+    resolved: dict[str, Any] = {}  # run id -> the plan stage's backend preflight, handed to load
     return [
         Stage("probe", _probe_stage, always_run=True, figures=_probe_figures),
-        Stage("plan", _plan_stage, deps=("probe",), always_run=True, figures=_plan_figures),
+        Stage("plan", functools.partial(_plan_stage, resolved=resolved), deps=("probe",), always_run=True, figures=_plan_figures),
         Stage("fetch-weights", _fetch_weights_stage, inputs=_pins, still_valid=_files_still_there,
               fingerprint=_fetch_fingerprint, figures=_fetch_figures),
         Stage("fetch-template", _fetch_template_stage, deps=("fetch-weights",), inputs=_template_pin,
               still_valid=_template_still_there, fingerprint=_template_fingerprint),
         Stage("verify", _verify_stage, deps=("fetch-weights", "fetch-template"), inputs=_verify_inputs,
               still_valid=_verify_still_there, fingerprint=_verify_fingerprint),
-        Stage("load", _load_stage, deps=("verify",), session=SERVER_SESSION, fingerprint=_load_fingerprint,
+        Stage("load", functools.partial(_load_stage, resolved=resolved), deps=("verify",), session=SERVER_SESSION, fingerprint=_load_fingerprint,
               figures=_load_figures),
         Stage("probe-tool-call", _probe_tool_call_stage, deps=("load",), session=SERVER_SESSION,
               fingerprint=_probe_call_fingerprint, figures=_probe_call_figures),

@@ -23,7 +23,8 @@ import pytest
 from core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
-from stages.load import _gguf_has_chat_template, open_server
+from backends.llama_server.process import open_server
+from stages.load import _gguf_has_chat_template
 from stages.plan import build_plan
 from stages.probe_tool_call import probe_tool_call
 from stages.recheck import recheck_allocation

@@ -246,7 +246,7 @@ async def provision(opts: AutoOptions, settings: Any) -> AutoResult:
         if opts.probe_file is not None:
             probe = await anyio.to_thread.run_sync(load_probe_file, opts.probe_file)
         else:
-            from backends.llama_server import gpu_listing_binaries
+            from backends.llama_server.discovery import gpu_listing_binaries
 
             binaries = gpu_listing_binaries(settings)
             probe = await anyio.to_thread.run_sync(lambda: probe_devices(ggml_binaries=binaries))

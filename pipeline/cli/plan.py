@@ -38,7 +38,7 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     cache_type, source = resolve_kv_cache_type(args.kv_cache_type, ctx.settings.kv_cache_type_raw)
     origin = normalize_origin(args.origin)
     registry = load_registry(args.registry)
-    from backends.llama_server import gpu_listing_binaries
+    from backends.llama_server.discovery import gpu_listing_binaries
 
     probe = (load_probe_file(args.probe_file) if args.probe_file
              else probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings)))

@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     from stages.probe import describe, probe_devices, save_probe
 
-    from backends.llama_server import gpu_listing_binaries
+    from backends.llama_server.discovery import gpu_listing_binaries
 
     result = probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings))
     if args.save:
