@@ -35,6 +35,7 @@ import anyio
 import httpx
 
 from backends.base import AllocationReport, ChatAnswer
+from backends.http_chat import HttpChatEndpoint
 from backends.llama_server import allocation, chat
 from backends.llama_server.crash import signal_death_report
 from backends.llama_server.discovery import BuildInfo
@@ -179,7 +180,7 @@ class LoadedServer:
         return chat.tool_call_fix(cause, answer)
 
     def chat_endpoint(self) -> AbstractAsyncContextManager[ChatEndpoint]:
-        return chat.HttpChatEndpoint(self.base_url, api_key=self._api_key or None)
+        return HttpChatEndpoint(self.base_url, api_key=self._api_key or None)
 
     async def allocation_report(self, plan: Plan, *, floor_tokens: int, tolerance: float,
                                 timeout_s: float) -> AllocationReport:

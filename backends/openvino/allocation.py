@@ -1,11 +1,12 @@
-"""OpenVINO's hot allocation: what the opened pipeline really allocated, judged against the plan (issue 13 item 3).
+"""OpenVINO's hot allocation: what the opened pipeline really allocated, against the plan (issue 13 item 3).
 
 GenAI allocates the paged KV cache lazily: ``get_metrics().kv_cache_size_in_bytes`` is 0 until
 the first generation step and then equals blocks x bytes per block (design note §4, measured).
-So this is read after the tool-call probe (the re-check stage, :mod:`stages.recheck`), and derives and derives the token capacity from
-it with the IR's own KV geometry (``ReadValue`` states of ``openvino_model.xml``) at the planned
-precision — never from the configured block count, and never reporting the estimate as the
-allocation. It fails closed when:
+So this is read after the tool-call probe (by the re-check stage, :mod:`stages.recheck`), and the
+token capacity is derived from it with the IR's own KV geometry (``ReadValue`` states of
+``openvino_model.xml``) at the planned precision — never from the configured block count, and
+never reporting the estimate as the allocation. The verdict has a problem (the stage fails
+closed) when:
 
 - nothing is allocated (0 bytes), or the bytes are not whole blocks at the planned precision
   (the precision fell back, or the geometry differs from the IR's);

@@ -57,7 +57,8 @@ async def _ask(session: OpenVinoSession, op: str, timeout_s: float, purpose: str
                          "memory pressure (the OOM killer) is the usual cause; see the worker log",
                          log_lines=session.log_tail()) from None
     if not reply.get("ok"):
-        raise ChatFailed("runtime_error", f"OpenVINO failed during {purpose} ({op}): {str(reply.get('error', ''))[:500]}",
+        error = str(reply.get("error", ""))[:500]
+        raise ChatFailed("runtime_error", f"OpenVINO failed during {purpose} ({op}): {error}",
                          "the chat template or the runtime rejected the request; see the worker log", op=op)
     return reply
 

@@ -10,7 +10,9 @@ fails closed (exit 3).
 An OpenVINO manifest is not served by hotfit: no maintained OpenAI-compatible server for OpenVINO
 GenAI is on PyPI, and the official one, OpenVINO Model Server (``ovms``), ships only as release
 tarballs and container images. ``serve`` exits 2 saying so, and ``--print-command`` prints the
-``ovms`` command line with the verified settings (:func:`ovms_argv`) for the operator to run.
+``ovms`` command line with the verified settings (:func:`backends.openvino.backend.ovms_argv`) for the
+operator to run. Both commands come from the Backend boundary (``Backend.serve_command``): the
+llama-server one carries the argv, environment and device pin the load stage opens the model with.
 
 ``--print-command`` and ``--print-systemd-unit`` hand the result to a service manager. The unit
 runs ``hotfit serve`` itself, so the memory check happens at every start. Plain ``serve``
