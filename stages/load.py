@@ -39,8 +39,6 @@ class LoadResult:
 
     def to_json(self) -> dict[str, Any]:
         backend = self.binary.to_json() if self.binary is not None else {"name": self.session.backend}
-        if self.session.backend == "openvino":  # what the record has always held for OpenVINO
-            backend = {"name": "openvino", "genai_version": getattr(self.session, "opened", {}).get("genai_version")}
         return {**self.session.to_json(), "backend": backend}
 
 

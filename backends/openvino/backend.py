@@ -8,6 +8,7 @@ OpenVINO GenAI is on PyPI. :meth:`OpenVinoBackend.serve_command` gives the OpenV
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,11 @@ class OpenVinoBackend:
         """The extra importable, a device and a KV precision the session takes — each refused
         here with its fix rather than after the download."""
         require_openvino()
-        return OpenVinoRuntime(OPENVINO_GENAI_VERSION, openvino_device(plan), openvino_kv_precision(plan.kv_cache_type))
+        try:  # the installed release (the record names what ran, not what was pinned)
+            version = importlib.metadata.version("openvino-genai")
+        except importlib.metadata.PackageNotFoundError:
+            version = OPENVINO_GENAI_VERSION
+        return OpenVinoRuntime(version, openvino_device(plan), openvino_kv_precision(plan.kv_cache_type))
 
     def device_env(self, plan: Plan) -> dict[str, str]:
         return {}  # the device is a pipeline argument (openvino_device), not an environment variable
