@@ -670,14 +670,16 @@ def hotfit_stages() -> list[Stage]:
     resolved: dict[str, Any] = {}  # run id -> the plan stage's backend preflight, handed to load
     return [
         Stage("probe", _probe_stage, always_run=True, figures=_probe_figures),
-        Stage("plan", functools.partial(_plan_stage, resolved=resolved), deps=("probe",), always_run=True, figures=_plan_figures),
+        Stage("plan", functools.partial(_plan_stage, resolved=resolved), deps=("probe",), always_run=True,
+              figures=_plan_figures),
         Stage("fetch-weights", _fetch_weights_stage, inputs=_pins, still_valid=_files_still_there,
               fingerprint=_fetch_fingerprint, figures=_fetch_figures),
         Stage("fetch-template", _fetch_template_stage, deps=("fetch-weights",), inputs=_template_pin,
               still_valid=_template_still_there, fingerprint=_template_fingerprint),
         Stage("verify", _verify_stage, deps=("fetch-weights", "fetch-template"), inputs=_verify_inputs,
               still_valid=_verify_still_there, fingerprint=_verify_fingerprint),
-        Stage("load", functools.partial(_load_stage, resolved=resolved), deps=("verify",), session=SERVER_SESSION, fingerprint=_load_fingerprint,
+        Stage("load", functools.partial(_load_stage, resolved=resolved), deps=("verify",), session=SERVER_SESSION,
+              fingerprint=_load_fingerprint,
               figures=_load_figures),
         Stage("probe-tool-call", _probe_tool_call_stage, deps=("load",), session=SERVER_SESSION,
               fingerprint=_probe_call_fingerprint, figures=_probe_call_figures),

@@ -217,7 +217,9 @@ def test_planner_refuses_smollm2_below_the_floor_and_says_why() -> None:
 
 def _open(m: RealModel, kv: str, run_dir: Path, *, tokens: int | None = None):  # type: ignore[no-untyped-def]
     plan, _ = planned(m.entry(), kv, tokens=tokens)
-    return open_server(plan, m.path, binary=require_llama_server(), run_dir=run_dir, threads=THREADS, warmup=False)
+    # the header's embedded-template fact, read the way the load stage reads it (stages.load.model_files)
+    return open_server(plan, m.path, binary=require_llama_server(), run_dir=run_dir, threads=THREADS, warmup=False,
+                       embedded_template=_gguf_has_chat_template(m.path))
 
 
 @pytest.mark.llama
