@@ -24,7 +24,8 @@ from typing import Any
 
 import anyio
 
-from backends.llama_server import find_llama_server, gpu_listing_binaries
+from backends.base import BackendBinary
+from backends.llama_server.discovery import gpu_listing_binaries
 from core.decode import stage_record_fail
 from core.entry import Entry
 from core.errors import DiskSpaceError, NoModelQualifies
@@ -39,7 +40,7 @@ from pipeline.session_stages import SESSION_STAGES, session_stages
 from core.model_files import FetchResult, TemplateResult, VerifyResult
 from stages.fetch_template import fetch_template
 from stages.fetch_weights import fetch_weights, fetched_still_on_disk
-from stages.openvino_session import openvino_device, openvino_kv_precision, require_openvino
+from stages.load import preflight
 from stages.plan import PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
 from stages.probe import load_probe_file, probe_devices
 from stages.verify import verify
@@ -129,10 +130,12 @@ def decode_plan(record: Mapping[str, Any]) -> Plan:
 
 def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
                     on_plan: Callable[[PlanOutcome], None] | None = None,
-                    check_backend: bool = True) -> list[Stage[Any]]:
+                    check_backend: bool = True,
+                    resolved: dict[str, BackendBinary] | None = None) -> list[Stage[Any]]:
     """probe → plan. ``on_plan`` sees the whole selection (every device and candidate), which the
     dry run prints; the stage's result is the winning Plan. ``check_backend`` False (the dry run and
-    the no-op check): only plan; the binary is checked when a run would use it."""
+    the no-op check): only plan; the binary is checked when a run would use it. ``resolved`` receives
+    the preflight's binary under the run id, for the load stage."""
 
     async def probe_stage(ctx: StageContext) -> ProbeResult:
         if opts.probe_file is not None:
@@ -148,17 +151,12 @@ def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
         assert plan is not None  # compute_plan raised the refusal otherwise
         if not check_backend:
             return plan
-        if plan.backend == "llama":
-            # The binary that will serve this plan must exist, answer --version, suit this CPU and
-            # the plan's device before a single weight byte is fetched (issue 9 item 4).
-            await anyio.to_thread.run_sync(
-                functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
-        elif plan.backend == "openvino":
-            # The OpenVINO equivalent: the extra importable, a device and a KV precision the session
-            # takes — each refused here with its fix rather than after the download.
-            require_openvino()
-            openvino_device(plan)
-            openvino_kv_precision(plan.kv_cache_type)
+        # The backend that will serve this plan must be usable here before a single weight byte is
+        # fetched (issue 9 item 4): llama-server found, answering, suiting this CPU and the device;
+        # OpenVINO importable with the plan's device and KV precision. Found once: load reuses it.
+        binary = await anyio.to_thread.run_sync(preflight, plan, ctx.settings)
+        if resolved is not None:
+            resolved[ctx.run_id] = binary
         return plan
 
     return [
@@ -340,4 +338,6 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
 
 def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None) -> list[Stage[Any]]:
     """The pipeline of ``hotfit auto``, in order (issue 6)."""
-    return [*planning_stages(opts, previous), *fetch_stages(FetchJob(wait=opts.wait)), *session_stages()]
+    resolved: dict[str, BackendBinary] = {}  # run id -> the plan stage's backend preflight, handed to load
+    return [*planning_stages(opts, previous, resolved=resolved), *fetch_stages(FetchJob(wait=opts.wait)),
+            *session_stages(resolved)]

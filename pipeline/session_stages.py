@@ -1,34 +1,33 @@
 """The live session's stages for the engine: load → probe-tool-call → re-check, one adapter each.
 
-They share one running server (a llama-server, or an OpenVINO GenAI worker) and the engine skips or
-runs them together (``session=SERVER_SESSION``). Each result decodes from its record, so a reused
-session hands on the same types a fresh one does; only the live handle (``LoadResult.server``,
-``OpenVinoLoadResult.session``) exists solely in the run that opened it — and since the session's
-stages are reused as one, no stage that needs the handle ever runs against a reused load.
+They share one running session — a llama-server or an OpenVINO GenAI worker, opened through the
+Backend boundary (:mod:`backends.base`) — and the engine skips or runs them together
+(``session=SERVER_SESSION``). Each result decodes from its record, so a reused session hands on the
+same types a fresh one does; only the live handle (``LoadResult.session``) exists solely in the run
+that opened it — and since the session's stages are reused as one, no stage that needs the handle
+ever runs against a reused load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
-from backends.llama_server import Backend, find_llama_server
+from backends.base import AllocationReport as Report
+from backends.base import BackendBinary
+from backends.llama_server.allocation import AllocationReport
+from backends.openvino.allocation import OpenVinoAllocationReport
 from core.decode import decode_record
 from core.log import get_logger
 from core.model_files import VerifyResult
 from core.plan import Plan
 from pipeline.engine import Stage, StageContext
-from stages.load import LoadedServer, open_server
-from stages.openvino_probe import OpenVinoProbeResult, probe_openvino_tool_call
-from stages.openvino_recheck import OpenVinoAllocationReport, recheck_openvino_allocation
-from stages.openvino_session import OpenVinoSession, open_openvino_session
+from stages.load import LoadResult, model_files, open_session
 from stages.probe_tool_call import ProbeToolCallResult, probe_tool_call
-from stages.recheck import AllocationReport, recheck_allocation
+from stages.recheck import recheck_allocation
 
 log = get_logger()
 
@@ -37,119 +36,67 @@ SERVER_SESSION = "llama-server"
 
 
 @dataclass(frozen=True)
-class TemplateRecord:
-    kind: str  # stages.load.TemplateKind
+class _TemplateShape:
+    kind: str  # backends.llama_server.process.TemplateKind
     path: str | None
 
 
 @dataclass(frozen=True)
-class LoadResult:
-    """The llama-server load: what its record keeps, and (in the run that started it) the live server."""
+class _LlamaLoadShape:
+    """What a llama-server load record must hold (the manifest, the fingerprint and serve read it)."""
 
     pid: int
     base_url: str
     argv: tuple[str, ...]
     log_path: str
     stderr_path: str
-    template: TemplateRecord
+    template: _TemplateShape
     load_seconds: float
-    backend: dict[str, Any]  # backends.llama_server.Backend.to_json()
-    # live, valid until the pipeline ends; None when decoded from a record
-    server: LoadedServer | None = field(default=None, compare=False, repr=False)
-    binary: Backend | None = field(default=None, compare=False, repr=False)
-
-    @classmethod
-    def started(cls, server: LoadedServer, binary: Backend) -> LoadResult:
-        return cls.decode({**server.to_json(), "backend": binary.to_json()}).with_live(server, binary)
-
-    def with_live(self, server: LoadedServer, binary: Backend) -> LoadResult:
-        return LoadResult(self.pid, self.base_url, self.argv, self.log_path, self.stderr_path, self.template,
-                          self.load_seconds, self.backend, server, binary)
-
-    def live(self) -> LoadedServer:
-        if self.server is None:  # the engine runs the session's stages together, so this is a wiring bug
-            raise RuntimeError("load was reused from a record: no live llama-server in this run")
-        return self.server
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "base_url": self.base_url, "argv": list(self.argv), "log_path": self.log_path,
-                "stderr_path": self.stderr_path, "template": {"kind": self.template.kind, "path": self.template.path},
-                "load_seconds": self.load_seconds, "backend": self.backend}
-
-    @classmethod
-    def decode(cls, record: Mapping[str, Any]) -> LoadResult:
-        return decode_record(cls, record)
-
-
-@dataclass(frozen=True)
-class OpenVinoLoadResult:
-    """The OpenVINO load: its record (worker pid, every pipeline setting, GenAI version) and the live session."""
-
-    record: dict[str, Any]  # OpenVinoSession.to_json() + the backend's name and GenAI version
-    session: OpenVinoSession | None = field(default=None, compare=False, repr=False)
-
-    @classmethod
-    def started(cls, session: OpenVinoSession) -> OpenVinoLoadResult:
-        backend = {"name": "openvino", "genai_version": session.opened.get("genai_version")}
-        return cls({**session.to_json(), "backend": backend}, session)
-
-    def live(self) -> OpenVinoSession:
-        if self.session is None:
-            raise RuntimeError("load was reused from a record: no live OpenVINO session in this run")
-        return self.session
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.record)
-
-    @classmethod
-    def decode(cls, record: Mapping[str, Any]) -> OpenVinoLoadResult:
-        decode_record(_OpenVinoLoadShape, {k: record.get(k) for k in ("pid", "config", "backend")})
-        return cls(dict(record))
+    backend: dict[str, Any]  # the binary's to_json()
 
 
 @dataclass(frozen=True)
 class _OpenVinoLoadShape:
-    """What an OpenVINO load record must hold (the manifest and the fingerprint read these; the
-    rest is whatever the worker reported on opening)."""
+    """What an OpenVINO load record must hold; the rest is what the worker reported on opening."""
 
     pid: int
     config: dict[str, Any]
     backend: dict[str, Any]
 
 
-def decode_load(record: Mapping[str, Any]) -> LoadResult | OpenVinoLoadResult:
-    return OpenVinoLoadResult.decode(record) if "config" in record else LoadResult.decode(record)
+def decode_load(record: Mapping[str, Any]) -> LoadResult:
+    if "config" in record:  # OpenVINO: every pipeline setting
+        decode_record(_OpenVinoLoadShape, {k: record.get(k) for k in ("pid", "config", "backend")})
+    else:
+        decode_record(_LlamaLoadShape, record)
+    return LoadResult(dict(record))
 
 
-def decode_probe_call(record: Mapping[str, Any]) -> ProbeToolCallResult | OpenVinoProbeResult:
-    if "family" in record:  # the OpenVINO probe names its tool-call parser family
-        return decode_record(OpenVinoProbeResult, record)
-    return decode_record(ProbeToolCallResult, record)
+_PROBE_FIELDS = frozenset(f.name for f in dataclasses.fields(ProbeToolCallResult)) - {"backend_facts"}
+
+
+def decode_probe_call(record: Mapping[str, Any]) -> ProbeToolCallResult:
+    if not isinstance(record, Mapping):
+        return decode_record(ProbeToolCallResult, record)  # names the problem
+    # to_json flattens the backend's own facts (OpenVINO's family, raw text…) into the record
+    facts = {k: v for k, v in record.items() if k not in _PROBE_FIELDS}
+    known = {k: v for k, v in record.items() if k in _PROBE_FIELDS}
+    return decode_record(ProbeToolCallResult, known | {"backend_facts": facts})
 
 
 def decode_recheck(record: Mapping[str, Any]) -> AllocationReport | OpenVinoAllocationReport:
-    if "opened_n_ctx_per_slot" in record:
+    if isinstance(record, Mapping) and "opened_n_ctx_per_slot" in record:
         return decode_record(AllocationReport, record)
     return decode_record(OpenVinoAllocationReport, record)
 
 
-async def _load_stage(ctx: StageContext) -> LoadResult | OpenVinoLoadResult:
+async def _load_stage(ctx: StageContext, resolved: dict[str, BackendBinary]) -> LoadResult:
     plan = ctx.require_plan()
-    verified = ctx.result("verify", VerifyResult)
-    if verified.weights_path is None:
-        raise RuntimeError("verify handed no weights path")  # verify raises before that
-    if plan.backend == "openvino":
-        session = await ctx.enter_context(open_openvino_session(plan, Path(verified.weights_path), ctx.run_dir))
-        return OpenVinoLoadResult.started(session)
-    backend = await anyio.to_thread.run_sync(
-        functools.partial(find_llama_server, ctx.settings, device_kind=plan.probe.device.kind))
-    template_path = verified.chat_template_path
-    server = await ctx.enter_context(open_server(
-        plan, Path(verified.weights_path), binary=backend.server_path, run_dir=ctx.run_dir,
-        template_path=Path(template_path) if template_path else None, build=backend.build,
-        # what verify read from the GGUF header (once per run): load does not open the file again
-        gguf_has_chat_template=verified.gguf_embeds_chat_template))
-    return LoadResult.started(server, backend)
+    files = model_files(ctx.result("verify", VerifyResult))
+    binary = resolved.pop(ctx.run_id, None)  # the plan stage's preflight (None: resolve it now)
+    session = await ctx.enter_context(open_session(plan, files, run_dir=ctx.run_dir, settings=ctx.settings,
+                                                   binary=binary))
+    return LoadResult.opened(session, binary)
 
 
 def _load_fingerprint(out: Mapping[str, Any]) -> Any:
@@ -163,29 +110,17 @@ def _load_fingerprint(out: Mapping[str, Any]) -> Any:
     return {"argv": argv, "template": out.get("template")}
 
 
-def _load_figures(result: LoadResult | OpenVinoLoadResult) -> dict[str, Any]:
-    if isinstance(result, OpenVinoLoadResult):
-        ov = result.live()
-        return {"pid": ov.pid, "load_seconds": round(ov.load_seconds, 3), "backend": "openvino",
-                "kv_precision": ov.config.kv_precision, "num_kv_blocks": ov.config.num_kv_blocks,
-                "capacity_tokens": ov.config.capacity_tokens, "device": ov.config.device}
-    s = result.live()
-    binary = result.binary
-    return {"pid": s.pid, "load_seconds": round(s.load_seconds, 3), "template": s.template.describe(),
-            "llama_server": str(binary.server_path) if binary is not None else None}
+def _load_figures(result: LoadResult) -> dict[str, Any]:
+    return result.live().load_figures()
 
 
-async def _probe_tool_call_stage(ctx: StageContext) -> ProbeToolCallResult | OpenVinoProbeResult:
-    load = ctx.results["load"]
-    if isinstance(load, OpenVinoLoadResult):
-        return await probe_openvino_tool_call(load.live())
+async def _probe_tool_call_stage(ctx: StageContext) -> ProbeToolCallResult:
     return await probe_tool_call(ctx.result("load", LoadResult).live())
 
 
-def _probe_call_figures(result: ProbeToolCallResult | OpenVinoProbeResult) -> dict[str, Any]:
-    # llama-server's ProbeResult and OpenVinoProbeResult share the verdict and the generation speed
+def _probe_call_figures(result: ProbeToolCallResult) -> dict[str, Any]:
     return {"passed": result.verdict.passed, "reason": result.verdict.reason, "tool": result.verdict.tool_name,
-            "prompt_tokens_per_s": getattr(result, "prompt_tokens_per_s", None),
+            "prompt_tokens_per_s": result.prompt_tokens_per_s,
             "generation_tokens_per_s": result.generation_tokens_per_s}
 
 
@@ -204,14 +139,9 @@ def opened_context_tokens(recheck: Mapping[str, Any]) -> int | None:
     return int(value) if value is not None else None
 
 
-async def _recheck_stage(ctx: StageContext) -> AllocationReport | OpenVinoAllocationReport:
+async def _recheck_stage(ctx: StageContext) -> Report:
     plan: Plan = ctx.require_plan()
-    load = ctx.results["load"]
-    report: AllocationReport | OpenVinoAllocationReport
-    if isinstance(load, OpenVinoLoadResult):
-        report = await recheck_openvino_allocation(load.live())
-    else:
-        report = await recheck_allocation(ctx.result("load", LoadResult).live(), plan)
+    report = await recheck_allocation(ctx.result("load", LoadResult).live(), plan)
     opened = opened_context_tokens(report.to_json())
     # contenox `auto`: an opened session holding less than half the estimate is worth a warning
     if opened is not None and opened * 2 < plan.hot_context_tokens:
@@ -220,22 +150,20 @@ async def _recheck_stage(ctx: StageContext) -> AllocationReport | OpenVinoAlloca
     return report
 
 
-def _recheck_figures(report: AllocationReport | OpenVinoAllocationReport) -> dict[str, Any]:
-    opened: Any  # llama-server: the window per slot; OpenVINO: the one window its bytes hold
-    if isinstance(report, AllocationReport):
-        opened = list(report.opened_n_ctx_per_slot)
-    else:
-        opened = report.opened_context_tokens
+def _recheck_figures(report: Report) -> dict[str, Any]:
+    data = report.to_json()  # llama-server: the window per slot; OpenVINO: the one window its bytes hold
+    opened = list(data["opened_n_ctx_per_slot"]) if "opened_n_ctx_per_slot" in data else data.get("opened_context_tokens")
     return {"verdict": report.verdict, "opened_context_tokens": opened,
             "planned_hot_context_tokens": report.planned_hot_context_tokens,
             "estimated_kv_bytes": report.estimated_kv_bytes, "actual_kv_bytes": report.actual_kv_bytes,
             "ratio": round(report.ratio, 6) if report.ratio is not None else None}
 
 
-def session_stages() -> list[Stage[Any]]:
-    """load → probe-tool-call → re-check, skipped or run as one."""
+def session_stages(resolved: dict[str, BackendBinary]) -> list[Stage[Any]]:
+    """load → probe-tool-call → re-check, skipped or run as one. ``resolved``: run id → the binary the
+    plan stage's preflight found, so load starts that one without looking again."""
     return [
-        Stage("load", _load_stage, deps=("verify",), session=SERVER_SESSION, decode=decode_load,
+        Stage("load", functools.partial(_load_stage, resolved=resolved), deps=("verify",), session=SERVER_SESSION, decode=decode_load,
               fingerprint=_load_fingerprint, figures=_load_figures),
         Stage("probe-tool-call", _probe_tool_call_stage, deps=("load",), session=SERVER_SESSION,
               decode=decode_probe_call, fingerprint=_probe_call_fingerprint, figures=_probe_call_figures),

@@ -25,8 +25,10 @@ from typing import Any, Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: its modules below
 
-from stages.load import LLAMA_BATCH_TOKENS, LLAMA_UBATCH_TOKENS, LOG_VERBOSITY, free_port, read_server_log
-from stages.recheck import parse_log_allocation
+from backends.llama_server.flags import LLAMA_BATCH_TOKENS, LLAMA_UBATCH_TOKENS, LOG_VERBOSITY
+from backends.llama_server.logs import read_server_log
+from backends.llama_server.process import free_port
+from backends.llama_server.allocation import parse_log_allocation
 from stages.verify import read_gguf_header
 
 # GEMMA3, SMOLLM2: re-exported, the scripts' default models
@@ -164,7 +166,7 @@ def gguf_facts(path: Path) -> GGUFFacts:
 
 def kv_read_per_token_bytes(alloc: Any, window: int | None, prompt: int, gen: int) -> float:
     """Mean KV bytes a generated token attends, over positions prompt .. prompt+gen-1, from the
-    server's KV records (``stages.recheck.LogAllocation``: bytes per cell of each cache, all its
+    server's KV records (``backends.llama_server.allocation.LogAllocation``: bytes per cell of each cache, all its
     layers, K and V): the token at position p attends p+1 cells of a full cache and
     min(p+1, window) of a sliding-window one. A lower bound: llama.cpp reads whole padded blocks."""
     total = 0.0
@@ -189,7 +191,7 @@ class ServerFailed(Exception):
 
 
 class Server:
-    """One llama-server with the pipeline's flags (stages.load.llama_server_argv: f16 KV, -np 1, the
+    """One llama-server with the pipeline's flags (backends.llama_server.flags.llama_server_argv: f16 KV, -np 1, the
     same batch sizes, no prompt cache, trace-level log for the KV records), stopped on close.
     ``offload``: every layer on the accelerator (``-ngl all``), else the CPU plan's ``-ngl 0 -dev none``."""
 

@@ -19,21 +19,23 @@ cannot express tools; that cause is kept for when the server says the template l
 The request, the answer, the verdict and the server's measured prompt and generation speed are
 written to ``probe-tool-call.json`` in the run directory: a fitting estimate is no throughput
 guarantee (spec), so the operator gets the measured figure.
+
+The stage is the same for every backend: it sends the probe through
+:meth:`backends.base.Session.call_tools` (llama-server parses the call itself; OpenVINO renders
+the model's own template, forces the call with a structural tag and parses it with the family's
+parser, :mod:`backends.openvino.chat`) and judges the OpenAI-shaped answer here.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import anyio
-import httpx
-
+from backends.base import ChatFailed, Session
 from core.errors import ToolCallProbeFailed
 from core.log import get_logger
-from stages.load import LoadedServer, relevant_log_lines, signal_death_report
 
 __all__ = [
     "PROBE_TOOL",
@@ -54,7 +56,6 @@ __all__ = [
 ]
 
 log = get_logger()
-DYING_SERVER_WAIT_S = 15.0
 
 PROBE_TOOL_NAME = "hotfit_probe"
 PROBE_REQUIRED_PARAM = "text"
@@ -80,7 +81,6 @@ PROBE_MAX_TOKENS = 512
 # beyond this the session is not usable as an agent anyway.
 PROBE_TIMEOUT_S = 300.0
 PROBE_FILE = "probe-tool-call.json"
-_WATCH_POLL_S = 0.1
 
 
 def probe_request(max_tokens: int = PROBE_MAX_TOKENS) -> dict[str, Any]:
@@ -264,159 +264,105 @@ def classify_failure(verdict: ToolCallVerdict, supports_tools: bool | None, temp
 
 @dataclass(frozen=True)
 class ProbeToolCallResult:
+    """The probe's record, one type for every backend (``backend_facts``: what only that backend
+    reports, e.g. OpenVINO's tool-call family and raw text; flattened into the record)."""
+
     verdict: ToolCallVerdict
-    template: str  # TemplateUsed.describe()
-    supports_tools: bool | None  # /props chat_template_caps, for the record
+    template: str  # which template formatted the prompt
+    supports_tools: bool | None  # what the server says of the template's tool support
     prompt_tokens_per_s: float | None
     generation_tokens_per_s: float | None
     prompt_tokens: int | None
     generated_tokens: int | None
     request: dict[str, Any]
     answer: dict[str, Any]
+    backend_facts: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:  # a backend fact reads like a field (result.family)
+        facts = self.__dict__.get("backend_facts") or {}
+        if name in facts:
+            return facts[name]
+        raise AttributeError(name)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        return data | data.pop("backend_facts")
 
 
 async def probe_tool_call(
-    server: LoadedServer,
+    session: Session,
     *,
     timeout_s: float = PROBE_TIMEOUT_S,
     max_tokens: int = PROBE_MAX_TOKENS,
+    force: bool = True,
+    family: str | None = None,
 ) -> ProbeToolCallResult:
-    """Send the probe to ``server``; return the result or raise :class:`ToolCallProbeFailed`."""
+    """Send the probe to ``session`` (any backend); return the result or raise
+    :class:`ToolCallProbeFailed` (``details.cause``).
+
+    ``force=False`` asks with ``tool_choice: "auto"`` (the model answers freely: a diagnostic,
+    and how the tests show that prose fails); ``family`` overrides an OpenVINO model's
+    tool-call syntax."""
     request = probe_request(max_tokens)
-    template = server.template.describe()
-    outcome: dict[str, Any] = {}
-
-    async with server.client(timeout_s) as client:
-        supports_tools = await _supports_tools(client)
-        with anyio.move_on_after(timeout_s) as scope:
-            async with anyio.create_task_group() as tg:
-
-                async def send() -> None:
-                    try:
-                        outcome["response"] = await client.post("/v1/chat/completions", json=request)
-                    except httpx.HTTPError as exc:
-                        outcome["error"] = exc
-                    tg.cancel_scope.cancel()
-
-                async def watch() -> None:  # a dead server must not look like a slow one
-                    while server.returncode() is None:
-                        await anyio.sleep(_WATCH_POLL_S)
-                    await anyio.sleep(0.5)  # let send() see the closed connection first
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(send)
-                tg.start_soon(watch)
+    if not force:
+        request["tool_choice"] = "auto"
+    backend = session.backend
 
     def fail(what: str, hint: str, **details: Any) -> ToolCallProbeFailed:
-        log.error("probe_tool_call.failed", what=what, template=template, **details)
-        return ToolCallProbeFailed(what, hint=hint, template=template, log_path=str(server.log_path), **details)
+        # a crash report's own "backend" (the build: cpu, cuda, vulkan) is the more precise fact
+        details = {"backend": backend, **details}
+        log.error("probe_tool_call.failed", what=what, **details)
+        return ToolCallProbeFailed(what, hint=hint, log_path=str(session.log_path), **details)
 
-    if "error" in outcome:
-        # A dropped connection: give a dying server time to be seen dead. A crashing process may
-        # still be writing its core dump (seconds for a big mapped model, more on a loaded host),
-        # and calling that a transport error would hide the crash.
-        with anyio.move_on_after(DYING_SERVER_WAIT_S):
-            while server.returncode() is None:
-                await anyio.sleep(0.05)
-    code = server.returncode()
-    if code is not None and code < 0:  # a crash at the first real inference names the build, like load
-        message, hint, facts = signal_death_report(server, -code, "during the tool-call probe")
-        raise fail(message, hint, cause="server_exited", **facts)
-    if code is not None:
-        lines = relevant_log_lines(server.log_lines())
-        raise fail(
-            f"llama-server {server.describe_exit()} during the tool-call probe",
-            "the server died while answering; its last log lines are quoted in details "
-            f"(full log: {server.log_path}). Memory pressure (the OOM killer) is the usual cause",
-            cause="server_exited",
-            returncode=server.returncode(),
-            log_lines=lines,
-        )
-    if "response" not in outcome:
-        if scope.cancelled_caught or "error" not in outcome:
-            raise fail(
-                f"no answer to the tool-call probe within {timeout_s:.0f} s",
-                "the session is too slow to serve as an agent on this device, or the server hangs",
-                cause="timeout",
-            )
-        raise fail(
-            f"the tool-call probe request failed: {outcome['error']!r}",
-            f"see the server log {server.log_path}",
-            cause="transport",
-        )
-    response: httpx.Response = outcome["response"]
+    extra = {"family": family} if family is not None else {}
     try:
-        answer = response.json()
-    except ValueError:
-        answer = {"raw": response.text[:4000]}
-    if response.status_code != 200:
-        raise fail(
-            f"llama-server answered the tool-call probe with HTTP {response.status_code}: "
-            f"{json.dumps(answer)[:500]}",
-            "the chat template or the request was rejected; see the server log",
-            cause="http_status",
-            status=response.status_code,
-            answer=answer,
-        )
+        got = await session.call_tools(request, timeout_s=timeout_s, purpose="the tool-call probe", **extra)
+    except ChatFailed as exc:
+        raise fail(exc.what, exc.hint, cause=exc.cause, **exc.details) from None
 
-    verdict = judge_answer(answer)
-    timings = answer.get("timings") or {}
+    verdict = judge_answer(got.answer)
     result = ProbeToolCallResult(
         verdict=verdict,
-        template=template,
-        supports_tools=supports_tools,
-        prompt_tokens_per_s=timings.get("prompt_per_second"),
-        generation_tokens_per_s=timings.get("predicted_per_second"),
-        prompt_tokens=timings.get("prompt_n"),
-        generated_tokens=timings.get("predicted_n"),
+        template=got.template,
+        supports_tools=got.supports_tools,
+        prompt_tokens_per_s=got.prompt_tokens_per_s,
+        generation_tokens_per_s=got.generation_tokens_per_s,
+        prompt_tokens=got.prompt_tokens,
+        generated_tokens=got.generated_tokens,
         request=request,
-        answer=answer,
+        answer=got.answer,
+        backend_facts=dict(got.facts),
     )
     record = {"outcome": "pass" if verdict.passed else "fail", **result.to_json()}
-    (server.run_dir / PROBE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    (session.run_dir / PROBE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    facts = {k: v for k, v in got.facts.items() if k == "family"}
     if not verdict.passed:
-        failure = classify_failure(verdict, supports_tools, template)
-        if failure.cause in ("call_without_markers", "ignored_tools"):
-            fix = ("Load the chat template the model was trained with (the registry's chat_template: "
-                   "`hotfit pull NAME`); if it already is that template, the model does not call tools "
-                   "reliably and its registry entry must not be auto-eligible")
-        else:
-            fix = ("Fetch the registry's tool-capable chat template (`hotfit pull NAME`) and load it with "
-                   "--chat-template-file")
+        failure = classify_failure(verdict, got.supports_tools, got.template)
         written = failure.written_call
         raise fail(
             f"tool-call probe failed: {failure.what}",
-            f"likely cause: {failure.likely}. {fix}",
+            f"likely cause: {failure.likely}. {session.tool_call_fix(failure.cause, got)}",
             cause=failure.cause,
             reason=verdict.reason,
             content=(verdict.content or "")[:500],
             finish_reason=verdict.finish_reason,
-            supports_tools=supports_tools,
+            supports_tools=got.supports_tools,
+            template=got.template,
             written_call=None if written is None else {
                 "name": written.name, "fenced": written.fenced, "field": written.field,
                 "names_probe_tool": written.names_probe_tool,
             },
-            record=str(server.run_dir / PROBE_FILE),
+            record=str(session.run_dir / PROBE_FILE),
+            **facts,
         )
     log.info(
         "probe_tool_call.passed",
+        backend=backend,
         tool=verdict.tool_name,
         arguments=verdict.arguments,
-        template=template,
+        template=got.template,
         prompt_tokens_per_s=result.prompt_tokens_per_s,
         generation_tokens_per_s=result.generation_tokens_per_s,
+        **facts,
     )
     return result
-
-
-async def _supports_tools(client: httpx.AsyncClient) -> bool | None:
-    try:
-        props = (await client.get("/props")).json()
-        caps = props.get("chat_template_caps") or {}
-        value = caps.get("supports_tools")
-        return bool(value) if value is not None else None
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None

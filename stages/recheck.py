@@ -1,393 +1,64 @@
 """re-check hot allocation: what the opened session really holds (issue 5 item 3).
 
 Spec ("Selection and hot context"): after download and a tool-call check, setup reads the opened
-session's hot allocation; an earlier estimate is not treated as a verified allocation. So this
-stage reads, from the running llama-server:
-
-- ``/props`` and ``/slots``: the window each slot opened (``n_ctx``), the slot count, the chat
-  template's capabilities and the build;
-- its log: the KV cache records libllama prints while creating the context
-  (``src/llama-kv-cache.cpp``)::
-
-      llama_kv_cache:        CPU KV buffer size =    17.00 MiB
-      llama_kv_cache: size =   17.00 MiB ( 32768 cells,   2 layers,  1/1 seqs), K (q8_0):    8.50 MiB, V (q8_0):    8.50 MiB
-
-  and, for sliding-window models, one such record per cache, each announced by
-  ``llama_kv_cache_iswa: creating non-SWA KV cache, size = N cells`` / ``creating     SWA KV
-  cache, ...`` (``src/llama-kv-cache-iswa.cpp``).
-
-It fails closed (:class:`AllocationMismatch`) when the opened window is below the plan or below
-the agentic floor, when the KV bytes exceed the estimate by more than
-:data:`KV_EXCESS_TOLERANCE`, when the cache type differs from the plan, when an accelerator plan
-finds KV buffers or layers on the host, or when the allocation cannot be read at all. A session
-holding less than half the estimate is reported with a warning event.
-
-Precision: llama.cpp prints these sizes as ``%.2f`` MiB of a 32-bit float, so each figure is
-exact to ±(0.005 MiB + half a float32 step); :func:`mib_half_step_bytes` computes that bound
-and the report carries it (``actual_kv_bytes_uncertainty``). The exit-time
-``fit_memory_breakdown`` record is whole MiB and only written when the server stops, so it is
-not used here.
+session's hot allocation; an earlier estimate is not treated as a verified allocation. The reading
+and its judgement against the plan are the backend's
+(:meth:`backends.base.Session.allocation_report`: llama-server's ``/props``, ``/slots`` and KV log
+records in :mod:`backends.llama_server.allocation`; OpenVINO's metrics after the first step and the
+IR's KV geometry in :mod:`backends.openvino.allocation`). This stage fails closed on any problem
+(:class:`AllocationMismatch`: a window below the plan or the agentic floor, KV bytes above the
+estimate, another cache type or precision, an accelerator plan with KV on the host, an allocation
+that cannot be read), writes ``recheck.json`` and logs the verdict.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
-import struct
-from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
 
-import anyio
-import httpx
-
+from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationReport, Session
 from core.errors import AllocationMismatch
 from core.log import get_logger
 from core.plan import Plan
-from stages.load import LoadedServer, LogLine, read_server_log
-
-try:  # the floor is selection's constant (spec: MinAgenticHotContext)
-    from registry.select import MIN_AGENTIC_HOT_CONTEXT
-except ImportError:  # pragma: no cover - registry.select not present in this checkout
-    MIN_AGENTIC_HOT_CONTEXT = 32768  # TODO: import from registry.select once it lands
+from registry.select import MIN_AGENTIC_HOT_CONTEXT
 
 __all__ = [
     "KV_EXCESS_TOLERANCE",
     "KV_SHORTFALL_WARN_RATIO",
     "MIN_AGENTIC_HOT_CONTEXT",
-    "KvCacheRecord",
-    "KvBufferRecord",
-    "LogAllocation",
-    "AllocationReport",
-    "mib_half_step_bytes",
-    "parse_log_allocation",
-    "judge_allocation",
+    "RECHECK_FILE",
     "recheck_allocation",
 ]
 
 log = get_logger()
 
-MiB = 1 << 20
-# registry.kv mirrors llama.cpp's allocation byte for byte, so the real KV should equal the
-# estimate; 1 % absorbs the log's MiB rounding and nothing a real excess would hide behind.
-KV_EXCESS_TOLERANCE = 0.01
-# Less than half the estimate means the plan's arithmetic and llama.cpp disagree (a window that
-# shrank, layers without KV): not unsafe, but worth an operator's look.
-KV_SHORTFALL_WARN_RATIO = 0.5
 RECHECK_FILE = "recheck.json"
-
-# llama_kv_cache: size =   17.00 MiB ( 32768 cells,   2 layers,  1/1 seqs), K (q8_0):    8.50 MiB, V (q8_0):    8.50 MiB
-_KV_SIZE_RE = re.compile(
-    r"llama_kv_cache: size =\s*(?P<total>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
-    r"\s*(?P<seqs>\d+)/(?P<streams>\d+) seqs\), K \((?P<k_type>\w+)\):\s*(?P<k>[\d.]+) MiB,"
-    r" V \((?P<v_type>\w+)\):\s*(?P<v>[\d.]+) MiB"
-)
-# llama_kv_cache:        CPU KV buffer size =    17.00 MiB
-_KV_BUFFER_RE = re.compile(r"llama_kv_cache:\s*(?P<buffer>\S+) KV buffer size =\s*(?P<mib>[\d.]+) MiB")
-# llama_kv_cache_iswa: creating     SWA KV cache, size = 1024 cells
-_ISWA_RE = re.compile(r"llama_kv_cache_iswa: creating\s+(?P<kind>non-SWA|SWA) KV cache, size = (?P<cells>\d+) cells")
-# load_tensors: offloaded 29/29 layers to GPU
-_OFFLOAD_RE = re.compile(r"offloaded (?P<done>\d+)/(?P<total>\d+) layers to GPU")
-_N_CTX_RE = re.compile(r"llama_context: n_ctx\s+=\s+(?P<n>\d+)")
-_N_CTX_SEQ_RE = re.compile(r"llama_context: n_ctx_seq\s+=\s+(?P<n>\d+)")
-_FLASH_RE = re.compile(r"llama_context: flash_attn\s+=\s+(?P<v>\S+)")
-
-
-def mib_half_step_bytes(mib: float) -> int:
-    """Half the resolution of a ``%.2f`` MiB figure printed from a float32, in bytes (rounded
-    up): the printed value is within this many bytes of the true size."""
-    f32 = struct.unpack("f", struct.pack("f", mib))[0]
-    ulp = math.ulp(f32) * (1 << 29) if f32 else 0.0  # float32 step = float64 step × 2^29
-    return math.ceil((0.005 + ulp / 2) * MiB)
-
-
-@dataclass(frozen=True)
-class KvCacheRecord:
-    """One ``llama_kv_cache: size = ...`` record (one cache; SWA models have two)."""
-
-    role: str  # "kv" (plain cache), "non-swa" or "swa" (ISWA caches)
-    cells: int
-    layers: int
-    seqs: int
-    k_type: str
-    v_type: str
-    size_mib: float
-    k_mib: float
-    v_mib: float
-
-    @property
-    def size_bytes(self) -> int:
-        return round(self.size_mib * MiB)
-
-
-@dataclass(frozen=True)
-class KvBufferRecord:
-    buffer: str  # backend buffer name: "CPU", "CUDA0", ...
-    mib: float
-
-    @property
-    def on_host(self) -> bool:
-        return self.buffer.upper().startswith("CPU")
-
-
-@dataclass(frozen=True)
-class LogAllocation:
-    """What the log says the context allocated (pure parse result)."""
-
-    caches: tuple[KvCacheRecord, ...]
-    buffers: tuple[KvBufferRecord, ...]
-    n_ctx: int | None
-    n_ctx_seq: int | None
-    flash_attn: str | None
-    offloaded_layers: tuple[int, int] | None  # (on GPU, total); None when not printed (CPU)
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(c.size_bytes for c in self.caches)
-
-    @property
-    def kv_bytes_uncertainty(self) -> int:
-        return sum(mib_half_step_bytes(c.size_mib) for c in self.caches)
-
-
-def parse_log_allocation(lines: Sequence[LogLine]) -> LogAllocation:
-    """Pure: the KV records of the *last* context created in the log (a restart appends)."""
-    caches: list[KvCacheRecord] = []
-    buffers: list[KvBufferRecord] = []
-    n_ctx = n_ctx_seq = None
-    flash = None
-    offload = None
-    pending_role = "kv"
-    for ln in lines:
-        msg = ln.msg
-        if m := _N_CTX_RE.search(msg):
-            # A new context: forget records of an earlier one in the same log.
-            n_ctx, caches, buffers, pending_role = int(m["n"]), [], [], "kv"
-        elif m := _N_CTX_SEQ_RE.search(msg):
-            n_ctx_seq = int(m["n"])
-        elif m := _FLASH_RE.search(msg):
-            flash = m["v"]
-        elif m := _OFFLOAD_RE.search(msg):
-            offload = (int(m["done"]), int(m["total"]))
-        elif m := _ISWA_RE.search(msg):
-            pending_role = "swa" if m["kind"] == "SWA" else "non-swa"
-        elif m := _KV_BUFFER_RE.search(msg):
-            buffers.append(KvBufferRecord(m["buffer"], float(m["mib"])))
-        elif m := _KV_SIZE_RE.search(msg):
-            caches.append(
-                KvCacheRecord(
-                    role=pending_role,
-                    cells=int(m["cells"]),
-                    layers=int(m["layers"]),
-                    seqs=int(m["seqs"]),
-                    k_type=m["k_type"],
-                    v_type=m["v_type"],
-                    size_mib=float(m["total"]),
-                    k_mib=float(m["k"]),
-                    v_mib=float(m["v"]),
-                )
-            )
-            pending_role = "kv"
-    return LogAllocation(tuple(caches), tuple(buffers), n_ctx, n_ctx_seq, flash, offload)
-
-
-@dataclass(frozen=True)
-class AllocationReport:
-    """The verified hot allocation (``actual_*``) beside the plan's estimate — never merged."""
-
-    verdict: str  # "pass" | "fail"
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-    planned_hot_context_tokens: int
-    floor_tokens: int
-    opened_n_ctx_per_slot: tuple[int, ...]  # from /slots
-    props_n_ctx: int | None  # /props default_generation_settings.n_ctx
-    total_slots: int | None
-    kv_cache_type: str
-    estimated_kv_bytes: int  # what the plan budgeted (may be conservative: Gemma, MLA, hybrid)
-    predicted_kv_bytes: int | None  # registry.kv's exact model of llama.cpp's allocation, if any
-    actual_kv_bytes: int | None  # from the log; None = could not be read
-    actual_kv_bytes_uncertainty: int | None  # ± bytes from the log's %.2f MiB rounding
-    ratio: float | None  # actual / estimate
-    predicted_ratio: float | None  # actual / predicted: how well registry.kv models llama.cpp
-    tolerance: float
-    caches: tuple[dict[str, Any], ...]
-    kv_buffers: tuple[dict[str, Any], ...]
-    offloaded_layers: tuple[int, int] | None
-    flash_attn: str | None
-    chat_template_caps: dict[str, Any] = field(default_factory=dict)
-    build_info: str | None = None
-    model_path: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def judge_allocation(
-    *,
-    planned_tokens: int,
-    floor_tokens: int,
-    kv_cache_type: str,
-    estimated_kv_bytes: int,
-    accelerator: bool,
-    slot_n_ctx: Sequence[int],
-    observed: LogAllocation,
-    tolerance: float = KV_EXCESS_TOLERANCE,
-) -> tuple[list[str], list[str]]:
-    """Pure: (problems, warnings). Any problem fails the stage."""
-    problems: list[str] = []
-    warnings: list[str] = []
-    if not slot_n_ctx:
-        problems.append("/slots reported no slot: the opened window cannot be verified")
-    for i, n in enumerate(slot_n_ctx):
-        if n < planned_tokens:
-            problems.append(f"slot {i} opened {n} tokens, below the planned {planned_tokens}")
-        if n < floor_tokens:
-            problems.append(f"slot {i} opened {n} tokens, below the agentic floor of {floor_tokens}")
-    if not observed.caches:
-        problems.append(
-            "no KV cache record in the llama-server log: the real allocation cannot be verified "
-            "(is the log verbosity below 4?)"
-        )
-    else:
-        for c in observed.caches:
-            if c.k_type != kv_cache_type or c.v_type != kv_cache_type:
-                problems.append(
-                    f"{c.role} cache holds K {c.k_type} / V {c.v_type}, the plan said {kv_cache_type}"
-                )
-        actual = observed.kv_bytes
-        if estimated_kv_bytes <= 0:
-            problems.append(f"the plan carries no KV estimate ({estimated_kv_bytes} bytes) to check against")
-        else:
-            ratio = actual / estimated_kv_bytes
-            if ratio > 1 + tolerance:
-                problems.append(
-                    f"llama-server allocated {actual} KV bytes, {ratio:.4f}× the estimate of "
-                    f"{estimated_kv_bytes} (tolerance {tolerance:.0%})"
-                )
-            elif ratio < KV_SHORTFALL_WARN_RATIO:
-                warnings.append(
-                    f"llama-server allocated {actual} KV bytes, only {ratio:.3f}× the estimate of "
-                    f"{estimated_kv_bytes}"
-                )
-    if accelerator:
-        host = [b.buffer for b in observed.buffers if b.on_host]
-        if host:
-            problems.append(f"KV buffers on the host ({', '.join(host)}) although the plan is for an accelerator")
-        if observed.offloaded_layers is not None:
-            done, total = observed.offloaded_layers
-            if done < total:
-                problems.append(f"only {done}/{total} layers were offloaded to the accelerator")
-        else:
-            problems.append("the log does not say how many layers were offloaded to the accelerator")
-    return problems, warnings
-
-
-def _predicted_kv_bytes(plan: Plan, observed: LogAllocation) -> int | None:
-    """registry.kv's exact prediction for the window llama.cpp opened (None where it has none)."""
-    try:
-        from registry.kv import allocation_kv_bytes
-    except ImportError:  # pragma: no cover - older registry.kv
-        return None
-    tokens = observed.n_ctx or plan.hot_context_tokens
-    try:
-        return allocation_kv_bytes(plan.entry, tokens, plan.kv_cache_type)
-    except (KeyError, ValueError):
-        return None
+RECHECK_TIMEOUT_S = 30.0
 
 
 async def recheck_allocation(
-    server: LoadedServer,
+    session: Session,
     plan: Plan | None = None,
     *,
-    timeout_s: float = 30.0,
+    timeout_s: float = RECHECK_TIMEOUT_S,
     tolerance: float = KV_EXCESS_TOLERANCE,
     floor_tokens: int = MIN_AGENTIC_HOT_CONTEXT,
 ) -> AllocationReport:
-    """Read ``/props``, ``/slots`` and the log of ``server``; judge them against ``plan``
-    (default: the plan it was opened with). Writes ``recheck.json`` to the run directory."""
-    plan = plan or server.plan
-    async with server.client(timeout_s) as client:
-        try:
-            props = (await client.get("/props")).raise_for_status().json()
-            slots = (await client.get("/slots")).raise_for_status().json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise AllocationMismatch(
-                f"could not read /props and /slots from llama-server ({server.describe_exit()}): {exc}",
-                hint=f"the session cannot be verified; see the server log {server.log_path}",
-                log_path=str(server.log_path),
-            ) from None
-    lines = await anyio.to_thread.run_sync(read_server_log, server.run_dir)
-    observed = parse_log_allocation(lines)
-    slot_n_ctx = tuple(int(s.get("n_ctx", 0)) for s in slots) if isinstance(slots, list) else ()
-    accelerator = plan.probe.device.kind != "cpu"
-    problems, warnings = judge_allocation(
-        planned_tokens=plan.hot_context_tokens,
-        floor_tokens=floor_tokens,
-        kv_cache_type=plan.kv_cache_type,
-        estimated_kv_bytes=plan.estimated_kv_bytes,
-        accelerator=accelerator,
-        slot_n_ctx=slot_n_ctx,
-        observed=observed,
-        tolerance=tolerance,
-    )
-    actual = observed.kv_bytes if observed.caches else None
-    predicted = _predicted_kv_bytes(plan, observed)
-    predicted_ratio = actual / predicted if actual is not None and predicted else None
-    if predicted_ratio is not None and abs(predicted_ratio - 1) > tolerance:
-        # not unsafe while the estimate holds, but registry.kv no longer models this build
-        warnings.append(
-            f"llama-server allocated {actual} KV bytes, {predicted_ratio:.4f}× registry.kv's exact "
-            f"prediction of {predicted}"
-        )
-    report = AllocationReport(
-        verdict="fail" if problems else "pass",
-        problems=tuple(problems),
-        warnings=tuple(warnings),
-        planned_hot_context_tokens=plan.hot_context_tokens,
-        floor_tokens=floor_tokens,
-        opened_n_ctx_per_slot=slot_n_ctx,
-        props_n_ctx=(props.get("default_generation_settings") or {}).get("n_ctx"),
-        total_slots=props.get("total_slots"),
-        kv_cache_type=plan.kv_cache_type,
-        estimated_kv_bytes=plan.estimated_kv_bytes,
-        predicted_kv_bytes=predicted,
-        actual_kv_bytes=actual,
-        actual_kv_bytes_uncertainty=observed.kv_bytes_uncertainty if observed.caches else None,
-        ratio=(actual / plan.estimated_kv_bytes) if actual is not None and plan.estimated_kv_bytes > 0 else None,
-        predicted_ratio=predicted_ratio,
-        tolerance=tolerance,
-        caches=tuple(asdict(c) | {"size_bytes": c.size_bytes} for c in observed.caches),
-        kv_buffers=tuple(asdict(b) for b in observed.buffers),
-        offloaded_layers=observed.offloaded_layers,
-        flash_attn=observed.flash_attn,
-        chat_template_caps=dict(props.get("chat_template_caps") or {}),
-        build_info=props.get("build_info"),
-        model_path=props.get("model_path"),
-    )
-    (server.run_dir / RECHECK_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-    facts = dict(
-        verdict=report.verdict,
-        planned_hot_context_tokens=report.planned_hot_context_tokens,
-        opened_n_ctx_per_slot=list(slot_n_ctx),
-        estimated_kv_bytes=report.estimated_kv_bytes,
-        predicted_kv_bytes=report.predicted_kv_bytes,
-        actual_kv_bytes=report.actual_kv_bytes,
-        actual_kv_bytes_uncertainty=report.actual_kv_bytes_uncertainty,
-        ratio=round(report.ratio, 6) if report.ratio is not None else None,
-        kv_cache_type=report.kv_cache_type,
-    )
-    for w in warnings:
-        event = "recheck.kv_prediction_off" if "prediction" in w else "recheck.kv_below_estimate"
-        log.warning(event, detail=w, **facts)
-    if problems:
-        log.error("recheck.failed", problems=problems, **facts)
+    """Judge what ``session`` allocated against ``plan`` (default: the plan it was opened with);
+    write ``recheck.json`` to the run directory; raise :class:`AllocationMismatch` on any problem."""
+    plan = plan or session.plan
+    report = await session.allocation_report(plan, floor_tokens=floor_tokens, tolerance=tolerance,
+                                             timeout_s=timeout_s)
+    path = session.run_dir / RECHECK_FILE
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    facts = report.event_facts()
+    for w in report.warnings:
+        log.warning(report.warning_event(w), detail=w, **facts)
+    if report.problems:
+        log.error("recheck.failed", problems=list(report.problems), **facts)
         raise AllocationMismatch(
-            "the opened llama-server session does not hold what was planned: " + "; ".join(problems),
-            hint=(
-                "hotfit will not hand over a session it cannot verify; re-plan against the memory "
-                f"free now (`hotfit plan`), and see {server.run_dir / RECHECK_FILE} and the server log"
-            ),
+            f"the opened {session.server_name} session does not hold what was planned: " + "; ".join(report.problems),
+            hint=("hotfit will not hand over a session it cannot verify; re-plan against the memory "
+                  f"free now (`hotfit plan`), and see {path} and the {session.server_name} log {session.log_path}"),
             **report.to_json(),
         )
     log.info("recheck.passed", **facts)

@@ -185,9 +185,9 @@ def ov_entry(fx: OvFixture, name: str | None = None) -> Entry:
 def ov_plan(fx: OvFixture, tokens: int, kv_type: str = "f16", *, estimated_kv_bytes: int | None = None,
             entry_name: str | None = None) -> Plan:
     """A host-memory plan for ``fx`` whose estimate is OpenVINO's own KV arithmetic (what the planner
-    must use for OpenVINO entries: stages.openvino_session.kv_bytes_per_token_for_entry)."""
+    must use for OpenVINO entries: backends.openvino.config.kv_bytes_per_token_for_entry)."""
     from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-    from stages.openvino_session import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
+    from backends.openvino.config import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
 
     entry = ov_entry(fx, entry_name)
     per_token = kv_bytes_per_token_for_entry(

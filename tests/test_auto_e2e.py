@@ -163,6 +163,11 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     assert selected["model"] == LARGE and selected["kv_cache_type"] == "f16"
     assert any(e["event"] == "download.progress" for e in evs)
     assert next(e for e in evs if e["event"] == "run.done")["status"] == "done"
+    # llama-server is resolved once per run: the plan stage's preflight result is what load starts
+    found = [e for e in evs if e["event"] == "backend.found" and e.get("run_id") == run_id]
+    assert len(found) == 1, found
+    load_start = next(e for e in evs if e["event"] == "load.start" and e.get("run_id") == run_id)
+    assert load_start["argv"][0] == found[0]["path"]
     # no secret reaches the log or the state: llama-server's API key ends in "-hfk"
     blob = (home / "logs" / "hotfit.jsonl").read_text() + (home / "state.db").read_bytes().decode("latin-1")
     assert "-hfk" not in blob and "Bearer" not in blob

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from backends.llama_server import (
-    Backend,
+from backends.llama_server.discovery import (
+    ServerBinary,
     build_info_from_json,
     cache_bin_dir,
     find_llama_server,
@@ -234,7 +234,7 @@ def test_real_pinned_build_version_agrees_with_its_build_info(tmp_path: Path) ->
     if recorded.build.origin == "build-info.json":
         assert (asked.build.version, asked.build.commit) == (recorded.build.version, recorded.build.commit)
     assert asked.build.version  # the pinned build reports a version
-    assert isinstance(recorded, Backend) and os.access(recorded.server_path, os.X_OK)
+    assert isinstance(recorded, ServerBinary) and os.access(recorded.server_path, os.X_OK)
     assert recorded.server_path.stat().st_mode & stat.S_IXUSR
 
 
@@ -320,7 +320,7 @@ def test_only_a_cpu_build_for_a_gpu_plan_names_the_gpu_build_to_make(places: dic
 
 
 def test_backend_from_the_libraries_a_binary_links() -> None:
-    from backends.llama_server import backend_from_libraries
+    from backends.llama_server.discovery import backend_from_libraries
 
     assert backend_from_libraries("\tlibvulkan.so.1 => /lib/x86_64-linux-gnu/libvulkan.so.1 (0x1)\n") == "vulkan"
     assert backend_from_libraries("\tlibcuda.so.1 => /usr/lib/libcuda.so.1\n\tlibvulkan.so.1 => x\n") == "cuda"

@@ -17,7 +17,8 @@ import pytest
 from grading.runner import MODEL_FAILURES, NOT_RUN, STACK_FAILURES, STEP_LIMIT, find_call_markup
 from grading.scenarios import FORBID_ANY_CALL, FORBID_WRITES, SCENARIOS, scenarios_for
 from pipeline.cli import main
-from stages.grade import HttpChatEndpoint, default_output_path, facts_from, grade_endpoint
+from backends.http_chat import HttpChatEndpoint, facts_from
+from stages.grade import default_output_path, grade_endpoint
 from tests import grade_scripts as gs
 from tests.grade_scripts import ScriptedServer, free_port_closed, http_stub
 

@@ -26,7 +26,7 @@ from registry.select import (
     required_memory,
     select_auto,
 )
-from stages.openvino_session import KV_PRECISIONS, kv_bytes_per_token_for_entry
+from backends.openvino.config import KV_PRECISIONS, kv_bytes_per_token_for_entry
 from tests.entries import GiB, entry
 
 F16, Q8, Q4 = KV_CACHE_TYPES["f16"], KV_CACHE_TYPES["q8_0"], KV_CACHE_TYPES["q4_0"]

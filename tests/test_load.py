@@ -19,31 +19,26 @@ import anyio
 import httpx
 import pytest
 
-from backends.llama_server import BuildInfo, build_info_from_json
+from backends.llama_server.discovery import BuildInfo, build_info_from_json
 from core.errors import LoadError
 from core.isa import MACRO_TO_CPUINFO, cpuinfo_flags
 from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from core.entry import Entry, LayerGroup, SourceConfig
-from stages.load import (
+from backends.llama_server.crash import SIGNAL_LOG_TAIL_LINES, compare_isa, diagnose_signal_death
+from backends.llama_server.flags import (
     API_KEY_ENV,
     LLAMA_UBATCH_TOKENS,
-    SIGNAL_LOG_TAIL_LINES,
-    LogLine,
     ServerFeatures,
-    compare_isa,
     device_env,
-    diagnose_load_failure,
-    diagnose_signal_death,
     llama_server_argv,
     new_api_key,
-    open_server,
-    parse_log_lines,
     parse_server_features,
-    relevant_log_lines,
     server_env,
     template_used,
 )
+from backends.llama_server.logs import LogLine, diagnose_load_failure, parse_log_lines, relevant_log_lines
+from backends.llama_server.process import open_server
 from tests.gguf_fixtures import (
     FixtureInfo,
     require_llama_server,
@@ -424,7 +419,7 @@ async def test_the_started_server_runs_pinned_to_the_planned_nvidia_card(
     the nvidia plan's -ngl all offloads nothing; the pin is the point.)"""
     import dataclasses
 
-    from stages.load import child_env
+    from backends.llama_server.flags import child_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     plan = fixture_plan(llama_model, 32768, device_kind="nvidia")
@@ -651,7 +646,7 @@ _HOLDER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests.test_load import fixture_plan
     from tests.gguf_fixtures import write_llama_model
-    from stages.load import open_server
+    from backends.llama_server.process import open_server
 
     async def main():
         info = write_llama_model({model!r})

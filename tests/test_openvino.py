@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from core.errors import AllocationMismatch, LoadError, ToolCallProbeFailed
-from stages.openvino_probe import probe_openvino_tool_call
-from stages.openvino_recheck import recheck_openvino_allocation
-from stages.openvino_session import SESSION_FILE, open_openvino_session
+from stages.probe_tool_call import probe_tool_call
+from stages.recheck import recheck_allocation
+from backends.openvino.config import SESSION_FILE
+from backends.openvino.session import open_openvino_session
 from tests.gguf_fixtures import pinned_template
 from tests.openvino_fixtures import (
     CHATML_NO_TOOLS_TEMPLATE,
@@ -72,11 +73,11 @@ async def test_forced_call_parses_and_the_kv_is_what_was_configured(
         pid = session.pid
         saved = json.loads((tmp_path / "run" / SESSION_FILE).read_text())
         assert saved["num_kv_blocks"] == 1024 and saved["kv_precision"] == precision and saved["max_num_seqs"] == 1
-        probe = await probe_openvino_tool_call(session)
+        probe = await probe_tool_call(session)
         assert probe.verdict.passed and probe.family == "hermes"
         assert probe.verdict.tool_name == "hotfit_probe" and probe.verdict.arguments == {"text": ""}
         assert probe.text.startswith("<tool_call>")  # the marker survives decoding
-        report = await recheck_openvino_allocation(session)
+        report = await recheck_allocation(session)
     # 1 layer x 1 KV head x head_dim 32: f16 4 x 32 B/token, u8 (32 + 8) + (32 + 8) B/token
     assert report.actual_kv_bytes == 32768 * bytes_per_token
     assert report.opened_context_tokens == 32768 and report.kv_precision == precision
@@ -95,7 +96,7 @@ async def test_real_templates_render_the_tools_and_their_family_parses(
     # the publishers' own templates (the pinned llama.cpp tree's copies) through GenAI's minja
     fx = make_ov_fixture(tmp_path / "fx", "tool-call", chat_template=pinned_template(template).read_text())
     async with open_openvino_session(ov_plan(fx, 32768), fx.ir_dir, tmp_path / "run") as session:
-        probe = await probe_openvino_tool_call(session)
+        probe = await probe_tool_call(session)
     assert probe.family == family and probe.template_renders_tools
     assert probe.verdict.passed and probe.verdict.tool_name == "hotfit_probe"
     assert probe.text.startswith(marker)
@@ -104,7 +105,7 @@ async def test_real_templates_render_the_tools_and_their_family_parses(
 async def test_recheck_before_the_first_step_sees_no_allocation(tool_ir: OvFixture, tmp_path: Path) -> None:
     async with open_openvino_session(ov_plan(tool_ir, 32768), tool_ir.ir_dir, tmp_path) as session:
         with pytest.raises(AllocationMismatch) as err:
-            await recheck_openvino_allocation(session)
+            await recheck_allocation(session)
     assert "0 KV bytes" in err.value.what and err.value.details["actual_kv_bytes"] == 0
 
 
@@ -112,9 +113,9 @@ async def test_an_allocation_above_the_estimate_fails_closed(tool_ir: OvFixture,
     # the plan budgeted q8_0's llama.cpp figure (34 B per 32 values) but OpenVINO's u8 costs more
     plan = ov_plan(tool_ir, 32768, "q8_0", estimated_kv_bytes=32768 * 68)
     async with open_openvino_session(plan, tool_ir.ir_dir, tmp_path) as session:
-        await probe_openvino_tool_call(session)
+        await probe_tool_call(session)
         with pytest.raises(AllocationMismatch) as err:
-            await recheck_openvino_allocation(session)
+            await recheck_allocation(session)
     assert "budget would be overrun" in err.value.what
     assert err.value.details["estimated_kv_bytes"] == 32768 * 68 and err.value.details["actual_kv_bytes"] == 32768 * 80
 
@@ -122,7 +123,7 @@ async def test_an_allocation_above_the_estimate_fails_closed(tool_ir: OvFixture,
 async def test_prose_fails_with_the_cause_named(random_ir: OvFixture, tmp_path: Path) -> None:
     async with open_openvino_session(ov_plan(random_ir, 32768), random_ir.ir_dir, tmp_path) as session:
         with pytest.raises(ToolCallProbeFailed) as err:
-            await probe_openvino_tool_call(session, force=False, max_tokens=24)
+            await probe_tool_call(session, force=False, max_tokens=24)
     assert err.value.details["reason"].startswith("answered in prose")
     # the template renders the tools, so prose with no call-shaped JSON is the model ignoring them
     assert err.value.details["cause"] == "ignored_tools"
@@ -134,7 +135,7 @@ async def test_a_template_without_tools_fails_before_generating(tmp_path: Path) 
     fx = make_ov_fixture(tmp_path / "fx", "tool-call", chat_template=CHATML_NO_TOOLS_TEMPLATE)
     async with open_openvino_session(ov_plan(fx, 32768), fx.ir_dir, tmp_path / "run") as session:
         with pytest.raises(ToolCallProbeFailed) as err:
-            await probe_openvino_tool_call(session)
+            await probe_tool_call(session)
     assert err.value.details["cause"] == "prose" and "cannot express tools" in err.value.what
 
 
@@ -142,7 +143,7 @@ async def test_a_prompt_that_does_not_fit_the_cache_is_not_a_pass(tool_ir: OvFix
     # one 32-token block: GenAI ignores the request (no exception); the probe must say so
     async with open_openvino_session(ov_plan(tool_ir, 32), tool_ir.ir_dir, tmp_path) as session:
         with pytest.raises(ToolCallProbeFailed) as err:
-            await probe_openvino_tool_call(session)
+            await probe_tool_call(session)
     assert err.value.details["cause"] == "status" and err.value.details["status"] == "IGNORED"
 
 
@@ -218,7 +219,7 @@ _HOLDER = """
 import sys, anyio
 from pathlib import Path
 from tests.openvino_fixtures import OvFixture, ov_plan
-from stages.openvino_session import open_openvino_session
+from backends.openvino.session import open_openvino_session
 
 async def main() -> None:
     fx = OvFixture(Path(sys.argv[1]), "tool-call", 1, 1, 32, 0.0)

@@ -11,8 +11,8 @@ import pytest
 
 from core.errors import BackendNotFound, LoadError
 from core.plan import Device, ProbeResult
-from stages import openvino_session
-from stages.openvino_probe import (
+from backends.openvino import config as openvino_config
+from backends.openvino.toolcall import (
     answer_from_text,
     parse_harmony,
     parse_hermes,
@@ -21,8 +21,8 @@ from stages.openvino_probe import (
     structural_tag,
     tool_call_family,
 )
-from stages.openvino_recheck import judge_openvino_allocation
-from stages.openvino_session import (
+from backends.openvino.allocation import judge_openvino_allocation
+from backends.openvino.config import (
     IR_REQUIRED_FILES,
     KvShape,
     SessionConfig,
@@ -113,7 +113,7 @@ def test_parse_phi4(text: str, expected: list[tuple[str, object]]) -> None:
     ],
 )
 def test_parse_qwen3_coder(text: str, expected: list[tuple[str, object]]) -> None:
-    assert [(c.name, c.arguments) for c in parse_qwen3_coder(text)] == expected
+    assert [(c.name, c.arguments) for c in parse_qwen3_coder(text, [PROBE_TOOL])] == expected
 
 
 @pytest.mark.parametrize(
@@ -140,9 +140,9 @@ def test_tool_call_family(template: str | None, name: str, family: str) -> None:
 def test_structural_tag_forces_one_probe_call(family: str, arguments: str) -> None:
     import re
 
-    from stages.openvino_probe import PARSERS
+    from backends.openvino.toolcall import PARSERS
 
-    tag = json.loads(structural_tag(family))
+    tag = json.loads(structural_tag(family, PROBE_TOOL))
     fmt = tag["format"]
     assert fmt["type"] == "triggered_tags" and fmt["at_least_one"] is True and fmt["stop_after_first"] is True
     (only,) = fmt["tags"]
@@ -153,7 +153,7 @@ def test_structural_tag_forces_one_probe_call(family: str, arguments: str) -> No
         assert only["content"]["json_schema"] == PROBE_TOOL["function"]["parameters"]
     # what the tag forces, with valid arguments, parses with the family's own parser
     forced = only["begin"] + arguments + only["end"]
-    assert [(c.name, c.arguments) for c in PARSERS[family](forced)] == [(PROBE_TOOL_NAME, ARGS)]
+    assert [(c.name, c.arguments) for c in PARSERS[family](forced, [PROBE_TOOL])] == [(PROBE_TOOL_NAME, ARGS)]
 
 
 def test_prose_fails_the_shared_verdict_and_a_call_passes() -> None:
@@ -211,7 +211,7 @@ def test_a_gpu_plan_is_refused_naming_the_device(tmp_path: Path) -> None:
 
 def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(openvino_session.importlib.util, "find_spec",
+    monkeypatch.setattr(openvino_config.importlib.util, "find_spec",
                         lambda name, *a: None if name == "openvino_genai" else real(name, *a))
     with pytest.raises(BackendNotFound) as err:
         require_openvino()
@@ -348,7 +348,7 @@ def test_recheck_without_kv_states_cannot_verify() -> None:
     ],
 )
 def test_template_expresses_tools(template: str | None, prompt: str, ok: bool, needle: str) -> None:
-    from stages.openvino_probe import template_expresses_tools
+    from backends.openvino.toolcall import template_expresses_tools
 
-    got, why = template_expresses_tools(template, prompt)
+    got, why = template_expresses_tools(template, prompt, [PROBE_TOOL])
     assert got is ok and needle in why

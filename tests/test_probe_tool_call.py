@@ -16,9 +16,9 @@ from typing import Any
 import anyio
 import pytest
 
-from backends.llama_server import BuildInfo
+from backends.llama_server.discovery import BuildInfo
 from core.errors import ToolCallProbeFailed
-from stages.load import open_server
+from backends.llama_server.process import open_server
 from stages.probe_tool_call import (
     CALL_SCAN_MAX_CHARS,
     PROBE_MAX_TOKENS,
@@ -308,7 +308,8 @@ def _open(info: FixtureInfo, run_dir: Path, template: Path | None = None, kv: st
     # whether the GGUF embeds a template is verify's reading of the header; the fixture records it
     return open_server(
         fixture_plan(info, 32768, kv), info.path, binary=require_llama_server(), run_dir=run_dir,
-        template_path=template, threads=1, warmup=False, gguf_has_chat_template=info.has_chat_template,
+        template_path=template, threads=1, warmup=False,
+        embedded_template=info.has_chat_template,  # the header fact verify hands load
     )  # fmt: skip
 
 

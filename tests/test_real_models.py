@@ -29,7 +29,8 @@ import stages.verify as verify_mod
 from core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
-from stages.load import open_server
+from backends.llama_server.process import open_server
+from stages.load import model_files
 from stages.plan import build_plan
 from stages.probe_tool_call import probe_tool_call
 from stages.recheck import recheck_allocation
@@ -226,7 +227,7 @@ def _open(m: RealModel, kv: str, run_dir: Path, *, tokens: int | None = None):  
     plan, _ = planned(m.entry(), kv, tokens=tokens)
     # whether the GGUF embeds a template is verify's reading of the header (here: require_model's)
     return open_server(plan, m.path, binary=require_llama_server(), run_dir=run_dir, threads=THREADS, warmup=False,
-                       gguf_has_chat_template=m.header.has_chat_template)
+                       embedded_template=m.header.has_chat_template)
 
 
 @pytest.mark.llama
@@ -389,9 +390,9 @@ async def test_load_takes_the_header_facts_from_verify_and_never_reads_the_gguf(
     monkeypatch.setattr(verify_mod, "read_gguf_header", boom)
     monkeypatch.setattr(gguf_header_mod, "read_gguf_header", boom)
     plan, _ = planned(entry, "f16", tokens=2048)
-    assert verified.weights_path is not None
-    async with open_server(plan, Path(verified.weights_path), binary=require_llama_server(),
+    files = model_files(verified)  # what the load stage hands the backend: verify's facts, no read
+    async with open_server(plan, files.weights, binary=require_llama_server(),
                            run_dir=tmp_path / "run", threads=THREADS, warmup=False,
-                           gguf_has_chat_template=verified.gguf_embeds_chat_template) as srv:
+                           embedded_template=files.embedded_template) as srv:
         assert srv.template.kind == "embedded"
         assert srv.process.poll() is None

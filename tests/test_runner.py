@@ -390,13 +390,13 @@ _LOAD_SIGNAL_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import anyio
     from core import log
-    from backends.llama_server import find_llama_server
+    from backends.llama_server.discovery import find_llama_server
     from core.errors import Interrupted
     from core.plan import Device, ProbeResult
     from pipeline.engine import Runner, Stage
     from core.settings import load_settings
     from registry.kv import parse_kv_cache_type
-    from stages.load import open_server
+    from backends.llama_server.process import open_server
     from stages.plan import build_plan
     from state.store import StateStore
     from tests.e2e_support import GiB, fixture_entry, sha256_of

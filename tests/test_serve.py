@@ -287,12 +287,12 @@ def nvidia_home(provisioned: dict, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_serve_and_load_pin_the_verified_nvidia_card_through_one_function(nvidia_home: dict,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     binary = require_llama_server()
-    import backends.llama_server
-    from stages.load import child_env, new_api_key
+    import backends.llama_server.discovery
+    from backends.llama_server.flags import child_env, new_api_key
 
     # Stand-in: this machine has only the CPU build, which serve rightly refuses for an nvidia
     # plan; the pinning under test does not depend on the build, so the check is waived here.
-    monkeypatch.setattr(backends.llama_server, "compatibility_problem", lambda *a, **k: None)
+    monkeypatch.setattr(backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
     monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
 
     load_env = child_env(nvidia_home["plan"], new_api_key(), {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"})
@@ -310,7 +310,7 @@ def test_serve_and_load_pin_the_verified_nvidia_card_through_one_function(nvidia
 
 
 def test_child_env_strips_overrides_and_a_stale_key_and_pins_nothing_for_the_host(provisioned: dict) -> None:
-    from stages.load import API_KEY_ENV, child_env
+    from backends.llama_server.flags import API_KEY_ENV, child_env
 
     base = {"PATH": "/bin", "LLAMA_ARG_CTX_SIZE": "4096", "LLAMA_API_KEY": "stale"}
     assert child_env(provisioned["plan"], None, base) == {"PATH": "/bin"}  # serve: key from --api-key-file

@@ -18,15 +18,15 @@ import pytest
 from core.errors import StageRecordError
 from core.plan import Device, ProbeResult
 from pipeline.provision import AutoOptions, decode_plan, provisioning_stages
-from pipeline.session_stages import LoadResult, OpenVinoLoadResult, decode_load, decode_probe_call, decode_recheck
+from backends.llama_server.allocation import AllocationReport
+from backends.openvino.allocation import OpenVinoAllocationReport
+from pipeline.session_stages import decode_load, decode_probe_call, decode_recheck
+from stages.load import LoadResult
 from registry.kv import parse_kv_cache_type
 from core.model_files import (FetchedFile, FetchResult, FieldCheck, FileIdentity, GGUFFacts, SnapshotFile,
                                SnapshotResult, TemplateResult, VerifyResult)
-from stages.openvino_probe import OpenVinoProbeResult
-from stages.openvino_recheck import OpenVinoAllocationReport
 from stages.plan import build_plan
 from stages.probe_tool_call import ProbeToolCallResult, ToolCallVerdict
-from stages.recheck import AllocationReport
 from tests.e2e_support import GiB, fixture_entry
 from tests.gguf_fixtures import write_tool_call_model
 
@@ -64,9 +64,11 @@ VERDICT = ToolCallVerdict(True, "parsed", "hotfit_probe", {"text": "x"}, None, "
 CALL = ProbeToolCallResult(verdict=VERDICT, template="/m/chat_template.jinja", supports_tools=True,
                            prompt_tokens_per_s=310.5, generation_tokens_per_s=40.0, prompt_tokens=120,
                            generated_tokens=12, request={"messages": []}, answer={"choices": [{"message": {}}]})
-OV_CALL = OpenVinoProbeResult(verdict=VERDICT, family="hermes", forced=True, status="FINISHED", text="<tool_call>",
-                              prompt_tokens=100, generated_tokens=10, generation_seconds=0.5,
-                              generation_tokens_per_s=20.0, template_renders_tools=True)
+OV_CALL = ProbeToolCallResult(verdict=VERDICT, template="/m/snapshot/chat_template.jinja", supports_tools=True,
+                              prompt_tokens_per_s=None, generation_tokens_per_s=20.0, prompt_tokens=100,
+                              generated_tokens=10, request={"messages": []}, answer={"text": "<tool_call>"},
+                              backend_facts={"family": "hermes", "forced": True, "status": "FINISHED",
+                                             "generation_seconds": 0.5, "template_renders_tools": True})
 REPORT = AllocationReport(
     verdict="pass", problems=(), warnings=("rounded",), planned_hot_context_tokens=40960, floor_tokens=32768,
     opened_n_ctx_per_slot=(40960,), props_n_ctx=40960, total_slots=1, kv_cache_type="f16",
@@ -109,12 +111,12 @@ def test_the_plan_decodes_with_the_same_plan_id(tmp_path: Path) -> None:
 
 def test_a_load_record_decodes_without_a_live_server_and_re_encodes_the_same() -> None:
     load = decode_load(LOAD_RECORD)
-    assert isinstance(load, LoadResult) and load.argv == ("llama-server", "--port", "5000")
+    assert isinstance(load, LoadResult) and load.record["argv"] == ["llama-server", "--port", "5000"]
     assert load.to_json() == LOAD_RECORD
     with pytest.raises(RuntimeError, match="reused from a record"):
         load.live()
     ov = decode_load(OV_LOAD_RECORD)
-    assert isinstance(ov, OpenVinoLoadResult) and ov.to_json() == OV_LOAD_RECORD
+    assert isinstance(ov, LoadResult) and ov.to_json() == OV_LOAD_RECORD
 
 
 def test_every_hotfit_stage_names_a_decoder() -> None:

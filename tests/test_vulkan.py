@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama_server import cache_bin_dir, find_llama_server
+from backends.llama_server.discovery import cache_bin_dir, find_llama_server
 from core.errors import AllocationMismatch, BackendError
 from core.plan import Device, ProbeResult
 from core.settings import load_settings
-from stages.load import open_server
+from backends.llama_server.process import open_server
 from stages.probe import list_ggml_devices, probe_devices
 from stages.recheck import recheck_allocation
 from tests.gguf_fixtures import FixtureInfo, write_gemma3_swa_model, write_llama_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from backends.llama_server import gpu_listing_binaries
+from backends.llama_server.discovery import gpu_listing_binaries
 from pipeline.cli.context import CliContext
 from pipeline.registry_file import load_registry
 from registry.select import normalize_origin

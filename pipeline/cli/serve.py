@@ -10,7 +10,9 @@ fails closed (exit 3).
 An OpenVINO manifest is not served by hotfit: no maintained OpenAI-compatible server for OpenVINO
 GenAI is on PyPI, and the official one, OpenVINO Model Server (``ovms``), ships only as release
 tarballs and container images. ``serve`` exits 2 saying so, and ``--print-command`` prints the
-``ovms`` command line with the verified settings (:func:`ovms_argv`) for the operator to run.
+``ovms`` command line with the verified settings (:func:`backends.openvino.backend.ovms_argv`) for the
+operator to run. Both commands come from the Backend boundary (``Backend.serve_command``): the
+llama-server one carries the argv, environment and device pin the load stage opens the model with.
 
 ``--print-command`` and ``--print-systemd-unit`` hand the result to a service manager. The unit
 runs ``hotfit serve`` itself, so the memory check happens at every start. Plain ``serve``
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shlex
 import shutil
@@ -29,11 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.context import CliContext
+import anyio
+
+from backends.base import ModelFiles, ServeCommand
+from backends.llama_server.discovery import gpu_listing_binaries
+from backends.select import backend_for
 from core.errors import NoModelQualifies, UsageError
 from core.log import get_logger
+from pipeline.cli.context import CliContext
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
 from pipeline.worker import record_for_self, write_worker_record
+from registry.kv import parse_kv_cache_type
+from registry.select import MIN_AGENTIC_HOT_CONTEXT, UnknownKV, device_budget, fmt_bytes, model_fit
+from stages import probe as probe_stage
 
 log = get_logger()
 
@@ -64,9 +75,6 @@ class WindowDecision:
 def decide_window(manifest: Manifest, plan: Any, probe_now: Any) -> WindowDecision:
     """Pure: the window to open now. Verified window when the device still holds it; else the
     largest the device holds now, if that is ≥ the floor; else NoModelQualifies."""
-    from registry.kv import parse_kv_cache_type
-    from registry.select import MIN_AGENTIC_HOT_CONTEXT, UnknownKV, device_budget, fmt_bytes, model_fit
-
     verified = manifest.opened_context_tokens or manifest.planned_hot_context_tokens
     device = _matching_device(probe_now, plan.probe.device)
     budget = device_budget(device.kind, device.total_bytes, device.free_bytes, device.name)
@@ -110,9 +118,6 @@ def _matching_device(probe_now: Any, planned: Any) -> Any:
 
 
 def _probe_now(args: argparse.Namespace, settings: Any) -> Any:
-    from backends.llama_server import gpu_listing_binaries
-    from stages import probe as probe_stage
-
     if args.probe_file:
         return probe_stage.load_probe_file(Path(args.probe_file))
     return probe_stage.probe_devices(ggml_binaries=gpu_listing_binaries(settings))
@@ -154,43 +159,18 @@ def _hotfit_command(ctx: CliContext, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-# OVMS's --tool_parser per hotfit tool-call family (stages.openvino_probe.tool_call_family), as OVMS
-# names them (openvinotoolkit/model_server: src/llm/io_processing, demos' export_model.py choices).
-OVMS_TOOL_PARSERS: dict[str, str] = {"hermes": "hermes3", "harmony": "gptoss", "qwen3_coder": "qwen3coder",
-                                     "phi4": "phi4"}
-GB = 1 << 30
-
-
-def ovms_cache_size_gb(kv_bytes: int) -> int:
-    """Pure: OVMS takes the KV cache in whole GB (``--cache_size``); rounded up, at least 1, so the
-    verified window always fits (OVMS allocates that much, a little more than was verified)."""
-    return max(1, -(-kv_bytes // GB))
-
-
-def ovms_argv(manifest: Manifest, plan: Any, *, host: str, port: int) -> list[str]:
-    """Pure: the ``ovms`` command line serving the verified OpenVINO snapshot with the verified
-    settings: the snapshot directory, CPU, one sequence (max_num_seqs 1, like hotfit's session),
-    the KV cache in whole GB covering the verified bytes, and the family's tool parser."""
-    openvino = dict(manifest.extra.get("openvino") or {})
-    session = dict(openvino.get("session") or {})
-    kv_bytes = int(manifest.measured.get("actual_kv_bytes") or plan.estimated_kv_bytes)
-    argv = [
-        "ovms", "--rest_bind_address", host, "--rest_port", str(port),
-        "--model_name", manifest.entry_name, "--model_path", manifest.model_path,
-        "--task", "text_generation", "--target_device", session.get("device") or "CPU",
-        "--cache_size", str(ovms_cache_size_gb(kv_bytes)), "--max_num_seqs", "1",
-        "--enable_prefix_caching", "false",
-    ]
-    parser = OVMS_TOOL_PARSERS.get(str(openvino.get("tool_call_family")))
-    if parser:
-        argv += ["--tool_parser", parser]
-    return argv
+def _files(manifest: Manifest) -> ModelFiles:
+    return ModelFiles(Path(manifest.model_path), Path(manifest.template_path) if manifest.template_path else None)
 
 
 def _openvino_handler(args: argparse.Namespace, ctx: CliContext, manifest: Manifest, plan: Any) -> int:
     """OpenVINO: print the OVMS command (--print-command), else exit 2 saying what to run."""
-    argv = ovms_argv(manifest, plan, host=args.host, port=args.port)
-    data: dict[str, Any] = {"model": manifest.entry_name, "backend": "openvino", "server": "ovms", "argv": argv,
+    command = anyio.run(functools.partial(
+        backend_for("openvino").serve_command, plan, _files(manifest), host=args.host, port=args.port,
+        api_key_file=None, binary=None, settings=ctx.settings, model_name=manifest.entry_name,
+        verified={**manifest.measured, "openvino": manifest.extra.get("openvino") or {}}))
+    argv = list(command.argv)
+    data: dict[str, Any] = {"model": manifest.entry_name, "backend": "openvino", "server": command.server, "argv": argv,
                             "kv_cache_type": manifest.kv_cache_type,
                             "verified_context_tokens": manifest.opened_context_tokens}
     if args.print_command:
@@ -205,12 +185,16 @@ def _openvino_handler(args: argparse.Namespace, ctx: CliContext, manifest: Manif
     )
 
 
+def serve_command(settings: Any, plan: Any, manifest: Manifest, *, host: str, port: int,
+                  api_key_file: Path | None) -> ServeCommand:
+    """llama-server for ``plan`` built by the Backend boundary: the load stage's argv, environment
+    and device pin (CUDA_VISIBLE_DEVICES for NVIDIA, ``-dev`` for Vulkan devices)."""
+    return anyio.run(functools.partial(
+        backend_for("llama").serve_command, plan, _files(manifest), host=host, port=port,
+        api_key_file=api_key_file, binary=None, settings=settings, model_name=manifest.entry_name))
+
+
 def handler(args: argparse.Namespace, ctx: CliContext) -> int:
-    import anyio
-
-    from backends.llama_server import find_llama_server
-    from stages.load import child_env, llama_server_argv, probe_server_features
-
     settings = ctx.settings
     manifest = read_manifest(settings.manifest_path, strict=True)
     if manifest is None:
@@ -224,27 +208,22 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     if manifest.backend == "openvino":
         return _openvino_handler(args, ctx, manifest, plan)
     # What hotfit sets for the child beyond the inherited environment: the device pin, built by
-    # the same function the load stage uses (an empty base leaves exactly hotfit's own variables).
-    pin_env = child_env(plan, None, {})
-    env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type} | pin_env
-
+    # the Backend that the load stage opens the model with.
+    api_key_file = Path(args.api_key_file).resolve() if args.api_key_file else None
     if args.print_systemd_unit:
+        pin_env = backend_for("llama").device_env(plan)
+        env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type} | pin_env
         unit = systemd_unit(_hotfit_command(ctx, args), env,
                             f"hotfit: llama-server serving {manifest.entry_name}")
         ctx.emit({"unit": unit}, unit)
         return 0
 
     decision = decide_window(manifest, plan, _probe_now(args, settings))
-    found = find_llama_server(settings, device_kind=plan.probe.device.kind)
-    binary = found.server_path
-    features = anyio.run(probe_server_features, binary)
     serve_plan = dataclasses.replace(plan, hot_context_tokens=decision.context_tokens)
-    argv = llama_server_argv(
-        serve_plan, Path(manifest.model_path),
-        Path(manifest.template_path) if manifest.template_path else None, args.port,
-        binary=binary, features=features, host=args.host,
-        api_key_file=Path(args.api_key_file).resolve() if args.api_key_file else None,
-    )
+    command = serve_command(settings, serve_plan, manifest, host=args.host, port=args.port,
+                            api_key_file=api_key_file)
+    argv = list(command.argv)
+    pin_env = dict(command.env)
     event = "serve.replanned" if decision.replanned else "serve.window_ok"
     log.info(event, model=manifest.entry_name, context_tokens=decision.context_tokens,
              verified_tokens=decision.verified_tokens, fits_now_tokens=decision.fits_now_tokens)
@@ -279,5 +258,5 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         sys.stderr.write(f"hotfit: {decision.message}\nhotfit: exec {shlex.join(argv)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, child_env(serve_plan, None))
+    os.execve(argv[0], argv, command.environment(os.environ))
     return 0  # pragma: no cover - execve does not return

@@ -1,46 +1,40 @@
-"""OpenVINO re-check: what the opened pipeline really allocated, against the plan (issue 13 item 3).
+"""OpenVINO's hot allocation: what the opened pipeline really allocated, against the plan (issue 13 item 3).
 
 GenAI allocates the paged KV cache lazily: ``get_metrics().kv_cache_size_in_bytes`` is 0 until
 the first generation step and then equals blocks x bytes per block (design note §4, measured).
-So this runs after the tool-call probe, reads that figure, and derives the token capacity from
-it with the IR's own KV geometry (``ReadValue`` states of ``openvino_model.xml``) at the planned
-precision — never from the configured block count, and never reporting the estimate as the
-allocation. It fails closed when:
+So this is read after the tool-call probe (by the re-check stage, :mod:`stages.recheck`), and the
+token capacity is derived from it with the IR's own KV geometry (``ReadValue`` states of
+``openvino_model.xml``) at the planned precision — never from the configured block count, and
+never reporting the estimate as the allocation. The verdict has a problem (the stage fails
+closed) when:
 
 - nothing is allocated (0 bytes), or the bytes are not whole blocks at the planned precision
   (the precision fell back, or the geometry differs from the IR's);
 - the capacity is below the plan or below the agentic floor (32768);
 - the bytes exceed the plan's estimate beyond the tolerance (the budget would be overrun).
 
-Pure: :func:`judge_openvino_allocation`. Effect: :func:`recheck_openvino_allocation`.
+Pure: :func:`judge_openvino_allocation`. Effect: :func:`read_allocation`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO
+from backends.openvino.config import KV_PRECISIONS, KvShape, SessionConfig, kv_bytes_per_token, parse_ir_kv_shape
+from backends.openvino.protocol import WorkerGone
 from core.errors import AllocationMismatch
-from core.log import get_logger
-from stages.openvino_session import (
-    KV_PRECISIONS,
-    KvShape,
-    OpenVinoSession,
-    SessionConfig,
-    _WorkerGone,
-    kv_bytes_per_token,
-    parse_ir_kv_shape,
-)
-from stages.recheck import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, MIN_AGENTIC_HOT_CONTEXT
+from core.plan import Plan
+from registry.select import MIN_AGENTIC_HOT_CONTEXT
 
-__all__ = ["OpenVinoAllocationReport", "judge_openvino_allocation", "recheck_openvino_allocation"]
+if TYPE_CHECKING:  # annotations only: session.py imports this module
+    from backends.openvino.session import OpenVinoSession
 
-log = get_logger()
+__all__ = ["METRICS_TIMEOUT_S", "OpenVinoAllocationReport", "judge_openvino_allocation", "read_allocation"]
 
-RECHECK_FILE = "recheck.json"
 METRICS_TIMEOUT_S = 30.0
 
 
@@ -69,6 +63,21 @@ class OpenVinoAllocationReport:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def event_facts(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "planned_hot_context_tokens": self.planned_hot_context_tokens,
+            "opened_context_tokens": self.opened_context_tokens,
+            "estimated_kv_bytes": self.estimated_kv_bytes,
+            "actual_kv_bytes": self.actual_kv_bytes,
+            "ratio": round(self.ratio, 6) if self.ratio else None,
+            "kv_precision": self.kv_precision,
+            "backend": "openvino",
+        }
+
+    def warning_event(self, warning: str) -> str:
+        return "recheck.kv_below_estimate"
 
 
 def _fallback_precision(actual: int, shape: KvShape, config: SessionConfig) -> str | None:
@@ -156,19 +165,19 @@ def judge_openvino_allocation(
     )
 
 
-async def recheck_openvino_allocation(
+async def read_allocation(
     session: OpenVinoSession,
+    plan: Plan,
     *,
-    estimated_kv_bytes: int | None = None,
     floor_tokens: int = MIN_AGENTIC_HOT_CONTEXT,
     tolerance: float = KV_EXCESS_TOLERANCE,
     timeout_s: float = METRICS_TIMEOUT_S,
 ) -> OpenVinoAllocationReport:
     """Read the metrics of ``session`` (after at least one generation: the probe) and judge them
-    against its plan (``estimated_kv_bytes`` overrides the plan's figure). Writes ``recheck.json``."""
+    against ``plan``. Raises :class:`AllocationMismatch` only when the metrics cannot be read."""
     try:
         metrics = await session.request("metrics", timeout_s)
-    except (TimeoutError, _WorkerGone) as exc:
+    except (TimeoutError, WorkerGone) as exc:
         raise AllocationMismatch(
             f"could not read the OpenVINO pipeline's metrics (worker {session.describe_exit()}): {exc!r}",
             hint=f"the session cannot be verified; see the worker log {session.log_path}",
@@ -176,35 +185,12 @@ async def recheck_openvino_allocation(
         ) from None
     xml = await anyio.to_thread.run_sync(
         lambda: (session.ir_dir / "openvino_model.xml").read_text(encoding="utf-8", errors="replace"))
-    report = judge_openvino_allocation(
+    return judge_openvino_allocation(
         config=session.config,
         shape=parse_ir_kv_shape(xml),
-        estimated_kv_bytes=session.plan.estimated_kv_bytes if estimated_kv_bytes is None else estimated_kv_bytes,
+        estimated_kv_bytes=plan.estimated_kv_bytes,
         actual_kv_bytes=int(metrics.get("kv_cache_size_in_bytes", 0)),
         floor_tokens=floor_tokens,
         tolerance=tolerance,
         max_cache_usage=metrics.get("max_cache_usage"),
     )
-    (session.run_dir / RECHECK_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-    facts: dict[str, Any] = {
-        "verdict": report.verdict,
-        "planned_hot_context_tokens": report.planned_hot_context_tokens,
-        "opened_context_tokens": report.opened_context_tokens,
-        "estimated_kv_bytes": report.estimated_kv_bytes,
-        "actual_kv_bytes": report.actual_kv_bytes,
-        "ratio": round(report.ratio, 6) if report.ratio else None,
-        "kv_precision": report.kv_precision,
-        "backend": "openvino",
-    }
-    for w in report.warnings:
-        log.warning("recheck.kv_below_estimate", detail=w, **facts)
-    if report.problems:
-        log.error("recheck.failed", problems=list(report.problems), **facts)
-        raise AllocationMismatch(
-            "the opened OpenVINO session does not hold what was planned: " + "; ".join(report.problems),
-            hint=("hotfit will not hand over a session it cannot verify; re-plan against the memory free now "
-                  f"(`hotfit plan`), and see {session.run_dir / RECHECK_FILE} and the worker log"),
-            **report.to_json(),
-        )
-    log.info("recheck.passed", **facts)
-    return report

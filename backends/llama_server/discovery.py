@@ -21,6 +21,10 @@ and its backend (cpu, vulkan, cuda) must suit the kind of device the plan is for
 The core (:func:`candidates`, :func:`parse_version_text`, :func:`build_info_from_json`,
 :func:`compatibility_problem`) is pure; :func:`find_llama_server` does the file-system checks and
 runs ``--version`` when there is no ``build-info.json`` beside the binary.
+
+Over 400 lines because the search, the build record and both machine checks are one job (which
+binary, and may it run here), each error naming its fix; splitting them would spread one search
+order over modules.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ __all__ = [
     "Source",
     "Candidate",
     "BuildInfo",
-    "Backend",
+    "ServerBinary",
     "candidates",
     "cache_bin_dir",
     "pinned_source_tree",
@@ -132,8 +136,8 @@ class BuildInfo:
 
 
 @dataclass(frozen=True)
-class Backend:
-    """The llama-server hotfit will run."""
+class ServerBinary:
+    """The llama-server hotfit will run (llama's :class:`backends.base.BackendBinary`)."""
 
     server_path: Path
     source: Source
@@ -190,7 +194,7 @@ def install_command(backend: str) -> str:
     return f"scripts/install-llama-server --backend {backend}"
 
 
-def compatibility_problem(device_kind: str, build: "BuildInfo") -> tuple[str, str] | None:
+def compatibility_problem(device_kind: str, build: BuildInfo) -> tuple[str, str] | None:
     """Why a binary of ``build`` cannot serve a plan on ``device_kind`` (message, hint), or None."""
     wanted = SERVES.get(device_kind)
     if wanted is None or build.backend is None or build.backend in wanted:
@@ -376,7 +380,7 @@ def _linked_backend(server: Path) -> BackendKind | None:
     return backend_from_libraries(proc.stdout)
 
 
-def check_cpu_features(backend: "Backend", cpuinfo_text: str) -> None:
+def check_cpu_features(backend: ServerBinary, cpuinfo_text: str) -> None:
     """Refuse a binary built for ISA features this CPU lacks (it would die by SIGILL mid-run)."""
     required = backend.build.cpu_features
     if not required:
@@ -397,7 +401,7 @@ def check_cpu_features(backend: "Backend", cpuinfo_text: str) -> None:
 
 
 def find_llama_server(settings: Settings, *, path_env: str | None = None, device_kind: str | None = None,
-                      cpuinfo_path: Path = Path("/proc/cpuinfo")) -> Backend:
+                      cpuinfo_path: Path = Path("/proc/cpuinfo")) -> ServerBinary:
     """Locate llama-server (order in the module docstring), check it suits this CPU and, given
     ``device_kind``, the plan's device; log ``backend.found``.
 
@@ -450,7 +454,7 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None, device
     server = chosen.path.absolute()
     build = _read_build_info(server)
     fit = server.parent / FIT_PARAMS_NAME
-    backend = Backend(
+    backend = ServerBinary(
         server_path=server,
         source=chosen.source,
         build=build,

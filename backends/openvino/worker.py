@@ -1,4 +1,4 @@
-"""The child process that holds one OpenVINO GenAI pipeline (run by :mod:`stages.openvino_session`).
+"""The child process that holds one OpenVINO GenAI pipeline (run by :mod:`backends.openvino.session`).
 
 Why a child process and not a worker thread: GenAI's constructor and ``generate`` are C++ calls
 that Python cannot cancel (a timed-out thread keeps compiling and holding memory), and an

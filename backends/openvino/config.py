@@ -1,12 +1,7 @@
-"""OpenVINO load: open a verified IR snapshot exactly as planned (issue 13 item 1).
+"""OpenVINO session settings for a plan, and the checks made before anything starts (pure).
 
-The OpenVINO counterpart of :mod:`stages.load`, with a small surface a later Backend
-implementation wraps: :func:`session_config` (pure: the plan -> every pipeline setting),
-:func:`check_ir_dir` (pure on the file listing: refuses a vision-path export or missing files
-before anything starts) and :func:`open_openvino_session` (an async context manager yielding an
-:class:`OpenVinoSession`).
-
-Nothing is left to GenAI's defaults (``../shared/design/openvino.md`` §2, §4):
+:func:`session_config` turns the plan into every pipeline setting; nothing is left to GenAI's
+defaults (``../shared/design/openvino.md`` §2, §4):
 
 - ``ContinuousBatchingPipeline``: the only GenAI pipeline whose metrics report the KV bytes really
   allocated, which the re-check needs;
@@ -18,31 +13,23 @@ Nothing is left to GenAI's defaults (``../shared/design/openvino.md`` §2, §4):
 - ``KV_CACHE_PRECISION`` from the plan's KV type (the CPU default is u8 and an IR's rt_info may
   carry its own default; an explicit property wins, measured).
 
-The pipeline lives in a child process (:mod:`stages.openvino_worker`, which says why) started in
-its own session, killed at a deadline, and always reaped on leaving the context: success, error,
-cancellation or signal. Its log (GenAI's and OpenVINO's own output) is a file in the run directory.
+:func:`check_ir_dir` refuses a vision-path export or missing files; :func:`parse_ir_kv_shape`
+and :func:`kv_bytes_per_token` give the IR's KV geometry the re-check sizes the cache with;
+:func:`require_openvino` is the one effect (is the extra installed?).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from core.errors import BackendNotFound, LoadError
-from core.log import get_logger
 from core.plan import Plan
 from registry.kv import (
     OPENVINO_KV_BLOCK_TOKENS,
@@ -60,21 +47,18 @@ __all__ = [
     "OPEN_TIMEOUT_S",
     "VISION_PATH_FILES",
     "KvShape",
-    "OpenVinoSession",
     "SessionConfig",
     "check_ir_dir",
     "diagnose_openvino_failure",
     "kv_blocks_for",
     "kv_bytes_per_token",
-    "open_openvino_session",
+    "kv_bytes_per_token_for_entry",
     "openvino_device",
     "openvino_kv_precision",
     "parse_ir_kv_shape",
     "require_openvino",
     "session_config",
 ]
-
-log = get_logger()
 
 OPENVINO_GENAI_VERSION = "2026.4.1.0"  # the pin in pyproject.toml's `openvino` extra
 OPENVINO_INSTALL_HINT = (
@@ -349,202 +333,3 @@ def diagnose_openvino_failure(message: str, returncode: int | None) -> tuple[str
     return "unknown", "read the quoted error and the worker log in the run directory"
 
 
-# ---------------------------------------------------------------- effects
-
-
-class OpenVinoSession:
-    """An opened pipeline in its worker process (valid inside :func:`open_openvino_session`)."""
-
-    def __init__(self, *, process: subprocess.Popen[bytes], config: SessionConfig, plan: Plan,
-                 run_dir: Path, log_path: Path, opened: Mapping[str, Any]) -> None:
-        self.process = process
-        self.config = config
-        self.plan = plan
-        self.run_dir = run_dir
-        self.log_path = log_path
-        self.opened = dict(opened)
-        self.load_seconds = float(opened.get("load_seconds", 0.0))
-        self.ir_dir = Path(config.ir_dir)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def returncode(self) -> int | None:
-        return self.process.poll()
-
-    def describe_exit(self) -> str:
-        code = self.returncode()
-        if code is None:
-            return "still running"
-        return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-
-    def log_tail(self, limit: int = 12) -> list[str]:
-        try:
-            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            return []
-        return [ln for ln in lines if ln.strip()][-limit:]
-
-    async def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
-        """One request to the worker; a reply that does not come within ``timeout_s`` kills it."""
-        return await _request(self.process, {"op": op, **fields}, timeout_s)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "config": self.config.to_json(), "load_seconds": self.load_seconds,
-                "log_path": str(self.log_path), **{k: v for k, v in self.opened.items() if k != "ok"}}
-
-
-class _WorkerGone(Exception):
-    """The worker closed its stdout (it died) or sent something that is not a reply."""
-
-
-async def _request(process: subprocess.Popen[bytes], payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    assert process.stdin is not None and process.stdout is not None
-
-    def exchange() -> bytes:
-        if payload:
-            process.stdin.write((json.dumps(payload) + "\n").encode())  # type: ignore[union-attr]
-            process.stdin.flush()  # type: ignore[union-attr]
-        return process.stdout.readline()  # type: ignore[union-attr]
-
-    with anyio.fail_after(timeout_s):
-        try:
-            raw = await anyio.to_thread.run_sync(exchange, abandon_on_cancel=True)
-        except (BrokenPipeError, OSError) as exc:
-            raise _WorkerGone(str(exc)) from None
-    if not raw:
-        raise _WorkerGone("the worker closed its output")
-    try:
-        reply = json.loads(raw)
-    except ValueError:
-        raise _WorkerGone(f"not a reply: {raw[:200]!r}") from None
-    if not isinstance(reply, dict):
-        raise _WorkerGone(f"not a reply: {raw[:200]!r}")
-    return reply
-
-
-def _kill_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, sig)
-
-
-async def _reap(process: subprocess.Popen[bytes]) -> None:
-    """Close the worker: ask, then SIGTERM the group, then SIGKILL; always waited for."""
-    if process.poll() is None:
-        with contextlib.suppress(Exception):
-            with anyio.move_on_after(CLOSE_GRACE_S):
-                await _request(process, {"op": "close"}, CLOSE_GRACE_S)
-                while process.poll() is None:
-                    await anyio.sleep(0.05)
-    if process.poll() is None:
-        _kill_group(process, signal.SIGTERM)
-        with anyio.move_on_after(CLOSE_GRACE_S):
-            while process.poll() is None:
-                await anyio.sleep(0.05)
-    if process.poll() is None:
-        _kill_group(process, signal.SIGKILL)
-    await anyio.to_thread.run_sync(process.wait)
-    for stream in (process.stdin, process.stdout):
-        with contextlib.suppress(OSError):
-            if stream is not None:
-                stream.close()
-
-
-def worker_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The worker's environment: ours, with OpenVINO's property dump on (level 3 prints the compiled
-    model's KV_CACHE_PRECISION and the SchedulerConfig to the log: evidence of the effective
-    settings) and telemetry off."""
-    env = dict(os.environ if base is None else base)
-    env["OPENVINO_LOG_LEVEL"] = "3"
-    env["CI"] = "true"  # opt-in telemetry of OpenVINO tooling stays off
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-@contextlib.asynccontextmanager
-async def open_openvino_session(
-    plan: Plan,
-    ir_dir: Path,
-    run_dir: Path,
-    *,
-    timeout_s: float = OPEN_TIMEOUT_S,
-    cache_dir: Path | None = None,
-    python: str | None = None,
-) -> AsyncIterator[OpenVinoSession]:
-    """Open ``ir_dir`` as ``plan`` says in a worker process; reap it on leaving, whatever happens.
-
-    Raises :class:`BackendNotFound` without openvino-genai, :class:`LoadError` (``details.cause``:
-    ``missing_files``, ``vision_path``, ``damaged_ir``, ``out_of_memory``, ``timeout``, ...)."""
-    require_openvino()
-    config = session_config(plan, ir_dir, cache_dir=cache_dir)
-    check_ir_dir(ir_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / WORKER_LOG
-    (run_dir / SESSION_FILE).write_text(json.dumps(config.to_json(), indent=2) + "\n", encoding="utf-8")
-    started = time.monotonic()
-
-    def spawn() -> subprocess.Popen[bytes]:
-        with open(log_path, "ab") as log_file:
-            return subprocess.Popen(
-                [python or sys.executable, "-m", "stages.openvino_worker", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
-                cwd=str(Path(__file__).resolve().parent.parent), env=worker_env(), start_new_session=True,
-            )  # fmt: skip
-
-    process = await anyio.to_thread.run_sync(spawn)
-    log.info("openvino.start", pid=process.pid, ir_dir=str(ir_dir), **config.scheduler_json(),
-             kv_precision=config.kv_precision, device=config.device)
-
-    def failed(what: str, cause: str, hint: str, **details: Any) -> LoadError:
-        tail = _tail(log_path)
-        log.error("openvino.load_failed", cause=cause, what=what, pid=process.pid)
-        return LoadError(what, hint=hint, cause=cause, ir_dir=str(ir_dir), log_path=str(log_path),
-                         log_lines=tail, returncode=process.poll(), pid=process.pid, **details)
-
-    try:
-        try:
-            reply = await _request(process, {}, timeout_s)  # the worker's "ready" line
-            if reply.get("ok"):
-                reply = await _request(process, {"op": "open", "ir_dir": str(ir_dir), "device": config.device,
-                                                 "scheduler": config.scheduler_json(),
-                                                 "properties": dict(config.properties)},
-                                       max(1.0, timeout_s - (time.monotonic() - started)))
-        except TimeoutError:
-            raise failed(f"the OpenVINO pipeline did not open within {timeout_s:.0f} s", "timeout",
-                         "the worker was killed; a cold compile of a large IR can take minutes on a slow "
-                         "disk, otherwise the runtime hangs: see the worker log") from None
-        except _WorkerGone as exc:
-            await anyio.to_thread.run_sync(process.wait)
-            cause, hint = diagnose_openvino_failure(" ".join(_tail(log_path)), process.returncode)
-            raise failed(f"the OpenVINO worker {_describe(process)} while opening {ir_dir} ({exc})", cause,
-                         hint) from None
-        if not reply.get("ok"):
-            error = str(reply.get("error", ""))
-            cause, hint = diagnose_openvino_failure(error, None)
-            first = error.strip().splitlines()[-1] if error.strip() else reply.get("exception", "error")
-            raise failed(f"OpenVINO could not open {ir_dir}: {first}", cause, hint, error=error[-2000:])
-        session = OpenVinoSession(process=process, config=config, plan=plan, run_dir=run_dir,
-                                  log_path=log_path, opened=reply)
-        log.info("openvino.loaded", pid=process.pid, load_seconds=round(session.load_seconds, 3),
-                 capacity_tokens=config.capacity_tokens)
-        yield session
-    finally:
-        with anyio.CancelScope(shield=True):
-            await _reap(process)
-
-
-def _describe(process: subprocess.Popen[bytes]) -> str:
-    code = process.poll()
-    if code is None:
-        return "stopped answering"
-    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-
-
-def _tail(path: Path, limit: int = 12) -> list[str]:
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    picked = [ln for ln in lines if re.search(r"error|exception|fail|incorrect|unable|cannot", ln, re.IGNORECASE)]
-    return (picked or [ln for ln in lines if ln.strip()])[-limit:]

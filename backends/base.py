@@ -1,0 +1,218 @@
+"""The Backend boundary: what a model server offers the stages, ``hotfit serve`` and the grade.
+
+One implementation per server (:mod:`backends.llama_server`, :mod:`backends.openvino`); the stages
+pick one with :func:`backends.select.backend_for` from the plan and never touch server specifics:
+
+- :meth:`Backend.preflight` — binary/runtime discovery and capabilities, before any weight is
+  fetched; its :class:`BackendBinary` rides forward to load, so it is resolved once per run;
+- :meth:`Backend.open` — argv, child environment (device pin included), process lifetime, health:
+  an async context manager yielding a :class:`Session` that is always stopped and reaped;
+- :meth:`Backend.serve_command` — the long-running server command ``hotfit serve`` prints or execs;
+- on the :class:`Session`: :meth:`~Session.call_tools` (one chat call, tool calls parsed into the
+  OpenAI shape — the probe's), :meth:`~Session.chat_endpoint` (the grade's multi-turn endpoint),
+  :meth:`~Session.allocation_report` (what the opened session really allocated, judged against the
+  plan), log tail and exit description.
+
+Failures of the call itself (no answer, a dead process, an HTTP error) raise :class:`ChatFailed`,
+which the caller turns into its own error (the probe: ``ToolCallProbeFailed``; the grade: a stack
+failure). This module is pure: protocols and frozen result types only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from core.plan import Plan
+from core.settings import Settings
+from grading.protocol import ChatEndpoint
+
+__all__ = [
+    "KV_EXCESS_TOLERANCE",
+    "KV_SHORTFALL_WARN_RATIO",
+    "AllocationReport",
+    "Backend",
+    "BackendBinary",
+    "BackendName",
+    "ChatAnswer",
+    "ChatFailed",
+    "ModelFiles",
+    "ServeCommand",
+    "Session",
+]
+
+BackendName = Literal["llama", "openvino"]
+
+# registry.kv mirrors each server's allocation byte for byte, so the real KV should equal the
+# estimate; 1 % absorbs llama-server's MiB rounding and nothing a real excess would hide behind.
+KV_EXCESS_TOLERANCE = 0.01
+# Less than half the estimate means the plan's arithmetic and the server disagree (a window that
+# shrank, layers without KV): not unsafe, but worth an operator's look.
+KV_SHORTFALL_WARN_RATIO = 0.5
+
+
+@runtime_checkable
+class BackendBinary(Protocol):
+    """What the preflight resolved (llama-server's path and build, OpenVINO's runtime version)."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The verified files a session opens: a GGUF (llama) or an IR directory (OpenVINO)."""
+
+    weights: Path
+    template: Path | None = None
+    embedded_template: bool | None = None  # the GGUF header's tokenizer.chat_template (None: unknown)
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """A long-running server command: argv, and the variables hotfit sets beyond the inherited
+    environment (the device pin); ``server`` names the program for messages."""
+
+    server: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    # inherited variables the child must not see (a trailing * matches a prefix): overrides that
+    # would silently change what argv says, a stale key
+    unset: tuple[str, ...] = ()
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The child's whole environment: ``base`` without :attr:`unset`, plus :attr:`env`."""
+
+        def dropped(name: str) -> bool:
+            return any(name.startswith(u[:-1]) if u.endswith("*") else name == u for u in self.unset)
+
+        return {k: v for k, v in base.items() if not dropped(k)} | dict(self.env)
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    """One answered chat completion, as the caller judges it.
+
+    ``answer`` is the OpenAI chat-completions body with the tool calls parsed into
+    ``choices[0].message.tool_calls`` (llama-server parses them; for OpenVINO the backend does,
+    with the model family's parser). ``facts`` are backend-specific fields for the record."""
+
+    answer: dict[str, Any]
+    template: str  # which template formatted the prompt (named in a failed probe)
+    supports_tools: bool | None  # what the server says of the template; None: it did not say
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
+    facts: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ChatFailed(Exception):
+    """The call got no usable answer: ``cause`` (timeout, transport, server_exited, http_status,
+    runtime_error, status, prose), ``what`` happened, ``hint`` what to do, ``details`` for the record."""
+
+    def __init__(self, cause: str, what: str, hint: str, **details: Any) -> None:
+        super().__init__(what)
+        self.cause = cause
+        self.what = what
+        self.hint = hint
+        self.details = details
+
+
+class AllocationReport(Protocol):
+    """A backend's verified allocation beside the plan's estimate (never merged)."""
+
+    verdict: str  # "pass" | "fail"
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+    planned_hot_context_tokens: int
+    estimated_kv_bytes: int
+
+    @property
+    def actual_kv_bytes(self) -> int | None: ...
+
+    @property
+    def ratio(self) -> float | None: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+    def event_facts(self) -> dict[str, Any]:
+        """The fields of the ``recheck.*`` events."""
+        ...
+
+    def warning_event(self, warning: str) -> str:
+        """The event name a warning is logged under."""
+        ...
+
+
+class Session(Protocol):
+    """An opened model server (valid inside :meth:`Backend.open`'s ``async with``)."""
+
+    backend: BackendName
+    server_name: str  # "llama-server", "OpenVINO": how messages name the server
+    plan: Plan
+    run_dir: Path
+    log_path: Path
+    load_seconds: float
+
+    @property
+    def pid(self) -> int: ...
+
+    def returncode(self) -> int | None: ...
+
+    def describe_exit(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]:
+        """What the load record keeps (no secret)."""
+        ...
+
+    def load_figures(self) -> dict[str, Any]:
+        """The load stage's figures for the run summary."""
+        ...
+
+    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatAnswer:
+        """One chat completion of ``request`` (OpenAI body: messages, tools, tool_choice, max_tokens);
+        raises :class:`ChatFailed`. ``purpose`` names the call in messages ("the tool-call probe")."""
+        ...
+
+    def tool_call_fix(self, cause: str, answer: ChatAnswer | None) -> str:
+        """What the operator does about a failed tool call of ``cause`` on this server."""
+        ...
+
+    def chat_endpoint(self) -> AbstractAsyncContextManager[ChatEndpoint]:
+        """The grade's multi-turn endpoint on this session."""
+        ...
+
+    async def allocation_report(self, plan: Plan, *, floor_tokens: int, tolerance: float,
+                                timeout_s: float) -> AllocationReport:
+        """Read what the session really allocated and judge it against ``plan`` (no raise for a
+        failed verdict; raises ``AllocationMismatch`` only when nothing can be read)."""
+        ...
+
+
+class Backend(Protocol):
+    """One kind of model server."""
+
+    name: BackendName
+
+    def preflight(self, plan: Plan, settings: Settings) -> BackendBinary:
+        """Refuse, with the fix named, a plan this machine cannot serve (before any download)."""
+        ...
+
+    def device_env(self, plan: Plan) -> dict[str, str]:
+        """The variables that pin a child to the planned device (none where argv does it)."""
+        ...
+
+    def open(self, plan: Plan, files: ModelFiles, *, run_dir: Path, binary: BackendBinary | None,
+             settings: Settings) -> AbstractAsyncContextManager[Session]:
+        """Start the server for ``plan``; yield the healthy :class:`Session`; always reap it."""
+        ...
+
+    async def serve_command(self, plan: Plan, files: ModelFiles, *, host: str, port: int,
+                            api_key_file: Path | None, binary: BackendBinary | None, settings: Settings,
+                            model_name: str = "", verified: Mapping[str, Any] | None = None) -> ServeCommand:
+        """The long-running server for a provisioned model, with the load stage's settings and
+        device pin (``verified``: the manifest's measured facts where the command needs them)."""
+        ...

@@ -1,0 +1,59 @@
+"""llama-server as a :class:`backends.base.Backend`: discovery, start, and ``hotfit serve``'s command."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+
+from backends.base import BackendBinary, ModelFiles, ServeCommand
+from backends.llama_server.discovery import ServerBinary, find_llama_server
+from backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
+from backends.llama_server.process import LoadedServer, open_server
+from core.plan import Plan
+from core.settings import Settings
+
+__all__ = ["LlamaServerBackend"]
+
+
+class LlamaServerBackend:
+    name: Literal["llama"] = "llama"
+
+    def preflight(self, plan: Plan, settings: Settings) -> ServerBinary:
+        """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and
+        the plan's device (issue 9 item 4); blocking (run it in a thread)."""
+        return find_llama_server(settings, device_kind=plan.probe.device.kind)
+
+    async def _binary(self, plan: Plan, settings: Settings, binary: BackendBinary | None) -> ServerBinary:
+        if isinstance(binary, ServerBinary):
+            return binary  # the plan stage's preflight: found once per run
+        return await anyio.to_thread.run_sync(functools.partial(self.preflight, plan, settings))
+
+    def device_env(self, plan: Plan) -> dict[str, str]:
+        return device_env(plan)
+
+    @contextlib.asynccontextmanager
+    async def open(self, plan: Plan, files: ModelFiles, *, run_dir: Path, binary: BackendBinary | None,
+                   settings: Settings) -> AsyncIterator[LoadedServer]:
+        found = await self._binary(plan, settings, binary)
+        async with open_server(plan, files.weights, binary=found.server_path, run_dir=run_dir,
+                               template_path=files.template, build=found.build,
+                               embedded_template=files.embedded_template) as server:
+            yield server
+
+    async def serve_command(self, plan: Plan, files: ModelFiles, *, host: str, port: int,
+                            api_key_file: Path | None, binary: BackendBinary | None, settings: Settings,
+                            model_name: str = "", verified: Mapping[str, Any] | None = None) -> ServeCommand:
+        """llama-server with the load stage's argv and environment (device pin included); the key
+        comes from ``api_key_file`` (never argv), so the environment carries none."""
+        found = await self._binary(plan, settings, binary)
+        features = await probe_server_features(found.server_path)
+        argv = llama_server_argv(plan, files.weights, files.template, port, binary=found.server_path,
+                                 features=features, host=host, api_key_file=api_key_file)
+        # child_env with an empty base: exactly the variables hotfit sets (the device pin)
+        return ServeCommand("llama-server", tuple(argv), child_env(plan, None, {}),
+                            unset=("LLAMA_ARG_*", API_KEY_ENV))

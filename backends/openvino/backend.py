@@ -1,0 +1,103 @@
+"""OpenVINO GenAI as a :class:`backends.base.Backend`: runtime check, session, and the OVMS command.
+
+``hotfit serve`` cannot run an OpenVINO model itself: no maintained OpenAI-compatible server for
+OpenVINO GenAI is on PyPI. :meth:`OpenVinoBackend.serve_command` gives the OpenVINO Model Server
+(OVMS) command with the verified settings instead, for the operator to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from backends.base import BackendBinary, ModelFiles, ServeCommand
+from backends.openvino.config import OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision, require_openvino
+from backends.openvino.session import OpenVinoSession, open_openvino_session
+from core.plan import Plan
+from core.settings import Settings
+
+__all__ = ["GB", "OVMS_TOOL_PARSERS", "OpenVinoBackend", "OpenVinoRuntime", "ovms_argv", "ovms_cache_size_gb"]
+
+# OVMS's --tool_parser per hotfit tool-call family (backends.openvino.toolcall.tool_call_family), as
+# OVMS names them (openvinotoolkit/model_server: src/llm/io_processing, demos' export_model.py choices).
+OVMS_TOOL_PARSERS: dict[str, str] = {"hermes": "hermes3", "harmony": "gptoss", "qwen3_coder": "qwen3coder",
+                                     "phi4": "phi4"}
+GB = 1 << 30
+
+
+def ovms_cache_size_gb(kv_bytes: int) -> int:
+    """Pure: OVMS takes the KV cache in whole GB (``--cache_size``); rounded up, at least 1, so the
+    verified window always fits (OVMS allocates that much, a little more than was verified)."""
+    return max(1, -(-kv_bytes // GB))
+
+
+def ovms_argv(*, model_name: str, model_path: str, device: str, kv_bytes: int, family: str | None,
+              host: str, port: int) -> list[str]:
+    """Pure: the ``ovms`` command line serving the verified OpenVINO snapshot with the verified
+    settings: the snapshot directory, the device, one sequence (max_num_seqs 1, like hotfit's
+    session), the KV cache in whole GB covering the verified bytes, and the family's tool parser."""
+    argv = [
+        "ovms", "--rest_bind_address", host, "--rest_port", str(port),
+        "--model_name", model_name, "--model_path", model_path,
+        "--task", "text_generation", "--target_device", device,
+        "--cache_size", str(ovms_cache_size_gb(kv_bytes)), "--max_num_seqs", "1",
+        "--enable_prefix_caching", "false",
+    ]  # fmt: skip
+    parser = OVMS_TOOL_PARSERS.get(str(family))
+    if parser:
+        argv += ["--tool_parser", parser]
+    return argv
+
+
+@dataclass(frozen=True)
+class OpenVinoRuntime:
+    """What the OpenVINO preflight checked (OpenVINO's :class:`backends.base.BackendBinary`)."""
+
+    genai_version: str
+    device: str
+    kv_precision: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": "openvino", "genai_version": self.genai_version, "device": self.device,
+                "kv_precision": self.kv_precision}
+
+
+class OpenVinoBackend:
+    name: Literal["openvino"] = "openvino"
+
+    def preflight(self, plan: Plan, settings: Settings) -> OpenVinoRuntime:
+        """The extra importable, a device and a KV precision the session takes — each refused
+        here with its fix rather than after the download."""
+        require_openvino()
+        try:  # the installed release (the record names what ran, not what was pinned)
+            version = importlib.metadata.version("openvino-genai")
+        except importlib.metadata.PackageNotFoundError:
+            version = OPENVINO_GENAI_VERSION
+        return OpenVinoRuntime(version, openvino_device(plan), openvino_kv_precision(plan.kv_cache_type))
+
+    def device_env(self, plan: Plan) -> dict[str, str]:
+        return {}  # the device is a pipeline argument (openvino_device), not an environment variable
+
+    @contextlib.asynccontextmanager
+    async def open(self, plan: Plan, files: ModelFiles, *, run_dir: Path, binary: BackendBinary | None,
+                   settings: Settings) -> AsyncIterator[OpenVinoSession]:
+        async with open_openvino_session(plan, files.weights, run_dir) as session:
+            yield session
+
+    async def serve_command(self, plan: Plan, files: ModelFiles, *, host: str, port: int,
+                            api_key_file: Path | None, binary: BackendBinary | None, settings: Settings,
+                            model_name: str = "", verified: Mapping[str, Any] | None = None) -> ServeCommand:
+        """The OVMS command (``verified``: the manifest's ``measured`` figures and its ``openvino``
+        record: session settings and tool-call family)."""
+        verified = verified or {}
+        openvino = dict(verified.get("openvino") or {})
+        session = dict(openvino.get("session") or {})
+        kv_bytes = int(verified.get("actual_kv_bytes") or plan.estimated_kv_bytes)
+        argv = ovms_argv(model_name=model_name or plan.entry.name, model_path=str(files.weights),
+                         device=session.get("device") or "CPU", kv_bytes=kv_bytes,
+                         family=openvino.get("tool_call_family"), host=host, port=port)
+        return ServeCommand("ovms", tuple(argv))

@@ -1,0 +1,289 @@
+"""The Backend boundary (issue 11 item 5): the stages drive any Backend, and serve pins like load.
+
+A fake Backend (no process, no HTTP, no llama-server names) drives load, probe-tool-call and
+re-check: what they write and raise comes from the stage logic over the boundary's types only.
+The serve tests build llama-server's command through the same boundary as load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import backends.llama_server.discovery
+import backends.select
+from backends.base import ChatAnswer, ChatFailed, ModelFiles, ServeCommand
+from backends.llama_server.backend import LlamaServerBackend
+from backends.llama_server.flags import API_KEY_ENV
+from backends.openvino.backend import OpenVinoBackend
+from core.errors import AllocationMismatch, ToolCallProbeFailed
+from core.plan import Device, ProbeResult
+from core.settings import load_settings
+from grading.protocol import SLOT_FRESH_PROMPT
+from registry.kv import parse_kv_cache_type
+from stages import load as load_stage
+from stages.plan import build_plan
+from stages.probe_tool_call import PROBE_FILE, PROBE_TOOL, PROBE_TOOL_NAME, probe_request, probe_tool_call
+from stages.recheck import RECHECK_FILE, recheck_allocation
+from tests.e2e_support import GiB, fixture_entry, sha256_of
+from tests.gguf_fixtures import pinned_template, require_llama_server, write_tool_call_model
+from tests.openvino_fixtures import make_ov_fixture, ov_plan, require_openvino_genai
+from tests.test_load import fixture_plan
+
+pytestmark = pytest.mark.anyio
+
+CALL = {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+    {"type": "function", "function": {"name": PROBE_TOOL_NAME, "arguments": '{"text": "ping"}'}}]}}]}
+PROSE = {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "Hello there."}}]}
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeReport:
+    verdict: str
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+    planned_hot_context_tokens: int
+    estimated_kv_bytes: int
+    actual_kv_bytes: int | None
+    ratio: float | None
+    opened_context_tokens: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def event_facts(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "backend": "fake"}
+
+    def warning_event(self, warning: str) -> str:
+        return "recheck.kv_below_estimate"
+
+
+class FakeSession:
+    backend = "fake"
+    server_name = "fake server"
+    load_seconds = 0.25
+    pid = 4242
+
+    def __init__(self, plan: Any, run_dir: Path, *, answer: Any, report: FakeReport) -> None:
+        self.plan, self.run_dir, self.log_path = plan, run_dir, run_dir / "fake.log"
+        self._answer, self._report = answer, report
+        self.requests: list[dict[str, Any]] = []
+
+    def returncode(self) -> int | None:
+        return None
+
+    def describe_exit(self) -> str:
+        return "still running"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid}
+
+    def load_figures(self) -> dict[str, Any]:
+        return {"pid": self.pid}
+
+    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatAnswer:
+        self.requests.append(dict(request))
+        if isinstance(self._answer, ChatFailed):
+            raise self._answer
+        return ChatAnswer(answer=self._answer, template="fake template", supports_tools=True,
+                          generation_tokens_per_s=12.5, facts={"family": "fake-family"})
+
+    def tool_call_fix(self, cause: str, answer: ChatAnswer | None) -> str:
+        return f"fix the fake server ({cause})"
+
+    def chat_endpoint(self) -> Any:
+        raise NotImplementedError
+
+    async def allocation_report(self, plan: Any, *, floor_tokens: int, tolerance: float,
+                                timeout_s: float) -> FakeReport:
+        return self._report
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeBinary:
+    path: str = "/opt/fake-server"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self, **session: Any) -> None:
+        self.session_args = session
+        self.preflights = 0
+        self.opened: list[tuple[ModelFiles, Any]] = []
+
+    def preflight(self, plan: Any, settings: Any) -> Any:
+        self.preflights += 1
+        return FakeBinary()
+
+    def device_env(self, plan: Any) -> dict[str, str]:
+        return {}
+
+    @contextlib.asynccontextmanager
+    async def open(self, plan: Any, files: ModelFiles, *, run_dir: Path, binary: Any,
+                   settings: Any) -> AsyncIterator[FakeSession]:
+        self.opened.append((files, binary))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        yield FakeSession(plan, run_dir, **self.session_args)
+
+
+def _report(verdict: str = "pass", problems: tuple[str, ...] = ()) -> FakeReport:
+    return FakeReport(verdict, problems, (), 32768, 1000, 990, 0.99, 32768)
+
+
+@pytest.fixture
+def cpu_plan(tmp_path: Path) -> Any:
+    info = write_tool_call_model(tmp_path / "m.gguf")
+    entry = fixture_entry("fx-boundary", info, repo="hotfit-fixtures/fx-boundary-GGUF", revision="b" * 40,
+                          sha256=sha256_of(info.path), params_b=0.02, template=None)
+    probe = ProbeResult(devices=(Device(0, "cpu", "host memory", 64 * GiB, 48 * GiB),), selected=0)
+    plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
+    assert plan is not None and plan.backend == "llama"
+    return plan
+
+
+def _fake(plan: Any) -> Any:
+    return dataclasses.replace(plan, entry=dataclasses.replace(plan.entry, backend="fake"))
+
+
+def _use(monkeypatch: pytest.MonkeyPatch, backend: FakeBackend) -> None:
+    monkeypatch.setitem(backends.select.BACKENDS, "fake", backend)
+
+
+async def test_the_three_stages_drive_a_fake_backend(cpu_plan: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeBackend(answer=CALL, report=_report())
+    _use(monkeypatch, fake)
+    plan = _fake(cpu_plan)
+    binary = load_stage.preflight(plan, load_settings())
+    files = ModelFiles(tmp_path / "m.gguf")
+    async with load_stage.open_session(plan, files, run_dir=tmp_path / "run", settings=load_settings(),
+                                       binary=binary) as session:
+        probe = await probe_tool_call(session)
+        report = await recheck_allocation(session)
+        result = load_stage.LoadResult.opened(session, binary)
+    assert fake.preflights == 1 and fake.opened == [(files, FakeBinary())]  # the preflight rode in
+    assert probe.verdict.passed and probe.verdict.arguments == {"text": "ping"}
+    assert probe.family == "fake-family" and probe.generation_tokens_per_s == 12.5
+    assert session.requests[0]["tool_choice"] == "required" and session.requests[0]["tools"][0]["function"]["name"] \
+        == PROBE_TOOL_NAME
+    record = json.loads((tmp_path / "run" / PROBE_FILE).read_text())
+    assert record["outcome"] == "pass" and record["family"] == "fake-family" and record["template"] == "fake template"
+    assert report.verdict == "pass"
+    assert json.loads((tmp_path / "run" / RECHECK_FILE).read_text())["actual_kv_bytes"] == 990
+    assert result.to_json() == {"pid": 4242, "backend": {"path": "/opt/fake-server"}}
+
+
+async def test_a_prose_answer_fails_with_the_backends_own_fix(cpu_plan: Any, tmp_path: Path) -> None:
+    session = FakeSession(cpu_plan, tmp_path, answer=PROSE, report=_report())
+    with pytest.raises(ToolCallProbeFailed) as err:
+        await probe_tool_call(session)
+    assert err.value.details["cause"] == "ignored_tools" and err.value.details["backend"] == "fake"
+    assert "fix the fake server (ignored_tools)" in (err.value.hint or "")
+    assert json.loads((tmp_path / PROBE_FILE).read_text())["outcome"] == "fail"
+
+
+async def test_a_failed_call_keeps_the_backends_cause_and_details(cpu_plan: Any, tmp_path: Path) -> None:
+    dead = ChatFailed("server_exited", "the fake server died during the tool-call probe", "look at it",
+                      returncode=-9)
+    session = FakeSession(cpu_plan, tmp_path, answer=dead, report=_report())
+    with pytest.raises(ToolCallProbeFailed) as err:
+        await probe_tool_call(session)
+    assert str(err.value).startswith("the fake server died") and err.value.details["cause"] == "server_exited"
+    assert err.value.details["returncode"] == -9 and not (tmp_path / PROBE_FILE).exists()
+
+
+async def test_a_failed_allocation_fails_closed_naming_the_server(cpu_plan: Any, tmp_path: Path) -> None:
+    session = FakeSession(cpu_plan, tmp_path, answer=CALL,
+                          report=_report("fail", ("slot 0 opened 4096 tokens, below the planned 32768",)))
+    with pytest.raises(AllocationMismatch) as err:
+        await recheck_allocation(session)
+    assert "the opened fake server session does not hold what was planned" in str(err.value)
+    assert "4096 tokens" in str(err.value) and err.value.details["verdict"] == "fail"
+    assert json.loads((tmp_path / RECHECK_FILE).read_text())["verdict"] == "fail"
+
+
+# ----------------------------------------------------------------------------- serve's command and pin
+
+
+def test_serve_environment_drops_overrides_and_a_stale_key_and_adds_the_pin() -> None:
+    command = ServeCommand("llama-server", ("llama-server",), {"CUDA_VISIBLE_DEVICES": "GPU-1"},
+                           unset=("LLAMA_ARG_*", API_KEY_ENV))
+    base = {"PATH": "/bin", "LLAMA_ARG_CTX_SIZE": "4096", API_KEY_ENV: "stale", "CUDA_VISIBLE_DEVICES": "0"}
+    assert command.environment(base) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "GPU-1"}
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize(("device", "env", "argv_pin"), [
+    (Device(1, "nvidia", "big card", 24 * GiB, 20 * GiB, uuid="GPU-8a1c2f0e-1"),
+     {"CUDA_VISIBLE_DEVICES": "GPU-8a1c2f0e-1"}, None),
+    (Device(1, "vulkan", "second gpu", 24 * GiB, 20 * GiB, ggml_device="Vulkan1"), {}, ["-dev", "Vulkan1"]),
+    (Device(0, "cpu", "host memory", 64 * GiB, 48 * GiB), {}, ["-dev", "none"]),
+])
+async def test_serve_pins_the_device_the_way_load_does(cpu_plan: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       device: Device, env: dict[str, str],
+                                                       argv_pin: list[str] | None) -> None:
+    binary = require_llama_server()
+    # Stand-in: this machine has only the CPU build, which a GPU plan rightly refuses; the pin under
+    # test does not depend on the build, so that check is waived here.
+    monkeypatch.setattr(backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
+    monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
+    probe = dataclasses.replace(cpu_plan.probe, devices=(device,), selected=device.index)
+    plan = dataclasses.replace(cpu_plan, probe=probe)
+    llama = LlamaServerBackend()
+    command = await llama.serve_command(plan, ModelFiles(tmp_path / "m.gguf"), host="127.0.0.1", port=8080,
+                                        api_key_file=tmp_path / "key", binary=None, settings=load_settings())
+    assert dict(command.env) == env == llama.device_env(plan)
+    argv = list(command.argv)
+    assert argv[0] == str(binary.absolute()) and argv[argv.index("--api-key-file") + 1] == str(tmp_path / "key")
+    if argv_pin is None:
+        assert "-dev" not in argv
+    else:
+        i = argv.index("-dev")
+        assert argv[i:i + 2] == argv_pin
+
+
+# ----------------------------------------------------------------------------- the grade's endpoint
+
+
+def _call_messages() -> list[dict[str, Any]]:
+    return probe_request()["messages"]
+
+
+@pytest.mark.llama
+async def test_a_llama_session_serves_the_grades_chat_endpoint(tmp_path: Path) -> None:
+    info = write_tool_call_model(tmp_path / "tc.gguf")
+    plan = fixture_plan(info, 32768)
+    files = ModelFiles(info.path, pinned_template(), False)
+    async with LlamaServerBackend().open(plan, files, run_dir=tmp_path / "run",
+                                         binary=None, settings=load_settings()) as session:
+        async with session.chat_endpoint() as endpoint:
+            reply = await endpoint.chat(_call_messages(), [PROBE_TOOL], tool_choice="required", temperature=0,
+                                        max_tokens=128)
+            facts = await endpoint.describe()
+    assert [c["function"]["name"] for c in reply.tool_calls] == [PROBE_TOOL_NAME]
+    assert facts.supports_tools is True and facts.slots == 1 and facts.context_tokens == 32768
+
+
+@pytest.mark.openvino
+async def test_an_openvino_session_serves_the_grades_chat_endpoint(tmp_path: Path) -> None:
+    require_openvino_genai()
+    fx = make_ov_fixture(tmp_path / "ov", "tool-call")
+    async with OpenVinoBackend().open(ov_plan(fx, 32768), ModelFiles(fx.ir_dir), run_dir=tmp_path / "run",
+                                      binary=None, settings=load_settings()) as session:
+        async with session.chat_endpoint() as endpoint:
+            reply = await endpoint.chat(_call_messages(), [PROBE_TOOL], tool_choice="required", max_tokens=64)
+            facts = await endpoint.describe()
+            assert await endpoint.reset() == SLOT_FRESH_PROMPT  # prefix caching is off: nothing to erase
+    assert [c["function"]["name"] for c in reply.tool_calls] == [PROBE_TOOL_NAME]
+    assert json.loads(reply.tool_calls[0]["function"]["arguments"])["text"] is not None
+    assert facts.slots == 1 and facts.context_tokens is not None and facts.context_tokens >= 32768
