@@ -39,6 +39,7 @@ import anyio
 from core.errors import HotfitError, Interrupted
 from core.log import bind, get_logger, unbind
 from core.plan import canonical_json
+from download import check_disk
 from state.store import StageRecord, StateStore
 
 T = TypeVar("T")
@@ -334,8 +335,6 @@ STAGE_NAMES: tuple[str, ...] = (
 )
 SESSION_STAGES: tuple[str, ...] = ("load", "probe-tool-call", "re-check")
 SERVER_SESSION = "llama-server"
-# Spec (contenox `auto`): free disk for artifact + projector + this margin before downloading.
-DISK_MARGIN_BYTES = 512 * 1024 * 1024
 
 
 def _pins(ctx: StageContext) -> dict[str, Any]:
@@ -465,47 +464,6 @@ def _plan_figures(plan: Any) -> dict[str, Any]:
             "kv_cache_type": plan.kv_cache_type, "kv_cache_type_source": plan.kv_cache_type_source,
             "estimated_kv_bytes": plan.estimated_kv_bytes, "usable_bytes": plan.budget.usable_bytes,
             "reused_previous": plan.reused_previous, "explicit_model": plan.explicit_model}
-
-
-def _present_bytes(directory: Path) -> int:
-    total = 0
-    if directory.is_dir():
-        for p in directory.rglob("*"):
-            try:
-                if p.is_file():
-                    total += p.stat().st_size
-            except OSError:
-                pass
-    return total
-
-
-def disk_needed_bytes(entry: Any, present_bytes: int) -> int:
-    """Pure: free disk the fetch still needs (spec: artifact + projector + 512 MiB), less what a
-    previous attempt already left in the model directory."""
-    size = (entry.artifact.size_bytes or 0) if entry.artifact else 0
-    if entry.projector is not None:
-        size += entry.projector.size_bytes or 0
-    return max(size - present_bytes, 0) + DISK_MARGIN_BYTES
-
-
-def check_disk(entry: Any, dest: Path) -> None:
-    import shutil as _shutil
-
-    from core.errors import DiskSpaceError
-
-    probe_dir = dest
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    needed = disk_needed_bytes(entry, _present_bytes(dest))
-    free = _shutil.disk_usage(probe_dir).free
-    log.info("fetch.disk_check", needed_bytes=needed, free_bytes=free, directory=str(dest))
-    if free < needed:
-        raise DiskSpaceError(
-            f"{dest} needs {needed} bytes free (artifact + projector + 512 MiB margin, less what is "
-            f"already there) but the file system has {free}",
-            hint="free disk space or point --home / HOTFIT_HOME at a larger file system",
-            needed_bytes=needed, free_bytes=free, directory=str(dest),
-        )
 
 
 def _model_lock(ctx: StageContext) -> Any:

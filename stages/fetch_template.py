@@ -28,7 +28,7 @@ from core.errors import HubError, IntegrityError, TemplateError, TransferError
 from core.log import get_logger
 from core.settings import Settings
 from core.entry import Entry
-from stages.transfer import (
+from download import (
     HubSession,
     TransferOptions,
     discard_partial,

@@ -3,7 +3,7 @@
 Three layers (issue 4 §2):
 
 1. **Integrity** (:func:`check_integrity`, pure): exact byte size; sha256 — computed while streaming
-   by ``stages.transfer`` — equal to the Hub's LFS sha256 *and* the registry's when pinned; for a
+   by ``download`` — equal to the Hub's LFS sha256 *and* the registry's when pinned; for a
    non-LFS file the git blob sha1 equal to the Hub's ETag.
 2. **GGUF header** (:func:`read_gguf_header`): a bounded parser of the GGUF key/value header (format
    and key names from the ``gguf`` package). Safe on hostile input: every count and length is checked
@@ -39,6 +39,7 @@ from gguf import GGUF_MAGIC, GGUFValueType, Keys
 from core.errors import IntegrityError, TemplateError
 from core.log import get_logger
 from core.entry import Artifact, Entry
+from state.files import write_text_atomic
 
 log = get_logger()
 
@@ -390,8 +391,6 @@ def receipt_path(dest_dir: Path, file: str) -> Path:
 
 
 def write_receipt(dest_dir: Path, file: str, data: dict[str, Any]) -> None:
-    from stages.transfer import write_text_atomic
-
     write_text_atomic(receipt_path(dest_dir, file), json.dumps({"schema": 1, **data}, sort_keys=True))
 
 

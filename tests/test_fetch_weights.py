@@ -31,7 +31,7 @@ from core.errors import (
 from core.settings import Settings, load_settings
 from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from stages.fetch_weights import fetch_weights
-from stages.transfer import TransferOptions, partial_paths
+from download import TransferOptions, partial_paths
 from stages.verify import read_receipt, receipt_path
 from state.locks import FileLock
 from tests.e2e_support import sha256_of

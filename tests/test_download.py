@@ -1,4 +1,4 @@
-"""stages.transfer's pure parts: ordered hashing, header parsing, path safety, block plans, retry waits,
+"""The download engine's pure parts: ordered hashing, header parsing, path safety, block plans, retry waits,
 progress throttling."""
 
 from __future__ import annotations
@@ -14,19 +14,14 @@ from pathlib import Path
 import pytest
 from tenacity import RetryCallState
 
-from stages.transfer import (
-    MAX_BLOCKS,
-    OrderedHasher,
-    ProgressReporter,
-    TransferOptions,
-    _Retryable,
-    _plan_blocks,
-    _read_sidecar,
-    _wait_policy,
-    parse_content_range,
-    parse_retry_after,
-    safe_relpath,
-)
+from download import OrderedHasher, ProgressReporter, TransferOptions, safe_relpath
+from download.disk import bytes_held, preallocate
+from download.engine import plan_blocks
+from download.hub_errors import Retryable, parse_retry_after
+from download.options import MAX_BLOCKS
+from download.retry import StopPolicy, wait_policy
+from download.sidecar import read_sidecar
+from download.stream import parse_content_range
 
 
 @pytest.mark.parametrize("buffer_bytes", [1 << 30, 3000, 0])
@@ -77,9 +72,9 @@ def test_content_range_and_retry_after() -> None:
     assert parse_retry_after("soon") is None
 
 
-def test_wait_policy_prefers_retry_after_and_caps_it() -> None:
+def testwait_policy_prefers_retry_after_and_caps_it() -> None:
     opts = TransferOptions(backoff_initial_s=0.5, backoff_max_s=4, retry_after_cap_s=60)
-    wait = _wait_policy(opts)
+    wait = wait_policy(opts)
 
     def state(exc: BaseException, attempt: int) -> RetryCallState:
         rs = RetryCallState(None, None, (), {})  # type: ignore[arg-type]
@@ -87,9 +82,9 @@ def test_wait_policy_prefers_retry_after_and_caps_it() -> None:
         rs.set_exception((type(exc), exc, None))
         return rs
 
-    assert wait(state(_Retryable("429", retry_after_s=7), 1)) == 7
-    assert wait(state(_Retryable("503", retry_after_s=600), 1)) == 60
-    backoffs = [wait(state(_Retryable("500"), n)) for n in range(1, 8)]
+    assert wait(state(Retryable("429", retry_after_s=7), 1)) == 7
+    assert wait(state(Retryable("503", retry_after_s=600), 1)) == 60
+    backoffs = [wait(state(Retryable("500"), n)) for n in range(1, 8)]
     assert all(0 < b <= 4 + 0.5 for b in backoffs) and backoffs[-1] >= backoffs[0]
 
 
@@ -105,33 +100,32 @@ def test_safe_paths() -> None:
 
 def test_block_plans() -> None:
     opts = TransferOptions()
-    blocks = _plan_blocks(1 << 30, 4, opts, ranges=True)
+    blocks = plan_blocks(1 << 30, 4, opts, ranges=True)
     assert [b.start for b in blocks[:2]] == [0, 64 << 20] and blocks[-1].end == 1 << 30
-    assert len(_plan_blocks(1 << 20, 4, opts, ranges=True)) == 1  # small: one stream
-    assert len(_plan_blocks(1 << 30, 4, opts, ranges=False)) == 1
-    huge = _plan_blocks(1 << 50, 4, TransferOptions(block_bytes=1 << 20), ranges=True)
+    assert len(plan_blocks(1 << 20, 4, opts, ranges=True)) == 1  # small: one stream
+    assert len(plan_blocks(1 << 30, 4, opts, ranges=False)) == 1
+    huge = plan_blocks(1 << 50, 4, TransferOptions(block_bytes=1 << 20), ranges=True)
     assert len(huge) <= MAX_BLOCKS  # bounded whatever the size
 
 
 def test_a_retry_loop_started_late_still_gets_its_window_and_progress_extends_it() -> None:
     import time
 
-    from stages.transfer import _StopPolicy
 
     def failed() -> RetryCallState:
         rs = RetryCallState(None, None, (), {})  # type: ignore[arg-type]
-        rs.set_exception((_Retryable, _Retryable("503"), None))
+        rs.set_exception((Retryable, Retryable("503"), None))
         return rs
 
     opts = TransferOptions(max_attempts_without_progress=100, max_total_retry_s=3600)
     # a block whose first request fails long after the file's own deadline passed: retried
-    stop = _StopPolicy(opts, lambda: 0, deadline=time.monotonic() - 1)
+    stop = StopPolicy(opts, lambda: 0, deadline=time.monotonic() - 1)
     assert stop(failed()) is False
     # no window left and no progress: stop; new bytes arrived: retried again
     done = [0]
-    stop = _StopPolicy(replace(opts, max_total_retry_s=0), lambda: done[0], deadline=time.monotonic() - 1)
+    stop = StopPolicy(replace(opts, max_total_retry_s=0), lambda: done[0], deadline=time.monotonic() - 1)
     assert stop(failed()) is True
-    stop = _StopPolicy(opts, lambda: done[0], deadline=time.monotonic() - 1)
+    stop = StopPolicy(opts, lambda: done[0], deadline=time.monotonic() - 1)
     done[0] = 10
     assert stop(failed()) is False
 
@@ -141,12 +135,12 @@ def test_sidecar_that_does_not_tile_the_file_is_not_trusted(tmp_path: Path) -> N
             "blocks": [[0, 5, 5], [5, 10, 2]]}
     p = tmp_path / "s.json"
     p.write_text(json.dumps(good))
-    assert _read_sidecar(p) is not None
+    assert read_sidecar(p) is not None
     for blocks in ([[0, 5, 6], [5, 10, 0]], [[0, 4, 0], [5, 10, 0]], [[0, 5, 0]]):
         p.write_text(json.dumps({**good, "blocks": blocks}))
-        assert _read_sidecar(p) is None
+        assert read_sidecar(p) is None
     p.write_text("{not json")
-    assert _read_sidecar(p) is None
+    assert read_sidecar(p) is None
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", "\"x\"", "null", "[" * 100_000 + "]" * 100_000,
@@ -157,7 +151,7 @@ def test_sidecar_that_does_not_tile_the_file_is_not_trusted(tmp_path: Path) -> N
 def test_a_damaged_sidecar_is_not_trusted_and_never_crashes(tmp_path: Path, text: str) -> None:
     p = tmp_path / "s.json"
     p.write_text(text)
-    assert _read_sidecar(p) is None
+    assert read_sidecar(p) is None
 
 
 def test_progress_events_are_throttled(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,26 +175,25 @@ def test_progress_events_are_throttled(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> None:
     """A resume must not be refused for space the partial reserved itself (fallocate KEEP_SIZE)."""
-    from stages.transfer import _done_on_disk, _preallocate
 
     partial = tmp_path / "m.gguf.part"
     size = 4 << 20
     fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _preallocate(fd, size)
+        preallocate(fd, size)
     finally:
         os.close(fd)
     if partial.stat().st_blocks == 0:
         pytest.skip("this filesystem does not reserve blocks with fallocate")
     assert partial.stat().st_size == 0  # KEEP_SIZE: the visible size only grows with real bytes
-    assert _done_on_disk(tmp_path / "missing.json", partial) >= size
+    assert bytes_held(tmp_path / "missing.json", partial) >= size
 
 
 @pytest.mark.parametrize("endpoint", ["localhost:8080", "ftp://mirror.example", "http://", "hf-mirror.com/hf"])
 def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoint: str, tmp_path: Path) -> None:
     from core.errors import UsageError
     from core.settings import load_settings
-    from stages.transfer import HubSession
+    from download import HubSession
 
     settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
     with pytest.raises(UsageError) as exc:
@@ -211,7 +204,7 @@ def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoin
 @pytest.mark.parametrize("endpoint", ["https://huggingface.co", "http://127.0.0.1:8080/", "https://mirror.example/hf"])
 def test_http_endpoints_with_or_without_a_path_are_accepted(endpoint: str, tmp_path: Path) -> None:
     from core.settings import load_settings
-    from stages.transfer import HubSession
+    from download import HubSession
 
     settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
     session = HubSession(settings, token=False)
