@@ -29,7 +29,7 @@ import httpx
 from core.errors import HubError, IntegrityError, PinMismatch, TransferError
 from core.log import get_logger
 from download.disk import bytes_held, check_disk_space, preallocate
-from download.hashing import NoHasher, OrderedHasher
+from download.hashing import OrderedHasher
 from download.hub import HubSession, RemoteFile
 from download.hub_errors import Retryable
 from download.options import MAX_BLOCKS, TransferOptions, is_commit, partial_paths
@@ -199,9 +199,8 @@ async def _download_to_partial(
     try:
         while True:
             reporter = progress(size, sum(b.done for b in blocks)) if progress else None
-            hasher: OrderedHasher = (
-                OrderedHasher(fd, size, buffer_bytes=options.hash_buffer_bytes, git_sha1=git_sha1)
-                if options.hash_while_streaming else NoHasher())
+            hasher = OrderedHasher(fd, size, buffer_bytes=options.hash_buffer_bytes, git_sha1=git_sha1,
+                                   hashing=options.hash_while_streaming)
             for b in blocks:  # bytes from an earlier run: read back once when the frontier gets there
                 hasher.mark_on_disk(b.start, b.start + b.done)
             try:
@@ -272,7 +271,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
                 counters["attempts"] += 1
                 url = state["url"] if first else await fresh_url()
                 first = False
-                await stream_block(session, side, block, url, whole=whole, fd=fd, partial=partial, hasher=hasher,
+                await stream_block(session, side, block, url, whole=whole, partial=partial, hasher=hasher,
                                    reporter=reporter, counters=counters)
 
     async def worker() -> None:

@@ -2,22 +2,24 @@
 
 Each block is one ``Range`` request on a pooled connection; the answer is checked against the pin
 (206 with the asked range of a file of the pinned size, or 200 with the pinned length for a whole-file
-stream) before a byte is written. Bytes land at absolute offsets (``pwritev`` of network-sized chunks
-gathered up to ``chunk_bytes``, no copy); whatever is gathered when the stream breaks is still
-written, so a cut loses no received byte. A 200 to a ranged GET is :class:`RangeIgnored`: the
+stream) before a byte is written. Bytes land at absolute offsets (network-sized chunks gathered up to
+``chunk_bytes``, one ``pwritev`` each, no copy); whatever is gathered when the stream breaks is still
+written, so a cut loses no received byte. The event loop only receives: the write-behind thread of
+``download.hashing`` writes, counts and hashes. A 200 to a ranged GET is :class:`RangeIgnored`: the
 scheduler restarts the file as one stream from byte 0.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from core.errors import PinMismatch, TransferError
-from download.disk import DISK_FULL_ERRNOS, disk_error, start_writeback
-from download.hashing import OrderedHasher
+from download.disk import DISK_FULL_ERRNOS, disk_error
+from download.hashing import WRITE_QUEUE_BYTES, OrderedHasher
 from download.hub import HubSession
 from download.hub_errors import Retryable, hub_error_from_response
 from download.progress import ProgressReporter
@@ -78,11 +80,11 @@ def _check_answer(resp: Any, session: HubSession, side: Sidecar, block: Block, o
 
 
 class _Writer:
-    """Gathers received chunks and writes them at their absolute offset; counts what landed."""
+    """Gathers received chunks and hands them to the write-behind thread at their absolute offset."""
 
-    def __init__(self, fd: int, partial: Path, block: Block, pos: int, hasher: OrderedHasher,
+    def __init__(self, partial: Path, block: Block, pos: int, hasher: OrderedHasher,
                  reporter: ProgressReporter | None, counters: dict[str, Any]) -> None:
-        self.fd, self.partial, self.block, self.pos = fd, partial, block, pos
+        self.partial, self.block, self.pos = partial, block, pos
         self.hasher, self.reporter, self.counters = hasher, reporter, counters
         self.parts: list[bytes] = []
         self.gathered = 0
@@ -91,38 +93,33 @@ class _Writer:
         self.parts.append(chunk)
         self.gathered += len(chunk)
 
-    def flush(self) -> None:
-        if not self.parts:
-            return
-        todo, n_todo = self.parts, self.gathered
-        self.parts, self.gathered = [], 0
-        n = 0
-        try:
-            n = os.pwritev(self.fd, todo, self.pos)
-            if n < n_todo:  # short write (file-size limit, disk nearly full): finish byte-wise
-                rest = b"".join(todo)
-                while n < n_todo:
-                    n += os.pwrite(self.fd, memoryview(rest)[n:], self.pos + n)
-        except OSError as exc:
-            if n:  # what did land is kept and counted
-                self._account(b"".join(todo)[:n])
+    async def flush(self) -> None:
+        if self.parts:
+            todo, n = self.parts, self.gathered
+            self.parts, self.gathered = [], 0
+            self.hasher.write(self.pos, todo, n, self.block)
+            self.pos += n
+            self.counters["transferred"] += n
+            if self.reporter:
+                self.reporter.advance(n)
+        self.raise_write_error()
+        if self.hasher.write_queued_bytes > WRITE_QUEUE_BYTES:  # the disk is slower than the network
+            await anyio.to_thread.run_sync(self.hasher.wait_written, WRITE_QUEUE_BYTES // 2)
+
+    async def drain(self) -> None:
+        """Wait until every byte handed over is written (``block.done`` is then exact)."""
+        await anyio.to_thread.run_sync(self.hasher.wait_written, 0)
+        self.raise_write_error()
+
+    def raise_write_error(self) -> None:
+        if self.hasher.write_error is not None:
+            exc, at = self.hasher.write_error
             if exc.errno in DISK_FULL_ERRNOS:
-                raise disk_error(exc, self.partial, self.pos) from exc
-            raise
-        start_writeback(self.fd, self.pos, n_todo)
-        self._account(todo)
-
-    def _account(self, data: bytes | list[bytes]) -> None:
-        n = len(data) if isinstance(data, bytes) else sum(map(len, data))
-        self.hasher.feed(self.pos, data)
-        self.pos += n
-        self.block.done += n
-        self.counters["transferred"] += n
-        if self.reporter:
-            self.reporter.advance(n)
+                raise disk_error(exc, self.partial, at) from exc
+            raise exc
 
 
-async def stream_block(session: HubSession, side: Sidecar, block: Block, url: str, *, whole: bool, fd: int,
+async def stream_block(session: HubSession, side: Sidecar, block: Block, url: str, *, whole: bool,
                        partial: Path, hasher: OrderedHasher, reporter: ProgressReporter | None,
                        counters: dict[str, Any]) -> None:
     """GET what ``block`` still lacks from ``url`` and write it in place; Retryable when the stream
@@ -133,7 +130,7 @@ async def stream_block(session: HubSession, side: Sidecar, block: Block, url: st
     async with session.client.stream("GET", url, headers=session.headers_for(url, extra),
                                      follow_redirects=True) as resp:
         _check_answer(resp, session, side, block, offset, whole)
-        writer = _Writer(fd, partial, block, offset, hasher, reporter, counters)
+        writer = _Writer(partial, block, offset, hasher, reporter, counters)
         try:
             async for chunk in resp.aiter_raw():
                 room = block.end - writer.pos - writer.gathered
@@ -145,8 +142,12 @@ async def stream_block(session: HubSession, side: Sidecar, block: Block, url: st
                     chunk = chunk[:room]
                 writer.add(chunk)
                 if writer.gathered >= chunk_bytes:
-                    writer.flush()
+                    await writer.flush()
         finally:
-            writer.flush()
+            # Even when the stream broke: what was received is written, and a retry resumes at the
+            # exact ``block.done``. Shielded: a cancelled download still leaves its bytes counted.
+            with anyio.CancelScope(shield=True):
+                await writer.flush()
+                await writer.drain()
     if not block.complete:
         raise Retryable(f"{side.file}: connection closed at byte {writer.pos} of block ending {block.end}")
