@@ -161,7 +161,8 @@ async def _download_to_partial(
         raise HubError(f"{repo}/{path}: the Hub did not report a size and the registry has none",
                        hint="pin the entry's size_bytes", repo=repo, file=path)
     if max_size_bytes is not None and size > max_size_bytes:  # before a byte is fetched
-        raise IntegrityError(f"{repo}/{path} is too large: {size} bytes, more than the {max_size_bytes} such a file may have",
+        raise IntegrityError(f"{repo}/{path} is too large: {size} bytes, more than the {max_size_bytes} such a "
+                             "file may have",
                              hint="the entry names the wrong file; fix it after review", field="size_bytes",
                              repo=repo, file=path, size_bytes=size, max_size_bytes=max_size_bytes)
     if expected_sha256 and remote.lfs_sha256 and remote.lfs_sha256 != expected_sha256:

@@ -91,7 +91,8 @@ class HubSession:
     def __init__(self, settings: Settings, options: TransferOptions | None = None,
                  token: str | None | bool = None) -> None:
         # Offline, nothing is requested: a stale HF_ENDPOINT must not break a rerun from disk.
-        self.endpoint = settings.hf_endpoint.rstrip("/") if settings.hf_offline else check_endpoint(settings.hf_endpoint)
+        self.endpoint = (settings.hf_endpoint.rstrip("/") if settings.hf_offline
+                         else check_endpoint(settings.hf_endpoint))
         self.offline = settings.hf_offline
         self.options = options or TransferOptions(connections=settings.download_connections)
         self._token = resolve_token() if token is None else (token or None)

@@ -127,7 +127,8 @@ async def head_retrying(session: HubSession, repo: str, revision: str, path: str
     counts the attempts; ``done_bytes`` says what the error may promise is kept on disk."""
     url = session.resolve_url(repo, revision, path)
     try:
-        async for attempt in retrying(session.options, deadline=deadline, before_sleep=log_retry(repo, path, lambda: url)):
+        async for attempt in retrying(session.options, deadline=deadline,
+                                      before_sleep=log_retry(repo, path, lambda: url)):
             with attempt:
                 if counters is not None:
                     counters["attempts"] += 1

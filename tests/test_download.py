@@ -10,6 +10,7 @@ import os
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tenacity import RetryCallState
