@@ -243,7 +243,7 @@ def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
             raise
         if is_not_a_hub(mapped):
             raise mapped from exc
-        return mapped.what
+        return f"{mapped.what}; {mapped.hint}" if mapped.hint else mapped.what
     files: dict[str, FileFacts] = {}
     for sib in info.siblings or ():
         lfs = getattr(sib, "lfs", None)
