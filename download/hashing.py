@@ -87,6 +87,11 @@ class OrderedHasher:
     def write_queued_bytes(self) -> int:
         return self._write_queued
 
+    @property
+    def thread_error(self) -> BaseException | None:
+        """What stopped the thread (a read-back that failed): nothing handed over after it is written."""
+        return self._error
+
     def wait_written(self, below_bytes: int = 0) -> None:
         """Block (in a worker thread) until at most ``below_bytes`` wait to be written, or the thread
         has stopped."""

@@ -112,6 +112,8 @@ class _Writer:
         self.raise_write_error()
 
     def raise_write_error(self) -> None:
+        if self.hasher.thread_error is not None:
+            raise self.hasher.thread_error
         if self.hasher.write_error is not None:
             exc, at = self.hasher.write_error
             if exc.errno in DISK_FULL_ERRNOS:

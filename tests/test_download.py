@@ -429,3 +429,30 @@ def test_a_failed_write_is_kept_for_the_loop_and_later_writes_are_dropped(tmp_pa
         w.abort()
     finally:
         os.close(fd)
+
+
+def test_a_thread_that_died_is_raised_by_the_next_write_not_retried_in_silence(tmp_path: Path) -> None:
+    import anyio
+
+    from download.sidecar import Block
+    from download.stream import _Writer
+
+    path = tmp_path / "f"
+    path.write_bytes(b"")  # empty: the resume read-back of bytes 0-10 finds nothing
+    fd = os.open(path, os.O_RDWR)
+    try:
+        w = OrderedHasher(fd, 20, buffer_bytes=100)
+        w.mark_on_disk(0, 10)
+        b = Block(10, 20)
+        writer = _Writer(path, b, 10, w, None, {"transferred": 0})
+        writer.add(b"x" * 10)
+
+        async def go() -> None:
+            await writer.flush()
+            await writer.drain()
+
+        with pytest.raises(OSError, match="short read at byte 0"):
+            anyio.run(go)
+        w.abort()
+    finally:
+        os.close(fd)
