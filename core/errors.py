@@ -4,7 +4,8 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
 
     HotfitError                        exit 1   (never raised bare)
     ├── UsageError                     exit 2   bad CLI argument, env var or config value
-    │   └── RegistryError              exit 2   curated registry file fails its schema
+    │   ├── RegistryError              exit 2   curated registry file fails its schema
+    │   └── StageRecordError           exit 2   a stage record in state.db does not decode (the stage reruns)
     ├── NoModelQualifies               exit 3   fail closed: nothing agentic fits this budget
     ├── TransferError                  exit 4   fetch-weights / fetch-template / verify
     │   ├── HubError                   exit 4   the Hub answered with an error (repo, revision, entry, gated)
@@ -34,6 +35,7 @@ __all__ = [
     "HotfitError",
     "UsageError",
     "RegistryError",
+    "StageRecordError",
     "NoModelQualifies",
     "TransferError",
     "HubError",
@@ -85,6 +87,13 @@ class UsageError(HotfitError):
 
 class RegistryError(UsageError):
     code = "registry"
+
+
+class StageRecordError(UsageError):
+    """A stage's stored outputs do not decode into its result type (damaged, or written by another
+    version). The runner logs it and runs the stage again rather than trusting the record."""
+
+    code = "stage_record"
 
 
 class NoModelQualifies(HotfitError):

@@ -11,14 +11,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from core.decode import stage_record_fail
 from core.entry import Entry
+from core.records import Fields
 
 # "vulkan": a GPU seen only through a Vulkan llama-server's device list (Intel, lavapipe, an AMD
 # card without sysfs VRAM counters); its memory figures are what ggml's Vulkan backend reports.
 DeviceKind = Literal["nvidia", "amd", "vulkan", "cpu"]
+DEVICE_KINDS: tuple[str, ...] = typing.get_args(DeviceKind)
+PROBE_SCHEMA = 1
+_GGML_DEVICE_RE = re.compile(r"[A-Za-z]+\d+")  # 'Vulkan0', 'CUDA1': load passes it to -dev
 
 
 @dataclass(frozen=True)
@@ -45,11 +53,53 @@ class ProbeResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schema": 1,
+            "schema": PROBE_SCHEMA,
             "devices": [dataclasses.asdict(d) for d in self.devices],
             "selected": self.selected,
             "notes": list(self.notes),
         }
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> ProbeResult:
+        """The probe stage's record (``to_json()``) back into it, through the one probe decoder
+        (:func:`decode_probe`); StageRecordError names a damaged field."""
+        return decode_probe(record, Fields(stage_record_fail, noun="probe"))
+
+
+_DEVICE_REQUIRED = ("index", "kind", "name", "total_bytes", "free_bytes")
+_DEVICE_OPTIONAL = ("uuid", "processes_used_bytes", "ggml_device")
+
+
+def decode_probe(data: Any, f: Fields) -> ProbeResult:
+    """The one decoder of a probe's JSON (``ProbeResult.to_json``): a saved probe file
+    (``hotfit probe --save``) and the probe inside a manifest's plan. Errors come from ``f``."""
+    doc = f.object(data, "", ("schema", "devices", "selected"), optional=("notes",), extra=True)
+    f.equal(doc["schema"], "schema", PROBE_SCHEMA, "write it with 'hotfit probe --save FILE'")
+    devices: list[Device] = []
+    for i, raw in enumerate(f.items(doc["devices"], "devices", non_empty=True, what="the probed devices")):
+        d = f.at(f"devices[{i}]")
+        obj = d.object(raw, "", _DEVICE_REQUIRED, optional=_DEVICE_OPTIONAL, extra=True)
+        index = d.integer(obj["index"], "index", minimum=0)
+        kind = d.choice(obj["kind"], "kind", DEVICE_KINDS)
+        name = d.string(obj["name"], "name", blank=True)
+        total = d.integer(obj["total_bytes"], "total_bytes")
+        free = d.integer(obj["free_bytes"], "free_bytes", minimum=0)
+        if free > total:
+            raise d.fail("free_bytes", f"({free}) exceeds total_bytes ({total})", "a device frees at most its total")
+        uuid = d.string(obj.get("uuid"), "uuid", nullable=True, blank=True)
+        used = d.integer(obj.get("processes_used_bytes"), "processes_used_bytes", minimum=0, nullable=True)
+        ggml_device = d.matching(obj.get("ggml_device"), "ggml_device", _GGML_DEVICE_RE,
+                                 "a device name such as 'Vulkan0'", "write llama-server's device name, or null",
+                                 nullable=True)
+        if any(x.index == index for x in devices):
+            raise d.fail("index", f"{index} appears twice", "give every device its own index")
+        devices.append(Device(index=index, kind=kind, name=name, total_bytes=total, free_bytes=free,
+                              uuid=uuid, processes_used_bytes=used, ggml_device=ggml_device))
+    selected = doc["selected"]
+    if isinstance(selected, bool) or not isinstance(selected, int) or all(x.index != selected for x in devices):
+        raise f.fail("selected", f"must be the index of a listed device, got {selected!r}",
+                     f"use one of: {', '.join(str(x.index) for x in devices)}")
+    return ProbeResult(devices=tuple(devices), selected=selected, notes=f.strings(doc.get("notes", []), "notes"))
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from core.entry import BACKENDS
 from core.errors import UsageError
-from state.files import write_text_atomic
+from core.plan import BudgetBreakdown, Plan, decode_probe
+from core.records import Fields, parse_json
+from registry.schema import decode_entry
+from state.files import read_text_document, write_text_atomic
 
 SCHEMA = 1
+REPROVISION_HINT = "run `hotfit auto` to provision again; it rewrites the manifest and reuses completed downloads"
+_TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
+               "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
+               "measured", "probe_verdict", "llama_cpp", "device", "plan")
+_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend")  # written only when set; backend: since OpenVINO
+_PLAN_FIELDS = ("entry", "probe", "kv_cache_type", "kv_cache_type_source", "hot_context_tokens",
+                "estimated_kv_bytes", "budget", "origin")
+_PLAN_OPTIONAL = ("backend", "reused_previous", "explicit_model")
+KV_CACHE_TYPE_SOURCES = ("env", "flag", "default")
 
 
 @dataclass(frozen=True)
@@ -75,45 +88,36 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: Any) -> "Manifest":
-        """ValueError naming the field when ``data`` is not a manifest this version wrote."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"the top level is {type(data).__name__}, not an object")
-        if data.get("schema") != SCHEMA:
-            raise ValueError(f"manifest schema {data.get('schema')!r} is not {SCHEMA}")
+    def decode(cls, data: Any, f: Fields) -> Manifest:
+        """The one decoder of the manifest document (what :meth:`to_json` writes); errors come from ``f``.
 
-        def text(key: str, *, optional: bool = False) -> Any:
-            value = data.get(key)
-            if (value is None and optional) or isinstance(value, str):
-                return value
-            raise ValueError(f"{key} is {type(value).__name__}, not a string")
+        The plan stays the JSON object it was written as (``serve`` and the worker judge decode it
+        with :func:`plan_from_json` when they need it; a manifest whose plan is unusable still names
+        what was provisioned, for ``status``)."""
+        doc = f.object(data, "", _TOP_FIELDS, optional=_OPTIONAL_FIELDS)
+        f.equal(doc["schema"], "schema", SCHEMA, REPROVISION_HINT)
 
-        def integer(key: str, *, optional: bool = False) -> Any:
-            value = data.get(key)
-            if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
-                return value
-            raise ValueError(f"{key} is {type(value).__name__}, not an integer")
-
-        def mapping(key: str) -> Mapping[str, Any]:
-            value = data.get(key) or {}
-            if not isinstance(value, Mapping):
-                raise ValueError(f"{key} is {type(value).__name__}, not an object")
-            return value
+        def text(key: str, *, nullable: bool = False) -> Any:
+            return f.string(doc.get(key), key, nullable=nullable, blank=True)
 
         return cls(
             run_id=text("run_id"), plan_id=text("plan_id"), written_at=text("written_at"),
             entry_name=text("entry_name"), model_path=text("model_path"),
-            model_size_bytes=integer("model_size_bytes", optional=True),
-            model_sha256=text("model_sha256", optional=True),
-            template_path=text("template_path", optional=True),
-            projector_path=text("projector_path", optional=True),
+            model_size_bytes=f.integer(doc["model_size_bytes"], "model_size_bytes", minimum=0, nullable=True),
+            model_sha256=text("model_sha256", nullable=True),
+            template_path=text("template_path", nullable=True),
+            projector_path=text("projector_path", nullable=True),
             kv_cache_type=text("kv_cache_type"),
-            planned_hot_context_tokens=integer("planned_hot_context_tokens"),
-            measured=mapping("measured"), probe_verdict=mapping("probe_verdict"),
-            llama_cpp=mapping("llama_cpp"), device=mapping("device"),
-            plan=mapping("plan"), extra=mapping("extra"),
-            template_sha256=text("template_sha256", optional=True),
-            backend=text("backend", optional=True) or "llama",  # manifests before OpenVINO: llama
+            planned_hot_context_tokens=f.integer(doc["planned_hot_context_tokens"], "planned_hot_context_tokens"),
+            measured=f.mapping(doc["measured"], "measured", nullable=True),
+            probe_verdict=f.mapping(doc["probe_verdict"], "probe_verdict", nullable=True),
+            llama_cpp=f.mapping(doc["llama_cpp"], "llama_cpp", nullable=True),
+            device=f.mapping(doc["device"], "device", nullable=True),
+            plan=f.mapping(doc["plan"], "plan", nullable=True),
+            extra=f.mapping(doc.get("extra"), "extra", nullable=True),
+            template_sha256=text("template_sha256", nullable=True),
+            # manifests written before OpenVINO have no backend: llama
+            backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or "llama",
         )
 
     @property
@@ -158,61 +162,64 @@ def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:
     """The last provisioning, or None when there is none.
 
     An unreadable file (damaged, hand-edited, another version's) is treated as none, so ``auto``
-    provisions again; with ``strict`` it is a :class:`UsageError` saying why (``serve``, ``status``).
+    provisions again; with ``strict`` it is a :class:`UsageError` naming the file and the field
+    (``serve``, ``status``).
     """
+
+    def fail_document(problem: str, hint: str, **details: Any) -> UsageError:
+        return UsageError(f"manifest {path} is unreadable: {problem}", hint=REPROVISION_HINT,
+                          manifest=str(path), field=None, **details)
+
+    def fail(field_path: str, problem: str, hint: str) -> UsageError:
+        return UsageError(f"manifest {path} is unreadable: field {field_path!r} {problem}", hint=REPROVISION_HINT,
+                          manifest=str(path), field=field_path)
+
     try:
-        return Manifest.from_json(json.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        if not strict:
+        text = read_text_document(path, fail_document, missing_ok=True)
+        if text is None:
             return None
-        raise UsageError(
-            f"manifest {path} is unreadable: {exc}",
-            hint="run `hotfit auto` to provision again; it rewrites the manifest and reuses completed downloads",
-            manifest=str(path),
-        ) from None
+        data = parse_json(text, fail_document, kind="a manifest", shape=REPROVISION_HINT)
+        return Manifest.decode(data, Fields(fail, noun="manifest"))
+    except UsageError:
+        if strict:
+            raise
+        return None
 
 
-# -- rebuilding the frozen plan from its JSON (serve re-plans from the manifest alone) ----------
+# -- the frozen plan in the manifest (serve re-plans from the manifest alone) -------------------
 
 
-def entry_from_json(d: Mapping[str, Any]) -> Any:
-    """Inverse of ``dataclasses.asdict(Entry)`` (as ``Plan.to_json`` writes it)."""
-    from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+def plan_from_json(data: Any, *, source: str = "the manifest") -> Plan:
+    """Inverse of ``Plan.to_json`` (its ``plan_id`` comes out the same): the entry through the
+    registry's own entry decoder, the probe through the probe file's. A damaged plan is a
+    :class:`UsageError` naming ``source`` and the field ('entry.artifact.revision')."""
 
-    def artifact(a: Mapping[str, Any] | None) -> Artifact | None:
-        return None if a is None else Artifact(**a)
+    def fail(field_path: str, problem: str, hint: str) -> UsageError:
+        return UsageError(f"{source} holds no usable plan: field {field_path!r} {problem}",
+                          hint=REPROVISION_HINT, field=field_path)
 
-    cfg = dict(d["config"])
-    groups = cfg.get("layer_groups")
-    cfg["layer_groups"] = None if groups is None else tuple(LayerGroup(**g) for g in groups)
-    fields = dict(d)
-    fields.update(
-        evidence=tuple(Evidence(**e) for e in d.get("evidence") or ()),
-        artifact=artifact(d.get("artifact")),
-        projector=artifact(d.get("projector")),
-        chat_template=None if d.get("chat_template") is None else TemplateSource(**d["chat_template"]),
-        config=SourceConfig(**cfg),
+    return decode_plan(data, Fields(fail, noun="plan"))
+
+
+def decode_plan(data: Any, f: Fields) -> Plan:
+    doc = f.object(data, "", _PLAN_FIELDS, optional=_PLAN_OPTIONAL)
+    entry = decode_entry(doc["entry"], f.at("entry"), rules=False)
+    b = f.at("budget")
+    raw_budget = b.object(doc["budget"], "", tuple(BudgetBreakdown.__dataclass_fields__))
+    budget = BudgetBreakdown(**{k: b.integer(raw_budget[k], k, minimum=None) for k in raw_budget})
+    plan = Plan(
+        entry=entry,
+        probe=decode_probe(doc["probe"], f.at("probe")),
+        kv_cache_type=f.string(doc["kv_cache_type"], "kv_cache_type"),
+        kv_cache_type_source=f.choice(doc["kv_cache_type_source"], "kv_cache_type_source", KV_CACHE_TYPE_SOURCES),
+        hot_context_tokens=f.integer(doc["hot_context_tokens"], "hot_context_tokens"),
+        estimated_kv_bytes=f.integer(doc["estimated_kv_bytes"], "estimated_kv_bytes", minimum=0),
+        budget=budget,
+        origin=f.string(doc["origin"], "origin", nullable=True),
+        reused_previous=f.boolean(doc.get("reused_previous", False), "reused_previous"),
+        explicit_model=f.boolean(doc.get("explicit_model", False), "explicit_model"),
     )
-    return Entry(**fields)
-
-
-def plan_from_json(d: Mapping[str, Any]) -> Any:
-    """Inverse of ``Plan.to_json`` (its ``plan_id`` comes out the same)."""
-    from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-
-    probe = d["probe"]
-    return Plan(
-        entry=entry_from_json(d["entry"]),
-        probe=ProbeResult(devices=tuple(Device(**dev) for dev in probe["devices"]),
-                          selected=probe["selected"], notes=tuple(probe.get("notes") or ())),
-        kv_cache_type=d["kv_cache_type"],
-        kv_cache_type_source=d["kv_cache_type_source"],
-        hot_context_tokens=d["hot_context_tokens"],
-        estimated_kv_bytes=d["estimated_kv_bytes"],
-        budget=BudgetBreakdown(**d["budget"]),
-        origin=d.get("origin"),
-        reused_previous=d.get("reused_previous", False),
-        explicit_model=d.get("explicit_model", False),
-    )
+    if doc.get("backend", entry.backend) != entry.backend:
+        raise f.fail("backend", f"is {doc['backend']!r} but the entry's backend is {entry.backend!r}",
+                     REPROVISION_HINT)
+    return plan

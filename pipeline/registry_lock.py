@@ -30,7 +30,8 @@ from typing import Any, Callable, Mapping
 
 from core.errors import HubError, PinMismatch, UsageError
 from core.log import get_logger
-from registry.catalog import bundled_registry_path, parse_registry
+from pipeline.registry_file import bundled_registry_path
+from registry.catalog import parse_registry, parse_registry_text
 from download import hub_error_from_hf_exception, is_not_a_hub
 from state.files import write_text_atomic
 
@@ -292,8 +293,6 @@ def lock_registry(
         doc = json.loads(text)
     except json.JSONDecodeError:
         doc = None
-    from registry.catalog import parse_registry_text
-
     parse_registry_text(text, label)  # a broken file fails here, before any request
     assert isinstance(doc, dict)
     if api is None:

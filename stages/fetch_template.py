@@ -8,8 +8,10 @@ come back as prose. So where the registry entry names a template source it is ma
   or as a list of ``{"name", "template"}`` — ``tool_use`` when present, else ``default`` (issue 4 §3);
 - the template must be able to express tool calls: it references the ``tools`` variable or a
   tool-call marker (:func:`check_tool_capable`), else :class:`TemplateError`;
-- whether the GGUF embeds ``tokenizer.chat_template`` is recorded (from the verified weights' header);
-- the file is written atomically (temp + fsync + rename).
+- the file is written atomically (temp + fsync + rename), with a receipt (``state.receipts``) holding
+  its sha256, which verify checks before load uses the file.
+
+Whether the GGUF embeds ``tokenizer.chat_template`` is verify's to say: it reads the header once.
 
 A template failure fails this stage but keeps the verified weights: nothing already downloaded is
 lost, and a rerun fetches only the template. Parsing is bounded and fuzzed
@@ -18,16 +20,16 @@ lost, and a rerun fetches only the template. Parsing is bounded and fuzzed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
-from core.errors import HubError, IntegrityError, TemplateError, TransferError
-from core.log import get_logger
-from core.settings import Settings
 from core.entry import Entry
+from core.errors import HubError, IntegrityError, TemplateError
+from core.log import get_logger
+from core.model_files import PARTIAL_DIRNAME, TEMPLATE_FILENAME, TemplateResult
+from core.settings import Settings
 from download import (
     HubSession,
     TransferOptions,
@@ -38,14 +40,13 @@ from download import (
     partial_paths,
     write_text_atomic,
 )
-from stages.verify import write_receipt
 from state.locks import FileLock
+from state.receipts import Receipt, read_receipt, write_receipt
 
 log = get_logger()
 
 __all__ = ["TemplateResult", "fetch_template", "extract_template", "check_tool_capable", "TEMPLATE_FILENAME"]
 
-TEMPLATE_FILENAME = "chat_template.jinja"
 MAX_TEMPLATE_SOURCE_BYTES = 8 << 20  # real tokenizer_config.json files are ≤ ~1 MiB (with added tokens)
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are ≤ ~50 KiB
 _FIX_SOURCE = ("point the registry entry's chat_template at the publisher's tool-capable template "
@@ -60,21 +61,6 @@ _TOOL_MARKERS = (
     "<|action_start|>", "<function=", "<｜tool▁calls▁begin｜>", "<|start_header_id|>ipython",
     "<start_function_call>", "<|tool_calls_section_begin|>", "to=functions.", "<|tool_call_start|>",
 )
-
-
-@dataclass(frozen=True)
-class TemplateResult:
-    entry: str
-    path: str | None  # chat_template.jinja written (None when the entry names no template)
-    source: str | None  # "<repo>@<revision>/<file>"
-    variant: str | None  # "jinja", "tokenizer_config:string", "tokenizer_config:tool_use", …
-    sha256: str | None  # of the written template text
-    tool_markers: tuple[str, ...]
-    gguf_embeds_chat_template: bool | None
-    size_bytes: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- pure core
@@ -172,67 +158,46 @@ def _present(entry: Entry, dest_dir: Path, settings: Settings) -> TemplateResult
 
     An unpinned source is re-resolved when online (main may have moved) and taken from disk offline.
     """
-    import hashlib
-
-    from stages.verify import read_receipt
-
     src = entry.chat_template
     assert src is not None
     final = dest_dir / TEMPLATE_FILENAME
     receipt = read_receipt(dest_dir, TEMPLATE_FILENAME)
-    if receipt is None or not final.is_file() or (receipt.get("repo"), receipt.get("file")) != (src.repo, src.file):
+    if receipt is None or not final.is_file() or (receipt.repo, receipt.file) != (src.repo, src.file):
         return None
-    if src.revision is not None and receipt.get("revision") != src.revision:
+    if src.revision is not None and receipt.revision != src.revision:
         return None
     if src.revision is None and not settings.hf_offline:
         return None
     data = final.read_bytes()
-    if hashlib.sha256(data).hexdigest() != receipt.get("sha256"):
+    if hashlib.sha256(data).hexdigest() != receipt.sha256:
         return None
     log.info("template.already_present", entry=entry.name, path=str(final))
-    return TemplateResult(entry=entry.name, path=str(final),
-                          source=f"{src.repo}@{receipt.get('revision')}/{src.file}", variant=receipt.get("variant"),
-                          sha256=receipt.get("sha256"), tool_markers=tuple(receipt.get("tool_markers", ())),
-                          gguf_embeds_chat_template=None, size_bytes=len(data))
+    return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{receipt.revision}/{src.file}",
+                          variant=receipt.variant, sha256=receipt.sha256, tool_markers=receipt.tool_markers,
+                          size_bytes=len(data))
 
 
-def _gguf_embeds_template(weights_path: Path | None) -> bool | None:
-    if weights_path is None or not weights_path.is_file():
-        return None
-    from stages.verify import read_gguf_header
+async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wait: bool = False,
+                         options: TransferOptions | None = None) -> TemplateResult:
+    """Fetch the entry's pinned template source, check it, and write ``<dest_dir>/chat_template.jinja``.
 
-    try:
-        return read_gguf_header(weights_path).has_chat_template
-    except TransferError:
-        return None
-
-
-async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, weights_path: Path | None = None,
-                         wait: bool = False, options: TransferOptions | None = None) -> TemplateResult:
-    """Fetch the entry's pinned template source and write ``<dest_dir>/chat_template.jinja``.
-
-    ``weights_path`` (the verified GGUF) is only read for its header, to record whether it embeds
-    ``tokenizer.chat_template``. Raises TemplateError / HubError / PinMismatch; never touches weights.
+    Raises TemplateError / HubError / PinMismatch; never touches weights.
     """
-    import hashlib
-
     dest_dir = Path(dest_dir)
-    embeds = _gguf_embeds_template(weights_path)
     src = entry.chat_template
     if src is None:
-        log.info("template.none", entry=entry.name, gguf_embeds_chat_template=embeds)
-        return TemplateResult(entry=entry.name, path=None, source=None, variant=None, sha256=None,
-                              tool_markers=(), gguf_embeds_chat_template=embeds)
+        log.info("template.none", entry=entry.name)
+        return TemplateResult(entry=entry.name, path=None, source=None, variant=None, sha256=None, tool_markers=())
     if src.revision is not None and not is_commit(src.revision):
         raise TemplateError(f"entry {entry.name}: chat template source {src.repo}/{src.file} names "
                             f"{src.revision!r}, not a 40-hex commit", hint="pin it (hotfit registry lock)",
                             entry=entry.name)
-    partial_dir = dest_dir / ".partial"
+    partial_dir = dest_dir / PARTIAL_DIRNAME
     _partial, sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
     async with FileLock(lock_path, wait=wait, what=f"chat template of {entry.name}").async_held():
         present = _present(entry, dest_dir, settings)
         if present is not None:
-            return replace(present, gguf_embeds_chat_template=embeds)
+            return present
         async with HubSession(settings, options) as session:
             try:
                 revision = src.revision
@@ -263,11 +228,10 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, we
         final = dest_dir / TEMPLATE_FILENAME
         write_text_atomic(final, text)
         digest = hashlib.sha256(text.encode()).hexdigest()
-        write_receipt(dest_dir, TEMPLATE_FILENAME, {"repo": src.repo, "revision": revision, "file": src.file,
-                                                    "sha256": digest, "variant": variant,
-                                                    "tool_markers": list(markers)})
+        # keyed by the file written (chat_template.jinja), recording the source file it came from
+        write_receipt(dest_dir, Receipt(repo=src.repo, revision=revision, file=src.file, sha256=digest,
+                                        variant=variant, tool_markers=markers), key=TEMPLATE_FILENAME)
     log.info("template.written", entry=entry.name, variant=variant, markers=list(markers),
-             gguf_embeds_chat_template=embeds, size_bytes=len(text.encode()))
+             size_bytes=len(text.encode()))
     return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{revision}/{src.file}",
-                          variant=variant, sha256=digest, tool_markers=markers,
-                          gguf_embeds_chat_template=embeds, size_bytes=len(text.encode()))
+                          variant=variant, sha256=digest, tool_markers=markers, size_bytes=len(text.encode()))

@@ -1,4 +1,4 @@
-"""fetch-weights: the entry's pinned weights (and projector), verified before they are put in place.
+"""fetch-weights: the entry's pinned weights (and projector) as complete, hashed partials.
 
 Entry point::
 
@@ -6,22 +6,26 @@ Entry point::
                                  connections=None, progress=True, wait=False)
 
 - **llama entries** (GGUF): ``entry.artifact`` is fetched by ``download`` (resumable, pinned,
-  parallel ranges, sha256 while streaming) into ``<dest>/.partial/``; then ``stages.verify`` checks
-  size, sha256 (Hub LFS + registry) and the GGUF header against the registry facts. Only then is it
-  fsync'd and renamed to ``<dest>/<file>`` and a receipt written (``<dest>/.verified/``). A sha256 or
-  size mismatch discards the partial and fetches again, at most ``integrity_retries`` times; a header
-  mismatch fails closed at once (the same bytes would fail again) and keeps the partial.
+  parallel ranges, sha256 while streaming) into ``<dest>/.partial/``. The stage ends there: its
+  :class:`~core.model_files.FetchedFile` records the partial, the sha256 computed while streaming and
+  the partial's identity; ``stages.verify`` checks pin, size, sha256 and header, renames the file into
+  place and writes the receipt. A transfer whose bytes do not hash to the registry's or the Hub's
+  sha256 is corrupt, like a cut connection: the partial is discarded and fetched again, at most
+  ``integrity_retries`` times, so what this stage hands on is worth verifying.
 - The **projector** (``entry.projector``) goes the same way; when the Hub says it does not exist (or
   is gated) that is not fatal: ``vision`` is False, a warning is logged and recorded (spec: "a missing
   projector costs images").
 - **OpenVINO entries** (``artifact.file is None``): the repository snapshot is listed through the Hub
   tree API at the *current* commit of ``artifact.revision`` (default ``main``; spec: OpenVINO downloads
   follow their current repository snapshots) — the commit is recorded — and every file is fetched
-  resumably into ``<dest>/snapshot/``, checked by size and LFS sha256, or git blob id for small non-LFS
-  files. A listed path that would escape the directory (absolute, ``..``) refuses the whole snapshot.
-  ``<dest>/snapshot.json`` lists what was verified.
+  resumably into a hashed partial, checked by size and LFS sha256, or git blob id for small non-LFS
+  files (a corrupt one is fetched again); the listing and the partials are recorded in
+  :class:`~core.model_files.SnapshotResult`, and verify puts them in ``<dest>/snapshot/`` and writes
+  ``<dest>/snapshot.json``. A listed path that would escape the directory (absolute, ``..``) refuses
+  the whole snapshot.
 
-Idempotent: a file whose receipt matches the pin is not touched (no network; works offline).
+Idempotent: a file whose receipt matches the pin is not touched (no network; works offline); a file
+in place without one is moved back to the partial slot and re-hashed (``adopt_as_partial``).
 A per-target lock (``state.locks.FileLock``) keeps two processes off one partial file; the second
 waits (``wait=True``) or gets LockedError naming the holder PID.
 """
@@ -29,17 +33,25 @@ waits (``wait=True``) or gets LockedError naming the holder PID.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import anyio
 
+from core.entry import Artifact, Entry
 from core.errors import HubError, IntegrityError, RegistryError, TransferError
 from core.log import get_logger
+from core.model_files import (
+    PARTIAL_DIRNAME,
+    SNAPSHOT_DIRNAME,
+    FetchedFile,
+    FetchResult,
+    SnapshotFile,
+    SnapshotResult,
+    check_integrity,
+)
 from core.settings import Settings
-from core.entry import Artifact, Entry
-from stages import verify as verify_mod
 from download import (
     DownloadOutcome,
     HubSession,
@@ -51,88 +63,21 @@ from download import (
     check_endpoint,
     discard_partial,
     download_to_partial,
-    finalize_file,
     hub_call_retrying,
     hub_error_from_hf_exception,
     is_commit,
     partial_paths,
     resolve_token,
     safe_relpath,
-    write_text_atomic,
 )
 from state.locks import FileLock
+from state.receipts import file_identity, read_receipt, receipt_matches
 
 log = get_logger()
 
-__all__ = ["FileResult", "FetchResult", "SnapshotResult", "fetch_weights", "fetch_artifact",
-           "fetch_snapshot", "verify_snapshot_dir", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST"]
+__all__ = ["fetch_weights", "fetch_artifact", "fetch_snapshot", "fetched_still_on_disk"]
 
 DEFAULT_INTEGRITY_RETRIES = 2  # a corrupt download is fetched again at most this many times
-SNAPSHOT_DIRNAME = "snapshot"
-SNAPSHOT_MANIFEST = "snapshot.json"
-
-
-@dataclass(frozen=True)
-class FileResult:
-    """One file now verified in place."""
-
-    repo: str
-    revision: str
-    file: str
-    path: str
-    size_bytes: int
-    sha256: str
-    verified_against: tuple[str, ...]  # "registry", "hub_lfs", "hub_git_blob"
-    bytes_transferred: int  # this run
-    bytes_reread: int  # read back for hashing: resume prefix + spills (0 on a clean single run)
-    resumed_from_bytes: int
-    connections: int
-    attempts: int
-    already_present: bool
-    integrity_retries: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class SnapshotResult:
-    repo: str
-    revision_requested: str
-    commit: str
-    directory: str
-    files: int
-    size_bytes: int
-    bytes_transferred: int
-    bytes_reread: int
-    files_already_present: int
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class FetchResult:
-    entry: str
-    backend: str
-    weights: FileResult | None
-    projector: FileResult | None
-    vision: bool
-    snapshot: SnapshotResult | None = None
-    header_checks: tuple[verify_mod.FieldCheck, ...] = ()
-    gguf_embeds_chat_template: bool | None = None
-    warnings: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def weights_path(self) -> Path | None:
-        if self.weights is not None:
-            return Path(self.weights.path)
-        return Path(self.snapshot.directory) if self.snapshot else None
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["header_checks"] = [asdict(c) for c in self.header_checks]
-        return out
 
 
 def _reporter_factory(enabled: bool, label: str) -> Any:
@@ -160,32 +105,22 @@ def _require_pinned(entry: Entry, artifact: Artifact, role: str) -> tuple[str, s
 
 async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, dest_dir: Path, *,
                          role: str = "weights", connections: int | None = None, progress: bool = True,
-                         wait: bool = False, integrity_retries: int = DEFAULT_INTEGRITY_RETRIES,
-                         check_header: bool = True) -> tuple[FileResult, tuple[verify_mod.FieldCheck, ...], bool | None]:
-    """Fetch + verify + put in place one pinned file. Returns (result, header checks, embeds template)."""
+                         wait: bool = False, integrity_retries: int = DEFAULT_INTEGRITY_RETRIES) -> FetchedFile:
+    """One pinned file as a complete, hashed partial (or already verified in place)."""
     revision, file = _require_pinned(entry, artifact, role)
     final = dest_dir / file
-    partial_dir = dest_dir / ".partial"
+    partial_dir = dest_dir / PARTIAL_DIRNAME
     partial, sidecar, lock_path = partial_paths(partial_dir, artifact.repo, file)
-    is_gguf = file.endswith(".gguf")
     async with FileLock(lock_path, wait=wait, what=f"{role} of {entry.name} ({file})").async_held():
-        receipt = verify_mod.read_receipt(dest_dir, file)
-        if verify_mod.receipt_matches(receipt, artifact, final):
-            assert receipt is not None
-            checks: tuple[verify_mod.FieldCheck, ...] = ()
-            embeds = None
-            if is_gguf:
-                header = await anyio.to_thread.run_sync(verify_mod.read_gguf_header, final)
-                embeds = header.has_chat_template
-                if check_header:
-                    checks = verify_mod.check_header_against_entry(header, entry)
-                    verify_mod.ensure_header_matches(checks, file=file, entry_name=entry.name)
-            log.info("fetch.already_present", entry=entry.name, file=file, size_bytes=receipt["size_bytes"])
-            return FileResult(repo=artifact.repo, revision=revision, file=file, path=str(final),
-                              size_bytes=receipt["size_bytes"], sha256=receipt["sha256"],
-                              verified_against=tuple(receipt.get("verified_against", ())), bytes_transferred=0,
-                              bytes_reread=0, resumed_from_bytes=0, connections=0, attempts=0,
-                              already_present=True), checks, embeds
+        receipt = read_receipt(dest_dir, file)
+        if receipt_matches(receipt, artifact, final):
+            assert receipt is not None and receipt.sha256 is not None and receipt.size_bytes is not None
+            log.info("fetch.already_present", entry=entry.name, file=file, size_bytes=receipt.size_bytes)
+            return FetchedFile(repo=artifact.repo, revision=revision, file=file, path=str(final), partial_path=None,
+                               size_bytes=receipt.size_bytes, sha256=receipt.sha256,
+                               hub_lfs_sha256=receipt.hub_lfs_sha256, identity=None, bytes_transferred=0,
+                               bytes_reread=0, resumed_from_bytes=0, connections=0, attempts=0,
+                               already_present=True, verified_against=receipt.verified_against)
         if final.exists():
             # offline nothing can verify it (no Hub sha256): leave it where the operator put it
             adopted = not session.offline and adopt_as_partial(final, partial_dir, repo=artifact.repo, revision=revision, path=file,
@@ -203,10 +138,11 @@ async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, 
             total_transferred += outcome.bytes_transferred
             total_reread += outcome.bytes_reread
             try:
-                matched = verify_mod.check_integrity(
-                    file=file, size_bytes=os.path.getsize(outcome.partial_path), sha256=outcome.sha256,
-                    expected_size=artifact.size_bytes, registry_sha256=artifact.sha256,
-                    hub_sha256=outcome.hub_lfs_sha256)
+                # Transfer integrity, so a corrupt stream is fetched again now; verify checks it again
+                # (pin, size, sha256, header) before anything is put in place.
+                check_integrity(file=file, size_bytes=os.path.getsize(outcome.partial_path), sha256=outcome.sha256,
+                                expected_size=artifact.size_bytes, registry_sha256=artifact.sha256,
+                                hub_sha256=outcome.hub_lfs_sha256)
             except IntegrityError as exc:
                 if exc.details.get("field") == "sha256" and "reference" not in exc.details:
                     # Nothing to check against (no registry or Hub LFS sha256): not corruption, so
@@ -220,29 +156,17 @@ async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, 
                     raise
                 continue
             break
-        checks = ()
-        embeds = None
-        if is_gguf:
-            header = await anyio.to_thread.run_sync(verify_mod.read_gguf_header, outcome.partial_path)
-            embeds = header.has_chat_template
-            if check_header:
-                checks = verify_mod.check_header_against_entry(header, entry)
-                verify_mod.ensure_header_matches(checks, file=file, entry_name=entry.name)
-        await anyio.to_thread.run_sync(finalize_file, outcome.partial_path, final)
-        verify_mod.write_receipt(dest_dir, file, {
-            "repo": artifact.repo, "revision": revision, "file": file, "size_bytes": outcome.size_bytes,
-            "sha256": outcome.sha256, "hub_lfs_sha256": outcome.hub_lfs_sha256,
-            "verified_against": list(matched)})
-        discard_partial(partial, sidecar)
+        identity = await anyio.to_thread.run_sync(file_identity, outcome.partial_path)
         log.info("fetch.done", entry=entry.name, file=file, size_bytes=outcome.size_bytes,
                  bytes_transferred=total_transferred, bytes_reread=total_reread,
                  resumed_from_bytes=outcome.resumed_from_bytes, connections=outcome.connections,
-                 verified_against=list(matched))
-        return FileResult(repo=artifact.repo, revision=revision, file=file, path=str(final),
-                          size_bytes=outcome.size_bytes, sha256=outcome.sha256, verified_against=matched,
-                          bytes_transferred=total_transferred, bytes_reread=total_reread,
-                          resumed_from_bytes=outcome.resumed_from_bytes, connections=outcome.connections,
-                          attempts=outcome.attempts, already_present=False, integrity_retries=retry), checks, embeds
+                 partial=str(outcome.partial_path))
+        return FetchedFile(repo=artifact.repo, revision=revision, file=file, path=str(final),
+                           partial_path=str(outcome.partial_path), size_bytes=outcome.size_bytes,
+                           sha256=outcome.sha256, hub_lfs_sha256=outcome.hub_lfs_sha256, identity=identity,
+                           bytes_transferred=total_transferred, bytes_reread=total_reread,
+                           resumed_from_bytes=outcome.resumed_from_bytes, connections=outcome.connections,
+                           attempts=outcome.attempts, already_present=False, integrity_retries=retry)
 
 
 async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
@@ -264,21 +188,53 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
     dest_dir.mkdir(parents=True, exist_ok=True)
     warnings: list[str] = []
     async with HubSession(settings, options) as session:
-        weights, checks, embeds = await fetch_artifact(
+        weights = await fetch_artifact(
             session, entry, artifact, dest_dir, role="weights", connections=connections, progress=progress,
             wait=wait, integrity_retries=integrity_retries)
         projector = None
         if entry.projector is not None:
             try:
-                projector, _c, _e = await fetch_artifact(
+                projector = await fetch_artifact(
                     session, entry, entry.projector, dest_dir, role="projector", connections=connections,
-                    progress=progress, wait=wait, integrity_retries=integrity_retries, check_header=False)
+                    progress=progress, wait=wait, integrity_retries=integrity_retries)
             except HubError as exc:  # not found / gated: images lost, tool calls intact
                 warnings.append(f"projector unavailable: {exc.what}")
                 log.warning("fetch.projector_missing", entry=entry.name, reason=exc.what, vision=False)
     return FetchResult(entry=entry.name, backend=entry.backend, weights=weights, projector=projector,
-                       vision=projector is not None, header_checks=checks, gguf_embeds_chat_template=embeds,
-                       warnings=tuple(warnings))
+                       vision=projector is not None, warnings=tuple(warnings))
+
+
+def fetched_still_on_disk(outputs: Mapping[str, Any]) -> bool:
+    """May a recorded fetch-weights result be reused? Each file's hashed partial is still there as it
+    was hashed, or verify has since put it in place (its receipt vouches for that sha256)."""
+    try:
+        fetched = FetchResult.decode(outputs)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    if fetched.snapshot is not None:
+        snap_dir = Path(fetched.snapshot.directory)
+        for sf in fetched.snapshot.listed:
+            partial = Path(sf.partial_path) if sf.partial_path else None
+            if partial is not None and partial.is_file():
+                if file_identity(partial) != sf.identity:
+                    return False
+            elif not (snap_dir / sf.path).is_file() or (snap_dir / sf.path).stat().st_size != sf.size_bytes:
+                return False
+        return snap_dir.is_dir() or bool(fetched.snapshot.listed)
+    for f in fetched.files():
+        partial = Path(f.partial_path) if f.partial_path else None
+        if partial is not None and partial.is_file():
+            if file_identity(partial) != f.identity:
+                return False  # changed since it was hashed: fetch (and hash) it again
+            continue
+        final = Path(f.path)
+        dest_dir = final.parents[len(Path(f.file).parts) - 1]
+        receipt = read_receipt(dest_dir, f.file)
+        if receipt is None or receipt.sha256 != f.sha256:
+            return False
+        if not final.is_file() or final.stat().st_size != f.size_bytes:
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- OpenVINO snapshot
@@ -345,11 +301,11 @@ def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]
 
 def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str) -> bool:
     final = dest_dir / SNAPSHOT_DIRNAME / rel
-    r = verify_mod.read_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{rel}")
+    r = read_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{rel}")
     return (r is not None and final.is_file() and final.stat().st_size == f.size_bytes
-            and r.get("size_bytes") == f.size_bytes
+            and r.size_bytes == f.size_bytes
             # unchanged content from an earlier commit is kept: the hash is what identifies it
-            and (r.get("sha256") == f.lfs_sha256 if f.lfs_sha256 else r.get("git_sha1") == f.blob_id))
+            and (r.sha256 == f.lfs_sha256 if f.lfs_sha256 else r.git_sha1 == f.blob_id))
 
 
 async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
@@ -361,7 +317,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
     dest_dir = Path(dest_dir)
     revision = artifact.revision or "main"
     snap_dir = dest_dir / SNAPSHOT_DIRNAME
-    partial_dir = dest_dir / ".partial"
+    partial_dir = dest_dir / PARTIAL_DIRNAME
     lock_path = partial_dir / "snapshot.lock"
     async with FileLock(lock_path, wait=wait, what=f"snapshot of {entry.name}").async_held():
         commit, listed = await _list_snapshot(settings, artifact.repo, revision,
@@ -381,6 +337,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
         check_disk_space(partial_dir, _snapshot_needed_bytes(partial_dir, artifact.repo, todo),
                          f"{artifact.repo} snapshot")
         transferred = reread = 0
+        hashed: dict[str, SnapshotFile] = {}
         async with HubSession(settings, options) as session:
             for f in todo:
                 outcome: DownloadOutcome | None = None
@@ -393,7 +350,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
                     transferred += outcome.bytes_transferred
                     reread += outcome.bytes_reread
                     try:
-                        verify_mod.check_integrity(
+                        check_integrity(
                             file=f.path, size_bytes=os.path.getsize(outcome.partial_path), sha256=outcome.sha256,
                             expected_size=f.size_bytes, registry_sha256=None, hub_sha256=f.lfs_sha256,
                             git_sha1=outcome.git_sha1, hub_git_sha1=None if f.lfs_sha256 else f.blob_id)
@@ -405,68 +362,16 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
                         continue
                     break
                 assert outcome is not None
-                final = snap_dir / f.path
-                await anyio.to_thread.run_sync(finalize_file, outcome.partial_path, final)
-                verify_mod.write_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{f.path}", {
-                    "repo": artifact.repo, "revision": commit, "commit_listed": commit, "file": f.path,
-                    "size_bytes": f.size_bytes, "sha256": outcome.sha256, "git_sha1": outcome.git_sha1})
-                _p, side, _l = partial_paths(partial_dir, artifact.repo, f.path)
-                discard_partial(_p, side)
-        # Files of an older snapshot that the current commit no longer lists are removed.
-        keep = {f.path for f in listed}
-        if snap_dir.is_dir():
-            for path in sorted(snap_dir.rglob("*"), reverse=True):
-                rel = path.relative_to(snap_dir).as_posix()
-                if path.is_file() and rel not in keep:
-                    path.unlink()
-        manifest = {"schema": 1, "repo": artifact.repo, "revision_requested": revision, "commit": commit,
-                    "files": [{"path": f.path, "size_bytes": f.size_bytes, "lfs_sha256": f.lfs_sha256,
-                               "blob_id": f.blob_id} for f in listed]}
-        import json
-
-        write_text_atomic(dest_dir / SNAPSHOT_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+                identity = await anyio.to_thread.run_sync(file_identity, outcome.partial_path)
+                hashed[f.path] = SnapshotFile(
+                    path=f.path, size_bytes=f.size_bytes, lfs_sha256=f.lfs_sha256, blob_id=f.blob_id,
+                    partial_path=str(outcome.partial_path), sha256=outcome.sha256, git_sha1=outcome.git_sha1,
+                    identity=identity)
+    files = tuple(hashed.get(f.path) or SnapshotFile(path=f.path, size_bytes=f.size_bytes, lfs_sha256=f.lfs_sha256,
+                                                    blob_id=f.blob_id) for f in listed)
     total = sum(f.size_bytes for f in listed)
     log.info("fetch.snapshot_done", entry=entry.name, repo=artifact.repo, commit=commit, files=len(listed),
              size_bytes=total, bytes_transferred=transferred, files_already_present=len(listed) - len(todo))
     return SnapshotResult(repo=artifact.repo, revision_requested=revision, commit=commit, directory=str(snap_dir),
                           files=len(listed), size_bytes=total, bytes_transferred=transferred, bytes_reread=reread,
-                          files_already_present=len(listed) - len(todo))
-
-
-def verify_snapshot_dir(dest_dir: Path, *, rehash: bool = False) -> tuple[int, int]:
-    """Every file of ``snapshot.json`` present with its size (and, with ``rehash``, its hash)."""
-    import hashlib
-    import json
-
-    try:
-        manifest = json.loads((dest_dir / SNAPSHOT_MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise IntegrityError(f"{dest_dir / SNAPSHOT_MANIFEST} is missing or unreadable",
-                             hint="rerun `hotfit pull`", field="manifest") from None
-    total = 0
-    if not isinstance(files, list):
-        files = None
-    for f in files or [None]:
-        # a manifest edited (or damaged) on disk must not crash the stage or point outside it
-        try:
-            rel = safe_relpath(f["path"])  # type: ignore[index]
-        except (TypeError, KeyError, ValueError):
-            raise IntegrityError(f"{dest_dir / SNAPSHOT_MANIFEST}: entry {f!r} is not a file of the snapshot",
-                                 hint="rerun `hotfit pull` to fetch and record the snapshot again",
-                                 field="manifest") from None
-        path = dest_dir / SNAPSHOT_DIRNAME / rel
-        if not path.is_file() or path.stat().st_size != f["size_bytes"]:
-            raise IntegrityError(f"{path} is missing or has the wrong size", hint="rerun `hotfit pull`",
-                                 field="size_bytes", file=str(path))
-        if rehash:
-            h = hashlib.sha256() if f.get("lfs_sha256") else hashlib.sha1(b"blob %d\0" % f["size_bytes"])
-            with open(path, "rb") as fh:
-                while chunk := fh.read(8 << 20):
-                    h.update(chunk)
-            if h.hexdigest() != (f.get("lfs_sha256") or f.get("blob_id")):
-                raise IntegrityError(f"{path}: hash differs from the Hub's", hint="rerun `hotfit pull`",
-                                     field="sha256", file=str(path))
-        total += f["size_bytes"]
-    return total, len(files)
-
+                          files_already_present=len(listed) - len(todo), listed=files)

@@ -48,12 +48,11 @@ import anyio
 import httpx
 
 from backends.llama_server import BUILD_INFO_NAME, BuildInfo, build_info_from_json, install_command
-from core.errors import BackendError, IntegrityError, LoadError
+from core.errors import BackendError, LoadError
 from core.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, missing_features
 from core.log import get_logger
 from core.plan import Plan
 from registry.kv import LLAMA_UBATCH_TOKENS
-from stages.verify import read_gguf_header
 
 __all__ = [
     "API_KEY_ENV",
@@ -567,18 +566,6 @@ def template_used(template_path: Path | None, gguf_has_template: bool | None) ->
 # ---------------------------------------------------------------- effects
 
 
-def _gguf_has_chat_template(model_path: Path) -> bool | None:
-    """Does the GGUF embed ``tokenizer.chat_template``? None when the header cannot be read.
-
-    The bounded header reader, not ``gguf.GGUFReader``: that one maps and parses every tensor,
-    7–33 s and hundreds of MiB for the real test models (0.4–0.8 s here), memory a CPU plan
-    never budgeted for."""
-    try:
-        return read_gguf_header(model_path).has_chat_template
-    except (IntegrityError, OSError):  # a broken file is load's business to report, not this helper's
-        return None
-
-
 _features_cache: dict[tuple[str, int, int], ServerFeatures] = {}
 
 
@@ -757,6 +744,7 @@ async def open_server(
     threads: int | None = None,
     warmup: bool = True,
     build: BuildInfo | None = None,
+    gguf_has_chat_template: bool | None = None,
 ) -> AsyncIterator[LoadedServer]:
     """Start llama-server for ``plan``, wait until ``/health`` answers 200, yield it, and always
     stop and reap it on leaving (normally, on error, on cancellation).
@@ -764,7 +752,9 @@ async def open_server(
     Raises :class:`LoadError` quoting the relevant log lines when the server exits early or is
     not healthy within ``health_timeout_s``. ``build`` (``Backend.build`` from
     :func:`backends.llama_server.find_llama_server`) is what a death by signal is diagnosed against;
-    without it the ``build-info.json`` beside ``binary`` is read, if there is one."""
+    without it the ``build-info.json`` beside ``binary`` is read, if there is one.
+    ``gguf_has_chat_template`` is verify's reading of the GGUF header (``VerifyResult``): load never
+    opens the weights itself; None (not known) describes the template as "embedded or ChatML"."""
     model_path = Path(model_path)
     if not model_path.is_file():
         raise LoadError(
@@ -780,8 +770,7 @@ async def open_server(
         )
     features = await probe_server_features(binary)
     run_dir.mkdir(parents=True, exist_ok=True)
-    has_template = await anyio.to_thread.run_sync(_gguf_has_chat_template, model_path)
-    template = template_used(template_path, has_template)
+    template = template_used(template_path, gguf_has_chat_template)
     if not features.log_jsonl:
         log.warning("load.no_log_jsonl", binary=str(binary), note="capturing plain-text logs")
     if not features.api_key_env:

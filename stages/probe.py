@@ -36,24 +36,24 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 from core.errors import HardwareProbeError, UsageError
 from core.log import get_logger
-from core.plan import Device, ProbeResult
+from core.plan import Device, ProbeResult, decode_probe
+from core.records import Fields, parse_json
 from registry.select import device_budget
-from state.files import write_text_atomic
+from state.files import read_text_document, write_text_atomic
 
 log = get_logger()
 
-PROBE_SCHEMA = 1
 AMD_PCI_VENDOR = "0x1002"
 # cgroup v1 reports "no limit" as LONG_MAX rounded down to a page; anything this large is unlimited.
 CGROUP_V1_UNLIMITED = 1 << 60
-DEVICE_KINDS = ("nvidia", "amd", "vulkan", "cpu")
 MiB = 1 << 20
 # `--list-devices` initialises every backend; lavapipe's first start compiles nothing, a few s.
 LIST_DEVICES_TIMEOUT_S = 60.0
@@ -465,73 +465,25 @@ def save_probe(result: ProbeResult, path: Path) -> None:
                          hint="pass a writable file path to --save", file=str(path)) from None
 
 
-def _bad(path: Path, field: str, why: str) -> UsageError:
-    return UsageError(f"probe file {path}: {field} {why}",
-                      hint="write it with 'hotfit probe --save FILE' (schema 1)", file=str(path), field=field)
-
-
-def _int_field(path: Path, obj: Mapping[str, Any], key: str, where: str, minimum: int) -> int:
-    v = obj.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise _bad(path, f"{where}.{key}", f"must be a whole number ≥ {minimum}, got {v!r}")
-    return v
+PROBE_FILE_HINT = "or write it anew with 'hotfit probe --save FILE' (schema 1)"
 
 
 def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
-    """A saved probe (``hotfit probe --save``), validated field by field."""
+    """A saved probe (``hotfit probe --save``), checked field by field (core.plan.decode_probe)."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"probe file {p}: cannot be read ({exc.strerror or exc})",
-                         hint="pass a probe saved with 'hotfit probe --save FILE'", file=str(p), field=None) from exc
-    except UnicodeDecodeError as exc:
-        raise _bad(p, "(document)", f"is not UTF-8 JSON (byte {exc.start})") from None
-    except RecursionError:
-        raise _bad(p, "(document)", "is not a probe (JSON nested too deeply)") from None
-    except json.JSONDecodeError as exc:
-        raise _bad(p, "(document)", f"is not JSON ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(data, dict):
-        raise _bad(p, "(document)", "must be a JSON object")
-    if data.get("schema") != PROBE_SCHEMA:
-        raise _bad(p, "schema", f"must be {PROBE_SCHEMA}, got {data.get('schema')!r}")
-    raw_devices = data.get("devices")
-    if not isinstance(raw_devices, list) or not raw_devices:
-        raise _bad(p, "devices", "must be a non-empty list")
-    devices: list[Device] = []
-    for i, d in enumerate(raw_devices):
-        where = f"devices[{i}]"
-        if not isinstance(d, dict):
-            raise _bad(p, where, "must be an object")
-        index = _int_field(p, d, "index", where, 0)
-        if d.get("kind") not in DEVICE_KINDS:
-            raise _bad(p, f"{where}.kind", f"must be one of {', '.join(DEVICE_KINDS)}, got {d.get('kind')!r}")
-        if not isinstance(d.get("name"), str):
-            raise _bad(p, f"{where}.name", f"must be a string, got {d.get('name')!r}")
-        total = _int_field(p, d, "total_bytes", where, 1)
-        free = _int_field(p, d, "free_bytes", where, 0)
-        if free > total:
-            raise _bad(p, f"{where}.free_bytes", f"({free}) exceeds total_bytes ({total})")
-        uuid = d.get("uuid")
-        if uuid is not None and not isinstance(uuid, str):
-            raise _bad(p, f"{where}.uuid", f"must be a string or null, got {uuid!r}")
-        used = d.get("processes_used_bytes")
-        if used is not None:
-            used = _int_field(p, d, "processes_used_bytes", where, 0)
-        ggml_device = d.get("ggml_device")
-        if ggml_device is not None and not (isinstance(ggml_device, str) and re.fullmatch(r"[A-Za-z]+\d+", ggml_device)):
-            raise _bad(p, f"{where}.ggml_device", f"must be a device name such as 'Vulkan0' or null, got {ggml_device!r}")
-        if any(x.index == index for x in devices):
-            raise _bad(p, f"{where}.index", f"{index} appears twice")
-        devices.append(Device(index=index, kind=d["kind"], name=d["name"], total_bytes=total, free_bytes=free,
-                              uuid=uuid, processes_used_bytes=used, ggml_device=ggml_device))
-    selected = data.get("selected")
-    if not isinstance(selected, int) or isinstance(selected, bool) or all(d.index != selected for d in devices):
-        raise _bad(p, "selected", f"must be the index of a listed device, got {selected!r}")
-    notes = data.get("notes", [])
-    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
-        raise _bad(p, "notes", "must be a list of strings")
-    return ProbeResult(devices=tuple(devices), selected=selected, notes=(*notes, f"probe read from {p}"))
+
+    def fail_document(problem: str, hint: str, **details: Any) -> UsageError:
+        return UsageError(f"probe file {p}: {problem}", hint="pass a probe saved with 'hotfit probe --save FILE'",
+                          file=str(p), field=None, **details)
+
+    def fail(field: str, problem: str, hint: str) -> UsageError:
+        return UsageError(f"probe file {p}: {field} {problem}", hint=f"{hint}; {PROBE_FILE_HINT}",
+                          file=str(p), field=field)
+
+    text = read_text_document(p, fail_document)
+    data = parse_json(text, fail_document, kind="a probe", shape="a probe is what 'hotfit probe --save FILE' writes")
+    result = decode_probe(data, Fields(fail, noun="probe"))
+    return replace(result, notes=(*result.notes, f"probe read from {p}"))
 
 
 def describe(result: ProbeResult) -> str:

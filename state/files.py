@@ -1,7 +1,8 @@
 """Durable file writes: a reader, a crash or a power cut sees the old file or the new one.
 
 One implementation for every small file hotfit writes in place (manifest, registry lock, saved
-probe, template, receipts, download sidecars) and for renaming a verified download into place.
+probe, template, receipts, download sidecars) and for renaming a verified download into place;
+and one reader of such a file (:func:`read_text_document`) whose failures are the format's error.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import stat
 import tempfile
 from contextlib import suppress
 from pathlib import Path
+from typing import Literal, overload
 
 from core.errors import UsageError
+from core.records import DocumentFail
 
 
 def unusable_home(home: Path, named: str, reason: str, **details: object) -> UsageError:
@@ -43,6 +46,30 @@ def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
     if not os.access(home, os.W_OK | os.X_OK) or not os.access(logs_dir, os.W_OK | os.X_OK):
         raise unusable_home(home, named, "this user cannot write there (read-only filesystem or permissions)",
                             errno=errno.EACCES)
+
+
+@overload
+def read_text_document(path: Path, fail: DocumentFail, *, missing_ok: Literal[False] = ...) -> str: ...
+@overload
+def read_text_document(path: Path, fail: DocumentFail, *, missing_ok: bool) -> str | None: ...
+
+
+def read_text_document(path: Path, fail: DocumentFail, *, missing_ok: bool = False) -> str | None:
+    """The UTF-8 text of a small file hotfit reads whole (registry, manifest, probe file, receipt).
+
+    A file that cannot be read, or is not UTF-8, is ``fail``'s error (the format names itself and
+    the fix); a missing file is None when ``missing_ok`` (the manifest: nothing provisioned yet)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        if missing_ok:
+            return None
+        raise fail(f"cannot be read ({exc.strerror or exc})", "pass an existing file") from None
+    except OSError as exc:
+        raise fail(f"cannot be read ({exc.strerror or exc})", "pass a file this user can read") from None
+    except UnicodeDecodeError as exc:
+        raise fail(f"not UTF-8 text (byte {exc.start}); it must be a JSON file",
+                   "pass the JSON file hotfit wrote (or a copy of it)") from None
 
 
 def fsync_dir(directory: Path) -> None:

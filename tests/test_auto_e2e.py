@@ -510,3 +510,52 @@ def test_openvino_dry_run_downloads_nothing(tmp_path: Path) -> None:
     dry = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert dry.returncode in (0, 3), dry.stderr  # planned (or refused by memory), never downloaded
     assert not (home / "models").exists()
+
+
+# A hotfit run with gguf.GGUFReader made to raise and every bounded header read of a file recorded.
+_HEADER_WATCH = """
+import os, sys
+import gguf, gguf.gguf_reader
+def _boom(*a, **k):
+    raise AssertionError("gguf.GGUFReader constructed")
+gguf.GGUFReader = gguf.gguf_reader.GGUFReader = _boom
+import stages._gguf_header as h
+_read = h.read_gguf_header
+def _counted(source, *a, **k):
+    if isinstance(source, (str, os.PathLike)):  # (the reader calls itself again on the open file)
+        with open(os.environ["HEADER_READS"], "a") as out:
+            out.write(str(source) + "\\n")
+    return _read(source, *a, **k)
+h.read_gguf_header = _counted
+from pipeline.cli import main
+sys.argv[0] = "hotfit"
+sys.exit(main())
+"""
+
+
+@pytest.mark.llama
+def test_a_run_reads_the_gguf_header_once_and_load_never_opens_a_gguf_reader(
+        hub: LocalHub, world: World, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    reads = tmp_path / "header-reads.txt"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    env = {**env_for(hub), "HEADER_READS": str(reads)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-c", _HEADER_WATCH, *cmd(home, world, probe, *args)[3:]]
+        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+    done = run("--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads(done.stdout)
+    assert manifest["probe_verdict"]["passed"] is True
+    lines = reads.read_text().splitlines()
+    # once, by verify, on the hashed partial (before it was renamed into place)
+    assert len(lines) == 1 and "/.partial/" in lines[0], lines
+    load = next(e for e in events(home) if e["event"] == "stage.done" and e.get("stage") == "load")
+    assert "chat_template.jinja" in load["template"]
+    # --recheck loads again from the recorded verify result: no header read at all
+    reads.unlink()
+    again = run("--json", "--recheck")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not reads.exists()

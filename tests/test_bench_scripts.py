@@ -21,7 +21,7 @@ from types import ModuleType
 import gguf
 import pytest
 
-from registry.catalog import load_registry
+from pipeline.registry_file import load_registry
 from registry.kv import allocation_kv_bytes
 from stages.recheck import KvBufferRecord, KvCacheRecord, LogAllocation
 from tests.e2e_support import write_registry

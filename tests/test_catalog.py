@@ -11,13 +11,8 @@ from typing import Any, Callable
 import pytest
 
 from core.errors import RegistryError, UsageError
-from registry.catalog import (
-    Registry,
-    bundled_registry_path,
-    load_registry,
-    parse_registry,
-    parse_registry_text,
-)
+from pipeline.registry_file import bundled_registry_path, load_registry
+from registry.catalog import Registry, parse_registry, parse_registry_text
 from core.entry import BACKENDS, INELIGIBLE_CAUSES, ORIGINS, PERMISSIVE_LICENSES
 
 BUNDLED_JSON = json.loads(bundled_registry_path().read_text(encoding="utf-8"))

@@ -13,6 +13,7 @@ from core.settings import load_settings
 from core.entry import TemplateSource
 from stages.fetch_template import TEMPLATE_FILENAME, check_tool_capable, extract_template, fetch_template
 from stages.fetch_weights import fetch_weights
+from stages.verify import verify
 from tests.gguf_fixtures import pinned_template
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
@@ -121,10 +122,12 @@ async def test_tokenizer_config_tool_use_written_beside_weights(local_hub: Local
                                                                hub_repo: dict[str, Any]) -> None:
     src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)
-    result = await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
+    result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
     assert Path(result.path).read_text() == TOOLS and Path(result.path).name == TEMPLATE_FILENAME
     assert result.variant == "tokenizer_config:tool_use"
-    assert result.gguf_embeds_chat_template is True  # the GGUF carries (a ChatML) template; recorded
+    verified = await verify(entry, settings.model_dir("m"), fetched=fetched, template=result)
+    assert verified.gguf_embeds_chat_template is True  # the GGUF carries (a ChatML) template; verify records it
+    assert verified.chat_template_path == result.path
     assert result.source == f"org/m@{hub_repo['src']}/tokenizer_config.json"
     assert not list((settings.model_dir("m") / ".partial").glob("*.part"))
 
@@ -144,9 +147,10 @@ async def test_template_without_tools_fails_and_keeps_the_weights(local_hub: Loc
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo,
                                               TemplateSource("org/m", hub_repo["src"], "no_tools.jinja"))
     with pytest.raises(TemplateError, match="cannot express tool calls"):
-        await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
+        await fetch_template(entry, settings.model_dir("m"), settings=settings)
     assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
-    assert fetched.weights_path.read_bytes() == hub_repo["weights"].read_bytes()  # nothing downloaded is lost
+    # nothing downloaded is lost: the hashed partial waits for verify
+    assert Path(fetched.weights.partial_path).read_bytes() == hub_repo["weights"].read_bytes()
 
 
 @pytest.mark.anyio
@@ -174,8 +178,10 @@ async def test_corrupt_small_file_fails_its_git_blob_check(local_hub: LocalHub, 
 async def test_no_template_named_records_the_gguf_one(local_hub: LocalHub, tmp_path: Path,
                                                       hub_repo: dict[str, Any]) -> None:
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, None)
-    result = await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
-    assert result.path is None and result.gguf_embeds_chat_template is True
+    result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    assert result.path is None
+    verified = await verify(entry, settings.model_dir("m"), fetched=fetched, template=result)
+    assert verified.gguf_embeds_chat_template is True and verified.chat_template_path is None
 
 
 @pytest.mark.anyio
@@ -199,14 +205,14 @@ async def test_template_in_place_is_not_fetched_again_and_works_offline(local_hu
 
     src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)
-    first = await fetch_template(entry, settings.model_dir("m"), settings=settings, weights_path=fetched.weights_path)
+    first = await fetch_template(entry, settings.model_dir("m"), settings=settings)
     local_hub.reset_counters()
     offline = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": local_hub.endpoint,
                              "HF_HUB_OFFLINE": "1"})
-    again = await fetch_template(entry, offline.model_dir("m"), settings=offline, weights_path=fetched.weights_path)
+    again = await fetch_template(entry, offline.model_dir("m"), settings=offline)
     assert local_hub.requests == []
-    assert (again.path, again.sha256, again.variant, again.gguf_embeds_chat_template) == (
-        first.path, first.sha256, first.variant, True)
+    assert (again.path, again.sha256, again.variant, again.tool_markers) == (
+        first.path, first.sha256, first.variant, first.tool_markers)
     Path(first.path).write_text("{{ tampered }}")  # text no longer what the receipt vouches for: fetched again
     third = await fetch_template(entry, settings.model_dir("m"), settings=settings)
     assert Path(third.path).read_text() == TOOLS and local_hub.requests

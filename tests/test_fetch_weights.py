@@ -30,10 +30,12 @@ from core.errors import (
 )
 from core.settings import Settings, load_settings
 from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+from core.model_files import FetchResult
 from stages.fetch_weights import fetch_weights
 from download import TransferOptions, partial_paths
-from stages.verify import read_receipt, receipt_path
+from stages.verify import verify
 from state.locks import FileLock
+from state.receipts import file_identity, read_receipt, receipt_path
 from tests.e2e_support import sha256_of
 from tests.hubserver import LocalHub
 
@@ -90,6 +92,14 @@ def settings_for(hub: LocalHub, home: Path, **kw: Any) -> Settings:
     return load_settings(env)
 
 
+async def fetch_and_verify(entry: Entry, dest: Path, **kw: Any) -> FetchResult:
+    """fetch-weights, then verify (which puts the hashed partial in place): what a pull does to the
+    weights. Returns fetch-weights' result; the tests below that look at placement use this."""
+    fetched = await fetch_weights(entry, dest, **kw)
+    await verify(entry, dest, fetched=fetched)
+    return fetched
+
+
 @pytest.fixture
 def weights(tmp_path: Path) -> Path:
     (tmp_path / "src").mkdir()
@@ -115,22 +125,32 @@ async def test_parallel_download_verifies_and_places_file(local_hub: LocalHub, r
     dest = settings.model_dir("m")
     result = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
     final = dest / "model.gguf"
-    assert final.read_bytes() == weights.read_bytes()
+    # fetch-weights ends with a complete, hashed partial: nothing in place, no receipt yet
     assert result.weights is not None and result.weights.sha256 == sha256_of(weights)
-    assert set(result.weights.verified_against) == {"registry", "hub_lfs"}
+    assert not final.exists() and read_receipt(dest, "model.gguf") is None
+    partial = Path(result.weights.partial_path)  # type: ignore[arg-type]
+    assert partial.read_bytes() == weights.read_bytes()
+    assert result.weights.identity == file_identity(partial)
+    assert result.weights.path == str(final) and not result.weights.already_present
     assert result.weights.connections == 4
     assert result.weights.bytes_transferred == weights.stat().st_size
-    # ranged GETs on the CDN, several of them; nothing left behind in .partial
+    # ranged GETs on the CDN, several of them
     gets = local_hub.requests_for(file="model.gguf", method="GET", where="cdn")
     assert len(gets) > 4 and all(r.range for r in gets)
-    assert not list((dest / ".partial").glob("*.part"))
-    assert read_receipt(dest, "model.gguf")["sha256"] == sha256_of(weights)  # type: ignore[index]
-    assert {c.field for c in result.header_checks if c.ok} >= {"architecture", "block_count", "head_count_kv",
-                                                              "key_length", "context_length"}
+    # verify checks it, renames it into place and writes the receipt, reusing the streamed sha256
+    verified = await verify(entry, dest, fetched=result)
+    assert final.read_bytes() == weights.read_bytes()
+    assert verified.sha256 == sha256_of(weights) and verified.sha256_source == "streamed"
+    assert set(verified.verified_against) == {"registry", "hub_lfs"}
+    assert not list((dest / ".partial").glob("*.part")) and not partial.exists()
+    assert read_receipt(dest, "model.gguf").sha256 == sha256_of(weights)  # type: ignore[union-attr]
+    assert {c.field for c in verified.header_checks if c.ok} >= {"architecture", "block_count", "head_count_kv",
+                                                                "key_length", "context_length"}
     # second run: no network, same answer
     local_hub.reset_counters()
     again = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
-    assert again.weights is not None and again.weights.already_present
+    assert again.weights is not None and again.weights.already_present and again.weights.partial_path is None
+    assert set(again.weights.verified_against) == {"registry", "hub_lfs"}
     assert local_hub.requests == []
 
 
@@ -142,18 +162,18 @@ async def test_a_final_file_without_its_receipt_is_verified_in_place_not_fetched
     _repo, _commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     dest = settings.model_dir("m")
-    await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    await fetch_and_verify(entry, dest, settings=settings, options=FAST, progress=False)
     receipt_path(dest, "model.gguf").unlink()
     local_hub.reset_counters()
-    again = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    again = await fetch_and_verify(entry, dest, settings=settings, options=FAST, progress=False)
     assert local_hub.bytes_sent("model.gguf") == 0
     assert again.weights is not None and again.weights.resumed_from_bytes == weights.stat().st_size
     assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
-    assert read_receipt(dest, "model.gguf")["sha256"] == sha256_of(weights)  # type: ignore[index]
+    assert read_receipt(dest, "model.gguf").sha256 == sha256_of(weights)  # type: ignore[union-attr]
     # wrong bytes of the right size in the final path: never trusted, replaced by a verified copy
     receipt_path(dest, "model.gguf").unlink()
     (dest / "model.gguf").write_bytes(b"\0" * weights.stat().st_size)
-    fixed = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    fixed = await fetch_and_verify(entry, dest, settings=settings, options=FAST, progress=False)
     assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
     assert fixed.weights is not None and fixed.weights.integrity_retries == 1
 
@@ -169,7 +189,7 @@ async def test_no_sha256_to_check_against_fails_once_and_keeps_the_bytes(local_h
     settings = settings_for(local_hub, tmp_path / "home")
     dest = settings.model_dir("m")
     with pytest.raises(IntegrityError) as exc:
-        await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(entry, dest, settings=settings, options=FAST, progress=False)
     assert exc.value.details["field"] == "sha256" and "pin" in (exc.value.hint or "")
     assert local_hub.bytes_sent("model.gguf") == weights.stat().st_size
     assert not (dest / "model.gguf").exists()
@@ -180,8 +200,9 @@ async def test_no_sha256_to_check_against_fails_once_and_keeps_the_bytes(local_h
     local_hub.reset_counters()
     result = await fetch_weights(pinned, dest, settings=settings, options=FAST, progress=False)
     assert local_hub.bytes_sent("model.gguf") == 0
+    verified = await verify(pinned, dest, fetched=result)
     assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
-    assert result.weights is not None and result.weights.verified_against == ("registry",)
+    assert verified.verified_against == ("registry",)
 
 
 @pytest.mark.anyio
@@ -194,7 +215,7 @@ async def test_a_cut_late_in_a_long_download_is_still_retried(local_hub: LocalHu
     size = weights.stat().st_size
     one = replace(FAST, connections=1, block_bytes=None, max_total_retry_s=0.3)
     local_hub.inject(file="model.gguf", method="GET", throughput_bps=size, close_after_bytes=size // 2, times=1)
-    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=one, connections=1,
+    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=one, connections=1,
                                  progress=False)  # the first half alone takes ~0.5 s at this pace
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     assert result.weights is not None and result.weights.attempts >= 2
@@ -206,7 +227,7 @@ async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any
     _repo, _commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     cut = local_hub.inject(file="model.gguf", method="GET", close_after_bytes=100_000, times=3)
-    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert cut.hits == 3
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     # every cut range is resumed from where it broke: nothing is fetched twice
@@ -224,7 +245,7 @@ async def test_an_expired_cdn_link_is_refreshed_by_a_new_head_not_fatal(local_hu
     _repo, _commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     expired = local_hub.inject(file="model.gguf", method="GET", where="cdn", status=403, times=2)
-    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert expired.hits == 2
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     assert result.weights is not None
@@ -241,7 +262,7 @@ async def test_failed_run_leaves_partial_and_rerun_resumes_rehashing_prefix_once
     one_shot = replace(FAST, max_attempts_without_progress=1, connections=1, block_bytes=None)
     local_hub.inject(file="model.gguf", method="GET", close_after_bytes=size // 3, times=1)
     with pytest.raises(Exception) as failed:
-        await fetch_weights(entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
+        await fetch_and_verify(entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
     assert "rerun" in str(failed.value)
     part, sidecar, _lock = partial_paths(dest / ".partial", "org/model-GGUF", "model.gguf")
     side = json.loads(sidecar.read_text())
@@ -249,7 +270,7 @@ async def test_failed_run_leaves_partial_and_rerun_resumes_rehashing_prefix_once
     assert not (dest / "model.gguf").exists()
 
     local_hub.reset_counters()
-    result = await fetch_weights(entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
+    result = await fetch_and_verify(entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
     w = result.weights
     assert w is not None and w.resumed_from_bytes == size // 3
     assert w.bytes_reread == size // 3  # the prefix on disk is hashed once, nothing else read back
@@ -264,7 +285,7 @@ async def test_500_burst_and_429_are_retried(local_hub: LocalHub, repo: Any, wei
     settings = settings_for(local_hub, tmp_path / "home")
     burst = local_hub.inject(file="model.gguf", method="GET", status=500, times=3)
     limited = local_hub.inject(file="model.gguf", method="HEAD", status=429, retry_after=0, times=2)
-    await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert burst.hits == 3 and limited.hits == 2
     statuses = [r.status for r in local_hub.requests_for(file="model.gguf")]
     assert statuses.count(500) == 3 and statuses.count(429) == 2 and 206 in statuses
@@ -278,7 +299,7 @@ async def test_retry_after_beyond_the_cap_gives_up_with_a_clear_error(local_hub:
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(file="model.gguf", method="HEAD", status=429, retry_after=3600, times=None)
     with pytest.raises(Exception) as exc:
-        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert "429" in str(exc.value) and exc.value.exit_code == 4  # type: ignore[attr-defined]
     assert len(local_hub.requests_for(file="model.gguf", method="HEAD")) == 1  # no hammering
 
@@ -289,7 +310,7 @@ async def test_server_ignoring_range_restarts_as_one_stream(local_hub: LocalHub,
     _repo, _commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(file="model.gguf", method="GET", ignore_range=True, times=None)
-    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     assert result.weights is not None and result.weights.connections == 1
     final_get = local_hub.requests_for(file="model.gguf", method="GET")[-1]
@@ -302,7 +323,7 @@ async def test_wrong_size_fails_closed_before_writing(local_hub: LocalHub, repo:
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(file="model.gguf", advertise_size=entry.artifact.size_bytes - 10, times=None)  # type: ignore[union-attr]
     with pytest.raises(PinMismatch, match="registry pins"):
-        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert local_hub.requests_for(file="model.gguf", method="GET") == []
     assert not (settings.model_dir("m") / "model.gguf").exists()
 
@@ -321,9 +342,9 @@ async def test_moved_branch_is_not_followed_and_a_repin_discards_the_old_partial
     one_shot = replace(FAST, max_attempts_without_progress=1, connections=1, block_bytes=None)
     local_hub.inject(file="model.gguf", method="GET", close_after_bytes=MiB, times=1)
     with pytest.raises(Exception):
-        await fetch_weights(new_entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
+        await fetch_and_verify(new_entry, dest, settings=settings, options=one_shot, connections=1, progress=False)
     # ... the entry pinned to the old commit gets exactly the old bytes, never the moved main's
-    result = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, dest, settings=settings, options=FAST, progress=False)
     assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
     assert result.weights is not None and result.weights.resumed_from_bytes == 0
     assert {r.revision for r in local_hub.requests_for(file="model.gguf", method="HEAD")} >= {old_commit}
@@ -337,7 +358,7 @@ async def test_unpinned_entry_is_refused(local_hub: LocalHub, repo: Any, tmp_pat
     settings = settings_for(local_hub, tmp_path / "home")
     unpinned = replace(entry, artifact=replace(entry.artifact, revision="main"))  # type: ignore[arg-type]
     with pytest.raises(RegistryError, match="not pinned"):
-        await fetch_weights(unpinned, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(unpinned, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert local_hub.requests == []
 
 
@@ -349,11 +370,11 @@ async def test_gated_repo_names_licence_and_token_then_works_with_token(
     settings = settings_for(local_hub, tmp_path / "home")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with pytest.raises(HubError) as exc:
-        await fetch_weights(entry, settings.model_dir("g"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(entry, settings.model_dir("g"), settings=settings, options=FAST, progress=False)
     text = str(exc.value)
     assert "gated" in text and "licence" in text and "HF_TOKEN" in text
     monkeypatch.setenv("HF_TOKEN", "hf_ok")
-    result = await fetch_weights(entry, settings.model_dir("g"), settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, settings.model_dir("g"), settings=settings, options=FAST, progress=False)
     assert result.weights is not None and result.weights.sha256 == sha256_of(weights)
     # the token went to the Hub, never to the CDN
     assert all(not r.authorization for r in local_hub.requests_for(file="model.gguf", where="cdn"))
@@ -366,10 +387,10 @@ async def test_missing_repo_and_missing_file(local_hub: LocalHub, repo: Any, tmp
     settings = settings_for(local_hub, tmp_path / "home")
     no_repo = replace(entry, artifact=replace(entry.artifact, repo="org/nope"))  # type: ignore[arg-type]
     with pytest.raises(HubError, match="repository org/nope not found"):
-        await fetch_weights(no_repo, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(no_repo, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     no_file = replace(entry, artifact=replace(entry.artifact, file="missing.gguf"))  # type: ignore[arg-type]
     with pytest.raises(HubError, match="missing.gguf not found"):
-        await fetch_weights(no_file, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(no_file, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
 
 
 @pytest.mark.anyio
@@ -378,7 +399,7 @@ async def test_corrupt_body_is_discarded_and_fetched_again(local_hub: LocalHub, 
     _repo, _commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(file="model.gguf", method="GET", corrupt=True, times=1)
-    result = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert result.weights is not None and result.weights.integrity_retries == 1
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
 
@@ -390,7 +411,7 @@ async def test_persistent_corruption_fails_and_never_places_the_file(local_hub: 
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(file="model.gguf", method="GET", corrupt=True, times=None)
     with pytest.raises(IntegrityError) as exc:
-        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False,
+        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False,
                             integrity_retries=1)
     assert exc.value.details["field"] == "sha256"
     assert not (settings.model_dir("m") / "model.gguf").exists()
@@ -403,10 +424,13 @@ async def test_header_mismatch_names_the_field_and_keeps_the_file_out(local_hub:
     _repo, _commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     wrong = replace(entry, config=replace(entry.config, layer_groups=(LayerGroup(4, 8, 64, 64),)))
+    fetched = await fetch_weights(wrong, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     with pytest.raises(IntegrityError, match="head_count_kv") as exc:
-        await fetch_weights(wrong, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await verify(wrong, settings.model_dir("m"), fetched=fetched)
     assert exc.value.details["field"] == "head_count_kv"
     assert not (settings.model_dir("m") / "model.gguf").exists()
+    # the same bytes would fail again: the hashed partial is kept (never in place), not discarded
+    assert Path(fetched.weights.partial_path).is_file()  # type: ignore[union-attr, arg-type]
 
 
 @pytest.mark.anyio
@@ -417,7 +441,7 @@ async def test_not_enough_disk_space_is_refused_up_front(local_hub: LocalHub, re
     settings = settings_for(local_hub, tmp_path / "home")
     big = replace(entry, artifact=replace(entry.artifact, size_bytes=huge, sha256=None))  # type: ignore[arg-type]
     with pytest.raises(DiskSpaceError, match="not enough disk space"):
-        await fetch_weights(big, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(big, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert local_hub.requests_for(file="model.gguf", method="GET") == []
 
 
@@ -428,12 +452,12 @@ async def test_offline_mode_refuses_network_but_serves_verified_files(local_hub:
     home = tmp_path / "home"
     offline = settings_for(local_hub, home, HF_HUB_OFFLINE="1")
     with pytest.raises(HubError, match="HF_HUB_OFFLINE"):
-        await fetch_weights(entry, offline.model_dir("m"), settings=offline, options=FAST, progress=False)
+        await fetch_and_verify(entry, offline.model_dir("m"), settings=offline, options=FAST, progress=False)
     assert local_hub.requests == []
     online = settings_for(local_hub, home)
-    await fetch_weights(entry, online.model_dir("m"), settings=online, options=FAST, progress=False)
+    await fetch_and_verify(entry, online.model_dir("m"), settings=online, options=FAST, progress=False)
     local_hub.reset_counters()
-    result = await fetch_weights(entry, offline.model_dir("m"), settings=offline, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, offline.model_dir("m"), settings=offline, options=FAST, progress=False)
     assert result.weights is not None and result.weights.already_present and local_hub.requests == []
 
 
@@ -442,7 +466,7 @@ async def test_missing_projector_is_a_warning_not_a_failure(local_hub: LocalHub,
     repo_id, commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
     with_proj = replace(entry, projector=Artifact(repo_id, commit, "mmproj.gguf", 1000, None))
-    result = await fetch_weights(with_proj, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(with_proj, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert result.vision is False and result.projector is None
     assert any("projector" in w for w in result.warnings)
     assert (settings.model_dir("m") / "model.gguf").is_file()
@@ -455,7 +479,7 @@ async def test_present_projector_gives_vision(local_hub: LocalHub, weights: Path
     entry = make_entry("vl", "org/vl", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
                        projector=Artifact("org/vl", commit, "mmproj.gguf", proj.stat().st_size, sha256_of(proj)))
     settings = settings_for(local_hub, tmp_path / "home")
-    result = await fetch_weights(entry, settings.model_dir("vl"), settings=settings, options=FAST, progress=False)
+    result = await fetch_and_verify(entry, settings.model_dir("vl"), settings=settings, options=FAST, progress=False)
     assert result.vision is True and result.projector is not None
     assert (settings.model_dir("vl") / "mmproj.gguf").read_bytes() == proj.read_bytes()
 
@@ -468,7 +492,7 @@ async def test_second_writer_of_a_target_is_told_the_holder(local_hub: LocalHub,
     _p, _s, lock_path = partial_paths(dest / ".partial", "org/model-GGUF", "model.gguf")
     with FileLock(lock_path):  # another writer holds the target
         with pytest.raises(LockedError, match=f"PID {os.getpid()}"):
-            await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+            await fetch_and_verify(entry, dest, settings=settings, options=FAST, progress=False)
     assert local_hub.requests == []
 
 
@@ -500,6 +524,11 @@ async def test_openvino_snapshot_fetches_every_file_and_records_the_commit(local
                                  progress=False)
     snap = result.snapshot
     assert snap is not None and snap.commit == ov_repo["commit"] and snap.files == 4
+    # fetch-weights leaves hashed partials; verify checks them and puts the snapshot in place
+    assert not (dest / "snapshot").exists() and not (dest / "snapshot.json").exists()
+    assert len(snap.listed) == 4 and all(f.partial_path and Path(f.partial_path).is_file() for f in snap.listed)
+    placed = await verify(_openvino_entry("OpenVINO/m-ov"), dest, fetched=result)
+    assert placed.files_checked == 4 and not list((dest / ".partial").glob("*.part"))
     for path, content in ov_repo["files"].items():
         data = content.encode() if isinstance(content, str) else content
         assert (dest / "snapshot" / path).read_bytes() == data
@@ -514,10 +543,10 @@ async def test_openvino_snapshot_follows_the_current_commit_and_refetches_only_c
         local_hub: LocalHub, tmp_path: Path, ov_repo: dict[str, Any]) -> None:
     settings = settings_for(local_hub, tmp_path / "home")
     dest = settings.model_dir("ov")
-    await fetch_weights(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST, progress=False)
+    await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST, progress=False)
     new = local_hub.commit("OpenVINO/m-ov", {"config.json": "{\"v\": 2}", "tok/tokenizer.json": None})
     local_hub.reset_counters()
-    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST,
+    result = await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), dest, settings=settings, options=FAST,
                                  progress=False)
     assert result.snapshot is not None and result.snapshot.commit == new
     assert result.snapshot.files_already_present == 2
@@ -531,7 +560,7 @@ async def test_corrupt_non_lfs_file_fails_its_blob_id_and_is_refetched(local_hub
                                                                        ov_repo: dict[str, Any]) -> None:
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(file="openvino_model.xml", method="GET", corrupt=True, times=1)
-    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+    result = await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
                                  options=FAST, progress=False)
     assert result.snapshot is not None
     assert len(local_hub.requests_for(file="openvino_model.xml", method="GET")) == 2
@@ -566,7 +595,7 @@ async def test_snapshot_listing_with_escaping_path_is_refused(local_hub: LocalHu
     local_hub.set_ref("OpenVINO/m-ov", "main", data["id"])
     settings = settings_for(local_hub, tmp_path / "home")
     with pytest.raises(IntegrityError, match="would escape") as exc:
-        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+        await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
                             options=FAST, progress=False)
     assert exc.value.details["path"] == evil
     assert local_hub.requests_for(method="GET", where="cdn") == []
@@ -580,15 +609,15 @@ async def test_snapshot_of_gated_or_missing_repo(local_hub: LocalHub, tmp_path: 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     settings = settings_for(local_hub, tmp_path / "home")
     with pytest.raises(HubError, match="not found"):
-        await fetch_weights(_openvino_entry("OpenVINO/absent"), settings.model_dir("ov"), settings=settings,
+        await fetch_and_verify(_openvino_entry("OpenVINO/absent"), settings.model_dir("ov"), settings=settings,
                             options=FAST, progress=False)
     local_hub.set_gated("OpenVINO/m-ov", "hf_secret")
     with pytest.raises(HubError) as exc:
-        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+        await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
                             options=FAST, progress=False)
     assert "licence" in str(exc.value) and "HF_TOKEN" in str(exc.value)
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
-    result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+    result = await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
                                  options=FAST, progress=False)
     assert result.snapshot is not None and result.snapshot.files == 4
 
@@ -624,7 +653,7 @@ async def test_revision_header_mismatch_fails_closed(tmp_path: Path) -> None:
                                   "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"})
         entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
         with pytest.raises(PinMismatch, match="served commit f{40} but the registry pins 1{40}") as exc:
-            await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+            await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
         assert exc.value.details["served"] == "f" * 40
     finally:
         server.shutdown()
@@ -649,7 +678,7 @@ async def test_an_unreachable_mirror_reports_each_retry_before_giving_up(tmp_pat
     entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
     with structlog.testing.capture_logs() as events:
         with pytest.raises(TransferError, match="gave up after repeated failures"):
-            await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+            await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     retries = [e for e in events if e["event"] == "download.retry"]
     assert [e["attempt"] for e in retries] == list(range(1, FAST.max_attempts_without_progress))
     for e in retries:
@@ -666,7 +695,7 @@ async def test_a_retried_cdn_get_is_reported_without_the_signed_query(local_hub:
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(file="model.gguf", method="GET", where="cdn", status=503, retry_after=0, times=1)
     with structlog.testing.capture_logs() as events:
-        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     retries = [e for e in events if e["event"] == "download.retry"]
     assert len(retries) == 1
     assert retries[0]["attempt"] == 1 and "HTTP 503" in retries[0]["cause"] and retries[0]["wait_s"] == 0
@@ -679,7 +708,7 @@ async def test_a_retried_snapshot_listing_is_reported(local_hub: LocalHub, tmp_p
     settings = settings_for(local_hub, tmp_path / "home")
     local_hub.inject(url="/api/models/*", status=503, retry_after=0, times=1)
     with structlog.testing.capture_logs() as events:
-        result = await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+        result = await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
                                      options=FAST, progress=False)
     assert result.snapshot is not None
     retries = [e for e in events if e["event"] == "download.retry"]
@@ -698,7 +727,7 @@ async def test_a_web_server_that_is_not_a_hub_is_named_not_blamed_on_the_registr
     settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
     entry = make_entry("m", "org/m-GGUF", "1" * 40, "model.gguf", 1000, "a" * 64)
     with pytest.raises(HubError) as exc:
-        await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert NOT_A_HUB in exc.value.what and not_a_hub in exc.value.what
     assert "renamed" not in str(exc.value) and "registry" not in str(exc.value)
     assert exc.value.details["endpoint"] == not_a_hub
@@ -708,6 +737,6 @@ async def test_a_web_server_that_is_not_a_hub_is_named_not_blamed_on_the_registr
 async def test_a_snapshot_listing_from_a_server_that_is_not_a_hub_says_so(not_a_hub: str, tmp_path: Path) -> None:
     settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
     with pytest.raises(HubError) as exc:
-        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+        await fetch_and_verify(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
                             options=FAST, progress=False)
     assert NOT_A_HUB in exc.value.what and not_a_hub in exc.value.what

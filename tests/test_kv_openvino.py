@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from registry.catalog import load_registry
+from pipeline.registry_file import load_registry
 from registry.kv import (
     KV_CACHE_TYPES,
     OPENVINO_KV_BLOCK_TOKENS,

@@ -13,7 +13,8 @@ import pytest
 from pipeline.cli import main
 from core.errors import UsageError
 from core.plan import Device, ProbeResult
-from registry.catalog import Registry, load_registry
+from pipeline.registry_file import load_registry
+from registry.catalog import Registry
 from registry.kv import KV_CACHE_TYPES
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
 from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type

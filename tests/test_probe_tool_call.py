@@ -305,9 +305,10 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> FixtureInfo:
 
 
 def _open(info: FixtureInfo, run_dir: Path, template: Path | None = None, kv: str = "f16") -> Any:
+    # whether the GGUF embeds a template is verify's reading of the header; the fixture records it
     return open_server(
         fixture_plan(info, 32768, kv), info.path, binary=require_llama_server(), run_dir=run_dir,
-        template_path=template, threads=1, warmup=False,
+        template_path=template, threads=1, warmup=False, gguf_has_chat_template=info.has_chat_template,
     )  # fmt: skip
 
 

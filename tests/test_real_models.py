@@ -12,22 +12,30 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import gguf
+import gguf.gguf_reader
 import pytest
 
+import stages._gguf_header as gguf_header_mod
+import stages.verify as verify_mod
 from core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
-from stages.load import _gguf_has_chat_template, open_server
+from stages.load import open_server
 from stages.plan import build_plan
 from stages.probe_tool_call import probe_tool_call
 from stages.recheck import recheck_allocation
-from stages.verify import check_header_against_entry, read_gguf_header
+from core.model_files import FetchedFile, FetchResult
+from stages.verify import check_header_against_entry, read_gguf_header, verify
+from state.receipts import file_identity
 from tests.gguf_fixtures import require_llama_server
 from tests.real_models import (
     FETCH_SCRIPT,
@@ -216,7 +224,9 @@ def test_planner_refuses_smollm2_below_the_floor_and_says_why() -> None:
 
 def _open(m: RealModel, kv: str, run_dir: Path, *, tokens: int | None = None):  # type: ignore[no-untyped-def]
     plan, _ = planned(m.entry(), kv, tokens=tokens)
-    return open_server(plan, m.path, binary=require_llama_server(), run_dir=run_dir, threads=THREADS, warmup=False)
+    # whether the GGUF embeds a template is verify's reading of the header (here: require_model's)
+    return open_server(plan, m.path, binary=require_llama_server(), run_dir=run_dir, threads=THREADS, warmup=False,
+                       gguf_has_chat_template=m.header.has_chat_template)
 
 
 @pytest.mark.llama
@@ -325,15 +335,63 @@ async def test_tool_probe_names_a_call_written_without_the_templates_markers(tmp
 
 
 def test_template_detection_reads_the_header_only(tmp_path: Path) -> None:
-    """open_server decides "embedded template or ChatML fallback" with gguf.GGUFReader, which parses
-    the whole file (every tensor record, the vocabulary as numpy arrays): measured 7 s (SmolLM2),
-    19 s (Qwen) and 33 s (gemma3, 262k-token vocabulary) per load on this 2-core host under build
-    load, against 0.4-0.8 s for hotfit's bounded header reader. The answer lives in the header
-    alone, so a file whose header is intact must be answered from it. FAILS until
-    stages/load.py's _gguf_has_chat_template uses stages.verify.read_gguf_header."""
+    """"Embedded template or ChatML fallback" is answered from the header alone: gguf.GGUFReader
+    parses the whole file (every tensor record, the vocabulary as numpy arrays): measured 7 s
+    (SmolLM2), 19 s (Qwen) and 33 s (gemma3, 262k-token vocabulary) on this 2-core host under build
+    load, against 0.4-0.8 s for hotfit's bounded header reader, which verify uses once per run."""
     m = require_model(SMOLLM2)
     header_only = tmp_path / "header-and-8MiB.gguf"
     with open(m.path, "rb") as src:
         header_only.write_bytes(src.read(m.header.header_bytes + (8 << 20)))
     assert read_gguf_header(header_only).has_chat_template is True
-    assert _gguf_has_chat_template(header_only) is True
+    assert read_gguf_header(header_only).facts().has_chat_template is True
+
+
+@pytest.mark.llama
+@pytest.mark.anyio
+async def test_load_takes_the_header_facts_from_verify_and_never_reads_the_gguf(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real model through verify (its header read once, from the hashed partial) and then load, with
+    gguf.GGUFReader and the bounded reader both made to raise: load uses verify's facts only."""
+    m = require_model(SMOLLM2)
+    entry = m.entry()
+    art = entry.artifact
+    assert art is not None and art.file is not None and art.revision is not None
+    dest = tmp_path / "models" / entry.name
+    partial = dest / ".partial" / f"{art.file}.part"
+    partial.parent.mkdir(parents=True)
+    try:
+        os.link(m.path, partial)  # the cached file's bytes, without copying 98 MB
+    except OSError:
+        shutil.copyfile(m.path, partial)
+    fetched = FetchResult(entry=entry.name, backend="llama", projector=None, vision=False, weights=FetchedFile(
+        repo=art.repo, revision=art.revision, file=art.file, path=str(dest / art.file), partial_path=str(partial),
+        size_bytes=m.size_bytes, sha256=m.spec.sha256, hub_lfs_sha256=None, identity=file_identity(partial),
+        bytes_transferred=0, bytes_reread=0, resumed_from_bytes=0, connections=1, attempts=1, already_present=False))
+    reads: list[Any] = []
+    real_read = verify_mod.read_gguf_header
+
+    def counted(*a: Any, **k: Any) -> Any:
+        reads.append(a[0])
+        return real_read(*a, **k)
+
+    monkeypatch.setattr(verify_mod, "read_gguf_header", counted)
+    verified = await verify(entry, dest, fetched=fetched)
+    assert reads == [partial] and verified.sha256_source == "streamed"
+    assert verified.gguf is not None and verified.gguf == m.header.facts()
+    assert verified.gguf_embeds_chat_template is True
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("load read the GGUF itself")
+
+    monkeypatch.setattr(gguf, "GGUFReader", boom)
+    monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", boom)
+    monkeypatch.setattr(verify_mod, "read_gguf_header", boom)
+    monkeypatch.setattr(gguf_header_mod, "read_gguf_header", boom)
+    plan, _ = planned(entry, "f16", tokens=2048)
+    assert verified.weights_path is not None
+    async with open_server(plan, Path(verified.weights_path), binary=require_llama_server(),
+                           run_dir=tmp_path / "run", threads=THREADS, warmup=False,
+                           gguf_has_chat_template=verified.gguf_embeds_chat_template) as srv:
+        assert srv.template.kind == "embedded"
+        assert srv.process.poll() is None

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from core.settings import LLAMA_SDIST_VERSION, default_llama_cache
-from registry.catalog import Registry, load_registry
+from pipeline.registry_file import load_registry
+from registry.catalog import Registry
 
 REQUIRE_ENV = "HOTFIT_REQUIRE_LLAMA"
 

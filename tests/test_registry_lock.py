@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.cli import main
 from core.errors import UsageError
-from registry.catalog import bundled_registry_path, load_registry
+from pipeline.registry_file import bundled_registry_path, load_registry
 from pipeline.registry_lock import (
     FileFacts,
     HubFacts,

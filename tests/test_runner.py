@@ -1,4 +1,4 @@
-"""pipeline.runner: ordered stages, skip on unchanged inputs, invalidation, sessions, signals.
+"""pipeline.engine: ordered stages, skip on unchanged inputs, invalidation, sessions, signals.
 
 The stages here are small real async functions that write real files; nothing is mocked.
 """
@@ -22,7 +22,7 @@ import pytest
 
 from core import log as hlog
 from core.errors import Interrupted, TransferError
-from pipeline.runner import Runner, Stage, StageContext
+from pipeline.engine import Runner, Stage, StageContext
 from state.store import StateStore, SyncStateStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -277,7 +277,7 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
     import anyio
     from core import log
     from core.errors import Interrupted
-    from pipeline.runner import Runner, Stage
+    from pipeline.engine import Runner, Stage
     from state.store import StateStore
 
     home = Path(sys.argv[1])
@@ -393,7 +393,7 @@ _LOAD_SIGNAL_SCRIPT = textwrap.dedent("""
     from backends.llama_server import find_llama_server
     from core.errors import Interrupted
     from core.plan import Device, ProbeResult
-    from pipeline.runner import Runner, Stage
+    from pipeline.engine import Runner, Stage
     from core.settings import load_settings
     from registry.kv import parse_kv_cache_type
     from stages.load import open_server
@@ -491,9 +491,9 @@ def test_recorded_template_is_reused_only_while_its_text_is_unchanged(tmp_path: 
     truncated behind hotfit's back must not be skipped over (verify and load would trust it)."""
     import hashlib
 
-    from pipeline.runner import hotfit_stages
+    from pipeline.provision import AutoOptions, provisioning_stages
 
-    stage = next(s for s in hotfit_stages() if s.name == "fetch-template")
+    stage = next(s for s in provisioning_stages(AutoOptions()) if s.name == "fetch-template")
     assert stage.still_valid is not None
     path = tmp_path / "chat_template.jinja"
     text = "{% for tool in tools %}<tool_call>{% endfor %}"
@@ -505,3 +505,80 @@ def test_recorded_template_is_reused_only_while_its_text_is_unchanged(tmp_path: 
     path.unlink()
     assert not stage.still_valid(outputs)
     assert stage.still_valid({"path": None, "sha256": None})  # the entry names no template
+
+
+def _damage(db: Path, stage: str, outputs_json: str) -> None:
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE stages SET outputs_json=? WHERE stage=?", (outputs_json, stage))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("damaged", ['{"size_bytes": 64}', '[1, 2]', '"text"'])
+async def test_a_record_that_does_not_decode_is_named_and_its_stage_runs_again(
+        world: World, events: io.StringIO, damaged: str) -> None:
+    await run_once(world)
+    _damage(world.home / "state.db", "fetch", damaged)
+    world.calls.clear()
+    outcome = await run_once(world)
+    # fetch ran again and wrote the same file, so what depends on it is still reused
+    assert world.calls == ["probe", "plan", "fetch"]
+    assert "fetch" in outcome.ran and isinstance(outcome.results["fetch"], FileResult)
+    stale = [e for e in parsed(events) if e["event"] == "stage.stale" and e.get("stage") == "fetch"]
+    assert len(stale) == 1 and stale[0]["level"] == "warning"
+    error = stale[0]["error"]
+    assert error["code"] == "stage_record" and error["details"]["stage"] == "fetch"
+    assert error["details"]["state_db"] == str(world.home / "state.db")
+    assert "stage fetch" in error["message"] and str(world.home / "state.db") in error["message"]
+
+
+@pytest.mark.anyio
+async def test_a_field_of_the_wrong_kind_names_the_field(world: World, events: io.StringIO) -> None:
+    """A decoder from core.decode names the damaged field's path in the logged error."""
+    from core.decode import decode_record
+
+    stages = world.stages()
+    fetch = next(s for s in stages if s.name == "fetch")
+    strict = [Stage(s.name, s.fn, s.deps, s.inputs, s.always_run, s.session,
+                    (lambda d: decode_record(FileResult, d)) if s is fetch else s.decode, s.still_valid)
+              for s in stages]
+    store = await StateStore.open(world.home / "state.db")
+    try:
+        await Runner(strict, store, FakeSettings(world.home), handle_signals=False).run()
+        await store.aclose()
+        _damage(world.home / "state.db", "fetch", '{"path": "/x", "size_bytes": "64"}')
+        store = await StateStore.open(world.home / "state.db")
+        world.calls.clear()
+        await Runner(strict, store, FakeSettings(world.home), handle_signals=False).run()
+    finally:
+        await store.aclose()
+    assert "fetch" in world.calls
+    stale = next(e for e in parsed(events) if e["event"] == "stage.stale" and e.get("stage") == "fetch")
+    assert stale["error"]["details"]["field"] == "size_bytes"
+    assert "size_bytes: must be a whole number, got str" in stale["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_an_ephemeral_run_writes_nothing_reuses_nothing_and_logs_no_lifecycle(
+        world: World, events: io.StringIO) -> None:
+    """No store: the sequencing of a real run (pull, the dry run), with no state.db, no skip, no run.* events."""
+    await run_once(world)  # a recorded run whose records an ephemeral one must not reuse
+    before = (world.home / "state.db").read_bytes()
+    world.calls.clear()
+    mark = len(parsed(events))
+    outcome = await Runner(world.stages(), None, FakeSettings(world.home), handle_signals=False).run()
+    assert world.calls == ["probe", "plan", "fetch", "verify", "load", "check"]
+    assert outcome.skipped == () and isinstance(outcome.results["fetch"], FileResult)
+    assert (world.home / "state.db").read_bytes() == before
+    names = [e["event"] for e in parsed(events)[mark:]]
+    assert not [n for n in names if n.startswith(("run.", "stage."))]
+    assert world.sessions_open == 0
+
+
+@pytest.mark.anyio
+async def test_an_ephemeral_run_raises_a_stage_failure_unchanged(world: World) -> None:
+    world.fail_in = "fetch"
+    with pytest.raises(TransferError, match="hub said no"):
+        await Runner(world.stages(), None, FakeSettings(world.home), handle_signals=False).run()
+    assert not (world.home / "state.db").exists()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.errors import NoModelQualifies, UsageError
-from registry.catalog import load_registry
+from pipeline.registry_file import load_registry
 from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from core.entry import LayerGroup
 from registry.select import (

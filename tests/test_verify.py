@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import json
+
 import gguf
 import numpy as np
 import pytest
+import structlog
 
-from core.errors import IntegrityError, TemplateError
 from core.entry import LayerGroup, TemplateSource
+from core.errors import IntegrityError, TemplateError
+from core.model_files import FetchResult
 from stages.fetch_template import fetch_template
-from stages.fetch_weights import fetch_weights
+from stages.fetch_weights import fetch_weights, fetched_still_on_disk
 from stages.verify import (
     GGUFHeader,
     check_header_against_entry,
@@ -24,6 +29,7 @@ from stages.verify import (
     read_gguf_header,
     verify,
 )
+from state.receipts import decode_receipt, read_receipt, receipt_matches, receipt_path
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
 
@@ -147,12 +153,19 @@ async def test_verify_stage_after_pull_and_after_tampering(local_hub: LocalHub, 
     dest = settings.model_dir("m")
     fetched = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
     with pytest.raises(TemplateError, match="missing"):
-        await verify(entry, dest)  # the entry names a template and it is not there yet
-    await fetch_template(entry, dest, settings=settings, weights_path=fetched.weights_path)
-    result = await verify(entry, dest)
+        await verify(entry, dest, fetched=fetched)  # the entry names a template and it is not there yet
+    template = await fetch_template(entry, dest, settings=settings)
+    result = await verify(entry, dest, fetched=fetched, template=template)
     assert result.sha256 == sha256_of(weights) and result.sha256_source == "streamed"
     assert result.chat_template_path and result.gguf_embeds_chat_template is False
+    assert result.gguf is not None and result.gguf.architecture == "llama" and result.gguf.block_count == 4
+    assert result.gguf.head_count_kv == 2 and result.gguf.context_length == 8192
     assert (await verify(entry, dest, rehash=True)).sha256_source == "rehashed"
+    # the template fetch-template checked, and no other text
+    Path(template.path).write_text("{% if tools %}other{% endif %}")  # type: ignore[arg-type]
+    with pytest.raises(TemplateError, match="not the template fetch-template checked"):
+        await verify(entry, dest)
+    Path(template.path).write_text("{% if tools %}x{% endif %}")  # type: ignore[arg-type]
 
     final = dest / "model.gguf"
     data = bytearray(final.read_bytes())
@@ -241,7 +254,7 @@ def test_a_real_gguf_with_a_string_key_length_is_an_integrity_error(tmp_path: Pa
 def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, manifest: dict[str, Any]) -> None:
     import json
 
-    from stages.fetch_weights import verify_snapshot_dir
+    from stages.verify import verify_snapshot_dir
 
     (tmp_path / "snapshot").mkdir()
     (tmp_path / "snapshot" / "model.xml").write_bytes(b"x")
@@ -253,21 +266,107 @@ def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, mani
 
 def test_a_receipt_without_its_sha256_is_not_a_match(tmp_path: Path) -> None:
     from core.entry import Artifact
-    from stages.verify import receipt_matches
 
     final = tmp_path / "m.gguf"
     final.write_bytes(b"x" * 10)
     art = Artifact("o/r", "0" * 40, "m.gguf", 10, None)
-    assert receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10,
-                            "sha256": "a" * 64}, art, final)
-    assert not receipt_matches({"schema": 1, "repo": "o/r", "revision": "0" * 40, "size_bytes": 10}, art, final)
+    base = {"schema": 1, "repo": "o/r", "file": "m.gguf", "revision": "0" * 40, "size_bytes": 10}
+    assert receipt_matches(decode_receipt(json.dumps({**base, "sha256": "a" * 64}), path="r"), art, final)
+    assert not receipt_matches(decode_receipt(json.dumps(base), path="r"), art, final)
 
 
-@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1]", "not json"])
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1]", "not json",
+                                  '{"schema": 1, "repo": "o/r", "file": "m.gguf", "size_bytes": "10"}',
+                                  '{"schema": 1, "repo": "o/r", "file": "m.gguf", "sha256": 7}',
+                                  '{"schema": 2, "repo": "o/r", "file": "m.gguf"}'])
 def test_a_damaged_receipt_is_no_receipt(tmp_path: Path, text: str) -> None:
-    from stages.verify import read_receipt, receipt_path
-
     path = receipt_path(tmp_path, "m.gguf")
     path.parent.mkdir(parents=True)
     path.write_text(text)
-    assert read_receipt(tmp_path, "m.gguf") is None
+    with structlog.testing.capture_logs() as logs:
+        assert read_receipt(tmp_path, "m.gguf") is None  # today's behaviour: verified again, never trusted
+    # the one decoder says which file is damaged and why
+    with pytest.raises(IntegrityError, match=f"receipt {path} is damaged") as exc:
+        decode_receipt(text, path=path)
+    assert exc.value.details["file"] == str(path) and exc.value.details["field"] == "receipt"
+    damaged = [e for e in logs if e["event"] == "receipt.damaged"]
+    assert damaged and damaged[0]["file"] == str(path)
+
+
+def test_receipts_written_today_read_back_unchanged(tmp_path: Path) -> None:
+    """The receipt files on disk keep their keys (a home written by an earlier hotfit stays valid)."""
+    weights = {"schema": 1, "repo": "o/r", "revision": "0" * 40, "file": "m.gguf", "size_bytes": 10,
+               "sha256": "a" * 64, "hub_lfs_sha256": "a" * 64, "verified_against": ["registry", "hub_lfs"]}
+    template = {"schema": 1, "repo": "o/t", "revision": "1" * 40, "file": "tokenizer_config.json",
+                "sha256": "b" * 64, "variant": "tokenizer_config:tool_use", "tool_markers": ["tools"]}
+    for data in (weights, template):
+        r = decode_receipt(json.dumps(data), path="r")
+        assert r.to_json() == data
+
+
+# --------------------------------------------------------------------------- the hashed partial, reused or not
+
+
+async def _fetched_partial(local_hub: LocalHub, tmp_path: Path, repo: str = "org/m") -> tuple[Any, Any, Path, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    weights = make_gguf(tmp_path / "model.gguf", pad_bytes=300_000)
+    commit = local_hub.create_repo(repo, {"model.gguf": weights}, lfs=["model.gguf"])
+    entry = make_entry("m", repo, commit, "model.gguf", weights.stat().st_size, sha256_of(weights))
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("m")
+    fetched = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    return entry, fetched, dest, weights
+
+
+@pytest.mark.anyio
+async def test_a_recorded_partial_is_verified_from_its_streamed_hash_after_a_restart(local_hub: LocalHub,
+                                                                                      tmp_path: Path) -> None:
+    # A run killed between fetch-weights and verify: the next run decodes the recorded result
+    # (state.db) and verify reuses its sha256 — the partial is the same file, unchanged since hashing.
+    entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path)
+    record = json.loads(json.dumps(fetched.to_json()))
+    assert FetchResult.decode(record) == fetched
+    assert fetched_still_on_disk(record)
+    with structlog.testing.capture_logs() as logs:
+        result = await verify(entry, dest, fetched=FetchResult.decode(record))
+    assert result.sha256_source == "streamed" and not [e for e in logs if e["event"] == "verify.rehash"]
+    assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
+    assert fetched_still_on_disk(record)  # the partial is gone, but in place with a receipt for that sha256
+    receipt_path(dest, "model.gguf").unlink()
+    assert not fetched_still_on_disk(record)
+
+
+@pytest.mark.anyio
+async def test_a_partial_touched_since_hashing_is_rehashed_and_a_damaged_one_discarded(local_hub: LocalHub,
+                                                                                       tmp_path: Path) -> None:
+    entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path)
+    partial = Path(fetched.weights.partial_path)
+    st = partial.stat()
+    os.utime(partial, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # same bytes, another mtime
+    assert not fetched_still_on_disk(fetched.to_json())  # a rerun would fetch (and hash) it again
+    result = await verify(entry, dest, fetched=fetched)
+    assert result.sha256_source == "rehashed" and result.sha256 == sha256_of(weights)
+
+    entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path / "second", "org/m2")
+    partial = Path(fetched.weights.partial_path)
+    data = bytearray(partial.read_bytes())
+    data[-1] ^= 0xFF  # one bit of rot, same size
+    partial.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as exc:
+        await verify(entry, dest, fetched=fetched)
+    assert exc.value.details["field"] == "sha256"
+    assert not partial.exists() and not (dest / "model.gguf").exists()  # never resumed from, never in place
+    assert not fetched_still_on_disk(fetched.to_json())  # so the next run fetches it again
+    again = await fetch_weights(entry, dest, settings=settings_for(local_hub, tmp_path / "second" / "home"),
+                                options=FAST, progress=False)
+    assert again.weights is not None and again.weights.resumed_from_bytes == 0
+    assert (await verify(entry, dest, fetched=again)).sha256 == sha256_of(weights)
+
+
+@pytest.mark.anyio
+async def test_a_partial_of_another_pin_is_refused(local_hub: LocalHub, tmp_path: Path) -> None:
+    entry, fetched, dest, _weights = await _fetched_partial(local_hub, tmp_path)
+    other = replace(fetched, weights=replace(fetched.weights, revision="f" * 40))
+    with pytest.raises(IntegrityError, match="pins") as exc:
+        await verify(entry, dest, fetched=other)
+    assert exc.value.details["field"] == "revision" and not (dest / "model.gguf").exists()

@@ -1,8 +1,10 @@
 """``hotfit`` command line: global options, sub-command dispatch, error → exit-code mapping.
 
 Each sub-command lives in its own module here with ``add_parser(subparsers, parents)`` and
-``run(args, ctx) -> int``. Errors from ``core.errors`` become their exit code; with ``--json``
-the error is printed as ``{"error": {...}}`` on stdout so scripts can read it.
+``run(args, ctx) -> int``; it parses arguments, calls into ``pipeline`` and renders the result
+(:class:`~pipeline.cli.context.CliContext`), nothing else. Errors from ``core.errors`` become
+their exit code; with ``--json`` the error is printed as ``{"error": {...}}`` on stdout so
+scripts can read it.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 from core import log
 from core.errors import HotfitError, Interrupted
-from core.settings import Settings, load_settings
+from core.settings import load_settings
+from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status
+from pipeline.cli.context import CliContext
 from state.files import prepare_home, unusable_home
 
 EXIT_CODES_HELP = """exit codes:
@@ -32,26 +36,7 @@ EXIT_CODES_HELP = """exit codes:
 """
 
 
-@dataclass
-class CliContext:
-    settings: Settings
-    json: bool
-    log_format: str | None
-    verbosity: int
-    out: TextIO
-
-    def emit(self, data: Any, text: str | None = None) -> None:
-        """Print ``data`` as JSON with --json, else the human ``text`` (or the JSON if none)."""
-        if self.json or text is None:
-            self.out.write(json.dumps(data, indent=2, default=str) + "\n")
-        else:
-            self.out.write(text.rstrip("\n") + "\n")
-        self.out.flush()
-
-
 def _commands() -> list[Any]:
-    from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status
-
     return [probe, plan, registry, pull, auto, status, serve, grade]
 
 

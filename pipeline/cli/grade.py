@@ -18,7 +18,7 @@ import anyio
 
 from grading.report import summary_text
 from grading.scenarios import TIERS
-from pipeline.cli import CliContext
+from pipeline.cli.context import CliContext
 from core.errors import UsageError
 from stages.grade import HttpChatEndpoint, default_output_path, grade_endpoint, write_report
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli import CliContext
+from backends.llama_server import gpu_listing_binaries
+from pipeline.cli.context import CliContext
+from pipeline.registry_file import load_registry
+from registry.select import normalize_origin
+from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
+from stages.probe import load_probe_file, probe_devices
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -29,17 +34,10 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    from registry.catalog import load_registry
-    from registry.select import normalize_origin
-    from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
-    from stages.probe import load_probe_file, probe_devices
-
     # Validate the cheap inputs before probing hardware.
     cache_type, source = resolve_kv_cache_type(args.kv_cache_type, ctx.settings.kv_cache_type_raw)
     origin = normalize_origin(args.origin)
     registry = load_registry(args.registry)
-    from backends.llama_server import gpu_listing_binaries
-
     probe = (load_probe_file(args.probe_file) if args.probe_file
              else probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings)))
     outcome = build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=args.backend,

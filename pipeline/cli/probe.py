@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli import CliContext
+from backends.llama_server import gpu_listing_binaries
+from pipeline.cli.context import CliContext
+from stages.probe import describe, probe_devices, save_probe
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -16,10 +18,6 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    from stages.probe import describe, probe_devices, save_probe
-
-    from backends.llama_server import gpu_listing_binaries
-
     result = probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings))
     if args.save:
         save_probe(result, Path(args.save))

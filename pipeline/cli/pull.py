@@ -1,4 +1,4 @@
-"""hotfit pull NAME: fetch-weights -> fetch-template -> verify for one named entry.
+"""hotfit pull NAME: fetch-weights -> fetch-template -> verify for one named entry (pipeline.pull).
 
 The name is explicit: no fallback to another model or origin (issue 4 §7). Files go to
 ``Settings.model_dir(NAME)``; a rerun resumes an interrupted download and skips verified files.
@@ -9,16 +9,12 @@ behind it with ``--wait``.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import anyio
 
-from pipeline.cli import CliContext
 from core.errors import UsageError
-from core.settings import Settings
-from core.entry import Entry
+from pipeline.cli.context import CliContext
+from pipeline.pull import PullResult, find_entry, pull_entry
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -31,53 +27,6 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.set_defaults(handler=run)
 
 
-@dataclass(frozen=True)
-class PullResult:
-    entry: str
-    directory: str
-    fetch: Any  # stages.fetch_weights.FetchResult
-    template: Any  # stages.fetch_template.TemplateResult
-    verify: Any  # stages.verify.VerifyResult
-
-    def to_json(self) -> dict[str, Any]:
-        return {"entry": self.entry, "directory": self.directory, "fetch": self.fetch.to_json(),
-                "template": self.template.to_json(), "verify": self.verify.to_json()}
-
-
-async def pull_entry(entry: Entry, settings: Settings, *, connections: int | None = None, wait: bool = False,
-                     progress: bool = True) -> PullResult:
-    """fetch-weights → fetch-template → verify, under one lock per model directory."""
-    from stages.fetch_template import fetch_template
-    from stages.fetch_weights import fetch_weights
-    from stages.verify import verify
-    from state.locks import FileLock
-
-    dest = settings.model_dir(entry.name)
-    async with FileLock(dest / ".partial" / "pull.lock", wait=wait, what=f"model directory {dest}").async_held():
-        fetched = await fetch_weights(entry, dest, settings=settings, connections=connections, progress=progress,
-                                      wait=wait)
-        weights_path = fetched.weights.path if fetched.weights is not None else None
-        template = await fetch_template(entry, dest, settings=settings,
-                                        weights_path=Path(weights_path) if weights_path else None, wait=wait)
-        verified = await verify(entry, dest)
-    return PullResult(entry=entry.name, directory=str(dest), fetch=fetched, template=template, verify=verified)
-
-
-def _load_entry(name: str, registry_file: str | None) -> Entry:
-    from registry.catalog import load_registry
-
-    registry = load_registry(Path(registry_file) if registry_file else None)
-    try:
-        entry = registry.get(name)
-    except KeyError:
-        entry = None
-    if entry is None:
-        raise UsageError(f"no registry entry named {name!r}",
-                         hint="list the names with `hotfit registry list` (pull never substitutes another model)",
-                         name=name)
-    return entry
-
-
 def _human(result: PullResult) -> str:
     lines = [f"pulled {result.entry} into {result.directory}"]
     f = result.fetch
@@ -86,8 +35,9 @@ def _human(result: PullResult) -> str:
         how = "already present" if w.already_present else (
             f"{w.bytes_transferred} bytes over {w.connections} connection(s)"
             + (f", resumed from {w.resumed_from_bytes}" if w.resumed_from_bytes else ""))
+        against = result.verify.verified_against
         lines.append(f"  weights   {w.path} ({w.size_bytes} bytes, sha256 {w.sha256[:16]}…, "
-                     f"verified against {'+'.join(w.verified_against) or 'receipt'}; {how})")
+                     f"verified against {'+'.join(against) or 'receipt'}; {how})")
     if f.snapshot is not None:
         s = f.snapshot
         lines.append(f"  snapshot  {s.directory} at {s.commit} ({s.files} files, {s.size_bytes} bytes)")
@@ -96,7 +46,7 @@ def _human(result: PullResult) -> str:
         lines.append(f"  template  {t.path} ({t.variant}; tool markers: {', '.join(t.tool_markers)})")
     else:
         lines.append("  template  none named by the entry"
-                     + (" (the GGUF embeds one)" if t.gguf_embeds_chat_template else ""))
+                     + (" (the GGUF embeds one)" if result.verify.gguf_embeds_chat_template else ""))
     lines.append(f"  vision    {'yes' if result.verify.vision else 'no'}")
     for w in f.warnings:
         lines.append(f"  warning   {w}")
@@ -106,7 +56,7 @@ def _human(result: PullResult) -> str:
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     if args.connections is not None and not 1 <= args.connections <= 32:
         raise UsageError(f"--connections {args.connections} is not from 1 to 32", hint="e.g. --connections 4")
-    entry = _load_entry(args.name, args.registry)
+    entry = find_entry(args.name, args.registry)
     result = anyio.run(lambda: pull_entry(entry, ctx.settings, connections=args.connections, wait=args.wait))
     ctx.emit(result.to_json(), _human(result))
     return 0

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli import CliContext
-from registry.catalog import download_blocker, entry_summary, load_registry
+from pipeline.cli.context import CliContext
+from pipeline.registry_file import load_registry
+from registry.catalog import download_blocker, entry_summary
 from pipeline.registry_lock import lock_registry
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli import CliContext
+from pipeline.cli.context import CliContext
 from core.errors import NoModelQualifies, UsageError
 from core.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
@@ -220,11 +220,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     if problems:
         raise UsageError(f"the provisioned files are not in place: {'; '.join(problems)}",
                          hint="run `hotfit auto` again; it re-fetches what is missing")
-    try:
-        plan = plan_from_json(manifest.plan)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UsageError(f"manifest {settings.manifest_path} holds no usable plan ({exc!r})",
-                         hint="run `hotfit auto` to provision again; it rewrites the manifest") from None
+    plan = plan_from_json(manifest.plan, source=f"manifest {settings.manifest_path}")  # UsageError naming the field
     if manifest.backend == "openvino":
         return _openvino_handler(args, ctx, manifest, plan)
     # What hotfit sets for the child beyond the inherited environment: the device pin, built by

@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import Any
 
-from pipeline.cli import CliContext
+from pipeline.cli.context import CliContext
 from core.errors import UsageError
 from pipeline.manifest import read_manifest
 from state.locks import read_holder

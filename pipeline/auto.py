@@ -1,0 +1,267 @@
+"""The ``hotfit auto`` job: dry run, fast no-op, or the resumable pipeline under the one-per-home lock.
+
+Every path runs stages through the one engine: the dry run and the no-op check run the planning
+subset (probe → plan) ephemerally — no lock, no state, no files — and a provisioning runs the whole
+stage table against ``state.db`` and writes the manifest. The CLI (pipeline/cli/auto.py) parses the
+options and renders what :func:`provision` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+
+from core.errors import Interrupted, UsageError
+from core.log import get_logger
+from core.plan import Device, Plan, ProbeResult
+from core.settings import Settings
+from pipeline.engine import PipelineOutcome, Runner
+from pipeline.manifest import Manifest, plan_from_json, read_manifest, utc_now_iso, write_manifest
+from pipeline.provision import SESSION_STAGES, AutoOptions, planning_stages, provisioning_stages
+from pipeline.session_stages import opened_context_tokens
+from pipeline.worker import find_worker, worker_held_bytes
+from stages.plan import PlanOutcome, PreviousModel, outcome_json
+from state.locks import FileLock
+from state.store import StateStore
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class AutoOutcome:
+    """What ``hotfit auto`` did, for the CLI to render."""
+
+    kind: Literal["dry_run", "noop", "provisioned"]
+    data: dict[str, Any]  # what --json prints (the manifest, or the dry-run document)
+    plan: Plan
+    manifest: Manifest | None = None  # noop: the standing one; provisioned: the new one
+    resumed: bool = False
+    skipped: tuple[str, ...] = ()
+
+
+def noop_problems(manifest: Manifest, plan: Plan) -> list[str]:
+    """Pure-ish: why the last provisioning does not stand for ``plan`` ([] = a fast no-op)."""
+    problems: list[str] = []
+    if manifest.entry_name != plan.entry.name:
+        problems.append(f"the plan picks {plan.entry.name}, not the provisioned {manifest.entry_name}")
+    if manifest.kv_cache_type != plan.kv_cache_type:
+        problems.append(f"KV type is {plan.kv_cache_type} now, {manifest.kv_cache_type} when provisioned")
+    pinned = (manifest.plan.get("entry") or {}).get("artifact")
+    now = dataclasses.asdict(plan.entry.artifact) if plan.entry.artifact else None
+    if pinned != now:
+        problems.append("the registry pins a different artifact for this entry")
+    if (manifest.plan.get("entry") or {}).get("chat_template") != (
+            dataclasses.asdict(plan.entry.chat_template) if plan.entry.chat_template else None):
+        problems.append("the registry names a different chat template for this entry")
+    problems += manifest.files_in_place()
+    return problems
+
+
+def _provisioned_device(manifest: Manifest) -> Device | None:
+    """The device the manifest's plan was made for (None when the plan is unreadable: then the
+    previous model is kept on whichever device it still qualifies)."""
+    try:
+        return plan_from_json(manifest.plan).probe.device
+    except UsageError:  # plan_from_json names the damaged field
+        return None
+
+
+def build_manifest(outcome: PipelineOutcome) -> Manifest:
+    """The manifest of a finished run, from the stages' recorded outputs (pure)."""
+    plan = outcome.plan
+    assert plan is not None
+    out = outcome.outputs
+    verify = out["verify"] or {}
+    template = out["fetch-template"] or {}
+    fetch = out["fetch-weights"] or {}
+    load = out["load"] or {}
+    call = out["probe-tool-call"] or {}
+    recheck = out["re-check"] or {}
+    verdict = call.get("verdict") or {}
+    backend = load.get("backend") or {}
+    device = plan.probe.device
+    openvino = plan.backend == "openvino"
+    # what each runtime reports beside the shared KV figures (a small adapter, not a Backend boundary)
+    runtime_facts: dict[str, Any] = {
+        "kv_precision": recheck.get("kv_precision"), "kv_bytes_per_token": recheck.get("kv_bytes_per_token"),
+        "predicted_kv_bytes": recheck.get("predicted_kv_bytes"),
+        "configured_kv_blocks": recheck.get("configured_kv_blocks"), "block_tokens": recheck.get("block_tokens"),
+    } if openvino else {
+        "actual_kv_bytes_uncertainty": recheck.get("actual_kv_bytes_uncertainty"),
+        "flash_attn": recheck.get("flash_attn"),
+        # where the session really put things: "offloaded N/N layers", KV buffers by device
+        "offloaded_layers": recheck.get("offloaded_layers"),
+        "kv_buffers": recheck.get("kv_buffers"),
+    }
+    return Manifest(
+        run_id=outcome.run_id,
+        plan_id=plan.plan_id,
+        written_at=utc_now_iso(),
+        entry_name=plan.entry.name,
+        model_path=verify.get("weights_path"),
+        model_size_bytes=verify.get("size_bytes"),
+        model_sha256=verify.get("sha256"),
+        template_path=template.get("path") or verify.get("chat_template_path"),
+        template_sha256=template.get("sha256") if template.get("path") else None,
+        projector_path=((fetch.get("projector") or {}).get("path")),
+        kv_cache_type=plan.kv_cache_type,
+        planned_hot_context_tokens=plan.hot_context_tokens,
+        measured={
+            # a measurement of one session on one day, not a setting (serve re-checks it)
+            "opened_context_tokens": opened_context_tokens(recheck),
+            "estimated_kv_bytes": recheck.get("estimated_kv_bytes"),
+            "actual_kv_bytes": recheck.get("actual_kv_bytes"),
+            "kv_ratio": recheck.get("ratio"),
+            "verdict": recheck.get("verdict"),
+            "warnings": recheck.get("warnings"),
+            **runtime_facts,
+            "measured_by_run": outcome.run_id,
+        },
+        probe_verdict={
+            "passed": verdict.get("passed"),
+            "reason": verdict.get("reason"),
+            "tool": verdict.get("tool_name"),
+            "template": call.get("template"),
+            "prompt_tokens_per_s": call.get("prompt_tokens_per_s"),
+            "generation_tokens_per_s": call.get("generation_tokens_per_s"),
+        },
+        llama_cpp={} if openvino else {
+            "server_path": backend.get("server_path"),
+            "source": backend.get("source"),
+            **(backend.get("build") or {}),
+            "build_info": recheck.get("build_info"),
+        },
+        device={"index": device.index, "kind": device.kind, "name": device.name,
+                "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes,
+                "ggml_device": device.ggml_device},
+        plan=plan.to_json(),
+        extra={"vision": fetch.get("vision"), "load_argv": load.get("argv")} | ({"openvino": {
+            "genai_version": backend.get("genai_version"), "session": load.get("config"),
+            "snapshot_commit": (fetch.get("snapshot") or {}).get("commit"), "tool_call_family": call.get("family"),
+        }} if openvino else {}),
+        backend=plan.backend,
+    )
+
+
+async def previous_model(opts: AutoOptions, settings: Settings) -> tuple[Manifest | None, PreviousModel | None]:
+    """The standing manifest, and the previous model the planner keeps while it qualifies."""
+    manifest = read_manifest(settings.manifest_path)
+    if opts.refresh or opts.model or manifest is None:
+        return manifest, None
+    # Kept while it qualifies on the device it was provisioned on; a worker of this home
+    # serving it right now holds memory that is the previous model's own (issue 10 item 1).
+    worker = await anyio.to_thread.run_sync(find_worker, settings.serve_pid_path, manifest)
+    held = 0
+    if worker is not None:
+        try:
+            held = worker_held_bytes(manifest, worker)
+        except (UsageError, KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan
+            log.info("worker.unjudged", reason=str(exc))
+    return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest), worker_held_bytes=held)
+
+
+async def plan_only(opts: AutoOptions, settings: Settings,
+                    previous: PreviousModel | None) -> tuple[ProbeResult, PlanOutcome]:
+    """probe → plan through the engine, ephemerally (nothing written, the binary not checked)."""
+    seen: list[PlanOutcome] = []
+    outcome = await Runner(planning_stages(opts, previous, on_plan=seen.append, check_backend=False), None,
+                           settings, handle_signals=False).run()
+    probe = outcome.results["probe"]
+    assert isinstance(probe, ProbeResult) and seen
+    return probe, seen[-1]
+
+
+async def provision(opts: AutoOptions, settings: Settings) -> AutoOutcome:
+    """Dry run, fast no-op, or the resumable pipeline under the one-per-home lock."""
+    if opts.dry_run:  # changes nothing: no lock, no state, no files
+        manifest, previous = await previous_model(opts, settings)
+        probe, planned = await plan_only(opts, settings, previous)
+        plan = planned.plan
+        assert plan is not None
+        data = {
+            "dry_run": True,
+            "probe": probe.to_json(),
+            "plan": plan.to_json() | {"plan_id": plan.plan_id},
+            "selection": outcome_json(planned),
+            "model": plan.entry.name,
+            "kv_cache_type": plan.kv_cache_type,
+            "estimated_hot_context_tokens": plan.hot_context_tokens,
+            "previous_model": manifest.entry_name if manifest else None,
+            "device": {"index": plan.probe.device.index, "kind": plan.probe.device.kind,
+                       "name": plan.probe.device.name},
+            "reused": plan.reused_previous,
+            "would": ("nothing (provisioned and still valid)"
+                      if manifest and not opts.recheck and not noop_problems(manifest, plan) else "provision"),
+        }
+        return AutoOutcome("dry_run", data, plan)
+
+    lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
+    async with held_interruptibly(lock):
+        manifest, previous = await previous_model(opts, settings)
+        if manifest is not None and not opts.recheck and not opts.refresh:
+            _probe, planned = await plan_only(opts, settings, previous)
+            assert planned.plan is not None
+            problems = noop_problems(manifest, planned.plan)
+            if not problems:
+                log.info("run.noop", model=manifest.entry_name, plan_id=planned.plan.plan_id,
+                         provisioned_by_run=manifest.run_id,
+                         serving_worker_held_bytes=previous.worker_held_bytes if previous else 0)
+                return AutoOutcome("noop", manifest.to_json() | {"noop": True}, planned.plan, manifest)
+            log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)
+        store = await StateStore.open(settings.state_db, lock_path=settings.lock_path)
+        try:
+            runner = Runner(provisioning_stages(opts, previous), store, settings, run_args=opts.to_json(),
+                            force=SESSION_STAGES if opts.recheck else ())
+            outcome = await runner.run()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await store.aclose()
+        new_manifest = build_manifest(outcome)
+        await anyio.to_thread.run_sync(write_manifest, settings.manifest_path, new_manifest)
+        log.info("manifest.written", path=str(settings.manifest_path), model=new_manifest.entry_name,
+                 run_id=outcome.run_id, plan_id=new_manifest.plan_id)
+        assert outcome.plan is not None
+        return AutoOutcome("provisioned", new_manifest.to_json(), outcome.plan, new_manifest,
+                           resumed=outcome.resumed, skipped=outcome.skipped)
+
+
+@contextlib.asynccontextmanager
+async def held_interruptibly(lock: FileLock) -> AsyncIterator[FileLock]:
+    """Hold the home lock. SIGINT/SIGTERM while queued behind another run (--wait) ends with
+    Interrupted (exit 130) and a ``lock.wait_interrupted`` event; nothing was written, since
+    state belongs to the lock holder. (Once held, the runner handles signals itself.)"""
+    received: list[int] = []
+    failure: Exception | None = None
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                async for signum in signals:
+                    received.append(signum)
+                    tg.cancel_scope.cancel()
+                    return
+
+            tg.start_soon(watch)
+            try:
+                await lock.acquire_async()
+            except Exception as exc:  # LockedError: kept out of the task group's ExceptionGroup
+                failure = exc
+            finally:
+                tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    if received:
+        lock.release()  # held only if it was granted as the signal arrived
+        name = signal.Signals(received[0]).name
+        log.warning("lock.wait_interrupted", signal=name, lock=str(lock.path))
+        raise Interrupted(f"interrupted by {name} while waiting for {lock.what}; nothing was changed",
+                          hint="rerun the same command to queue again")
+    try:
+        yield lock
+    finally:
+        lock.release()
