@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import shutil
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from dataclasses import dataclass
@@ -28,11 +27,12 @@ from backends.base import BackendBinary
 from backends.llama_server.discovery import gpu_listing_binaries
 from core.decode import stage_record_fail
 from core.entry import Entry
-from core.errors import DiskSpaceError, NoModelQualifies
+from core.errors import NoModelQualifies
 from core.log import get_logger
 from core.plan import Plan, ProbeResult
 from core.records import Fields
 from core.settings import Settings
+from download import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
 from pipeline.engine import Stage, StageContext
 from pipeline.manifest import decode_plan as decode_plan_json
 from pipeline.registry_file import load_registry
@@ -65,8 +65,6 @@ __all__ = [
 STAGE_NAMES: tuple[str, ...] = (
     "probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check",
 )
-# Spec (contenox `auto`): free disk for artifact + projector + this margin before downloading.
-DISK_MARGIN_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -166,43 +164,6 @@ def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
 
 
 # ------------------------------------------------------------------------ fetch and verify
-
-
-def _present_bytes(directory: Path) -> int:
-    total = 0
-    if directory.is_dir():
-        for p in directory.rglob("*"):
-            try:
-                if p.is_file():
-                    total += p.stat().st_size
-            except OSError:
-                pass
-    return total
-
-
-def disk_needed_bytes(entry: Entry, present_bytes: int) -> int:
-    """Pure: free disk the fetch still needs (spec: artifact + projector + 512 MiB), less what a
-    previous attempt already left in the model directory."""
-    size = (entry.artifact.size_bytes or 0) if entry.artifact else 0
-    if entry.projector is not None:
-        size += entry.projector.size_bytes or 0
-    return max(size - present_bytes, 0) + DISK_MARGIN_BYTES
-
-
-def check_disk(entry: Entry, dest: Path) -> None:
-    probe_dir = dest
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    needed = disk_needed_bytes(entry, _present_bytes(dest))
-    free = shutil.disk_usage(probe_dir).free
-    log.info("fetch.disk_check", needed_bytes=needed, free_bytes=free, directory=str(dest))
-    if free < needed:
-        raise DiskSpaceError(
-            f"{dest} needs {needed} bytes free (artifact + projector + 512 MiB margin, less what is "
-            f"already there) but the file system has {free}",
-            hint="free disk space or point --home / HOTFIT_HOME at a larger file system",
-            needed_bytes=needed, free_bytes=free, directory=str(dest),
-        )
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from core.errors import HubError, PinMismatch, UsageError
 from core.log import get_logger
 from pipeline.registry_file import bundled_registry_path
 from registry.catalog import parse_registry, parse_registry_text
-from stages.transfer import hf_exception_not_a_hub
+from download import hub_error_from_hf_exception, is_not_a_hub
 from state.files import write_text_atomic
 
 log = get_logger()
@@ -239,10 +239,12 @@ def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except Exception as exc:
         url = f"{endpoint}/api/models/{repo}" + (f"/revision/{revision}" if revision else "")
-        not_a_hub = hf_exception_not_a_hub(exc, endpoint, url)
-        if not_a_hub is not None:
-            raise not_a_hub from exc
-        return _lookup_error(exc, repo, revision)
+        mapped = hub_error_from_hf_exception(exc, repo=repo, revision=revision, endpoint=endpoint, url=url)
+        if mapped is None:  # no Hub answer at all: a bug, not a lock problem
+            raise
+        if is_not_a_hub(mapped):
+            raise mapped from exc
+        return f"{mapped.what}; {mapped.hint}" if mapped.hint else mapped.what
     files: dict[str, FileFacts] = {}
     for sib in info.siblings or ():
         lfs = getattr(sib, "lfs", None)
@@ -251,29 +253,6 @@ def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
             return f"the Hub gave no size for {repo}/{sib.rfilename}; retry later"
         files[sib.rfilename] = FileFacts(size_bytes=int(size), sha256=lfs.sha256 if lfs is not None else None)
     return HubFacts(repo=repo, commit=info.sha, files=files)
-
-
-def _lookup_error(exc: Exception, repo: str, revision: str | None) -> str:
-    """A failed model_info call as the text a lock problem carries; an unexpected error is re-raised."""
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    if isinstance(exc, GatedRepoError):
-        return f"{repo} is gated: accept its terms on the Hub and log in (HF_TOKEN) before locking"
-    if isinstance(exc, RepositoryNotFoundError):
-        return f"repository {repo} not found on the Hub (renamed, private or deleted?)"
-    if isinstance(exc, RevisionNotFoundError):
-        return f"revision {revision} not found in {repo} (the pinned commit is gone?)"
-    if isinstance(exc, HfHubHTTPError):
-        return f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}"
-    # connection refused, DNS, TLS, timeouts: OSError, or httpx transport errors (not OSError subclasses)
-    if isinstance(exc, OSError) or type(exc).__module__.startswith(("httpx", "httpcore")):
-        return f"cannot reach the Hub for {repo}: {exc}"
-    raise exc
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 from core.errors import IntegrityError
 from core.log import get_logger
 from core.model_files import PARTIAL_DIRNAME, SNAPSHOT_DIRNAME, SNAPSHOT_MANIFEST, SnapshotResult, check_integrity
-from stages.transfer import discard_partial, partial_paths, safe_relpath
+from download import discard_partial, partial_paths, safe_relpath
 from state.files import finalize_file, write_text_atomic
 from state.receipts import Receipt, file_identity, write_receipt
 

@@ -30,7 +30,7 @@ from core.errors import HubError, IntegrityError, TemplateError
 from core.log import get_logger
 from core.model_files import PARTIAL_DIRNAME, TEMPLATE_FILENAME, TemplateResult
 from core.settings import Settings
-from stages.transfer import (
+from download import (
     HubSession,
     TransferOptions,
     discard_partial,

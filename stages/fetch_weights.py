@@ -5,7 +5,7 @@ Entry point::
     result = await fetch_weights(entry, settings.model_dir(entry.name), settings=settings,
                                  connections=None, progress=True, wait=False)
 
-- **llama entries** (GGUF): ``entry.artifact`` is fetched by ``stages.transfer`` (resumable, pinned,
+- **llama entries** (GGUF): ``entry.artifact`` is fetched by ``download`` (resumable, pinned,
   parallel ranges, sha256 while streaming) into ``<dest>/.partial/``. The stage ends there: its
   :class:`~core.model_files.FetchedFile` records the partial, the sha256 computed while streaming and
   the partial's identity; ``stages.verify`` checks pin, size, sha256 and header, renames the file into
@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import anyio
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from core.entry import Artifact, Entry
 from core.errors import HubError, IntegrityError, RegistryError, TransferError
@@ -53,20 +52,20 @@ from core.model_files import (
     check_integrity,
 )
 from core.settings import Settings
-from stages.transfer import (
+from download import (
     DownloadOutcome,
     HubSession,
     ProgressReporter,
     TransferOptions,
-    _done_on_disk,
     adopt_as_partial,
+    bytes_held,
     check_disk_space,
     check_endpoint,
     discard_partial,
     download_to_partial,
-    hf_exception_not_a_hub,
+    hub_call_retrying,
+    hub_error_from_hf_exception,
     is_commit,
-    log_retry,
     partial_paths,
     resolve_token,
     safe_relpath,
@@ -249,36 +248,6 @@ class _ListedFile:
     lfs_sha256: str | None
 
 
-def _hub_exception_to_error(exc: Exception, repo: str, revision: str) -> Exception:
-    from huggingface_hub import errors as hf
-
-    details = {"repo": repo, "revision": revision}
-    if isinstance(exc, hf.OfflineModeIsEnabled):
-        return HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
-                        hint="unset HF_HUB_OFFLINE to download", **details)
-    if isinstance(exc, hf.GatedRepoError):
-        return HubError(f"{repo} is gated: its files require accepting the licence",
-                        hint=f"accept the licence at https://huggingface.co/{repo}, set HF_TOKEN (or `hf auth "
-                             "login`) and rerun", **details)
-    if isinstance(exc, hf.RevisionNotFoundError):
-        return HubError(f"revision {revision} not found in {repo}", hint="fix the entry's revision", **details)
-    if isinstance(exc, hf.RepositoryNotFoundError):
-        return HubError(f"repository {repo} not found (or private)",
-                        hint="check the entry's repo; for a private repo set HF_TOKEN", **details)
-    return exc
-
-
-def _retryable_hub_exception(exc: BaseException) -> bool:
-    from huggingface_hub import errors as hf
-
-    if isinstance(exc, hf.HfHubHTTPError) and not isinstance(exc, (hf.RepositoryNotFoundError,
-                                                                   hf.RevisionNotFoundError,
-                                                                   hf.EntryNotFoundError)):
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        return status in (408, 429, 500, 502, 503, 504)
-    return type(exc).__module__.startswith(("httpx", "httpx2")) and "Error" in type(exc).__name__
-
-
 def _list_snapshot_sync(settings: Settings, repo: str, revision: str, token: str | None) -> tuple[str, list[_ListedFile]]:
     """Resolve ``revision`` to its current commit and list every file there (huggingface_hub metadata)."""
     from huggingface_hub import HfApi
@@ -298,32 +267,26 @@ def _list_snapshot_sync(settings: Settings, repo: str, revision: str, token: str
     return commit, files
 
 
-async def _list_snapshot(settings: Settings, repo: str, revision: str) -> tuple[str, list[_ListedFile]]:
+async def _list_snapshot(settings: Settings, repo: str, revision: str,
+                         options: TransferOptions) -> tuple[str, list[_ListedFile]]:
     if settings.hf_offline:
         raise HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
                        hint="unset HF_HUB_OFFLINE to download", repo=repo)
     check_endpoint(settings.hf_endpoint)
     token = resolve_token()
+    listing_url = f"{settings.hf_endpoint}/api/models/{repo}/tree/{revision}"
     try:
-        listing_url = f"{settings.hf_endpoint}/api/models/{repo}/tree/{revision}"
-        async for attempt in AsyncRetrying(retry=retry_if_exception(_retryable_hub_exception),
-                                           stop=stop_after_attempt(5),
-                                           wait=wait_exponential_jitter(multiplier=0.5, max=10),
-                                           before_sleep=log_retry(repo, None, lambda: listing_url), reraise=True):
-            with attempt:
-                return await anyio.to_thread.run_sync(_list_snapshot_sync, settings, repo, revision, token)
+        return await hub_call_retrying(_list_snapshot_sync, settings, repo, revision, token, options=options,
+                                       repo=repo, url=listing_url)
     except TransferError:
         raise
     except Exception as exc:
-        not_a_hub = hf_exception_not_a_hub(exc, settings.hf_endpoint, listing_url)
-        if not_a_hub is not None:
-            raise not_a_hub from exc
-        mapped = _hub_exception_to_error(exc, repo, revision)
-        if mapped is exc:
+        mapped = hub_error_from_hf_exception(exc, repo=repo, revision=revision, endpoint=settings.hf_endpoint,
+                                             url=listing_url)
+        if mapped is None:
             raise HubError(f"listing {repo}@{revision} failed: {exc}", hint="check HF_ENDPOINT and rerun",
                            repo=repo, revision=revision) from exc
         raise mapped from exc
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]) -> int:
@@ -332,7 +295,7 @@ def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]
     needed = 0
     for f in todo:
         partial, sidecar, _lock = partial_paths(partial_dir, repo, f.path)
-        needed += max(0, f.size_bytes - _done_on_disk(sidecar, partial))
+        needed += max(0, f.size_bytes - bytes_held(sidecar, partial))
     return needed
 
 
@@ -357,7 +320,8 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
     partial_dir = dest_dir / PARTIAL_DIRNAME
     lock_path = partial_dir / "snapshot.lock"
     async with FileLock(lock_path, wait=wait, what=f"snapshot of {entry.name}").async_held():
-        commit, listed = await _list_snapshot(settings, artifact.repo, revision)
+        commit, listed = await _list_snapshot(settings, artifact.repo, revision,
+                                               options or TransferOptions(connections=settings.download_connections))
         for f in listed:  # refuse the whole listing before writing anything
             try:
                 safe_relpath(f.path)

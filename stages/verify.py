@@ -53,7 +53,7 @@ from core.model_files import (
 )
 from stages._gguf_header import GGUFHeader, read_gguf_header, whole_number
 from stages._snapshot_verify import place_snapshot, verify_snapshot_dir
-from stages.transfer import discard_partial, partial_paths
+from download import discard_partial, partial_paths
 from state.files import finalize_file
 from state.receipts import Receipt, file_identity, read_receipt, receipt_matches, sha256_file, write_receipt
 

@@ -32,7 +32,7 @@ from core.settings import Settings, load_settings
 from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from core.model_files import FetchResult
 from stages.fetch_weights import fetch_weights
-from stages.transfer import TransferOptions, partial_paths
+from download import TransferOptions, partial_paths
 from stages.verify import verify
 from state.locks import FileLock
 from state.receipts import file_identity, read_receipt, receipt_path

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from core.entry import Entry, TemplateSource
-from stages.transfer import partial_paths
+from download import partial_paths
 from tests.conftest import REPO_ROOT
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import make_entry, make_gguf, sha256_of

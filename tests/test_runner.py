@@ -467,7 +467,7 @@ def test_disk_check_needs_artifact_projector_and_margin(tmp_path: Path) -> None:
     import dataclasses
 
     from core.errors import DiskSpaceError
-    from pipeline.provision import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
+    from download import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
     from core.entry import Artifact
     from tests.e2e_support import fixture_entry
     from tests.gguf_fixtures import write_tool_call_model

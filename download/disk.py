@@ -1,0 +1,156 @@
+"""The one free-space check, with one margin, and the Linux disk hints of the write path.
+
+``DISK_MARGIN_BYTES`` is 512 MiB, the spec's (contenox ``auto``: artifact + projector + 512 MiB free
+before downloading, ../shared/reference/contenox-auto-facts.md): the download engine used to keep
+only 64 MiB per file beside it. One margin, the spec's, is the larger and the one a user was already
+told about; a filesystem at 100 % misbehaves for everyone. Two callers check with it: the fetch
+stage for the whole entry before a byte is requested (:func:`check_disk`), and the engine for each
+file with what its partial already holds counted as held (:func:`check_disk_space`).
+
+ENOSPC/EFBIG mid-write is :func:`disk_error` (the partial is kept). On Linux a partial's blocks are
+reserved up front (``fallocate`` KEEP_SIZE) and each written chunk's writeback is started at once
+(``sync_file_range``), so a checkpoint's ``fdatasync`` finds little left and never stalls the stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from core.entry import Entry
+from core.errors import DiskSpaceError
+from core.log import get_logger
+from download.sidecar import read_sidecar
+
+log = get_logger()
+
+MiB = 1024 * 1024
+DISK_MARGIN_BYTES = 512 * MiB
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes for this user on the filesystem that holds (or will hold) ``directory``."""
+    probe = Path(directory)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+def check_disk_space(directory: Path, needed_bytes: int, what: str) -> None:
+    """Fail before starting when ``needed_bytes`` + the margin exceed the free space (issue 4 §1).
+    The error's ``needed_bytes`` is what must be free: the bytes and the margin."""
+    free = free_bytes(directory)
+    required = max(0, needed_bytes) + DISK_MARGIN_BYTES
+    if required > free:
+        raise DiskSpaceError(
+            f"not enough disk space in {directory} for {what}: need {required} bytes "
+            f"({max(0, needed_bytes)} + {DISK_MARGIN_BYTES} margin), {free} free",
+            hint="free space on that filesystem or point --home / HOTFIT_HOME at a larger one, then rerun",
+            directory=str(directory), needed_bytes=required, free_bytes=free, margin_bytes=DISK_MARGIN_BYTES)
+
+
+def bytes_held(sidecar_path: Path, partial: Path) -> int:
+    """Bytes the partial already holds on disk: its sidecar's claims, or its allocated blocks when
+    more (:func:`preallocate` reserves the whole file up front; discarded or reused, that space is
+    this download's, so counting it as needed again would refuse a resume on a nearly full disk)."""
+    side = read_sidecar(sidecar_path) if partial.exists() else None
+    claimed = side.done_bytes if side else 0
+    try:
+        allocated = os.stat(partial).st_blocks * 512
+    except (OSError, AttributeError):  # no partial yet, or no st_blocks on this platform
+        allocated = 0
+    return max(claimed, allocated)
+
+
+def _present_bytes(directory: Path) -> int:
+    total = 0
+    if directory.is_dir():
+        for p in directory.rglob("*"):
+            try:
+                if p.is_file():
+                    total += p.stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def disk_needed_bytes(entry: Entry, present_bytes: int) -> int:
+    """Pure: free disk the fetch still needs (spec: artifact + projector + the margin), less what a
+    previous attempt already left in the model directory."""
+    size = (entry.artifact.size_bytes or 0) if entry.artifact else 0
+    if entry.projector is not None:
+        size += entry.projector.size_bytes or 0
+    return max(size - present_bytes, 0) + DISK_MARGIN_BYTES
+
+
+def check_disk(entry: Entry, dest: Path) -> None:
+    """The entry-level check before fetch-weights: artifact + projector, less what ``dest`` holds."""
+    needed = disk_needed_bytes(entry, _present_bytes(dest))
+    log.info("fetch.disk_check", needed_bytes=needed, free_bytes=free_bytes(dest), directory=str(dest))
+    check_disk_space(dest, needed - DISK_MARGIN_BYTES, f"{entry.name} (artifact + projector, less what is "
+                                                       "already there)")
+
+
+def disk_error(exc: OSError, partial: Path, offset: int) -> DiskSpaceError:
+    reason = "file size limit reached" if exc.errno == errno.EFBIG else "disk full"
+    return DiskSpaceError(
+        f"{reason} writing {partial} at byte {offset} ({os.strerror(exc.errno or 0)})",
+        hint="free disk space (or raise the file-size limit), then rerun the same command: "
+             "the partial file is kept and the download resumes where it stopped",
+        partial=str(partial), offset_bytes=offset, errno=exc.errno)
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_FALLOC_FL_KEEP_SIZE = 1
+_SYNC_FILE_RANGE_WRITE = 2
+_libc_fns: dict[str, Any] | None = None
+
+
+def _libc_fn(name: str) -> Any:
+    """A Linux libc call for the disk hints below, or None (another OS, an old libc)."""
+    global _libc_fns
+    if _libc_fns is None:
+        _libc_fns = {}
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                for fn_name, symbols, argtypes in (
+                        ("fallocate", ("fallocate64", "fallocate"), (ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                                                     ctypes.c_int64)),
+                        ("sync_file_range", ("sync_file_range",), (ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                                    ctypes.c_uint))):
+                    fn = next((getattr(libc, s) for s in symbols if hasattr(libc, s)), None)
+                    if fn is not None:
+                        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                        _libc_fns[fn_name] = fn
+            except OSError:  # pragma: no cover - no loadable libc
+                pass
+    return _libc_fns.get(name)
+
+
+def preallocate(fd: int, size_bytes: int) -> None:
+    """Reserve the file's blocks before the first byte lands (Linux ``fallocate``, KEEP_SIZE: the
+    file's size still grows only as bytes are written, so resume and truncation checks are
+    unchanged). On ext4 a pwritev into reserved blocks skips delayed allocation: it costs half as
+    much and no longer stalls behind a checkpoint's fdatasync (scripts/bench-download: 1 GiB in
+    0.30 s → 0.13 s of pwritev, single stream ~10 % faster). Best effort: where the filesystem has no
+    fallocate, or too little room, nothing changes (ENOSPC then comes from a write, as before)."""
+    fallocate = _libc_fn("fallocate")
+    if fallocate is not None and size_bytes > 0 and fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size_bytes) != 0:
+        log.debug("download.preallocate_skipped", errno=ctypes.get_errno())
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset+length)`` to disk now (``sync_file_range``
+    WRITE: asynchronous, no durability promise). Only a hint: checkpoints still claim bytes only
+    after an ``fdatasync`` completed; that sync then finds (almost) nothing left to write, so neither
+    it nor the final sync holds the stream up (bench: checkpoint fdatasync ~80 ms → ~0, one stream
+    ~6 % faster)."""
+    sync_file_range = _libc_fn("sync_file_range")
+    if sync_file_range is not None:
+        sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)

@@ -1,0 +1,238 @@
+"""The file's write-behind thread: writes received bytes in place and hashes them in order.
+
+Why a thread: on one stream the event loop was the bound (scripts/bench-download: the HTTP parser,
+``recv`` and a ``pwritev`` of every chunk all on one core). The loop now only receives; one thread
+per file writes each chunk at its offset (``pwritev``, GIL released), starts its writeback, counts it
+in its block's ``done`` (so a checkpoint claims only written bytes), then hashes it (sha256 releases
+the GIL too). Memory is bounded: the loop waits while more than ``WRITE_QUEUE_BYTES`` are queued.
+
+sha256 must see bytes in order, ranges arrive out of order. The thread keeps the frontier: chunks at
+it are hashed as they arrive; chunks ahead of it wait in a bounded memory buffer
+(``hash_buffer_bytes``) and are hashed once the frontier reaches them; what does not fit is
+*spilled* — already on disk, read back once when the frontier arrives (hot in the page cache:
+written moments before). On resume the bytes already on disk are read back once. Every byte read
+back is counted in ``reread_bytes``; no second pass over a completed file ever happens.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import queue
+import threading
+from typing import Any, Protocol
+
+from core.errors import TransferError
+from download.disk import start_writeback
+
+MiB = 1024 * 1024
+# What the loop may have received but the thread not yet written: memory held, and at most this much
+# is lost to a kill -9 beyond what the last checkpoint did not claim anyway.
+WRITE_QUEUE_BYTES = 16 * MiB
+Data = bytes | list[bytes]
+
+
+class Counted(Protocol):
+    done: int
+
+
+class OrderedHasher:
+    """sha256 (and optionally git blob sha1) of a file whose bytes arrive out of order.
+
+    ``write(offset, parts, n, block)`` hands the thread ``n`` bytes *not yet* written: it writes them
+    at ``offset``, adds them to ``block.done``, then hashes them. A failed write is kept in
+    ``write_error`` (later writes are dropped) for the loop to raise. ``feed(offset, data)`` is for
+    bytes already on disk at ``offset``: hashed, buffered (bounded by ``buffer_bytes``) or, past the
+    bound, read back with ``pread`` when the frontier reaches them (counted in ``reread_bytes``).
+    ``mark_on_disk(start, end)`` declares bytes written by an earlier run (resume).
+    ``hashing=False`` (the benchmark's download-alone baseline) only writes.
+    """
+
+    _STOP = object()
+
+    def __init__(self, fd: int, size_bytes: int, *, buffer_bytes: int, git_sha1: bool = False,
+                 hashing: bool = True) -> None:
+        self._fd = fd
+        self.size_bytes = size_bytes
+        self._hashing = hashing
+        self._buffer_limit = buffer_bytes
+        self._sha256 = hashlib.sha256()
+        self._sha1 = hashlib.sha1(b"blob %d\0" % size_bytes) if git_sha1 else None
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued_bytes = 0  # fed data bytes sitting in the queue (memory held)
+        self._cond = threading.Condition()
+        self._write_queued = 0  # bytes handed to write() and not yet written (or dropped)
+        self.write_error: tuple[OSError, int] | None = None  # the failed write and the offset it reached
+        self._stopped = False
+        self.frontier = 0
+        self.reread_bytes = 0
+        self._pending: dict[int, Data] = {}
+        self._pending_bytes = 0
+        self._on_disk: dict[int, int] = {}  # start -> end of intervals to read back
+        self._error: BaseException | None = None
+        self._abort = False
+        self._thread = threading.Thread(target=self._run, name="hotfit-write-hash", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- called from the event loop
+
+    def write(self, offset: int, parts: list[bytes], n: int, block: Counted) -> None:
+        with self._cond:
+            self._write_queued += n
+        self._queue.put(("w", offset, parts, n, block))
+
+    @property
+    def write_queued_bytes(self) -> int:
+        return self._write_queued
+
+    @property
+    def thread_error(self) -> BaseException | None:
+        """What stopped the thread (a read-back that failed): nothing handed over after it is written."""
+        return self._error
+
+    def wait_written(self, below_bytes: int = 0) -> None:
+        """Block (in a worker thread) until at most ``below_bytes`` wait to be written, or the thread
+        has stopped."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._write_queued <= below_bytes or self._stopped)
+
+    def feed(self, offset: int, data: Data) -> None:
+        n = len(data) if isinstance(data, bytes) else sum(map(len, data))
+        with self._lock:
+            over = self._queued_bytes + n > self._buffer_limit
+            if not over:
+                self._queued_bytes += n
+        if over:  # bound memory: the bytes are on disk already, read them back later
+            self._queue.put((offset, offset + n, None))
+        else:
+            self._queue.put((offset, offset + n, data))
+
+    def mark_on_disk(self, start: int, end: int) -> None:
+        if end > start:
+            self._queue.put((start, end, None))
+
+    def abort(self) -> None:
+        self._abort = True
+        self._queue.put(self._STOP)
+
+    def finish(self) -> tuple[str, str | None]:
+        """Block until every byte is written and hashed; (sha256 hex, git sha1 hex or None)."""
+        self._queue.put(self._STOP)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if not self._hashing:
+            return "", None
+        if self.frontier != self.size_bytes:
+            raise TransferError(f"internal: hashed {self.frontier} of {self.size_bytes} bytes",
+                                hint="rerun; the partial file resumes")
+        return self._sha256.hexdigest(), (self._sha1.hexdigest() if self._sha1 else None)
+
+    # ---------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is self._STOP or self._abort:
+                    return
+                if item[0] == "w":
+                    _w, offset, parts, n, block = item
+                    if self._write(offset, parts, n, block) and self._hashing:
+                        self._take(offset, offset + n, parts)
+                    continue
+                start, end, data = item
+                if data is not None:
+                    with self._lock:
+                        self._queued_bytes -= end - start
+                if self._hashing:
+                    self._take(start, end, data)
+        except BaseException as exc:  # surfaced by finish()
+            self._error = exc
+        finally:
+            with self._cond:
+                self._stopped = True
+                self._cond.notify_all()
+
+    def _write(self, offset: int, parts: list[bytes], n_todo: int, block: Counted) -> bool:
+        """pwritev ``parts`` at ``offset``; False after a failed write (this one or an earlier one)."""
+        n = 0
+        try:
+            if self.write_error is not None:
+                return False
+            try:
+                n = os.pwritev(self._fd, parts, offset)
+                if n < n_todo:  # short write (file-size limit, disk nearly full): finish byte-wise
+                    rest = b"".join(parts)
+                    while n < n_todo:
+                        n += os.pwrite(self._fd, memoryview(rest)[n:], offset + n)
+            except OSError as exc:
+                self.write_error = (exc, offset + n)
+                block.done += n  # what did land is kept and counted (not hashed: the download fails)
+                return False
+            start_writeback(self._fd, offset, n_todo)
+            block.done += n_todo
+            return True
+        finally:
+            with self._cond:
+                self._write_queued -= n_todo
+                self._cond.notify_all()
+
+    def _hash(self, data: Data) -> None:
+        for part in [data] if isinstance(data, bytes) else data:
+            self._sha256.update(part)
+            if self._sha1 is not None:
+                self._sha1.update(part)
+
+    @staticmethod
+    def _size(data: Data) -> int:
+        return len(data) if isinstance(data, bytes) else sum(map(len, data))
+
+    def _read_back(self, start: int, end: int) -> None:
+        pos = start
+        while pos < end:
+            chunk = os.pread(self._fd, min(8 * MiB, end - pos), pos)
+            if not chunk:
+                raise OSError(errno.EIO, f"short read at byte {pos} while hashing")
+            self._hash(chunk)
+            pos += len(chunk)
+        self.reread_bytes += end - start
+
+    def _drain(self) -> None:
+        while True:
+            data = self._pending.pop(self.frontier, None)
+            if data is not None:
+                n = self._size(data)
+                self._pending_bytes -= n
+                self._hash(data)
+                self.frontier += n
+                continue
+            end = self._on_disk.pop(self.frontier, None)
+            if end is not None:
+                self._read_back(self.frontier, end)
+                self.frontier = end
+                continue
+            return
+
+    def _take(self, start: int, end: int, data: Data | None) -> None:
+        """Bytes ``[start, end)`` are on disk (``data`` in memory, or None): hash, hold or spill them."""
+        if end <= self.frontier:
+            return  # already hashed (cannot happen with a correct caller; harmless)
+        if start < self.frontier:  # overlap: keep only the unhashed tail
+            if data is not None:
+                data = (data if isinstance(data, bytes) else b"".join(data))[self.frontier - start:]
+            start = self.frontier
+        if start == self.frontier:
+            if data is not None:
+                self._hash(data)
+            else:
+                self._read_back(start, end)
+            self.frontier = end
+            self._drain()
+        elif data is not None and self._pending_bytes + (end - start) <= self._buffer_limit:
+            self._pending[start] = data
+            self._pending_bytes += end - start
+        else:
+            self._on_disk[start] = end
