@@ -1,2 +1,4 @@
-"""Leaves every layer shares: the error tree, structured logging, settings, the registry entry and plan types,
-and the ISA feature names. Nothing here imports any other hotfit package."""
+"""Leaves every layer shares: the error tree (errors), structured logging (log), settings, the registry
+entry and plan types (entry, plan), the fetch/verify results (model_files), the decoders every file
+format and stage record uses (records, decode), and ISA feature names (isa). Nothing here imports
+any other hotfit package."""

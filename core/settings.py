@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from core.errors import UsageError
+
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_DOWNLOAD_CONNECTIONS = 4
 KV_CACHE_ENV = "CONTENOX_LLAMA_KV_CACHE_TYPE"
@@ -126,8 +128,6 @@ def load_settings(
     llama_server: str | os.PathLike[str] | None = None,
 ) -> Settings:
     """Read the environment once; explicit arguments (CLI flags) win over it."""
-    from core.errors import UsageError
-
     env = os.environ if env is None else env
     raw_conn = env.get("HOTFIT_DOWNLOAD_CONNECTIONS")
     try:

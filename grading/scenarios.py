@@ -13,6 +13,8 @@ hand: it is the state after replaying the reference calls on a fresh world
 Every scenario offers its environment's tools plus two distractor tools from another one (a read
 and a write), and every scenario has at least two user turns and none starts with a no-call
 turn (the scripted-server tests rely on both).
+
+Over 400 lines because it is data: each scenario's script, tools and reference solution.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ Tools are dispatched by name to methods with schema-validated keyword arguments,
 (BFCL's multi-turn checker evals call strings; design note §2.1 says not to copy that).
 A tool that refuses (a missing file, a conflict) raises :class:`ToolError`; the runner turns it
 into a structured result the model can recover from.
+
+Over 400 lines: the environments and their tools, each a few dozen lines, kept together so each
+tool table sits beside the state it changes.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ budget, GPU and host memory never added — and takes the plan that wins by the 
 device). The winner's device becomes ``plan.probe.selected``, the device load pins. The pick is
 wrapped in ``core.plan.Plan``; when nothing qualifies the outcome carries the refusal
 instead, so ``hotfit plan`` can still print every candidate's verdict next to the error.
+
+Over 400 lines: the plan stage's whole job — KV type, previous-model rule, origin isolation,
+multi-device choice and the fail-closed refusal — in the one module per stage; the arithmetic is
+in registry/ (pure).
 """
 
 from __future__ import annotations

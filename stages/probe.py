@@ -28,6 +28,9 @@ accelerator with the largest usable budget, else host memory); the plan stage pl
 device and records the one whose plan won as the plan's ``selected`` (stages/plan.py). Roots
 (/proc, /sys, the cgroup mount) and the NVML module are parameters so tests feed real files and
 a stand-in ``pynvml``.
+
+Over 400 lines: NVML, AMD sysfs, cgroup-limited host RAM, the probe file and ggml's own device list
+are the probe stage's sources, kept in the one module per stage the design card asks for.
 """
 
 from __future__ import annotations
