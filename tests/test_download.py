@@ -288,10 +288,21 @@ def test_one_disk_margin_for_the_entry_check_and_the_per_file_check(tmp_path: Pa
     assert exc.value.exit_code == 4 and "HOTFIT_HOME" in (exc.value.hint or "")
 
 
-def test_free_bytes_of_a_directory_not_created_yet_is_its_filesystems(tmp_path: Path) -> None:
-    from download.disk import free_bytes
+def test_free_bytes_of_a_directory_not_created_yet_is_its_filesystems(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Which filesystem is asked, not two readings of a free-space figure other writers move.
+    from download import disk
 
-    assert free_bytes(tmp_path / "a" / "b") == free_bytes(tmp_path) > 0
+    asked: list[Path] = []
+    real = os.statvfs
+
+    def recorded(path: Any) -> Any:
+        asked.append(Path(path))
+        return real(path)
+
+    monkeypatch.setattr(disk.os, "statvfs", recorded)
+    assert disk.free_bytes(tmp_path / "a" / "b") > 0
+    assert asked == [tmp_path]  # the nearest directory that exists
 
 
 def _hf_error(cls_name: str, status: int, headers: dict[str, str] | None = None) -> Exception:
