@@ -29,6 +29,7 @@ from core.decode import stage_record_fail
 from core.entry import Entry
 from core.errors import NoModelQualifies
 from core.log import get_logger
+from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.plan import Plan, ProbeResult
 from core.records import Fields
 from core.settings import Settings
@@ -37,7 +38,7 @@ from pipeline.engine import Stage, StageContext
 from pipeline.manifest import decode_plan as decode_plan_json
 from pipeline.registry_file import load_registry
 from pipeline.session_stages import SESSION_STAGES, session_stages
-from core.model_files import FetchResult, TemplateResult, VerifyResult
+from registry.select import normalize_origin
 from stages.fetch_template import fetch_template
 from stages.fetch_weights import fetch_weights, fetched_still_on_disk
 from stages.load import preflight
@@ -106,6 +107,20 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
                   backend=opts.backend, model=opts.model, error=exc.to_json())
         raise
     return outcome
+
+
+def plan_machine(settings: Settings, *, probe_file: str | None, kv_cache_type_flag: str | None,
+                 origin: str | None, backend: str, registry_file: str | None, previous: str | None,
+                 device: str | None) -> PlanOutcome:
+    """``hotfit plan``: probe (or read the saved probe) and select, returning the whole outcome —
+    a refusal included, which the command prints with every candidate's verdict (blocking)."""
+    cache_type, source = resolve_kv_cache_type(kv_cache_type_flag, settings.kv_cache_type_raw)
+    origin = normalize_origin(origin)  # the cheap inputs are checked before the hardware is probed
+    registry = load_registry(registry_file)
+    probe = (load_probe_file(probe_file) if probe_file
+             else probe_devices(ggml_binaries=gpu_listing_binaries(settings)))
+    return build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=backend,
+                      previous=previous, device=device)
 
 
 def _probe_figures(probe: ProbeResult) -> dict[str, Any]:

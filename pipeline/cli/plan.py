@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from backends.llama_server.discovery import gpu_listing_binaries
 from pipeline.cli.context import CliContext
-from pipeline.registry_file import load_registry
-from registry.select import normalize_origin
-from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
-from stages.probe import load_probe_file, probe_devices
+from pipeline.provision import plan_machine
+from stages.plan import describe, outcome_json
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -34,14 +31,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    # Validate the cheap inputs before probing hardware.
-    cache_type, source = resolve_kv_cache_type(args.kv_cache_type, ctx.settings.kv_cache_type_raw)
-    origin = normalize_origin(args.origin)
-    registry = load_registry(args.registry)
-    probe = (load_probe_file(args.probe_file) if args.probe_file
-             else probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings)))
-    outcome = build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=args.backend,
-                         previous=args.previous, device=args.device)
+    outcome = plan_machine(ctx.settings, probe_file=args.probe_file, kv_cache_type_flag=args.kv_cache_type,
+                           origin=args.origin, backend=args.backend, registry_file=args.registry,
+                           previous=args.previous, device=args.device)
     ctx.emit(outcome_json(outcome), describe(outcome))
     refusal = outcome.selection.refusal
     if outcome.plan is None and refusal is not None:
