@@ -22,14 +22,19 @@ from typing import Any
 
 import pytest
 
+from backends.base import ModelFiles
 from backends.http_chat import HttpChatEndpoint
-from core.errors import StageRecordError
+from backends.openvino.backend import OpenVinoBackend
+from core.errors import StageRecordError, UsageError
+from core.settings import load_settings
 from pipeline.cli import main
+from pipeline.manifest import read_manifest
 from pipeline.session_stages import GRADE_STAGE
 from stages.grade import GradeResult, grade_session
 from tests import grade_scripts as gs
 from tests.e2e_support import LARGE, SMALL, World, write_probe
 from tests.hubserver import LocalHub
+from tests.openvino_fixtures import make_ov_fixture, ov_plan, require_openvino_genai
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for, events
 from tests.test_backend_boundary import CALL, FakeSession, _report
 
@@ -82,6 +87,20 @@ async def test_a_stack_failure_through_a_session_is_inconclusive(tmp_path: Path)
     session = ScriptedSession(None, tmp_path, gs.ScriptedServer(gs.http_500_on_turn_2))
     report = await grade_session(session, label="fx", tier="quick", budget_s=120)
     assert report["verdict"]["verdict"] == "inconclusive" and report["verdict"]["stack_problem"].startswith("http_error")
+
+
+@pytest.mark.openvino
+async def test_an_openvino_session_is_graded_through_the_same_boundary(tmp_path: Path) -> None:
+    require_openvino_genai()
+    fx = make_ov_fixture(tmp_path / "ov", "tool-call")
+    async with OpenVinoBackend().open(ov_plan(fx, 32768), ModelFiles(fx.ir_dir), run_dir=tmp_path / "run",
+                                      binary=None, settings=load_settings()) as session:
+        report = await grade_session(session, label="ov fixture", tier="quick")
+    # the OpenVINO tool-call fixture is no agent either: a model failure, told apart from a stack one
+    assert report["verdict"]["verdict"] == "fail" and report["verdict"]["stack_problem"] is None
+    assert {s["outcome"] for s in report["scenarios"]} == {"wrong_state"}
+    fp = report["fingerprint"]
+    assert fp["backend"] == "openvino" and fp["flags"]["max_num_seqs"] == 1 and fp["template_roundtrip"] == "ok"
 
 
 def cli_error(*argv: str) -> tuple[int, dict[str, Any]]:
@@ -167,6 +186,13 @@ def test_auto_grade_records_the_verdict_and_hotfit_grade_regrades_the_provisione
     written = json.loads((home / "manifest.json").read_text())
     assert written["grade"]["tier"] == "quick" and written["grade"]["path"] == report["output"]
     assert written["run_id"] == json.loads(full.stdout)["run_id"]  # the provisioning itself is unchanged
+    decoded = read_manifest(home / "manifest.json", strict=True)
+    assert decoded is not None and decoded.grade == written["grade"] and decoded.to_json()["grade"] == written["grade"]
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps({**written, "grade": "pass"}))
+    with pytest.raises(UsageError) as err:
+        read_manifest(damaged, strict=True)
+    assert err.value.details["field"] == "grade"
 
     # --model: a pulled entry is re-planned and graded; one not pulled is refused
     named = grade_cli(hub, home, "--json", "--model", LARGE, "--registry", str(world.registry_path),
