@@ -182,7 +182,7 @@ async def _grade_stage(ctx: StageContext, options: GradeOptions) -> GradeResult:
     plan = ctx.require_plan()
     verified = ctx.result("verify", VerifyResult)
     report = await grade_session(ctx.result("load", LoadResult).live(), label=f"model {plan.entry.name} (hotfit auto)",
-                                 tier=options.tier, budget_s=options.budget_s,
+                                 tier=options.tier, budget_s=options.budget_s, budget_flag="--grade-budget-s",
                                  known={"model": plan.entry.name, "model_path": verified.weights_path,
                                         "model_sha256": verified.sha256})
     # its own JSON file beside every other grade record, transcripts included; the record keeps the summary

@@ -94,11 +94,12 @@ async def _preflight(endpoint: ChatEndpoint, facts: ServerFacts) -> tuple[str | 
 
 async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: str = "full",
                          budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                         known: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                         known: Mapping[str, Any] | None = None, budget_flag: str = "--budget-s") -> dict[str, Any]:
     """Grade ``endpoint``; return the report dict (transcripts included). Never raises for a
     server failure: that becomes an inconclusive verdict naming it. ``known``: fingerprint parts
     the caller knows better than the server reports them (the flags it started it with, the
-    verified sha256); a None value leaves the server's reading."""
+    verified sha256); a None value leaves the server's reading. ``budget_flag`` names the option that
+    set the budget in the verdict."""
     scenarios = scenarios_for(tier)
     pack_sha256 = pack_hash(scenarios, grade_version=GRADE_VERSION)
     started = clock()
@@ -115,7 +116,7 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
         remaining = None if deadline is None else deadline - clock()
         if remaining is not None and remaining <= 0:
             results.append(ScenarioResult(scenario.id, scenario.category, NOT_RUN, "budget: not started"))
-            budget_problem = budget_problem or f"--budget-s {budget_s:g} ran out after {len(results) - 1} scenarios"
+            budget_problem = budget_problem or f"{budget_flag} {budget_s:g} ran out after {len(results) - 1} scenarios"
             continue
         t0 = clock()
         result: ScenarioResult | None = None
@@ -124,7 +125,7 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
         wall_s = round(clock() - t0, 3)
         if result is None:
             result = ScenarioResult(scenario.id, scenario.category, NOT_RUN, f"budget: stopped after {wall_s} s")
-            budget_problem = budget_problem or (f"--budget-s {budget_s:g} ran out during {scenario.id} "
+            budget_problem = budget_problem or (f"{budget_flag} {budget_s:g} ran out during {scenario.id} "
                                                 f"({len([r for r in results if r.outcome != NOT_RUN])} "
                                                 "scenarios finished)")
         result = _with_wall(result, wall_s)
@@ -181,13 +182,14 @@ def session_facts(session: Session) -> dict[str, Any]:
 
 
 async def grade_session(session: Session, *, label: str, tier: str = "full", budget_s: float | None = None,
-                        known: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                        known: Mapping[str, Any] | None = None, budget_flag: str = "--budget-s") -> dict[str, Any]:
     """Grade the model an opened session serves, through its own ``chat_endpoint()``; ``label``
     names it in the record ("model X on llama-server"), ``known`` adds fingerprint facts the caller
     verified (model and template sha256)."""
     async with session.chat_endpoint() as endpoint:
         return await grade_endpoint(endpoint, endpoint_label=label, tier=tier,
-                                    budget_s=budget_s, known={**session_facts(session), **(known or {})})
+                                    budget_s=budget_s, known={**session_facts(session), **(known or {})},
+                                    budget_flag=budget_flag)
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ def test_auto_grade_records_the_verdict_and_hotfit_grade_regrades_the_provisione
     assert full.returncode == 0, full.stderr[-3000:]
     regraded = json.loads(full.stdout)["grade"]
     assert regraded["tier"] == "full" and regraded["verdict"] == "inconclusive"
-    assert regraded["stack_problem"].startswith("budget: --budget-s 0.001 ran out")
+    assert regraded["stack_problem"].startswith("budget: --grade-budget-s 0.001 ran out")
 
     # hotfit grade: the provisioned model, opened through the same Backend, its verdict written back
     graded = grade_cli(hub, home, "--json")
