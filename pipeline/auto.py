@@ -4,6 +4,13 @@ Every path runs stages through the one engine: the dry run and the no-op check r
 subset (probe → plan) ephemerally — no lock, no state, no files — and a provisioning runs the whole
 stage table against ``state.db`` and writes the manifest. The CLI (pipeline/cli/auto.py) parses the
 options and renders what :func:`provision` returns.
+
+``auto --grade`` adds the multi-turn grade after re-check (:func:`pipeline.session_stages.grade_stage`)
+and writes its verdict into the manifest. A failing or inconclusive grade is recorded and does not fail
+``auto``: the spec's selection stays curation-only, the grade's thresholds are not yet calibrated
+against any registry model, and an inconclusive grade names a stack problem, not the model — so the
+provisioning stands and the verdict is evidence for the operator (the manifest, the `auto` summary,
+``<home>/grades/``). A gate (``--grade-required``) is left for when the thresholds are calibrated.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,9 +29,25 @@ from core.log import get_logger
 from core.plan import Device, Plan, ProbeResult
 from core.settings import Settings
 from pipeline.engine import PipelineOutcome, Runner
-from pipeline.manifest import Manifest, plan_from_json, read_manifest, utc_now_iso, write_manifest
-from pipeline.provision import SESSION_STAGES, AutoOptions, planning_stages, provisioning_stages
-from pipeline.session_stages import opened_context_tokens
+from pipeline.manifest import (
+    Manifest,
+    plan_from_json,
+    read_manifest,
+    utc_now_iso,
+    write_manifest,
+)
+from pipeline.provision import (
+    SESSION_STAGES,
+    AutoOptions,
+    planning_stages,
+    provisioning_stages,
+)
+from pipeline.session_stages import (
+    GRADE_STAGE,
+    GradeOptions,
+    grade_stage,
+    opened_context_tokens,
+)
 from pipeline.worker import find_worker, worker_held_bytes
 from stages.plan import PlanOutcome, PreviousModel, outcome_json
 from state.locks import FileLock
@@ -43,6 +66,26 @@ class AutoOutcome:
     manifest: Manifest | None = None  # noop: the standing one; provisioned: the new one
     resumed: bool = False
     skipped: tuple[str, ...] = ()
+
+
+def grade_summary(grade: Mapping[str, Any], *, run_id: str | None) -> dict[str, Any]:
+    """What the manifest keeps of a grade (a stage record or a report): verdict, score, tier, record path."""
+    return {"verdict": grade.get("verdict"), "stack_problem": grade.get("stack_problem"),
+            "provisional": grade.get("provisional"), "passed": grade.get("passed"), "total": grade.get("total"),
+            "fraction": grade.get("fraction"), "tier": grade.get("tier"), "categories": grade.get("categories"),
+            "speeds": grade.get("speeds"), "fingerprint": grade.get("fingerprint"), "path": grade.get("path"),
+            "graded_at": utc_now_iso(), "graded_by_run": run_id}
+
+
+def grade_problems(manifest: Manifest, grade: GradeOptions | None) -> list[str]:
+    """Why ``auto --grade`` must run although the provisioning still holds ([] = graded as asked)."""
+    if grade is None:
+        return []
+    if manifest.grade is None:
+        return ["--grade: the provisioned model has no grade recorded"]
+    if manifest.grade.get("tier") != grade.tier:
+        return [f"--grade: the recorded grade is {manifest.grade.get('tier')} tier, {grade.tier} asked"]
+    return []
 
 
 def noop_problems(manifest: Manifest, plan: Plan) -> list[str]:
@@ -83,6 +126,7 @@ def build_manifest(outcome: PipelineOutcome) -> Manifest:
     load = out["load"] or {}
     call = out["probe-tool-call"] or {}
     recheck = out["re-check"] or {}
+    graded = out.get(GRADE_STAGE)
     verdict = call.get("verdict") or {}
     backend = load.get("backend") or {}
     device = plan.probe.device
@@ -146,6 +190,7 @@ def build_manifest(outcome: PipelineOutcome) -> Manifest:
             "snapshot_commit": (fetch.get("snapshot") or {}).get("commit"), "tool_call_family": call.get("family"),
         }} if openvino else {}),
         backend=plan.backend,
+        grade=grade_summary(graded, run_id=outcome.run_id) if graded else None,
     )
 
 
@@ -177,8 +222,9 @@ async def plan_only(opts: AutoOptions, settings: Settings,
     return probe, seen[-1]
 
 
-async def provision(opts: AutoOptions, settings: Settings) -> AutoOutcome:
-    """Dry run, fast no-op, or the resumable pipeline under the one-per-home lock."""
+async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions | None = None) -> AutoOutcome:
+    """Dry run, fast no-op, or the resumable pipeline under the one-per-home lock; ``grade``: also
+    grade the opened model (``auto --grade``), recorded in the manifest."""
     if opts.dry_run:  # changes nothing: no lock, no state, no files
         manifest, previous = await previous_model(opts, settings)
         probe, planned = await plan_only(opts, settings, previous)
@@ -197,7 +243,8 @@ async def provision(opts: AutoOptions, settings: Settings) -> AutoOutcome:
                        "name": plan.probe.device.name},
             "reused": plan.reused_previous,
             "would": ("nothing (provisioned and still valid)"
-                      if manifest and not opts.recheck and not noop_problems(manifest, plan) else "provision"),
+                      if manifest and not opts.recheck and not noop_problems(manifest, plan)
+                      + grade_problems(manifest, grade) else "provision"),
         }
         return AutoOutcome("dry_run", data, plan)
 
@@ -207,7 +254,7 @@ async def provision(opts: AutoOptions, settings: Settings) -> AutoOutcome:
         if manifest is not None and not opts.recheck and not opts.refresh:
             _probe, planned = await plan_only(opts, settings, previous)
             assert planned.plan is not None
-            problems = noop_problems(manifest, planned.plan)
+            problems = noop_problems(manifest, planned.plan) + grade_problems(manifest, grade)
             if not problems:
                 log.info("run.noop", model=manifest.entry_name, plan_id=planned.plan.plan_id,
                          provisioned_by_run=manifest.run_id,
@@ -216,8 +263,10 @@ async def provision(opts: AutoOptions, settings: Settings) -> AutoOutcome:
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)
         store = await StateStore.open(settings.state_db, lock_path=settings.lock_path)
         try:
-            runner = Runner(provisioning_stages(opts, previous), store, settings, run_args=opts.to_json(),
-                            force=SESSION_STAGES if opts.recheck else ())
+            stages = provisioning_stages(opts, previous) + ([grade_stage(grade)] if grade is not None else [])
+            run_args = opts.to_json() | ({"grade": grade.to_json()} if grade is not None else {})
+            runner = Runner(stages, store, settings, run_args=run_args,
+                            force=(*SESSION_STAGES, GRADE_STAGE) if opts.recheck else ())
             outcome = await runner.run()
         finally:
             with anyio.CancelScope(shield=True):

@@ -34,7 +34,8 @@ REPROVISION_HINT = "run `hotfit auto` to provision again; it rewrites the manife
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
                "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
                "measured", "probe_verdict", "llama_cpp", "device", "plan")
-_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend")  # written only when set; backend: since OpenVINO
+# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model (issue 12)
+_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade")
 _PLAN_FIELDS = ("entry", "probe", "kv_cache_type", "kv_cache_type_source", "hot_context_tokens",
                 "estimated_kv_bytes", "budget", "origin")
 _PLAN_OPTIONAL = ("backend", "reused_previous", "explicit_model")
@@ -62,6 +63,9 @@ class Manifest:
     extra: Mapping[str, Any] = field(default_factory=dict)
     template_sha256: str | None = None  # of the verified template text (edited → not in place)
     backend: str = "llama"  # "openvino": model_path is the IR snapshot directory, served by OVMS
+    # the last grade of this provisioning (`auto --grade` or `hotfit grade`): verdict, score, tier,
+    # fingerprint, the record's path, when; None: never graded
+    grade: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +89,7 @@ class Manifest:
             **({"extra": dict(self.extra)} if self.extra else {}),
             **({"template_sha256": self.template_sha256} if self.template_sha256 else {}),
             "backend": self.backend,
+            **({"grade": dict(self.grade)} if self.grade is not None else {}),
         }
 
     @classmethod
@@ -118,6 +123,7 @@ class Manifest:
             template_sha256=text("template_sha256", nullable=True),
             # manifests written before OpenVINO have no backend: llama
             backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or "llama",
+            grade=f.mapping(doc.get("grade"), "grade", nullable=True) if doc.get("grade") is not None else None,
         )
 
     @property

@@ -1,4 +1,5 @@
-"""The live session's stages for the engine: load → probe-tool-call → re-check, one adapter each.
+"""The live session's stages for the engine: load → probe-tool-call → re-check (→ grade with
+``hotfit auto --grade``), one adapter each.
 
 They share one running session — a llama-server or an OpenVINO GenAI worker, opened through the
 Backend boundary (:mod:`backends.base`) — and the engine skips or runs them together
@@ -14,7 +15,10 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import anyio
 
 from backends.base import AllocationReport as Report
 from backends.base import BackendBinary
@@ -24,7 +28,10 @@ from core.decode import decode_record
 from core.log import get_logger
 from core.model_files import VerifyResult
 from core.plan import Plan
+from grading.report import GRADE_VERSION
+from grading.scenarios import pack_hash, scenarios_for
 from pipeline.engine import Stage, StageContext
+from stages.grade import GradeResult, fresh_output_path, grade_session, write_report
 from stages.load import LoadResult, model_files, open_session
 from stages.probe_tool_call import ProbeToolCallResult, probe_tool_call
 from stages.recheck import recheck_allocation
@@ -32,7 +39,19 @@ from stages.recheck import recheck_allocation
 log = get_logger()
 
 SESSION_STAGES: tuple[str, ...] = ("load", "probe-tool-call", "re-check")
+GRADE_STAGE = "grade"  # after re-check in the same session, only with `auto --grade`
 SERVER_SESSION = "llama-server"
+
+
+@dataclass(frozen=True)
+class GradeOptions:
+    """``hotfit auto --grade``: which tier, and the budget after which it stops as inconclusive."""
+
+    tier: str = "full"
+    budget_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tier": self.tier, "budget_s": self.budget_s}
 
 
 @dataclass(frozen=True)
@@ -157,6 +176,49 @@ def _recheck_figures(report: Report) -> dict[str, Any]:
             "planned_hot_context_tokens": report.planned_hot_context_tokens,
             "estimated_kv_bytes": report.estimated_kv_bytes, "actual_kv_bytes": report.actual_kv_bytes,
             "ratio": round(report.ratio, 6) if report.ratio is not None else None}
+
+
+async def _grade_stage(ctx: StageContext, options: GradeOptions) -> GradeResult:
+    plan = ctx.require_plan()
+    verified = ctx.result("verify", VerifyResult)
+    report = await grade_session(ctx.result("load", LoadResult).live(), label=f"model {plan.entry.name} (hotfit auto)",
+                                 tier=options.tier, budget_s=options.budget_s, budget_flag="--grade-budget-s",
+                                 known={"model": plan.entry.name, "model_path": verified.weights_path,
+                                        "model_sha256": verified.sha256})
+    # its own JSON file beside every other grade record, transcripts included; the record keeps the summary
+    path = fresh_output_path(ctx.settings.home, options.tier)
+    await anyio.to_thread.run_sync(write_report, {**report, "output": str(path), "run_id": ctx.run_id}, path)
+    return GradeResult.from_report(report, path)
+
+
+def _grade_inputs(options: GradeOptions) -> Any:
+    def inputs(ctx: StageContext) -> Any:
+        plan = ctx.require_plan()
+        # a new tier, budget, scenario pack or grade version grades again; the same ones reuse the record
+        return {"plan_id": plan.plan_id, **options.to_json(), "grade_version": GRADE_VERSION,
+                "scenario_pack_sha256": pack_hash(scenarios_for(options.tier), grade_version=GRADE_VERSION)}
+    return inputs
+
+
+def _grade_still_there(out: Mapping[str, Any]) -> bool:
+    return bool(out.get("path")) and Path(str(out["path"])).is_file()
+
+
+def _grade_figures(result: GradeResult) -> dict[str, Any]:
+    return {"verdict": result.verdict, "stack_problem": result.stack_problem, "passed": result.passed,
+            "total": result.total, "tier": result.tier, "path": result.path}
+
+
+def grade_stage(options: GradeOptions) -> Stage[GradeResult]:
+    """The grade after re-check, in the session (so it runs on the session load opened, and is
+    reused with it). After re-check, not before: a session that does not hold the planned window
+    fails closed there, and grading it would only spend minutes on a model that is not provisioned.
+    Its verdict is recorded, never raised: see :mod:`pipeline.auto` for why a failed grade does
+    not fail ``auto``."""
+    return Stage(GRADE_STAGE, functools.partial(_grade_stage, options=options),
+                 deps=("verify", "load", "probe-tool-call", "re-check"), inputs=_grade_inputs(options),
+                 session=SERVER_SESSION, decode=GradeResult.decode, still_valid=_grade_still_there,
+                 figures=_grade_figures)
 
 
 def session_stages(resolved: dict[str, BackendBinary]) -> list[Stage[Any]]:

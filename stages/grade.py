@@ -2,7 +2,9 @@
 
 The effectful half of :mod:`grading`, over any :class:`~grading.protocol.ChatEndpoint` (the
 HTTP one, :class:`backends.http_chat.HttpChatEndpoint`, serves ``--endpoint`` and llama-server
-sessions through the Backend boundary): the budget
+sessions through the Backend boundary; :func:`grade_session` grades any opened
+:class:`backends.base.Session` through its ``chat_endpoint()``, so a model is graded through the
+same Backend, flags and template that load and serve use): the budget
 (``--budget-s`` stops cleanly with an inconclusive verdict), one ``grade.scenario`` event per
 scenario, and the JSON record under ``<home>/grades/``.
 
@@ -20,12 +22,15 @@ import datetime as _dt
 import json
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from backends.base import Session
 from backends.http_chat import REQUEST_TIMEOUT_S, HttpChatEndpoint
+from core.decode import decode_record
 from core.log import get_logger
 from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
 from grading.protocol import (
@@ -35,11 +40,20 @@ from grading.protocol import (
     ChatEndpoint,
     ServerFacts,
 )
-from grading.report import GRADE_VERSION, call_validity, category_results, decide_verdict, speeds
+from grading.report import (
+    GRADE_VERSION,
+    call_validity,
+    category_results,
+    decide_verdict,
+    speeds,
+)
 from grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
 from grading.scenarios import pack_hash, scenarios_for
 
-__all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "default_output_path", "grade_endpoint", "write_report"]
+__all__ = ["GRADE_FILE", "REQUEST_TIMEOUT_S", "GradeResult", "HttpChatEndpoint", "brief", "default_output_path", "fresh_output_path",
+           "grade_endpoint", "grade_session", "session_facts", "write_report"]
+
+GRADE_FILE = "grade.json"  # in a run directory: the record of the grade stage, transcripts included
 
 log = get_logger()
 
@@ -80,9 +94,12 @@ async def _preflight(endpoint: ChatEndpoint, facts: ServerFacts) -> tuple[str | 
 
 async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: str = "full",
                          budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                         ) -> dict[str, Any]:
+                         known: Mapping[str, Any] | None = None, budget_flag: str = "--budget-s") -> dict[str, Any]:
     """Grade ``endpoint``; return the report dict (transcripts included). Never raises for a
-    server failure: that becomes an inconclusive verdict naming it."""
+    server failure: that becomes an inconclusive verdict naming it. ``known``: fingerprint parts
+    the caller knows better than the server reports them (the flags it started it with, the
+    verified sha256); a None value leaves the server's reading. ``budget_flag`` names the option that
+    set the budget in the verdict."""
     scenarios = scenarios_for(tier)
     pack_sha256 = pack_hash(scenarios, grade_version=GRADE_VERSION)
     started = clock()
@@ -99,7 +116,7 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
         remaining = None if deadline is None else deadline - clock()
         if remaining is not None and remaining <= 0:
             results.append(ScenarioResult(scenario.id, scenario.category, NOT_RUN, "budget: not started"))
-            budget_problem = budget_problem or f"--budget-s {budget_s:g} ran out after {len(results) - 1} scenarios"
+            budget_problem = budget_problem or f"{budget_flag} {budget_s:g} ran out after {len(results) - 1} scenarios"
             continue
         t0 = clock()
         result: ScenarioResult | None = None
@@ -108,7 +125,7 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
         wall_s = round(clock() - t0, 3)
         if result is None:
             result = ScenarioResult(scenario.id, scenario.category, NOT_RUN, f"budget: stopped after {wall_s} s")
-            budget_problem = budget_problem or (f"--budget-s {budget_s:g} ran out during {scenario.id} "
+            budget_problem = budget_problem or (f"{budget_flag} {budget_s:g} ran out during {scenario.id} "
                                                 f"({len([r for r in results if r.outcome != NOT_RUN])} "
                                                 "scenarios finished)")
         result = _with_wall(result, wall_s)
@@ -141,13 +158,78 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
         "categories": category_results(results),
         "call_validity": call_validity(results),
         "speeds": speeds(results, wall_total),
-        "fingerprint": {**_fingerprint(facts, tier=tier, pack_sha256=pack_sha256), "template_roundtrip": roundtrip},
+        "fingerprint": {**_fingerprint(facts, tier=tier, pack_sha256=pack_sha256), "template_roundtrip": roundtrip,
+                        **{k: v for k, v in (known or {}).items() if v is not None}},
         "determinism_notes": notes,
         "scenarios": [r.to_json() for r in results],
     }
     log.info("grade.done", verdict=verdict.verdict, stack_problem=verdict.stack_problem, passed=passed,
              total=len(scenarios), wall_s=round(wall_total, 3))
     return report
+
+
+def session_facts(session: Session) -> dict[str, Any]:
+    """The fingerprint parts an opened session knows that a server cannot report: the command line
+    it was started with (llama-server's argv without the port, which changes every start; OpenVINO's
+    pipeline settings) and the backend."""
+    record = session.to_json()
+    argv = list(record.get("argv") or [])
+    if "--port" in argv:
+        i = argv.index("--port")
+        del argv[i:i + 2]
+    flags: Any = argv[1:] if argv else record.get("config")
+    return {"flags": flags if flags else "unknown", "backend": session.backend}
+
+
+async def grade_session(session: Session, *, label: str, tier: str = "full", budget_s: float | None = None,
+                        known: Mapping[str, Any] | None = None, budget_flag: str = "--budget-s") -> dict[str, Any]:
+    """Grade the model an opened session serves, through its own ``chat_endpoint()``; ``label``
+    names it in the record ("model X on llama-server"), ``known`` adds fingerprint facts the caller
+    verified (model and template sha256)."""
+    async with session.chat_endpoint() as endpoint:
+        return await grade_endpoint(endpoint, endpoint_label=label, tier=tier,
+                                    budget_s=budget_s, known={**session_facts(session), **(known or {})},
+                                    budget_flag=budget_flag)
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    """What a grade's stage record keeps (the summary; the transcripts stay in ``path``), decoded
+    back from the record when the stage is reused."""
+
+    verdict: str  # pass | fail | inconclusive
+    stack_problem: str | None
+    provisional: bool
+    reasons: tuple[str, ...]
+    tier: str
+    passed: int
+    total: int
+    fraction: float
+    categories: dict[str, Any]
+    speeds: dict[str, Any]
+    fingerprint: dict[str, Any]
+    path: str
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any], path: Path) -> GradeResult:
+        v, score = report["verdict"], report["score"]
+        return cls(verdict=v["verdict"], stack_problem=v["stack_problem"], provisional=v["provisional"],
+                   reasons=tuple(v["reasons"]), tier=report["tier"], passed=score["passed"], total=score["total"],
+                   fraction=float(score["fraction"]), categories=dict(report["categories"]),
+                   speeds=dict(report["speeds"]), fingerprint=dict(report["fingerprint"]), path=str(path))
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> GradeResult:
+        return decode_record(cls, record)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "reasons": list(self.reasons)}
+
+
+def brief(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The report without transcripts and call logs (what the CLI prints)."""
+    return {**report, "scenarios": [{k: v for k, v in s.items() if k not in ("transcript", "call_log")}
+                                    for s in report["scenarios"]]}
 
 
 def _with_wall(result: ScenarioResult, wall_s: float) -> ScenarioResult:
@@ -157,6 +239,17 @@ def _with_wall(result: ScenarioResult, wall_s: float) -> ScenarioResult:
 def default_output_path(home: Path, tier: str, now: _dt.datetime | None = None) -> Path:
     now = now or _dt.datetime.now(_dt.UTC)
     return home / "grades" / f"grade-{now.strftime('%Y%m%dT%H%M%S')}Z-{tier}.json"
+
+
+def fresh_output_path(home: Path, tier: str) -> Path:
+    """:func:`default_output_path`, with a counter when a grade of the same second already wrote there
+    (``auto --grade`` then ``hotfit grade`` can finish within one), so no record is overwritten."""
+    path = default_output_path(home, tier)
+    n = 2
+    while path.exists():
+        path = default_output_path(home, tier).with_name(f"{default_output_path(home, tier).stem}-{n}.json")
+        n += 1
+    return path
 
 
 def write_report(report: Mapping[str, Any], path: Path) -> Path:

@@ -304,8 +304,10 @@ def test_cli_exit_codes_and_default_output(hotfit_home: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["grade"], "needs --endpoint URL"),
-    (["grade", "--model", "x"], "--model is not built yet"),
+    (["grade"], "nothing is provisioned under"),
+    (["grade", "--model", "x", "--endpoint", "http://127.0.0.1:1"], "--model and --endpoint both given"),
+    (["grade", "--api-key-file", "/nonexistent/key"], "--api-key-file needs --endpoint"),
+    (["grade", "--registry", "r.yaml"], "--registry/--probe-file need --model NAME"),
     (["grade", "--endpoint", "localhost:8080"], "is not an http(s) URL"),
     (["grade", "--endpoint", "http://127.0.0.1:1", "--budget-s", "0"], "must be a positive number"),
     (["grade", "--endpoint", "http://127.0.0.1:1", "--api-key-file", "/nonexistent/key"], "cannot read"),

@@ -7,7 +7,8 @@ selects afresh instead of keeping the previous model; the KV type it planned wit
 with a hint when it is unset; the disk is checked before download (artifact + projector +
 512 MiB). ``--model NAME`` runs the same pipeline for one named entry (tool-chat allowed, no
 fallback). A completed provisioning that still holds makes ``auto`` a fast no-op (exit 0)
-unless ``--recheck``.
+unless ``--recheck``. ``--grade`` adds the multi-turn tool-use grade after the re-check; its verdict
+goes into the manifest and does not change the exit status (see :mod:`pipeline.auto`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import anyio
 
 from core.errors import UsageError
 from core.plan import Plan
+from grading.scenarios import TIERS
 from pipeline.auto import AutoOutcome, provision
 from pipeline.cli.context import CliContext
 from pipeline.cli.plan import add_plan_options
 from pipeline.manifest import Manifest
 from pipeline.provision import AutoOptions
+from pipeline.session_stages import GradeOptions
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -40,7 +43,24 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.add_argument("--refresh", action="store_true", help="select afresh instead of keeping the previous model")
     p.add_argument("--recheck", action="store_true", help="re-run load, probe call and re-check on a finished provisioning")
     p.add_argument("--wait", action="store_true", help="wait for another hotfit holding this --home")
+    p.add_argument("--grade", action="store_true",
+                   help="also grade multi-turn tool use of the opened model (recorded in the manifest; "
+                        "a failed or inconclusive grade does not fail auto)")
+    p.add_argument("--grade-tier", choices=TIERS, default="full", help="with --grade: quick (6 scenarios) or full (16)")
+    p.add_argument("--grade-budget-s", type=float, metavar="S",
+                   help="with --grade: stop the grade after S seconds as inconclusive")
     p.set_defaults(handler=handler)
+
+
+def grade_from_args(args: argparse.Namespace) -> GradeOptions | None:
+    if not args.grade:
+        if args.grade_budget_s is not None or args.grade_tier != "full":
+            raise UsageError("--grade-tier/--grade-budget-s need --grade", hint="add --grade, or drop them")
+        return None
+    if args.grade_budget_s is not None and not args.grade_budget_s > 0:
+        raise UsageError(f"--grade-budget-s {args.grade_budget_s:g} must be a positive number of seconds",
+                         hint="e.g. --grade-budget-s 600")
+    return GradeOptions(tier=args.grade_tier, budget_s=args.grade_budget_s)
 
 
 def options_from_args(args: argparse.Namespace) -> AutoOptions:
@@ -89,6 +109,11 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
         f"  KV allocation   {manifest.measured.get('actual_kv_bytes')} bytes "
         f"(estimate {manifest.measured.get('estimated_kv_bytes')}, ratio {manifest.measured.get('kv_ratio')})",
     ]
+    if manifest.grade:
+        g = manifest.grade
+        lines.append(f"  grade           {str(g.get('verdict')).upper()} {g.get('passed')}/{g.get('total')} "
+                     f"({g.get('tier')} tier)" + (f", {g['stack_problem']}" if g.get("stack_problem") else "")
+                     + f": {g.get('path')}")
     if plan.reused_previous:
         lines.append("  kept the previous model (it still qualifies; --refresh selects afresh)")
     if resumed:
@@ -112,7 +137,7 @@ def json_text(data: Any) -> str:
 
 def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     opts = options_from_args(args)
-    outcome = anyio.run(provision, opts, ctx.settings)
+    outcome = anyio.run(provision, opts, ctx.settings, grade_from_args(args))
     hint = kv_hint(outcome.plan)
     if hint:
         sys.stderr.write(f"hotfit: hint: {hint}\n")

@@ -1,8 +1,9 @@
 """hotfit grade: a multi-turn tool-use grade of a running OpenAI-compatible server (issue 12).
 
 ``--endpoint URL`` grades what is already serving (``hotfit serve``, a llama-server started by
-hand, a server on another machine) through :mod:`stages.grade`. Grading the provisioned model
-through the Backend boundary (``--model``, ``hotfit auto --grade``) is not built yet.
+hand, a server on another machine) through :mod:`stages.grade`. Without it, the provisioned model
+(or ``--model NAME``, a pulled one) is opened through the same Backend as load and serve and graded
+(:mod:`pipeline.grade`).
 
 Exit status: 0 pass, 8 fail (a model failure), 9 inconclusive (a stack problem, named; or the
 budget ran out), 2 usage error.
@@ -16,11 +17,18 @@ from typing import Any
 
 import anyio
 
+from core.errors import UsageError
 from grading.report import summary_text
 from grading.scenarios import TIERS
 from pipeline.cli.context import CliContext
-from core.errors import UsageError
-from stages.grade import HttpChatEndpoint, default_output_path, grade_endpoint, write_report
+from pipeline.grade import grade_model
+from stages.grade import (
+    HttpChatEndpoint,
+    brief,
+    default_output_path,
+    grade_endpoint,
+    write_report,
+)
 
 EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 8, 9
 _EXIT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE}
@@ -28,15 +36,19 @@ _EXIT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "grade", parents=parents, help="grade multi-turn tool use of a running server",
+        "grade", parents=parents, help="grade multi-turn tool use of the provisioned model or a running server",
         description="Run hotfit's deterministic multi-turn tool-use scenarios against an OpenAI-compatible "
                     "chat endpoint and report score, per-category results, a verdict (pass / fail / "
                     "inconclusive, naming the stack problem), speeds and a fingerprint.",
         epilog="exit codes: 0 pass, 8 fail, 9 inconclusive (stack problem or budget), 2 usage error",
     )
-    p.add_argument("--endpoint", metavar="URL", help="base URL of the server, e.g. http://127.0.0.1:8080")
+    p.add_argument("--endpoint", metavar="URL", help="grade a running server at this base URL, e.g. "
+                   "http://127.0.0.1:8080 (default: open the provisioned model through its backend)")
     p.add_argument("--api-key-file", metavar="FILE", help="file whose first line is the server's API key")
-    p.add_argument("--model", metavar="NAME", help="(not built yet) grade a pulled model through the Backend")
+    p.add_argument("--model", metavar="NAME", help="grade this pulled registry entry instead of the provisioned model "
+                   "(planned for this machine like `hotfit plan --model NAME`)")
+    p.add_argument("--registry", metavar="FILE", help="registry file for --model (default: the bundled one)")
+    p.add_argument("--probe-file", metavar="FILE", help="plan --model against this saved probe (hotfit probe --save)")
     p.add_argument("--tier", choices=TIERS, default="full",
                    help="quick: 6 scenarios for CPU machines (a pass is provisional); full: 16 (default)")
     p.add_argument("--budget-s", type=float, metavar="S",
@@ -60,13 +72,16 @@ def _api_key(path: str | None) -> str | None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.model:
-        raise UsageError("hotfit grade --model is not built yet (it needs the Backend boundary, issue 11)",
-                         hint="start the model with `hotfit serve` and grade it with --endpoint http://127.0.0.1:8080")
-    if not args.endpoint:
-        raise UsageError("hotfit grade needs --endpoint URL (grading the provisioned model directly is not built yet)",
-                         hint="start it with `hotfit serve`, then run hotfit grade --endpoint http://127.0.0.1:8080")
-    if not args.endpoint.startswith(("http://", "https://")):
+    if args.model and args.endpoint:
+        raise UsageError("--model and --endpoint both given: grade either a model of this home or a running server",
+                         hint="drop --endpoint to open NAME here, or --model to grade what the URL serves")
+    if args.api_key_file and not args.endpoint:
+        raise UsageError("--api-key-file needs --endpoint (a model hotfit opens itself needs no key)",
+                         hint="add --endpoint URL, or drop --api-key-file")
+    if (args.registry or args.probe_file) and not args.model:
+        raise UsageError("--registry/--probe-file need --model NAME (the provisioned model's plan is in the manifest)",
+                         hint="add --model NAME, or drop them")
+    if args.endpoint and not args.endpoint.startswith(("http://", "https://")):
         raise UsageError(f"--endpoint {args.endpoint!r} is not an http(s) URL",
                          hint="give the server's base URL, e.g. http://127.0.0.1:8080")
     if args.budget_s is not None and not args.budget_s > 0:
@@ -76,6 +91,15 @@ def _check(args: argparse.Namespace) -> None:
 
 def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     _check(args)
+    if not args.endpoint:
+        report = anyio.run(lambda: grade_model(ctx.settings, model=args.model,
+                                               registry_file=Path(args.registry) if args.registry else None,
+                                               probe_file=Path(args.probe_file) if args.probe_file else None,
+                                               tier=args.tier, budget_s=args.budget_s,
+                                               output=Path(args.output) if args.output else None))
+        shown = brief(report)
+        ctx.emit(shown, summary_text(shown))
+        return _EXIT[report["verdict"]["verdict"]]
     api_key = _api_key(args.api_key_file)
     output = Path(args.output) if args.output else default_output_path(ctx.settings.home, args.tier)
 
@@ -90,8 +114,6 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write the grade record to {output}: {exc.strerror}",
                          hint="pass a writable --output FILE") from None
-    brief = {**report, "output": str(output),
-             "scenarios": [{k: v for k, v in s.items() if k not in ("transcript", "call_log")}
-                           for s in report["scenarios"]]}
-    ctx.emit(brief, summary_text(brief))
+    shown = brief({**report, "output": str(output)})
+    ctx.emit(shown, summary_text(shown))
     return _EXIT[report["verdict"]["verdict"]]

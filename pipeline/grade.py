@@ -1,0 +1,141 @@
+"""The ``hotfit grade`` job for a model of this home (issue 12 item 1): the provisioned one, or a named,
+already pulled and verified one, opened through the same Backend as load and serve.
+
+- no ``--model``: the manifest's plan and verified files, as ``hotfit serve`` reads them; the verdict
+  is written back into the manifest (if it still names the same provisioning);
+- ``--model NAME``: re-planned on this machine the way ``hotfit plan --model NAME`` does (probe → plan,
+  nothing written), then the files in place re-confirmed from their verification receipts (nothing is
+  downloaded: a model not pulled is refused naming ``hotfit pull NAME``).
+
+Either way the session is opened with :func:`stages.load.open_session` (the backend's own preflight
+first), graded through ``session.chat_endpoint()`` (:func:`stages.grade.grade_session`) and always
+stopped. The home lock is held throughout, so a grade never loads a second model beside a running
+``hotfit auto`` nor rewrites the manifest under it (a second one exits 6 naming the holder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from backends.base import ModelFiles
+from core.entry import Entry
+from core.errors import UsageError
+from core.log import get_logger
+from core.plan import Plan
+from core.settings import Settings
+from pipeline.auto import grade_summary, plan_only
+from pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
+from pipeline.provision import AutoOptions
+from stages.grade import fresh_output_path, grade_session, write_report
+from stages.load import model_files, open_session, preflight
+from stages.verify import verify
+from state.locks import FileLock
+
+__all__ = ["GradeTarget", "grade_model"]
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class GradeTarget:
+    """The model to grade: its plan, its verified files and what is known of them."""
+
+    plan: Plan
+    files: ModelFiles
+    model_sha256: str | None
+    template_sha256: str | None
+    manifest: Manifest | None  # set when grading the provisioned model (its verdict is written back)
+
+
+def _provisioned(settings: Settings) -> GradeTarget:
+    manifest = read_manifest(settings.manifest_path, strict=True)
+    if manifest is None:
+        raise UsageError(f"nothing is provisioned under {settings.home}, so there is no model to grade",
+                         hint="run `hotfit auto` first, grade a pulled model with `hotfit grade --model NAME`, or a "
+                              "running server with `hotfit grade --endpoint URL`")
+    problems = manifest.files_in_place()
+    if problems:
+        raise UsageError(f"the provisioned files are not in place: {'; '.join(problems)}",
+                         hint="run `hotfit auto` again; it re-fetches what is missing")
+    plan = plan_from_json(manifest.plan, source=f"manifest {settings.manifest_path}")
+    files = ModelFiles(Path(manifest.model_path), Path(manifest.template_path) if manifest.template_path else None)
+    return GradeTarget(plan, files, manifest.model_sha256, manifest.template_sha256, manifest)
+
+
+def _not_pulled(entry: Entry, settings: Settings) -> str | None:
+    """Why ``entry`` has nothing in place to grade (None: something is; verify judges it)."""
+    dest = settings.model_dir(entry.name)
+    artifact = entry.artifact
+    if artifact is None:
+        return f"registry entry {entry.name} has no artifact"
+    if artifact.file is None:  # a snapshot (OpenVINO): its directory
+        return None if dest.is_dir() and any(dest.iterdir()) else f"nothing is pulled into {dest}"
+    return None if (dest / artifact.file).is_file() else f"{dest / artifact.file} is not there"
+
+
+async def _named(name: str, settings: Settings, registry_file: Path | None, probe_file: Path | None) -> GradeTarget:
+    # the planner decides the window and device exactly as `hotfit plan --model NAME` would (exit 3
+    # when it cannot open its window here); nothing is fetched
+    _probe, planned = await plan_only(AutoOptions(model=name, registry_file=registry_file,
+                                                    probe_file=probe_file), settings, None)
+    plan = planned.plan
+    assert plan is not None  # plan_only raised the refusal otherwise
+    missing = _not_pulled(plan.entry, settings)
+    if missing:
+        raise UsageError(f"model {name} is not pulled: {missing}",
+                         hint=f"run `hotfit pull {name}` first (grade never downloads)", model=name)
+    verified = await verify(plan.entry, settings.model_dir(plan.entry.name))  # receipts; IntegrityError when damaged
+    return GradeTarget(plan, model_files(verified), verified.sha256, None, None)
+
+
+async def grade_model(settings: Settings, *, model: str | None, registry_file: Path | None, tier: str,
+                      budget_s: float | None, output: Path | None, probe_file: Path | None = None) -> dict[str, Any]:
+    """Open the model, grade it, write the record (and the manifest's grade); return the report."""
+    async with FileLock(settings.lock_path, wait=False, what=f"hotfit home {settings.home}").async_held():
+        target = await _named(model, settings, registry_file, probe_file) if model else _provisioned(settings)
+        plan = target.plan
+        binary = await anyio.to_thread.run_sync(preflight, plan, settings)
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        run_dir = settings.runs_dir / f"grade-{stamp}-{plan.entry.name}"
+        started = time.monotonic()
+        async with open_session(plan, target.files, run_dir=run_dir, settings=settings, binary=binary) as session:
+            report = await grade_session(
+                session, label=f"model {plan.entry.name} ({session.server_name})", tier=tier, budget_s=budget_s,
+                known={"model": plan.entry.name, "model_path": str(target.files.weights),
+                       "model_sha256": target.model_sha256, "chat_template_sha256": target.template_sha256})
+        report = {**report, "model": plan.entry.name, "provisioned": target.manifest is not None,
+                  "load_and_grade_wall_s": round(time.monotonic() - started, 3)}
+        path = output or fresh_output_path(settings.home, tier)
+        report = {**report, "output": str(path)}
+        try:
+            await anyio.to_thread.run_sync(write_report, report, path)
+        except OSError as exc:
+            raise UsageError(f"cannot write the grade record to {path}: {exc.strerror}",
+                             hint="pass a writable --output FILE") from None
+        if target.manifest is not None:
+            _record_in_manifest(settings, target.manifest, report, path)
+        return report
+
+
+def _record_in_manifest(settings: Settings, graded: Manifest, report: dict[str, Any], path: Path) -> None:
+    current = read_manifest(settings.manifest_path)
+    if current is None or current.run_id != graded.run_id:  # cannot happen under the home lock; be safe
+        log.warning("grade.manifest_changed", path=str(settings.manifest_path))
+        return
+    v, score = report["verdict"], report["score"]
+    summary = grade_summary({**v, **score, "tier": report["tier"], "categories": report["categories"],
+                             "speeds": report["speeds"], "fingerprint": report["fingerprint"], "path": str(path)},
+                            run_id=None)
+    write_manifest(settings.manifest_path, _with_grade(current, summary))
+    log.info("manifest.written", path=str(settings.manifest_path), model=current.entry_name, grade=v["verdict"])
+
+
+def _with_grade(manifest: Manifest, grade: dict[str, Any]) -> Manifest:
+    return dataclasses.replace(manifest, grade=grade)
