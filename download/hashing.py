@@ -21,10 +21,11 @@ import hashlib
 import os
 import queue
 import threading
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from core.errors import TransferError
 from download.disk import start_writeback
+from download.wire import BufferPool
 
 MiB = 1024 * 1024
 # What the loop may have received but the thread not yet written: memory held, and at most this much
@@ -73,15 +74,27 @@ class OrderedHasher:
         self._on_disk: dict[int, int] = {}  # start -> end of intervals to read back
         self._error: BaseException | None = None
         self._abort = False
+        self._buffers: BufferPool | None = None
         self._thread = threading.Thread(target=self._run, name="hotfit-write-hash", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- called from the event loop
 
-    def write(self, offset: int, parts: list[bytes], n: int, block: Counted) -> None:
+    def write(self, offset: int, parts: list[Any], n: int, block: Counted,
+              release: Callable[[], None] | None = None) -> None:
+        """Thread-safe (the loop or a receiving thread). ``release``: the parts are views of a reused
+        buffer, called once the thread is done with them (bytes it must keep for later are copied)."""
         with self._cond:
             self._write_queued += n
-        self._queue.put(("w", offset, parts, n, block))
+        self._queue.put(("w", offset, parts, n, block, release))
+
+    def receive_buffers(self, size_bytes: int) -> BufferPool:
+        """The file's receive buffers (shared by its connections): ``WRITE_QUEUE_BYTES`` in all, so
+        received-but-unwritten bytes stay bounded per file, as the loop's wait bounded them."""
+        with self._lock:
+            if self._buffers is None or self._buffers.size_bytes != size_bytes:
+                self._buffers = BufferPool(WRITE_QUEUE_BYTES // max(1, size_bytes), size_bytes)
+            return self._buffers
 
     @property
     def write_queued_bytes(self) -> int:
@@ -139,9 +152,13 @@ class OrderedHasher:
                 if item is self._STOP or self._abort:
                     return
                 if item[0] == "w":
-                    _w, offset, parts, n, block = item
-                    if self._write(offset, parts, n, block) and self._hashing:
-                        self._take(offset, offset + n, parts)
+                    _w, offset, parts, n, block, release = item
+                    try:
+                        if self._write(offset, parts, n, block) and self._hashing:
+                            self._take(offset, offset + n, parts, borrowed=release is not None)
+                    finally:
+                        if release is not None:
+                            release()
                     continue
                 start, end, data = item
                 if data is not None:
@@ -216,8 +233,9 @@ class OrderedHasher:
                 continue
             return
 
-    def _take(self, start: int, end: int, data: Data | None) -> None:
-        """Bytes ``[start, end)`` are on disk (``data`` in memory, or None): hash, hold or spill them."""
+    def _take(self, start: int, end: int, data: Data | None, borrowed: bool = False) -> None:
+        """Bytes ``[start, end)`` are on disk (``data`` in memory, or None): hash, hold or spill them.
+        ``borrowed``: ``data`` views a buffer that is reused after this call, so what is held is copied."""
         if end <= self.frontier:
             return  # already hashed (cannot happen with a correct caller; harmless)
         if start < self.frontier:  # overlap: keep only the unhashed tail
@@ -232,7 +250,7 @@ class OrderedHasher:
             self.frontier = end
             self._drain()
         elif data is not None and self._pending_bytes + (end - start) <= self._buffer_limit:
-            self._pending[start] = data
+            self._pending[start] = b"".join(data) if borrowed and not isinstance(data, bytes) else data
             self._pending_bytes += end - start
         else:
             self._on_disk[start] = end
