@@ -89,7 +89,8 @@ def _check_answer(resp: Any, session: HubSession, side: Sidecar, block: Block, o
 
 
 class _Writer:
-    """Gathers received chunks and hands them to the write-behind thread at their absolute offset."""
+    """The loop's side of one block's writes: waits for the write-behind threads and raises what failed
+    there; ``add``/``flush`` hand over bytes received on the loop (a stream receives in a thread)."""
 
     def __init__(self, partial: Path, block: Block, pos: int, hasher: OrderedHasher,
                  reporter: ProgressReporter | None, counters: dict[str, Any]) -> None:
@@ -116,7 +117,7 @@ class _Writer:
             await anyio.to_thread.run_sync(self.hasher.wait_written, WRITE_QUEUE_BYTES // 2)
 
     async def drain(self) -> None:
-        """Wait until every byte handed over is written (``block.done`` is then exact)."""
+        """Wait until every byte handed over is written and hashed (``block.done`` is then exact)."""
         await anyio.to_thread.run_sync(self.hasher.wait_written, 0)
         self.raise_write_error()
 
