@@ -1,10 +1,13 @@
-"""The file's write-behind thread: writes received bytes in place and hashes them in order.
+"""The file's write-behind threads: received bytes written in place, then hashed in order.
 
-Why a thread: on one stream the event loop was the bound (scripts/bench-download: the HTTP parser,
-``recv`` and a ``pwritev`` of every chunk all on one core). The loop now only receives; one thread
-per file writes each chunk at its offset (``pwritev``, GIL released), starts its writeback, counts it
-in its block's ``done`` (so a checkpoint claims only written bytes), then hashes it (sha256 releases
-the GIL too). Memory is bounded: the loop waits while more than ``WRITE_QUEUE_BYTES`` are queued.
+Why threads: on one stream the event loop was the bound (scripts/bench-download: the HTTP parser,
+``recv`` and a ``pwritev`` of every chunk all on one core). Bytes are received off the loop
+(``download.wire``); one thread per file writes each chunk at its offset (``pwritev``, GIL released),
+starts its writeback and counts it in its block's ``done`` (so a checkpoint claims only written
+bytes); a second thread hashes it (sha256 releases the GIL too), so on one stream the write and the
+hash of successive chunks overlap instead of adding up (sha256 alone is ~0.6 s/GiB on one core).
+Memory is bounded: receivers wait for one of the file's ``WRITE_QUEUE_BYTES`` of receive buffers,
+which come back once their bytes are written and hashed.
 
 sha256 must see bytes in order, ranges arrive out of order. The thread keeps the frontier: chunks at
 it are hashed as they arrive; chunks ahead of it wait in a bounded memory buffer
@@ -21,10 +24,11 @@ import hashlib
 import os
 import queue
 import threading
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from core.errors import TransferError
 from download.disk import start_writeback
+from download.wire import BufferPool
 
 MiB = 1024 * 1024
 # What the loop may have received but the thread not yet written: memory held, and at most this much
@@ -73,30 +77,49 @@ class OrderedHasher:
         self._on_disk: dict[int, int] = {}  # start -> end of intervals to read back
         self._error: BaseException | None = None
         self._abort = False
-        self._thread = threading.Thread(target=self._run, name="hotfit-write-hash", daemon=True)
+        self._buffers: BufferPool | None = None
+        self._hash_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._hash_queued = 0  # written bytes not yet hashed (their buffers are still held)
+        self._hash_stopped = False
+        self._thread = threading.Thread(target=self._run, name="hotfit-write", daemon=True)
+        self._hash_thread = threading.Thread(target=self._run_hash, name="hotfit-hash", daemon=True)
         self._thread.start()
+        self._hash_thread.start()
 
     # ---------------------------------------------------------------- called from the event loop
 
-    def write(self, offset: int, parts: list[bytes], n: int, block: Counted) -> None:
+    def write(self, offset: int, parts: list[Any], n: int, block: Counted,
+              release: Callable[[], None] | None = None) -> None:
+        """Thread-safe (the loop or a receiving thread). ``release``: the parts are views of a reused
+        buffer, called once the thread is done with them (bytes it must keep for later are copied)."""
         with self._cond:
             self._write_queued += n
-        self._queue.put(("w", offset, parts, n, block))
+        self._queue.put(("w", offset, parts, n, block, release))
+
+    def receive_buffers(self, size_bytes: int) -> BufferPool:
+        """The file's receive buffers (shared by its connections): ``WRITE_QUEUE_BYTES`` in all, so
+        received-but-unwritten bytes stay bounded per file, as the loop's wait bounded them."""
+        with self._lock:
+            if self._buffers is None or self._buffers.size_bytes != size_bytes:
+                self._buffers = BufferPool(WRITE_QUEUE_BYTES // max(1, size_bytes), size_bytes)
+            return self._buffers
 
     @property
     def write_queued_bytes(self) -> int:
-        return self._write_queued
+        """Bytes handed over and still held: not yet written, or written and not yet hashed."""
+        return self._write_queued + self._hash_queued
 
     @property
     def thread_error(self) -> BaseException | None:
-        """What stopped the thread (a read-back that failed): nothing handed over after it is written."""
+        """What stopped a thread (a read-back that failed): nothing handed over after it is hashed."""
         return self._error
 
     def wait_written(self, below_bytes: int = 0) -> None:
-        """Block (in a worker thread) until at most ``below_bytes`` wait to be written, or the thread
-        has stopped."""
+        """Block (in a worker thread) until at most ``below_bytes`` are held (:attr:`write_queued_bytes`),
+        or a thread has stopped."""
         with self._cond:
-            self._cond.wait_for(lambda: self._write_queued <= below_bytes or self._stopped)
+            self._cond.wait_for(lambda: self._write_queued + self._hash_queued <= below_bytes or self._stopped
+                                or self._hash_stopped)
 
     def feed(self, offset: int, data: Data) -> None:
         n = len(data) if isinstance(data, bytes) else sum(map(len, data))
@@ -121,6 +144,7 @@ class OrderedHasher:
         """Block until every byte is written and hashed; (sha256 hex, git sha1 hex or None)."""
         self._queue.put(self._STOP)
         self._thread.join()
+        self._hash_thread.join()
         if self._error is not None:
             raise self._error
         if not self._hashing:
@@ -130,18 +154,56 @@ class OrderedHasher:
                                 hint="rerun; the partial file resumes")
         return self._sha256.hexdigest(), (self._sha1.hexdigest() if self._sha1 else None)
 
-    # ---------------------------------------------------------------- the thread
+    # ---------------------------------------------------------------- the threads
 
     def _run(self) -> None:
+        """The write thread: pwritev each chunk, count it, pass it on to the hash thread in order."""
         try:
             while True:
                 item = self._queue.get()
                 if item is self._STOP or self._abort:
                     return
                 if item[0] == "w":
-                    _w, offset, parts, n, block = item
-                    if self._write(offset, parts, n, block) and self._hashing:
-                        self._take(offset, offset + n, parts)
+                    _w, offset, parts, n, block, release = item
+                    try:
+                        ok = self._write(offset, parts, n, block) and self._hashing
+                    except BaseException:
+                        ok = False
+                        raise
+                    finally:
+                        if not ok and release is not None:
+                            release()
+                    if ok:
+                        with self._cond:
+                            self._hash_queued += n
+                        self._hash_queue.put(("h", offset, n, parts, release))
+                    continue
+                self._hash_queue.put(item)  # bytes already on disk: hashed in file order with the rest
+        except BaseException as exc:  # surfaced by finish()
+            self._error = exc
+        finally:
+            self._hash_queue.put(self._STOP)
+            with self._cond:
+                self._stopped = True
+                self._cond.notify_all()
+
+    def _run_hash(self) -> None:
+        """The hash thread: sha256 runs beside the writes (one stream's pwrite and hash overlap)."""
+        try:
+            while True:
+                item = self._hash_queue.get()
+                if item is self._STOP or self._abort:
+                    return
+                if item[0] == "h":
+                    _h, offset, n, parts, release = item
+                    try:
+                        self._take(offset, offset + n, parts, borrowed=release is not None)
+                    finally:
+                        if release is not None:
+                            release()
+                        with self._cond:
+                            self._hash_queued -= n
+                            self._cond.notify_all()
                     continue
                 start, end, data = item
                 if data is not None:
@@ -149,11 +211,11 @@ class OrderedHasher:
                         self._queued_bytes -= end - start
                 if self._hashing:
                     self._take(start, end, data)
-        except BaseException as exc:  # surfaced by finish()
+        except BaseException as exc:  # surfaced by finish(), and by the loop's next check
             self._error = exc
         finally:
             with self._cond:
-                self._stopped = True
+                self._hash_stopped = True
                 self._cond.notify_all()
 
     def _write(self, offset: int, parts: list[bytes], n_todo: int, block: Counted) -> bool:
@@ -216,8 +278,9 @@ class OrderedHasher:
                 continue
             return
 
-    def _take(self, start: int, end: int, data: Data | None) -> None:
-        """Bytes ``[start, end)`` are on disk (``data`` in memory, or None): hash, hold or spill them."""
+    def _take(self, start: int, end: int, data: Data | None, borrowed: bool = False) -> None:
+        """Bytes ``[start, end)`` are on disk (``data`` in memory, or None): hash, hold or spill them.
+        ``borrowed``: ``data`` views a buffer that is reused after this call, so what is held is copied."""
         if end <= self.frontier:
             return  # already hashed (cannot happen with a correct caller; harmless)
         if start < self.frontier:  # overlap: keep only the unhashed tail
@@ -232,7 +295,7 @@ class OrderedHasher:
             self.frontier = end
             self._drain()
         elif data is not None and self._pending_bytes + (end - start) <= self._buffer_limit:
-            self._pending[start] = data
+            self._pending[start] = b"".join(data) if borrowed and not isinstance(data, bytes) else data
             self._pending_bytes += end - start
         else:
             self._on_disk[start] = end

@@ -20,6 +20,7 @@ from core.errors import HubError, PinMismatch, UsageError
 from core.settings import Settings
 from download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
 from download.options import TransferOptions
+from download.wire import ConnectionPool
 
 # httpcore reads at most 64 KiB per recv(); at local/LAN speeds the per-read overhead of the HTTP/1.1
 # parser then caps one Python stream well below curl. 256 KiB measured ~35 % faster than 64 KiB, 1 MiB
@@ -35,6 +36,7 @@ try:
 except (ImportError, AttributeError):  # pragma: no cover - a future httpcore: keep its default
     pass
 
+USER_AGENT = "hotfit/0.1"
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -102,12 +104,16 @@ class HubSession:
                               max_keepalive_connections=max(8, self.options.connections * 2))
         timeout = httpx.Timeout(self.options.read_timeout_s, connect=self.options.connect_timeout_s)
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=False,
-                                        headers={"user-agent": "hotfit/0.1"}, trust_env=False)
+                                        headers={"user-agent": USER_AGENT}, trust_env=False)
+        # Ranged GETs of file bodies (download.wire): blocking sockets read in worker threads.
+        self.wire = ConnectionPool(connect_timeout_s=self.options.connect_timeout_s,
+                                   read_timeout_s=self.options.read_timeout_s, user_agent=USER_AGENT)
 
     async def __aenter__(self) -> "HubSession":
         return self
 
     async def __aexit__(self, *_exc: object) -> None:
+        self.wire.close()
         await self.client.aclose()
 
     def resolve_url(self, repo: str, revision: str, path: str) -> str:

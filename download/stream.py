@@ -1,19 +1,25 @@
 """One ranged GET into the partial file: the write path of the block scheduler.
 
-Each block is one ``Range`` request on a pooled connection; the answer is checked against the pin
-(206 with the asked range of a file of the pinned size, or 200 with the pinned length for a whole-file
-stream) before a byte is written. Bytes land at absolute offsets (network-sized chunks gathered up to
-``chunk_bytes``, one ``pwritev`` each, no copy); whatever is gathered when the stream breaks is still
-written, so a cut loses no received byte. The event loop only receives: the write-behind thread of
-``download.hashing`` writes, counts and hashes. A 200 to a ranged GET is :class:`RangeIgnored`: the
+Each block is one ``Range`` request on a kept-alive connection (``download.wire``: a blocking socket
+in a worker thread); the answer is checked against the pin (206 with the asked range of a file of
+the pinned size, or 200 with the pinned length for a whole-file stream) before a byte is written.
+The body is read with ``readinto`` straight into the file's pooled 1 MiB receive buffers, each handed
+to the write-behind thread of ``download.hashing`` at its absolute offset (one ``pwritev``, sha256 of
+the same memory, no copy in Python); whatever is received when the stream breaks is still written,
+so a cut loses no received byte. The event loop only waits: cancelling it (Ctrl-C) shuts the socket
+down, so a blocked ``recv`` returns at once. A 200 to a ranged GET is :class:`RangeIgnored`: the
 scheduler restarts the file as one stream from byte 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import re
+import socket
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import anyio
 
@@ -24,6 +30,9 @@ from download.hub import HubSession
 from download.hub_errors import Retryable, hub_error_from_response
 from download.progress import ProgressReporter
 from download.sidecar import Block, Sidecar
+from download.wire import Opened, finish, open_get, transport_error
+
+T = TypeVar("T")
 
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -80,7 +89,8 @@ def _check_answer(resp: Any, session: HubSession, side: Sidecar, block: Block, o
 
 
 class _Writer:
-    """Gathers received chunks and hands them to the write-behind thread at their absolute offset."""
+    """The loop's side of one block's writes: waits for the write-behind threads and raises what failed
+    there; ``add``/``flush`` hand over bytes received on the loop (a stream receives in a thread)."""
 
     def __init__(self, partial: Path, block: Block, pos: int, hasher: OrderedHasher,
                  reporter: ProgressReporter | None, counters: dict[str, Any]) -> None:
@@ -107,7 +117,7 @@ class _Writer:
             await anyio.to_thread.run_sync(self.hasher.wait_written, WRITE_QUEUE_BYTES // 2)
 
     async def drain(self) -> None:
-        """Wait until every byte handed over is written (``block.done`` is then exact)."""
+        """Wait until every byte handed over is written and hashed (``block.done`` is then exact)."""
         await anyio.to_thread.run_sync(self.hasher.wait_written, 0)
         self.raise_write_error()
 
@@ -121,6 +131,120 @@ class _Writer:
             raise exc
 
 
+class _Receiver:
+    """One block's GET in worker threads; :meth:`cancel` (from the loop) unblocks a waiting ``recv``
+    by shutting the socket down, so Ctrl-C never waits for the network."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def on_socket(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._sock = sock
+            if self.cancelled:
+                _shutdown(sock)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            _shutdown(self._sock)
+
+    def _guarded(self, fn: Callable[[], T]) -> Callable[[], T | None]:
+        def run() -> T | None:
+            with self._lock:
+                if self.cancelled:
+                    return None
+                self._idle.clear()
+            try:
+                return fn()
+            finally:
+                self._idle.set()
+        return run
+
+    async def run(self, fn: Callable[[], T], *, wait_on_cancel: bool) -> T | None:
+        """``fn()`` in a worker thread. Cancelled: the socket is shut down and, when
+        ``wait_on_cancel``, the thread is waited for (it may still be handing bytes to the writer)."""
+        try:
+            return await anyio.to_thread.run_sync(self._guarded(fn), abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            self.cancel()
+            if wait_on_cancel:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._idle.wait)
+            raise
+
+
+def _shutdown(sock: socket.socket | None) -> None:
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+_COUNT_LOCK = threading.Lock()  # receiving threads of one file share its counters and progress
+
+
+def _receive(rx: _Receiver, opened: Opened, session: HubSession, side: Sidecar, block: Block, pos: int,
+             hasher: OrderedHasher, reporter: ProgressReporter | None, counters: dict[str, Any]) -> int:
+    """(worker thread) Read the body into pooled buffers, each handed to the write-behind thread at
+    its offset; the position reached. Stops early, without error, when cancelled or a write failed."""
+    resp, what = opened.resp, f"{side.file}: GET"
+    pool = hasher.receive_buffers(session.options.chunk_bytes)
+
+    def stop() -> bool:
+        return rx.cancelled or hasher.write_error is not None or hasher.thread_error is not None
+
+    complete = False
+    try:
+        while pos < block.end and not stop():
+            buf = pool.take(stop)
+            if buf is None:
+                break
+            view = memoryview(buf)[:min(len(buf), block.end - pos)]
+            n, failed = 0, None
+            try:
+                while n < len(view):
+                    got = resp.readinto(view[n:])
+                    if not got:
+                        break
+                    n += got
+            except (OSError, http.client.HTTPException) as exc:
+                failed = exc
+            if n:
+                hasher.write(pos, [view[:n]], n, block, release=lambda b=buf: pool.put(b))  # type: ignore[misc]
+                pos += n
+                with _COUNT_LOCK:
+                    counters["transferred"] += n
+                    if reporter:
+                        reporter.advance(n)
+            else:
+                pool.put(buf)
+            if failed is not None:
+                if rx.cancelled:
+                    break
+                raise transport_error(what, failed) from failed
+            if n < len(view):  # the server closed the body early: the retry resumes at block.done
+                break
+        if pos >= block.end and not resp.isclosed():  # a body without Content-Length may go on
+            try:
+                more = resp.read(1)
+            except (OSError, http.client.HTTPException) as exc:
+                raise transport_error(what, exc) from exc
+            if more:
+                raise PinMismatch(f"{side.file}: server sent more than {side.size_bytes} bytes",
+                                  hint="the served file is not the pinned one", repo=side.repo, file=side.file)
+        complete = pos >= block.end and not rx.cancelled
+    finally:
+        if complete:
+            finish(session.wire, opened.url, opened.conn, resp)
+        else:
+            opened.conn.close()
+    return pos
+
+
 async def stream_block(session: HubSession, side: Sidecar, block: Block, url: str, *, whole: bool,
                        partial: Path, hasher: OrderedHasher, reporter: ProgressReporter | None,
                        counters: dict[str, Any]) -> None:
@@ -128,28 +252,25 @@ async def stream_block(session: HubSession, side: Sidecar, block: Block, url: st
     ended short (the retry resumes at the new ``block.done``)."""
     offset = block.start + block.done
     extra = {} if (whole and block.done == 0) else {"range": f"bytes={offset}-{block.end - 1}"}
-    chunk_bytes = session.options.chunk_bytes
-    async with session.client.stream("GET", url, headers=session.headers_for(url, extra),
-                                     follow_redirects=True) as resp:
-        _check_answer(resp, session, side, block, offset, whole)
-        writer = _Writer(partial, block, offset, hasher, reporter, counters)
-        try:
-            async for chunk in resp.aiter_raw():
-                room = block.end - writer.pos - writer.gathered
-                if room <= 0:
-                    raise PinMismatch(f"{side.file}: server sent more than {side.size_bytes} bytes",
-                                      hint="the served file is not the pinned one", repo=side.repo,
-                                      file=side.file)
-                if len(chunk) > room:
-                    chunk = chunk[:room]
-                writer.add(chunk)
-                if writer.gathered >= chunk_bytes:
-                    await writer.flush()
-        finally:
-            # Even when the stream broke: what was received is written, and a retry resumes at the
-            # exact ``block.done``. Shielded: a cancelled download still leaves its bytes counted.
-            with anyio.CancelScope(shield=True):
-                await writer.flush()
-                await writer.drain()
+    rx = _Receiver()
+    # Headers: nothing is written yet, so a cancelled wait (connect, a slow first byte) is not waited for.
+    opened = await rx.run(lambda: open_get(session.wire, url, lambda u: session.headers_for(u, extra),
+                                           f"{side.file}: GET", rx.on_socket), wait_on_cancel=False)
+    assert opened is not None  # None only when cancelled, and then run() raised
+    try:
+        _check_answer(opened.answer, session, side, block, offset, whole)
+    except BaseException:
+        opened.conn.close()  # the body is not read: the connection cannot be reused
+        raise
+    writer = _Writer(partial, block, offset, hasher, reporter, counters)
+    try:
+        reached = await rx.run(lambda: _receive(rx, opened, session, side, block, offset, hasher, reporter,
+                                                counters), wait_on_cancel=True)
+        writer.pos = reached if reached is not None else writer.pos
+    finally:
+        # Even when the stream broke: what was received is written, and a retry resumes at the
+        # exact ``block.done``. Shielded: a cancelled download still leaves its bytes counted.
+        with anyio.CancelScope(shield=True):
+            await writer.drain()
     if not block.complete:
         raise Retryable(f"{side.file}: connection closed at byte {writer.pos} of block ending {block.end}")

@@ -467,3 +467,61 @@ def test_a_thread_that_died_is_raised_by_the_next_write_not_retried_in_silence(t
         w.abort()
     finally:
         os.close(fd)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_stream_stops_at_once_keeps_its_bytes_and_resumes(tmp_path: Path) -> None:
+    # The body is read in a worker thread (download.wire): cancelling (Ctrl-C) must unblock its recv,
+    # leave every received byte written and claimed, and the rerun must resume there, not at 0.
+    import anyio
+
+    from core.settings import load_settings
+    from download import HubSession, download_to_partial, partial_paths
+    from tests.hubserver import LocalHub
+
+    data = random.Random(11).randbytes(8 << 20)
+    src = tmp_path / "model.gguf"
+    src.write_bytes(data)
+    with LocalHub(tmp_path / "hub") as hub:
+        commit = hub.create_repo("o/r", {"model.gguf": src}, lfs=["model.gguf"])
+        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint})
+        partial_dir = tmp_path / ".partial"
+        part, sidecar, _lock = partial_paths(partial_dir, "o/r", "model.gguf")
+        opts = TransferOptions(connections=1, read_timeout_s=600)  # only the cancel can end the wait
+        hub.inject(file="model.gguf", method="GET", throughput_bps=2 << 20, times=None)
+        async with HubSession(settings, opts, token=False) as s:
+            with anyio.move_on_after(1.0) as scope:
+                await download_to_partial(s, repo="o/r", revision=commit, path="model.gguf",
+                                          expected_size=len(data), expected_sha256=None, partial_dir=partial_dir)
+        assert scope.cancelled_caught
+        side = read_sidecar(sidecar)
+        assert side is not None and 0 < side.done_bytes < len(data)
+        assert part.read_bytes()[:side.done_bytes] == data[:side.done_bytes]
+        hub.clear_faults()
+        async with HubSession(settings, TransferOptions(connections=1), token=False) as s:
+            out = await download_to_partial(s, repo="o/r", revision=commit, path="model.gguf",
+                                            expected_size=len(data), expected_sha256=None, partial_dir=partial_dir)
+    assert out.resumed_from_bytes == side.done_bytes and out.bytes_transferred == len(data) - side.done_bytes
+    assert out.sha256 == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.anyio
+async def test_ranged_gets_reuse_their_keep_alive_connections_between_blocks(tmp_path: Path) -> None:
+    from core.settings import load_settings
+    from download import HubSession, download_to_partial
+    from tests.hubserver import LocalHub
+
+    data = random.Random(12).randbytes(6 << 20)
+    src = tmp_path / "model.gguf"
+    src.write_bytes(data)
+    with LocalHub(tmp_path / "hub") as hub:
+        commit = hub.create_repo("o/r", {"model.gguf": src}, lfs=["model.gguf"])
+        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint})
+        async with HubSession(settings, TransferOptions(connections=2, block_bytes=1 << 20), token=False) as s:
+            out = await download_to_partial(s, repo="o/r", revision=commit, path="model.gguf",
+                                            expected_size=len(data), expected_sha256=None,
+                                            partial_dir=tmp_path / ".partial")
+        gets = hub.requests_for(file="model.gguf", method="GET", where="cdn")
+    assert out.sha256 == hashlib.sha256(data).hexdigest()
+    assert len(gets) == 6 and all(r.status == 206 for r in gets)
+    assert len({r.client_port for r in gets}) <= 2  # six blocks, two connections opened
