@@ -165,17 +165,22 @@ class OrderedHasher:
                     return
                 if item[0] == "w":
                     _w, offset, parts, n, block, release = item
-                    try:
-                        ok = self._write(offset, parts, n, block) and self._hashing
-                    except BaseException:
-                        ok = False
-                        raise
-                    finally:
-                        if not ok and release is not None:
-                            release()
-                    if ok:
+                    hashing = self._hashing
+                    if hashing:  # counted before the write's own count drops: never a moment of "nothing held"
                         with self._cond:
                             self._hash_queued += n
+                    ok = False
+                    try:
+                        ok = self._write(offset, parts, n, block) and hashing
+                    finally:
+                        if not ok:
+                            if hashing:
+                                with self._cond:
+                                    self._hash_queued -= n
+                                    self._cond.notify_all()
+                            if release is not None:
+                                release()
+                    if ok:
                         self._hash_queue.put(("h", offset, n, parts, release))
                     continue
                 self._hash_queue.put(item)  # bytes already on disk: hashed in file order with the rest
@@ -198,6 +203,9 @@ class OrderedHasher:
                     _h, offset, n, parts, release = item
                     try:
                         self._take(offset, offset + n, parts, borrowed=release is not None)
+                    except BaseException as exc:
+                        self._error = exc  # before the count drops below: a waiter that wakes must see it
+                        raise
                     finally:
                         if release is not None:
                             release()
