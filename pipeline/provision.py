@@ -33,7 +33,7 @@ from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.plan import Plan, ProbeResult
 from core.records import Fields
 from core.settings import Settings
-from download import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
+from download import check_disk
 from pipeline.engine import Stage, StageContext
 from pipeline.manifest import decode_plan as decode_plan_json
 from pipeline.registry_file import load_registry
@@ -50,14 +50,11 @@ from state.locks import FileLock
 log = get_logger()
 
 __all__ = [
-    "DISK_MARGIN_BYTES",
     "SESSION_STAGES",
     "STAGE_NAMES",
     "AutoOptions",
     "FetchJob",
-    "check_disk",
     "compute_plan",
-    "disk_needed_bytes",
     "fetch_stages",
     "planning_stages",
     "provisioning_stages",

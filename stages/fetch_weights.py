@@ -40,7 +40,7 @@ from typing import Any, Mapping
 import anyio
 
 from core.entry import Artifact, Entry
-from core.errors import HubError, IntegrityError, RegistryError, TransferError
+from core.errors import HubError, IntegrityError, RegistryError, StageRecordError, TransferError
 from core.log import get_logger
 from core.model_files import (
     PARTIAL_DIRNAME,
@@ -209,7 +209,7 @@ def fetched_still_on_disk(outputs: Mapping[str, Any]) -> bool:
     was hashed, or verify has since put it in place (its receipt vouches for that sha256)."""
     try:
         fetched = FetchResult.decode(outputs)
-    except (TypeError, ValueError, AttributeError):
+    except StageRecordError:  # the one stage-record decoder's error (the engine decodes first, so rare)
         return False
     if fetched.snapshot is not None:
         snap_dir = Path(fetched.snapshot.directory)
