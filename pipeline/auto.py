@@ -29,6 +29,7 @@ from core.log import get_logger
 from core.plan import Device, Plan, ProbeResult
 from core.settings import Settings
 from pipeline.engine import PipelineOutcome, Runner
+from pipeline.evidence import record_grade
 from pipeline.manifest import (
     Manifest,
     plan_from_json,
@@ -259,11 +260,14 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
                 log.info("run.noop", model=manifest.entry_name, plan_id=planned.plan.plan_id,
                          provisioned_by_run=manifest.run_id,
                          serving_worker_held_bytes=previous.worker_held_bytes if previous else 0)
-                return AutoOutcome("noop", manifest.to_json() | {"noop": True}, planned.plan, manifest)
+                data = manifest.to_json() | {"noop": True} | _admitted_json(opts, planned)
+                return AutoOutcome("noop", data, planned.plan, manifest)
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)
         store = await StateStore.open(settings.state_db, lock_path=settings.lock_path)
         try:
-            stages = provisioning_stages(opts, previous) + ([grade_stage(grade)] if grade is not None else [])
+            planned_now: list[PlanOutcome] = []
+            stages = (provisioning_stages(opts, previous, on_plan=planned_now.append)
+                      + ([grade_stage(grade)] if grade is not None else []))
             run_args = opts.to_json() | ({"grade": grade.to_json()} if grade is not None else {})
             runner = Runner(stages, store, settings, run_args=run_args,
                             force=(*SESSION_STAGES, GRADE_STAGE) if opts.recheck else ())
@@ -272,12 +276,30 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             with anyio.CancelScope(shield=True):
                 await store.aclose()
         new_manifest = build_manifest(outcome)
+        admitted = _admitted_json(opts, planned_now[-1]) if planned_now else {}
+        if admitted.get("admitted_by_grade"):  # what the pick rests on, kept with the provisioning
+            new_manifest = dataclasses.replace(new_manifest, extra={**new_manifest.extra, **admitted})
         await anyio.to_thread.run_sync(write_manifest, settings.manifest_path, new_manifest)
         log.info("manifest.written", path=str(settings.manifest_path), model=new_manifest.entry_name,
                  run_id=outcome.run_id, plan_id=new_manifest.plan_id)
         assert outcome.plan is not None
-        return AutoOutcome("provisioned", new_manifest.to_json(), outcome.plan, new_manifest,
+        data = new_manifest.to_json() | admitted
+        graded = outcome.outputs.get(GRADE_STAGE)
+        if graded and GRADE_STAGE not in outcome.skipped:  # a reused grade was recorded when it ran
+            data["grade_evidence"] = await anyio.to_thread.run_sync(
+                lambda: record_grade(settings, outcome.plan.entry, outcome.plan.probe.device.kind, graded,
+                                     grade_record=str(graded.get("path"))))
+        return AutoOutcome("provisioned", data, outcome.plan, new_manifest,
                            resumed=outcome.resumed, skipped=outcome.skipped)
+
+
+def _admitted_json(opts: AutoOptions, planned: PlanOutcome) -> dict[str, Any]:
+    """With --admit-graded: ``admitted_by_grade`` — the evidence the pick rests on, or None when the
+    pick is agentic by curation (so a consumer can tell the two apart); nothing without the flag."""
+    if not opts.admit_graded:
+        return {}
+    ev = planned.admitted_evidence
+    return {"admitted_by_grade": None if ev is None else dict(ev)}
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,9 @@ already pulled and verified one, opened through the same Backend as load and ser
   nothing written), then the files in place re-confirmed from their verification receipts (nothing is
   downloaded: a model not pulled is refused naming ``hotfit pull NAME``).
 
+Either way the outcome updates the grade evidence (:func:`pipeline.evidence.record_grade`): a FULL-tier
+pass of a tool-chat model is recorded for ``--admit-graded``, a fail removes it.
+
 Either way the session is opened with :func:`stages.load.open_session` (the backend's own preflight
 first), graded through ``session.chat_endpoint()`` (:func:`stages.grade.grade_session`) and always
 stopped. The home lock is held throughout, so a grade never loads a second model beside a running
@@ -31,6 +34,7 @@ from core.log import get_logger
 from core.plan import Plan
 from core.settings import Settings
 from pipeline.auto import grade_summary, plan_only
+from pipeline.evidence import record_grade
 from pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
 from pipeline.provision import AutoOptions
 from stages.grade import fresh_output_path, grade_session, write_report
@@ -121,7 +125,13 @@ async def grade_model(settings: Settings, *, model: str | None, registry_file: P
                              hint="pass a writable --output FILE") from None
         if target.manifest is not None:
             _record_in_manifest(settings, target.manifest, report, path)
-        return report
+        # a full-tier pass of a tool-chat model is evidence `--admit-graded` may count; a fail withdraws it
+        v, score = report["verdict"], report["score"]
+        evidence = await anyio.to_thread.run_sync(lambda: record_grade(
+            settings, plan.entry, plan.probe.device.kind,
+            {"verdict": v["verdict"], "tier": report["tier"], **score, "fingerprint": report["fingerprint"]},
+            grade_record=str(path)))
+        return {**report, "evidence": evidence}
 
 
 def _record_in_manifest(settings: Settings, graded: Manifest, report: dict[str, Any], path: Path) -> None:

@@ -35,6 +35,7 @@ from core.records import Fields
 from core.settings import Settings
 from download import check_disk
 from pipeline.engine import Stage, StageContext
+from pipeline.evidence import admission
 from pipeline.manifest import decode_plan as decode_plan_json
 from pipeline.registry_file import load_registry
 from pipeline.session_stages import SESSION_STAGES, session_stages
@@ -80,6 +81,7 @@ class AutoOptions:
     dry_run: bool = False
     wait: bool = False
     device: str | None = None  # --device KIND|INDEX: plan only that device
+    admit_graded: bool = False  # --admit-graded: tool-chat entries with valid grade evidence are candidates
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -94,9 +96,11 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
     :class:`NoModelQualifies` (logged as ``plan.rejected``) when nothing qualifies."""
     registry = load_registry(opts.registry_file)
     cache_type, source = resolve_kv_cache_type(opts.kv_cache_type_flag, settings.kv_cache_type_raw)
+    admitted = admission(settings, registry.entries, probe) if opts.admit_graded else None
     try:
         outcome = build_plan(probe, registry.entries, cache_type, source, origin=opts.origin,
-                             backend=opts.backend, previous=previous, model=opts.model, device=opts.device)
+                             backend=opts.backend, previous=previous, model=opts.model, device=opts.device,
+                             admission=admitted)
         if outcome.plan is None:
             outcome.selection.raise_if_refused()
     except NoModelQualifies as exc:
@@ -108,7 +112,7 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
 
 def plan_machine(settings: Settings, *, probe_file: str | None, kv_cache_type_flag: str | None,
                  origin: str | None, backend: str, registry_file: str | None, previous: str | None,
-                 device: str | None) -> PlanOutcome:
+                 device: str | None, admit_graded: bool = False) -> PlanOutcome:
     """``hotfit plan``: probe (or read the saved probe) and select, returning the whole outcome —
     a refusal included, which the command prints with every candidate's verdict (blocking)."""
     cache_type, source = resolve_kv_cache_type(kv_cache_type_flag, settings.kv_cache_type_raw)
@@ -117,7 +121,8 @@ def plan_machine(settings: Settings, *, probe_file: str | None, kv_cache_type_fl
     probe = (load_probe_file(probe_file) if probe_file
              else probe_devices(ggml_binaries=gpu_listing_binaries(settings)))
     return build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=backend,
-                      previous=previous, device=device)
+                      previous=previous, device=device,
+                      admission=admission(settings, registry.entries, probe) if admit_graded else None)
 
 
 def _probe_figures(probe: ProbeResult) -> dict[str, Any]:
@@ -309,8 +314,9 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
     ]
 
 
-def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None) -> list[Stage[Any]]:
-    """The pipeline of ``hotfit auto``, in order (issue 6)."""
+def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
+                        on_plan: Callable[[PlanOutcome], None] | None = None) -> list[Stage[Any]]:
+    """The pipeline of ``hotfit auto``, in order (issue 6); ``on_plan`` sees the plan stage's outcome."""
     resolved: dict[str, BackendBinary] = {}  # run id -> the plan stage's backend preflight, handed to load
-    return [*planning_stages(opts, previous, resolved=resolved), *fetch_stages(FetchJob(wait=opts.wait)),
+    return [*planning_stages(opts, previous, on_plan=on_plan, resolved=resolved), *fetch_stages(FetchJob(wait=opts.wait)),
             *session_stages(resolved)]

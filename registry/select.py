@@ -12,6 +12,7 @@ pick); this module re-exports their public names, the planner's one import surfa
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Iterable
@@ -120,6 +121,14 @@ class Selection:
     explicit: bool = False
     refusal: Refusal | None = None
     notes: tuple[str, ...] = ()
+    # tool-chat entries the caller admitted on grade evidence (``--admit-graded``); the caller checked it
+    admitted: frozenset[str] = frozenset()
+
+    @property
+    def admitted_by_grade(self) -> bool:
+        """The pick is a tool-chat entry that qualified only through grade evidence."""
+        return self.chosen is not None and self.chosen.entry.name in self.admitted \
+            and self.chosen.entry.agentic_tier == "tool-chat"
 
     def raise_if_refused(self) -> Verdict:
         if self.chosen is None:
@@ -128,14 +137,29 @@ class Selection:
         return self.chosen
 
 
+def _evaluate(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType, *, origin: str | None, backend: str,
+              admitted: frozenset[str]) -> Verdict:
+    """:func:`evaluate`, with a tool-chat entry in ``admitted`` judged as if agentic: it earned its place
+    by a grade (issue 12 item 7), every other rule (backend, origin, eligibility, memory, floor) still holds."""
+    if entry.name not in admitted or entry.agentic_tier != "tool-chat":
+        return evaluate(entry, budget, cache_type, origin=origin, backend=backend)
+    v = evaluate(dataclasses.replace(entry, agentic_tier="agentic"), budget, cache_type, origin=origin,
+                 backend=backend)
+    reason = f"admitted by grade evidence (tool-chat); {v.reason}" if v.verdict == "qualifies" else v.reason
+    return Verdict(entry, v.verdict, v.reason_code, reason, v.fit)
+
+
 def select_auto(entries: Iterable[Entry], budget: DeviceBudget, cache_type: KVCacheType, *,
-                origin: str | None = None, backend: str = "llama", previous: str | None = None) -> Selection:
+                origin: str | None = None, backend: str = "llama", previous: str | None = None,
+                admitted: Iterable[str] = ()) -> Selection:
     """Every candidate's verdict and the automatic pick (or the refusal). Never raises for 'no fit';
-    call ``raise_if_refused`` for the fail-closed error."""
+    call ``raise_if_refused`` for the fail-closed error. ``admitted``: tool-chat entry names the caller
+    found valid grade evidence for (``--admit-graded``; default none: curation only)."""
     entries = tuple(entries)
     origin = normalize_origin(origin)
     backend = normalize_backend(backend)
-    verdicts = [evaluate(e, budget, cache_type, origin=origin, backend=backend) for e in entries]
+    admitted = frozenset(admitted)
+    verdicts = [_evaluate(e, budget, cache_type, origin=origin, backend=backend, admitted=admitted) for e in entries]
     qualifying = sorted((v for v in verdicts if v.verdict == "qualifies"), key=_order_key)
     notes: list[str] = []
     chosen: Verdict | None = None
@@ -160,7 +184,8 @@ def select_auto(entries: Iterable[Entry], budget: DeviceBudget, cache_type: KVCa
     refusal = None
     if chosen is None:
         refusal = build_refusal(entries, tuple(final), budget, cache_type, origin=origin, backend=backend)
-    return Selection(chosen, tuple(final), budget, cache_type, origin, backend, reused, False, refusal, tuple(notes))
+    return Selection(chosen, tuple(final), budget, cache_type, origin, backend, reused, False, refusal, tuple(notes),
+                     admitted)
 
 
 def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, cache_type: KVCacheType, *,

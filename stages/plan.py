@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Iterable, Literal
 
 from core.errors import NoModelQualifies, UsageError
@@ -69,6 +70,26 @@ class PreviousModel:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """``--admit-graded`` (issue 12 item 7): the tool-chat entries grade evidence admits on each device
+    (checked by the caller, :mod:`pipeline.evidence`), and every model's evidence status as JSON."""
+
+    admitted: Mapping[int, frozenset[str]]  # device index -> entry names
+    report: tuple[Mapping[str, Any], ...] = ()  # model, device_index, status, reason, evidence
+    evidence_file: str = ""
+
+    def on(self, device: Device) -> frozenset[str]:
+        return self.admitted.get(device.index, frozenset())
+
+    def evidence_for(self, name: str, device: Device) -> Mapping[str, Any] | None:
+        return next((r for r in self.report if r["model"] == name and r["device_index"] == device.index), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flag": "--admit-graded", "evidence_file": self.evidence_file,
+                "models": [dict(r) for r in self.report]}
+
+
+@dataclass(frozen=True)
 class DevicePlan:
     """One device's selection (or its refusal) — ``hotfit plan --json`` lists every one."""
 
@@ -96,6 +117,14 @@ class PlanOutcome:
     devices: tuple[DevicePlan, ...] = ()
     device_choice: str = ""  # why this device's plan won (or why every device refused)
     forced_device: str | None = None  # --device as given
+    admission: Admission | None = None  # --admit-graded: what grade evidence admitted (None: curation only)
+
+    @property
+    def admitted_evidence(self) -> Mapping[str, Any] | None:
+        """The evidence the pick rests on, when grade evidence admitted it (else None)."""
+        if self.admission is None or self.plan is None or not self.selection.admitted_by_grade:
+            return None
+        return self.admission.evidence_for(self.plan.entry.name, self.probe.device)
 
     @property
     def kv_cache_type(self) -> str:
@@ -153,7 +182,8 @@ def _budget(device: Device, free_bytes: int | None = None) -> DeviceBudget:
 
 
 def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCacheType, *, origin: str | None,
-                 backend: str, previous: PreviousModel | None, model: str | None, considered: bool) -> DevicePlan:
+                 backend: str, previous: PreviousModel | None, model: str | None, considered: bool,
+                 admitted: frozenset[str] = frozenset()) -> DevicePlan:
     if model:
         try:
             sel = select_explicit(entries, model, _budget(device), cache_type, origin=origin, backend=backend)
@@ -166,11 +196,11 @@ def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCache
         # memory is not available to any other model while that worker runs.
         judged = available_with_worker(device, previous.worker_held_bytes)
         sel = select_auto(entries, _budget(device, judged), cache_type, origin=origin, backend=backend,
-                          previous=previous.name)
+                          previous=previous.name, admitted=admitted)
         if sel.reused_previous:
             return DevicePlan(device, considered, sel, judged_free_bytes=judged)
     sel = select_auto(entries, _budget(device), cache_type, origin=origin, backend=backend,
-                      previous=previous.name if previous is not None and prev_here else None)
+                      previous=previous.name if previous is not None and prev_here else None, admitted=admitted)
     return DevicePlan(device, considered, sel)
 
 
@@ -268,17 +298,21 @@ def build_plan(
     previous: str | PreviousModel | None = None,
     model: str | None = None,
     device: str | None = None,
+    admission: Admission | None = None,
 ) -> PlanOutcome:
     """Plan every device the probe found (``device``: --device KIND|INDEX, only those) — GPU and
     host memory never added — and take the plan that wins by the spec's ordering, the previous
     model kept while it qualifies on its device. ``model`` = explicit --model NAME (raises when
-    it fits no considered device; no fallback). Otherwise never raises for 'no fit' — check ``plan``."""
+    it fits no considered device; no fallback). Otherwise never raises for 'no fit' — check ``plan``.
+    ``admission``: tool-chat entries grade evidence admits per device (``--admit-graded``; None: curation only)."""
     entries = tuple(entries)
     if isinstance(previous, str):
         previous = PreviousModel(previous)
     wanted = {d.index for d in choose_devices(probe, device)}
     devices = tuple(_plan_device(d, entries, cache_type, origin=origin, backend=backend, previous=previous,
-                                 model=model, considered=d.index in wanted) for d in probe.devices)
+                                 model=model, considered=d.index in wanted,
+                                 admitted=admission.on(d) if admission is not None else frozenset())
+                    for d in probe.devices)
     considered = [dp for dp in devices if dp.considered]
     qualifying = [dp for dp in considered if dp.chosen is not None]
     if qualifying:
@@ -329,7 +363,8 @@ def build_plan(
                  estimated_kv_bytes=fit.kv_bytes, usable_bytes=budget.usable_bytes,
                  reused_previous=selection.reused_previous, explicit_model=selection.explicit,
                  device_index=best.device.index, device_kind=best.device.kind, device_choice=why,
-                 plan_id=plan.plan_id)
+                 plan_id=plan.plan_id, **({"admitted_by_grade": selection.admitted_by_grade}
+                                          if admission is not None else {}))
     else:
         refusal = selection.refusal
         log.warning("plan.refused", origin=selection.origin or "auto", backend=selection.backend,
@@ -339,7 +374,7 @@ def build_plan(
                     else refusal.smallest.required_free_bytes)
     for note in selection.notes:
         log.info("plan.note", note=note)
-    return PlanOutcome(chosen_probe, selection, kv_cache_type_source, plan, devices, why, device)
+    return PlanOutcome(chosen_probe, selection, kv_cache_type_source, plan, devices, why, device, admission)
 
 
 def device_refusal(dp: DevicePlan, devices: tuple[DevicePlan, ...]) -> str | None:
@@ -409,6 +444,9 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
             "explicit_model": sel.explicit,
             "plan_id": outcome.plan.plan_id,
         }
+        if outcome.admission is not None:  # --admit-graded: whether the pick rests on grade evidence, and which
+            selected["admitted_by_grade"] = sel.admitted_by_grade
+            selected["evidence"] = outcome.admitted_evidence
     device = outcome.probe.device
     return {
         "kv_cache_type": sel.cache_type.name,
@@ -425,7 +463,7 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
         "candidates": [v.to_json() for v in sel.verdicts],
         "notes": list(sel.notes),
         "error": None if sel.refusal is None else sel.refusal.to_json(),
-    }
+    } | ({} if outcome.admission is None else {"admission": outcome.admission.to_json()})
 
 
 def describe(outcome: PlanOutcome) -> str:
@@ -467,4 +505,23 @@ def describe(outcome: PlanOutcome) -> str:
     elif sel.refusal is not None:
         lines.append(sel.refusal.message)
     lines += [f"note: {n}" for n in sel.notes]
+    if outcome.admission is not None:
+        lines += _admission_lines(outcome)
     return "\n".join(lines)
+
+
+def _admission_lines(outcome: PlanOutcome) -> list[str]:
+    """--admit-graded: which tool-chat models grade evidence admitted, and why the others were not."""
+    assert outcome.admission is not None
+    ev = outcome.admitted_evidence
+    lines = []
+    if ev is not None:
+        e = ev["evidence"]
+        lines.append(f"admitted by grade: {e['model']} — full tier {e['passed']}/{e['total']} on this machine's "
+                     f"{e['device_kind']} device, {e['graded_at']} ({e['grade_record']})")
+    for r in outcome.admission.report:
+        if r["status"] != "valid":
+            lines.append(f"not admitted: {r['model']} on [{r['device_index']}] {r['device_kind']} — {r['reason']}")
+    if not outcome.admission.report:
+        lines.append(f"--admit-graded: no grade evidence recorded ({outcome.admission.evidence_file})")
+    return lines

@@ -79,6 +79,7 @@ def options_from_args(args: argparse.Namespace) -> AutoOptions:
         dry_run=args.dry_run,
         wait=args.wait,
         device=args.device,
+        admit_graded=args.admit_graded,
     )
 
 
@@ -114,6 +115,11 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
         lines.append(f"  grade           {str(g.get('verdict')).upper()} {g.get('passed')}/{g.get('total')} "
                      f"({g.get('tier')} tier)" + (f", {g['stack_problem']}" if g.get("stack_problem") else "")
                      + f": {g.get('path')}")
+    admitted = manifest.extra.get("admitted_by_grade")
+    if admitted:
+        e = admitted["evidence"]
+        lines.append(f"  admitted by grade {e['model']} is tool-chat, selected on its full-tier pass "
+                     f"{e['passed']}/{e['total']} of {e['graded_at']} (--admit-graded; {e['grade_record']})")
     if plan.reused_previous:
         lines.append("  kept the previous model (it still qualifies; --refresh selects afresh)")
     if resumed:
@@ -127,8 +133,13 @@ def render(outcome: AutoOutcome) -> str:
     """The human summary of what ``hotfit auto`` did."""
     if outcome.kind == "dry_run" or outcome.manifest is None:
         return json_text(outcome.data)
-    return summary(outcome.manifest, outcome.plan, noop=outcome.kind == "noop", resumed=outcome.resumed,
+    text = summary(outcome.manifest, outcome.plan, noop=outcome.kind == "noop", resumed=outcome.resumed,
                    skipped=outcome.skipped)
+    evidence = outcome.data.get("grade_evidence")
+    if evidence:
+        what = "recorded" if evidence["recorded"] else "removed" if evidence["removed"] else "not recorded"
+        text += f"\n  grade evidence  {what}: {evidence['why']}"
+    return text
 
 
 def json_text(data: Any) -> str:

@@ -58,6 +58,14 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.set_defaults(handler=handler)
 
 
+def evidence_text(evidence: dict[str, Any] | None) -> str:
+    """One line on what the grade did to the model's evidence for ``--admit-graded``."""
+    if not evidence:
+        return ""
+    what = "recorded" if evidence["recorded"] else "removed" if evidence["removed"] else "not recorded"
+    return f"\nevidence: {what} — {evidence['why']} ({evidence['path']})"
+
+
 def _api_key(path: str | None) -> str | None:
     if not path:
         return None
@@ -98,7 +106,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
                                                tier=args.tier, budget_s=args.budget_s,
                                                output=Path(args.output) if args.output else None))
         shown = brief(report)
-        ctx.emit(shown, summary_text(shown))
+        ctx.emit(shown, summary_text(shown) + evidence_text(report.get("evidence")))
         return _EXIT[report["verdict"]["verdict"]]
     api_key = _api_key(args.api_key_file)
     output = Path(args.output) if args.output else default_output_path(ctx.settings.home, args.tier)

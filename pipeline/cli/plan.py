@@ -19,6 +19,10 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", metavar="KIND|INDEX",
                    help="plan only this device: a kind (nvidia, amd, cpu, ...) or a probe index "
                         "(default: plan every device and take the best plan)")
+    p.add_argument("--admit-graded", action="store_true",
+                   help="also pick a tool-chat model whose full-tier `hotfit grade` passed on this machine, while "
+                        "its fingerprint (model file, template, backend build, grade version, scenario pack) "
+                        "still matches (<home>/grades/evidence.json); default: curated agentic models only")
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -33,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     outcome = plan_machine(ctx.settings, probe_file=args.probe_file, kv_cache_type_flag=args.kv_cache_type,
                            origin=args.origin, backend=args.backend, registry_file=args.registry,
-                           previous=args.previous, device=args.device)
+                           previous=args.previous, device=args.device, admit_graded=args.admit_graded)
     ctx.emit(outcome_json(outcome), describe(outcome))
     refusal = outcome.selection.refusal
     if outcome.plan is None and refusal is not None:

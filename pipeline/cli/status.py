@@ -12,7 +12,9 @@ from typing import Any
 
 from pipeline.cli.context import CliContext
 from core.errors import UsageError
-from pipeline.manifest import read_manifest
+from pipeline.evidence import evidence_status
+from pipeline.manifest import Manifest, read_manifest
+from pipeline.registry_file import load_registry
 from state.locks import read_holder
 from state.store import RunRecord, StageRecord, SyncStateStore
 
@@ -21,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p = sub.add_parser("status", parents=parents, help="show stage state and the provisioned model",
                        description="Each stage's state for the current run, the provisioned model, "
                                    "and what a rerun of `hotfit auto` would do.")
+    p.add_argument("--registry", metavar="FILE",
+                   help="registry whose tool-chat models' grade evidence is shown (default: the bundled one)")
     p.set_defaults(handler=handler)
 
 
@@ -70,6 +74,33 @@ def rerun_would(run: RunRecord | None, stages: list[StageRecord], manifest_ok: b
             "continue from their bytes on disk")
 
 
+def last_grade(manifest: Manifest | None) -> dict[str, Any] | None:
+    """The provisioned model's last grade, as the manifest keeps it (None: never graded)."""
+    g = manifest.grade if manifest is not None else None
+    if not g:
+        return None
+    return {"model": manifest.entry_name if manifest else None, "verdict": g.get("verdict"),
+            "passed": g.get("passed"), "total": g.get("total"), "fraction": g.get("fraction"),
+            "tier": g.get("tier"), "provisional": g.get("provisional"), "stack_problem": g.get("stack_problem"),
+            "graded_at": g.get("graded_at"), "path": g.get("path")}
+
+
+def evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    lines = [f"grade evidence ({evidence['path']}):"]
+    if evidence["problem"]:
+        return [*lines, f"  problem: {evidence['problem']}"]
+    held = [m for m in evidence["models"] if m["status"] != "none"]
+    for m in held:
+        e = m["evidence"]
+        what = (f"valid: full tier {e['passed']}/{e['total']}, {e['graded_at']}" if m["status"] == "valid"
+                else f"{m['status']}: {m['reason']}")
+        lines.append(f"  {m['model']:<28} {m['device_kind']:<8} {what}")
+    others = sorted({m["model"] for m in evidence["models"]} - {m["model"] for m in held})
+    if others:
+        lines.append(f"  no evidence: {', '.join(others)} (tool-chat: curation-only until a full-tier grade passes)")
+    return lines
+
+
 def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     settings = ctx.settings
     run: RunRecord | None = None
@@ -92,6 +123,9 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     if run and run.status == "running" and not lock.get("held"):
         effective_status = "interrupted"
     rerun = rerun_would(run, stages, manifest is not None and not problems, lock)
+    grade = last_grade(manifest)
+    kinds = [str(manifest.device.get("kind"))] if manifest is not None and manifest.device.get("kind") else []
+    evidence = evidence_status(settings, load_registry(args.registry).entries, kinds)
     data = {
         "home": str(settings.home),
         "lock": lock,
@@ -100,6 +134,8 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         "provisioned": manifest.to_json() if manifest else None,
         "provisioned_problems": problems,
         "rerun": rerun,
+        "last_grade": grade,
+        "grade_evidence": evidence,
     }
     lines = [f"home: {settings.home}"]
     if lock.get("held"):
@@ -122,9 +158,16 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
             f"{opened if opened is not None else '?'} tokens opened at verification) → {manifest.model_path}"
         )
         lines += [f"  problem: {p}" for p in problems]
+        if grade is not None:
+            lines.append(f"  last grade: {str(grade['verdict']).upper()} {grade['passed']}/{grade['total']} "
+                         f"({grade['tier']} tier) at {grade['graded_at']}"
+                         + (f", {grade['stack_problem']}" if grade["stack_problem"] else "") + f" → {grade['path']}")
+        if manifest.extra.get("admitted_by_grade"):
+            lines.append("  admitted by grade (--admit-graded): tool-chat, selected on its grade evidence")
     else:
         lines.append("provisioned: nothing yet")
         lines += [f"  problem: {p}" for p in problems]
+    lines += evidence_lines(evidence)
     lines.append(f"a rerun would: {rerun}")
     ctx.emit(data, "\n".join(lines))
     return 0
