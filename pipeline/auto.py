@@ -11,6 +11,8 @@ and writes its verdict into the manifest. A failing or inconclusive grade is rec
 against any registry model, and an inconclusive grade names a stack problem, not the model — so the
 provisioning stands and the verdict is evidence for the operator (the manifest, the `auto` summary,
 ``<home>/grades/``). A gate (``--grade-required``) is left for when the thresholds are calibrated.
+A full-tier pass of a tool-chat model is recorded as evidence (:mod:`pipeline.evidence`), which only
+``--admit-graded`` counts; without it selection is curation-only.
 """
 
 from __future__ import annotations
