@@ -228,6 +228,12 @@ def run_cli(*argv: str) -> tuple[int, dict[str, Any]]:
     return code, json.loads(out.getvalue())
 
 
+def run_text(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = main(["--log-format", "json", *argv], out=out)
+    return code, out.getvalue()
+
+
 def plan_json(e: Earned, *extra: str) -> tuple[int, dict[str, Any]]:
     return run_cli("plan", "--registry", str(e.world.registry_path), "--probe-file", str(e.probe), *extra)
 
@@ -298,10 +304,16 @@ def test_a_full_pass_admits_the_tool_chat_model_only_with_the_flag(
                         "--probe-file", str(e.probe))
     assert code == 0 and dry["model"] == LARGE and dry["selection"]["selected"]["admitted_by_grade"] is True
 
+    code, text = run_text("plan", "--admit-graded", "--registry", str(e.world.registry_path),
+                          "--probe-file", str(e.probe))
+    assert code == 0 and f"admitted by grade: {LARGE} — full tier 16/16 on this machine's cpu device" in text
+
     code, status = run_cli("status", "--registry", str(e.world.registry_path))
     assert code == 0
     rows = {(m["model"], m["device_kind"]): m for m in status["grade_evidence"]["models"]}
     assert rows[(LARGE, "cpu")]["status"] == "valid" and rows[(LARGE, "cpu")]["evidence"]["passed"] == 16
+    code, text = run_text("status", "--registry", str(e.world.registry_path))
+    assert code == 0 and "valid: full tier 16/16" in text and LARGE in text
 
 
 def test_each_fingerprint_change_withdraws_the_admission_naming_the_part(
@@ -315,6 +327,9 @@ def test_each_fingerprint_change_withdraws_the_admission_naming_the_part(
         assert code == 0 and doc["selected"]["name"] == SMALL and doc["selected"]["admitted_by_grade"] is False
         [row] = doc["admission"]["models"]
         assert row["model"] == LARGE and row["status"] == "stale" and row["reason"].startswith(words), row
+        code, text = run_text("plan", "--admit-graded", "--registry", str(e.world.registry_path),
+                              "--probe-file", str(e.probe))
+        assert code == 0 and f"not admitted: {LARGE} on [0] cpu — {words}" in text
         return row
 
     def admitted() -> None:
@@ -380,6 +395,11 @@ def test_quick_passes_never_count_a_fail_removes_and_inconclusive_keeps(
     assert quick["verdict"]["verdict"] == "pass" and quick["verdict"]["provisional"] is True
     assert quick["evidence"]["recorded"] is False and "quick-tier pass is provisional" in quick["evidence"]["why"]
     assert not evidence_path(e.home).exists()
+    with pytest.MonkeyPatch.context() as mp:  # the CLI says so too
+        mp.setitem(backends.select.BACKENDS, "llama", ScriptedLlama(gs.oracle))
+        code, text = run_text("grade", "--model", LARGE, "--registry", str(e.world.registry_path),
+                              "--probe-file", str(e.probe), "--tier", "quick")
+    assert code == 0 and "evidence: not recorded — a quick-tier pass is provisional" in text, text
 
     assert (grade(e, gs.oracle, "full"))["evidence"]["recorded"] is True
     broken = grade(e, gs.http_500_on_turn_2, "full")
