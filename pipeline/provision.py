@@ -318,5 +318,6 @@ def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None
                         on_plan: Callable[[PlanOutcome], None] | None = None) -> list[Stage[Any]]:
     """The pipeline of ``hotfit auto``, in order (issue 6); ``on_plan`` sees the plan stage's outcome."""
     resolved: dict[str, BackendBinary] = {}  # run id -> the plan stage's backend preflight, handed to load
-    return [*planning_stages(opts, previous, on_plan=on_plan, resolved=resolved), *fetch_stages(FetchJob(wait=opts.wait)),
+    return [*planning_stages(opts, previous, on_plan=on_plan, resolved=resolved),
+            *fetch_stages(FetchJob(wait=opts.wait)),
             *session_stages(resolved)]

@@ -82,7 +82,9 @@ def _evidence(model: str = "m", kind: str = "cpu", fp: GradeFingerprint = FP) ->
 
 def test_the_evidence_file_round_trips_and_a_damaged_one_names_the_file_and_field(tmp_path: Path) -> None:
     path = tmp_path / "evidence.json"
-    doc = EvidenceFile().with_evidence(_evidence("b")).with_evidence(_evidence("a")).with_evidence(_evidence("a", "nvidia"))
+    doc = EvidenceFile()
+    for item in (_evidence("b"), _evidence("a"), _evidence("a", "nvidia")):
+        doc = doc.with_evidence(item)
     write_evidence_file(path, doc)
     back = decode_evidence_file(path.read_text(), path=path)
     assert back == doc and [e.model for e in back.evidence] == ["a", "a", "b"]
@@ -275,13 +277,16 @@ def test_a_full_pass_admits_the_tool_chat_model_only_with_the_flag(
     assert report["verdict"]["verdict"] == "pass" and report["score"] == {"passed": 16, "total": 16, "fraction": 1.0}
     ev = report["evidence"]
     assert ev["recorded"] is True and ev["path"] == str(evidence_path(e.home)), ev
-    receipt = read_receipt(load_settings().model_dir(LARGE), e.world.entry(LARGE).artifact.file)  # type: ignore[union-attr]
+    artifact = e.world.entry(LARGE).artifact
+    assert artifact is not None and artifact.file is not None
+    receipt = read_receipt(load_settings().model_dir(LARGE), artifact.file)
     assert receipt is not None
     fp = ev["evidence"]["fingerprint"]
     template = load_settings().model_dir(LARGE) / "chat_template.jinja"
     assert fp["model_sha256"] == receipt.sha256 == report["fingerprint"]["model_sha256"]
     assert fp["template_sha256"] == sha256_of(template)
-    assert fp["backend_build_described"] == "llama.cpp 0.5.0-dev, commit 0c1e570, sdist 0.3.36, cpu backend, native build"
+    assert fp["backend_build_described"] == ("llama.cpp 0.5.0-dev, commit 0c1e570, sdist 0.3.36, cpu backend, "
+                                             "native build")
     assert fp["grade_version"] == report["grade_version"]
     assert fp["scenario_pack_sha256"] == report["fingerprint"]["scenario_pack_sha256"]
     assert ev["evidence"]["graded_at"].endswith("Z") and ev["evidence"]["grade_record"] == report["output"]
