@@ -419,7 +419,7 @@ def test_quick_passes_never_count_a_fail_removes_and_inconclusive_keeps(
     assert code == 0 and doc["selected"]["name"] == SMALL and doc["admission"]["models"] == []
 
 
-def test_a_damaged_evidence_file_is_an_error_naming_it(earned: Earned, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_damaged_evidence_file_is_an_error_naming_it(earned: Earned) -> None:
     e = earned
     path = evidence_path(e.home)
     path.parent.mkdir(parents=True, exist_ok=True)
