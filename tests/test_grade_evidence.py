@@ -449,20 +449,32 @@ def test_auto_admit_graded_provisions_the_earned_model_and_a_real_failed_grade_w
     recorded = (grade(e, gs.oracle, "full"))["evidence"]
     assert recorded["recorded"] is True  # the real llama Backend from here on
 
+    human = auto(hub, home, e.world, e.probe, "--admit-graded")
+    assert human.returncode == 0 and "admitted by grade  tool-chat, selected on its full-tier pass 16/16" \
+        in human.stdout, human.stdout + human.stderr[-3000:]
     done = auto(hub, home, e.world, e.probe, "--json", "--admit-graded")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0 and json.loads(done.stdout)["noop"] is True, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["entry_name"] == LARGE and out["probe_verdict"]["passed"] is True
     assert out["admitted_by_grade"]["evidence"]["fingerprint"] == recorded["evidence"]["fingerprint"]
     assert out["extra"]["admitted_by_grade"] == out["admitted_by_grade"]  # kept in the manifest
-    again = auto(hub, home, e.world, e.probe, "--json", "--admit-graded")
-    assert again.returncode == 0 and json.loads(again.stdout).get("noop") is True, again.stderr[-2000:]
     # without the flag the provisioning does not stand: curation picks the agentic model
     dry = auto(hub, home, e.world, e.probe, "--json", "--dry-run")
     assert dry.returncode == 0 and json.loads(dry.stdout)["model"] == SMALL
 
-    # a real full-tier grade of the provisioned fixture: it fails (it never calls under "auto"), which
-    # withdraws the evidence; the next --admit-graded plan no longer admits it
+    # auto --grade: a real full-tier grade of the provisioned fixture in the session; it fails (the
+    # fixture never calls under "auto"), which withdraws the evidence
+    regraded = auto(hub, home, e.world, e.probe, "--json", "--admit-graded", "--grade", "--recheck")
+    assert regraded.returncode == 0, regraded.stderr[-3000:]
+    out = json.loads(regraded.stdout)
+    assert out["entry_name"] == LARGE and out["grade"]["verdict"] == "fail" and out["grade"]["tier"] == "full"
+    assert out["grade_evidence"]["removed"] is True and json.loads(evidence_path(home).read_text())["evidence"] == []
+    text = auto(hub, home, e.world, e.probe, "--admit-graded", "--dry-run")
+    assert text.returncode == 0 and json.loads(text.stdout)["model"] == SMALL  # no longer admitted
+
+    # earned again (scripted), then withdrawn by a real `hotfit grade --tier full` of the provisioned model;
+    # the next --admit-graded plan no longer admits it
+    assert grade(e, gs.oracle, "full")["evidence"]["recorded"] is True
     graded = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "grade",
                              "--tier", "full", "--json"], cwd=REPO, env=env_for(hub), capture_output=True, text=True,
                             timeout=300, check=False)

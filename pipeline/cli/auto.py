@@ -118,8 +118,8 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
     admitted = manifest.extra.get("admitted_by_grade")
     if admitted:
         e = admitted["evidence"]
-        lines.append(f"  admitted by grade {e['model']} is tool-chat, selected on its full-tier pass "
-                     f"{e['passed']}/{e['total']} of {e['graded_at']} (--admit-graded; {e['grade_record']})")
+        lines.append(f"  admitted by grade  tool-chat, selected on its full-tier pass {e['passed']}/{e['total']} "
+                     f"of {e['graded_at']} (--admit-graded; {e['grade_record']})")
     if plan.reused_previous:
         lines.append("  kept the previous model (it still qualifies; --refresh selects afresh)")
     if resumed:
