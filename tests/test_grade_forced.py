@@ -25,7 +25,7 @@ runner, verdict — not model quality: the forced-correct pack grades 100 % pass
 pack (the enums force a wrong target or value) 0 % with ``wrong_state`` in every scenario and
 verdict fail, and the same GGUF without a tool template is inconclusive (template), never fail.
 The packs are test-only; :mod:`grading` only carries the mechanism (``Turn.tool_choice``,
-``Turn.only_tools``, ``Turn.pinned``).
+``Turn.only_tools``, ``Turn.pinned``). Just over 400 lines: the packs are data, kept beside their tests.
 """
 
 from __future__ import annotations
