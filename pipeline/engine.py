@@ -9,10 +9,10 @@ result with ``to_json()``. The engine owns everything effectful around it (issue
   its function returned, i.e. after its files are in place;
 * resume: a stage's *inputs hash* covers what it depends on (by default the plan id plus the
   fingerprints of the stages it names in ``deps``). A done record with the same hash, whose
-  outputs decode (``Stage.decode``) and are still valid on disk, is reused and the stage logged
-  as ``stage.skip``; downstream then gets the same result type a fresh run returns. A record that
-  does not decode is logged (``stage.stale``, with the :class:`~core.errors.StageRecordError`
-  naming the stage, the state file and the field) and the stage runs again. A changed plan gives
+  outputs decode (``Stage.decode``, once) and are still valid on disk (``Stage.still_valid``, handed
+  that decoded result), is reused and the stage logged as ``stage.skip``; downstream then gets
+  the same result type a fresh run returns. A record that does not decode is logged
+  (``stage.stale``, with the :class:`~core.errors.StageRecordError` naming the stage, the state file and the field) and the stage runs again. A changed plan gives
   new hashes, so everything downstream of it runs again;
 * live resources: stages in one ``session`` (load → probe-tool-call → re-check share a running
   llama-server) are skipped together or run together; what a stage enters through
@@ -112,7 +112,9 @@ class Stage(Generic[R]):
     # recorded outputs -> the result a fresh run returns (StageRecordError when damaged). None: the
     # stage's result is plain JSON, handed on as a read-only mapping either way.
     decode: Callable[[Mapping[str, Any]], R] | None = None
-    still_valid: Callable[[dict[str, Any]], bool] | None = None  # are recorded outputs on disk?
+    # are a reused record's outputs still on disk? Handed the decoded result (one decode per record
+    # per run), or the read-only mapping when the stage has no ``decode``.
+    still_valid: Callable[[R], bool] | None = None
     encode: Callable[[R], dict[str, Any] | None] = _to_json
     figures: Callable[[R], dict[str, Any]] | None = None  # key figures for stage.done
     # What downstream stages hash of this stage's outputs (default: all of them). Lets volatile
@@ -389,7 +391,7 @@ class Runner:
             log.warning("stage.stale", reason="recorded outputs do not decode", from_run=record.run_id,
                         error=err.to_json())
             return None
-        if stage.still_valid is not None and not await anyio.to_thread.run_sync(stage.still_valid, record.outputs):
+        if stage.still_valid is not None and not await anyio.to_thread.run_sync(stage.still_valid, result):
             log.info("stage.stale", reason="recorded outputs no longer on disk", from_run=record.run_id)
             return None
         return _Reuse(digest, record, result)

@@ -217,31 +217,29 @@ def _template_fingerprint(out: Mapping[str, Any]) -> Any:
     return {k: out.get(k) for k in ("path", "sha256", "source")}
 
 
-def _template_still_there(out: Mapping[str, Any]) -> bool:
+def _template_still_there(template: TemplateResult) -> bool:
     """The template is a few KiB: hash it, so text edited behind our back is fetched again
     instead of being trusted by verify and load through a skipped record."""
-    path = out.get("path")
-    if path is None:
+    if template.path is None:
         return True
     try:
-        data = Path(path).read_bytes()
+        data = Path(template.path).read_bytes()
     except OSError:
         return False
-    return hashlib.sha256(data).hexdigest() == out.get("sha256")
+    return hashlib.sha256(data).hexdigest() == template.sha256
 
 
 def _verify_fingerprint(out: Mapping[str, Any]) -> Any:
     return {k: out.get(k) for k in ("weights_path", "size_bytes", "sha256", "chat_template_path")}
 
 
-def _verify_still_there(out: Mapping[str, Any]) -> bool:
-    path = out.get("weights_path")
-    if path is None:
+def _verify_still_there(verified: VerifyResult) -> bool:
+    if verified.weights_path is None:
         return False
-    p = Path(path)
+    p = Path(verified.weights_path)
     if p.is_dir():
         return True
-    return p.is_file() and p.stat().st_size == out.get("size_bytes")
+    return p.is_file() and p.stat().st_size == verified.size_bytes
 
 
 def fetch_stages(job: FetchJob) -> list[Stage[Any]]:

@@ -200,8 +200,8 @@ def _grade_inputs(options: GradeOptions) -> Any:
     return inputs
 
 
-def _grade_still_there(out: Mapping[str, Any]) -> bool:
-    return bool(out.get("path")) and Path(str(out["path"])).is_file()
+def _grade_still_there(graded: GradeResult) -> bool:
+    return bool(graded.path) and Path(graded.path).is_file()
 
 
 def _grade_figures(result: GradeResult) -> dict[str, Any]:
