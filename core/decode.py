@@ -2,7 +2,7 @@
 
 A stage that is reused hands downstream the same type a fresh run does, so no caller branches on
 "dict or dataclass". The decoder is driven by the dataclass's own field annotations: str, int,
-float, bool, None, ``X | None``, ``Literal[...]``, ``tuple[X, ...]``, ``tuple[X, Y]``,
+float, bool, None, ``Path``, ``X | None``, ``Literal[...]``, ``tuple[X, ...]``, ``tuple[X, Y]``,
 ``dict[str, X]``, ``Any`` and nested dataclasses. Anything else in a record — a missing field,
 a field of the wrong kind, a key the type does not have — is a :class:`StageRecordError` naming
 the field path, which the runner turns into "rerun the stage". (The probe and the plan, which have
@@ -17,6 +17,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 from core.errors import StageRecordError
@@ -102,6 +103,10 @@ def _value(tp: Any, value: Any, path: str, extra_keys: frozenset[str]) -> Any:
         if not isinstance(value, str):
             raise _fail(path, f"must be a string, got {_kind(value)}")
         return value
+    if tp is Path:  # recorded as its text
+        if not isinstance(value, str) or not value:
+            raise _fail(path, f"must be a path (a non-empty string), got {_kind(value)}")
+        return Path(value)
     if tp is type(None):
         if value is not None:
             raise _fail(path, f"must be null, got {_kind(value)}")

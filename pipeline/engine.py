@@ -12,8 +12,9 @@ result with ``to_json()``. The engine owns everything effectful around it (issue
   outputs decode (``Stage.decode``, once) and are still valid on disk (``Stage.still_valid``, handed
   that decoded result), is reused and the stage logged as ``stage.skip``; downstream then gets
   the same result type a fresh run returns. A record that does not decode is logged
-  (``stage.stale``, with the :class:`~core.errors.StageRecordError` naming the stage, the state file and the field) and the stage runs again. A changed plan gives
-  new hashes, so everything downstream of it runs again;
+  (``stage.stale``, with the :class:`~core.errors.StageRecordError` naming the stage, the state
+  file and the field) and the stage runs again. A changed plan gives new hashes, so everything
+  downstream of it runs again;
 * live resources: stages in one ``session`` (load → probe-tool-call → re-check share a running
   llama-server) are skipped together or run together; what a stage enters through
   ``ctx.enter_context`` is closed when the pipeline ends, fails or is interrupted;
@@ -120,6 +121,9 @@ class Stage(Generic[R]):
     # What downstream stages hash of this stage's outputs (default: all of them). Lets volatile
     # facts (bytes transferred this run, a server's port) stay out of the inputs downstream.
     fingerprint: Callable[[Mapping[str, Any]], Any] | None = None
+    # The plan stage only: the Plan in its result, which later stages read as ``ctx.plan`` (None:
+    # the result is the plan itself). Lets the stage hand more than the plan (its backend preflight).
+    plan_of: Callable[[R], Plan] | None = None
 
 
 @dataclass(frozen=True)
@@ -293,8 +297,8 @@ class Runner:
                 return StageContext(run_id=run_id, run_dir=run_dir, settings=self.settings, plan=plan,
                                     results=MappingProxyType(dict(results)), enter_context=enter_context)
 
-            def planned(result: object) -> Plan:
-                new_plan: Plan = result  # type: ignore[assignment]  # the plan stage returns the Plan
+            def planned(stage: Stage[Any], result: object) -> Plan:
+                new_plan: Plan = stage.plan_of(result) if stage.plan_of else result  # type: ignore[assignment]
                 self._bind(plan_id=new_plan.plan_id)  # from here on every event names the plan
                 return new_plan
 
@@ -322,7 +326,7 @@ class Runner:
                         outputs[stage.name] = record.outputs
                         fingerprints[stage.name] = _fingerprint(stage, record.outputs)
                         if stage.name == self.plan_stage:
-                            plan = planned(reuse.result)
+                            plan = planned(stage, reuse.result)
                         await store.stage_skipped(run_id, stage.name, digest, plan_id, record.outputs,
                                                   f"inputs unchanged since run {record.run_id}")
                         self._event("info", "stage.skip", reason="inputs_unchanged", from_run=record.run_id,
@@ -339,7 +343,7 @@ class Runner:
                         raise
                     encoded = stage.encode(result)
                     if stage.name == self.plan_stage:
-                        plan = planned(result)
+                        plan = planned(stage, result)
                     await store.stage_done(run_id, stage.name, encoded)
                     figures = stage.figures(result) if stage.figures else {}
                     self._event("info", "stage.done", duration_s=round(time.monotonic() - t0, 3), **figures)
