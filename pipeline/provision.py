@@ -26,13 +26,12 @@ import anyio
 from backends.base import BackendBinary
 from backends.llama_server.discovery import ServerBinary, gpu_listing_binaries
 from backends.openvino.backend import OpenVinoRuntime
-from core.decode import stage_record_fail
 from core.entry import Entry
 from core.errors import NoModelQualifies
 from core.log import get_logger
 from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.plan import Plan, ProbeResult
-from core.records import Fields
+from core.records import Fields, stage_record_fail
 from core.settings import Settings
 from download import check_disk
 from pipeline.engine import Stage, StageContext

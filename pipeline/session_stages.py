@@ -23,7 +23,7 @@ import anyio
 from backends.base import AllocationReport as Report
 from backends.llama_server.allocation import AllocationReport
 from backends.openvino.allocation import OpenVinoAllocationReport
-from core.decode import decode_record
+from core.records import decode_record
 from core.log import get_logger
 from core.model_files import VerifyResult
 from core.plan import Plan

@@ -570,8 +570,8 @@ async def test_a_record_that_does_not_decode_is_named_and_its_stage_runs_again(
 
 @pytest.mark.anyio
 async def test_a_field_of_the_wrong_kind_names_the_field(world: World, events: io.StringIO) -> None:
-    """A decoder from core.decode names the damaged field's path in the logged error."""
-    from core.decode import decode_record
+    """A decoder from core.records names the damaged field's path in the logged error."""
+    from core.records import decode_record
 
     stages = world.stages()
     fetch = next(s for s in stages if s.name == "fetch")

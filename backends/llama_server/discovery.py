@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from core.decode import decode_record
+from core.records import decode_record
 from core.errors import BackendError, BackendNotFound
 from core.isa import cpuinfo_flags, missing_features
 from core.log import get_logger

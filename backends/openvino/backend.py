@@ -17,7 +17,7 @@ from typing import Any, Literal
 from backends.base import BackendBinary, ModelFiles, ServeCommand
 from backends.openvino.config import OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision, require_openvino
 from backends.openvino.session import OpenVinoSession, open_openvino_session
-from core.decode import decode_record
+from core.records import decode_record
 from core.plan import Plan
 from core.settings import Settings
 
