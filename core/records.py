@@ -63,6 +63,8 @@ def parse_json(text: str, fail: DocumentFail, *, kind: str, shape: str) -> Any:
     except RecursionError:
         # json.loads recurses per nesting level: a hostile file is an error, not a traceback
         raise fail(f"not {kind} (JSON nested too deeply)", shape) from None
+    except ValueError as exc:  # an integer too long to convert (Python's int-digits limit)
+        raise fail(f"not {kind} ({exc})", shape) from None
 
 
 class Fields:
