@@ -3,10 +3,10 @@
 ``<dir>/.partial/<name>.json`` beside ``<name>.part``: URL, repo, commit, file, size, expected sha256,
 etag, whether the server honours ranges, and per-block ``[start, end, done]``. It only ever claims
 bytes written before an ``fdatasync`` that completed (``download.engine`` checkpoints), so it is true
-after ``kill -9`` and after a power loss. A damaged one is never trusted: :func:`decode_sidecar` (on the
-``core.records`` readers) names
-the file and what is wrong; :func:`read_sidecar` logs that and answers None, and the download starts
-that file over (its bytes are not claimed by anything trustworthy).
+after ``kill -9`` and after a power loss. A damaged one is never trusted: :func:`decode_sidecar` (on
+the ``core.records`` readers) names the file and what is wrong; :func:`read_sidecar` logs that and
+answers None, and the download starts that file over (its bytes are not claimed by anything
+trustworthy).
 """
 
 from __future__ import annotations
