@@ -15,7 +15,7 @@ type a fresh one does. Nothing here touches the disk.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from core.records import decode_record

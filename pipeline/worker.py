@@ -28,9 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-import httpx
-
 from core.errors import IntegrityError
+from core.lazy_import import lazy_module
 from core.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json
 from core.plan import Device, ProbeResult
@@ -39,6 +38,8 @@ from registry.kv import UnknownKV, kv_bytes, layer_profile, parse_kv_cache_type
 from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import available_with_worker, same_device
 from state.files import write_text_atomic
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 
