@@ -31,7 +31,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, Union
 
@@ -65,6 +65,16 @@ def parse_json(text: str, fail: DocumentFail, *, kind: str, shape: str) -> Any:
         raise fail(f"not {kind} (JSON nested too deeply)", shape) from None
     except ValueError as exc:  # an integer too long to convert (Python's int-digits limit)
         raise fail(f"not {kind} ({exc})", shape) from None
+
+
+def parse_own_file(text: str, damaged: Callable[[str], HotfitError], *, kind: str,
+                   noun: str) -> tuple[Any, Fields]:
+    """For a file hotfit writes and re-reads (receipt, sidecar, worker record), whose every fault is
+    one error — ``damaged(why)``, e.g. "receipt r is damaged: <why>": the parsed JSON, and a reader
+    whose errors are ``damaged("<field> <problem>")``. ``kind`` names the format ('a receipt')."""
+    doc = parse_json(text, lambda problem, hint, **details: damaged(problem), kind=kind,
+                     shape=f"{kind} is a JSON object")
+    return doc, Fields(lambda field, problem, hint: damaged(f"{field} {problem}"), noun=noun, record="top level")
 
 
 class Fields:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from core.errors import IntegrityError
 from core.log import get_logger
-from core.records import Fields, parse_json
+from core.records import parse_own_file
 from download.options import MAX_BLOCKS
 from state.files import write_text_atomic
 
@@ -80,19 +79,11 @@ def _damaged(path: Path, why: str) -> IntegrityError:
 def decode_sidecar(path: Path, text: str) -> Sidecar:
     """The sidecar in ``text`` (read from ``path``), or IntegrityError naming ``path`` and the fault:
     not JSON, another schema, a field missing or mistyped, blocks that do not tile ``[0, size)``."""
-
-    def fail_doc(problem: str, hint: str, **details: Any) -> IntegrityError:
-        return _damaged(path, problem)
-
-    def fail(field: str, problem: str, hint: str) -> IntegrityError:
-        return _damaged(path, f"{field} {problem}")
-
-    doc = parse_json(text, fail_doc, kind="a sidecar", shape="a sidecar is a JSON object")
+    doc, f = parse_own_file(text, lambda why: _damaged(path, why), kind="a sidecar", noun="sidecar")
     if not isinstance(doc, dict):
         raise _damaged(path, "not a JSON object")
     if doc.get("schema") != SIDECAR_SCHEMA:  # another version's sidecar: its fields mean other things
         raise _damaged(path, f"schema {doc.get('schema')!r}, this hotfit writes {SIDECAR_SCHEMA}")
-    f = Fields(fail, noun="sidecar")
     raw = f.object(doc, "", ("url", "repo", "revision", "file", "size_bytes", "blocks"), extra=True)
     strings = {key: f.string(raw.get(key), key, nullable=key in ("expected_sha256", "etag"), blank=True)
                for key in ("url", "repo", "revision", "file", "expected_sha256", "etag")}

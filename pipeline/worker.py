@@ -33,7 +33,7 @@ from core.lazy_import import lazy_module
 from core.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json
 from core.plan import Device, ProbeResult
-from core.records import Fields, parse_json
+from core.records import parse_own_file
 from registry.kv import UnknownKV, kv_bytes, layer_profile, parse_kv_cache_type
 from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import available_with_worker, same_device
@@ -69,18 +69,11 @@ class WorkerRecord:
     @classmethod
     def decode(cls, text: str, *, path: Path | str) -> WorkerRecord:
         """The record in ``text`` (read from ``path``); IntegrityError naming the file and the field."""
-
-        def fail_doc(problem: str, hint: str, **details: Any) -> IntegrityError:
-            return _unreadable(path, problem)
-
-        def fail(field: str, problem: str, hint: str) -> IntegrityError:
-            return _unreadable(path, f"{field} {problem}")
-
-        f = Fields(fail, noun="worker record", record="top level")
+        doc, f = parse_own_file(text, lambda why: _unreadable(path, why), kind="a worker record",
+                                noun="worker record")
         keys = ("pid", "start_ticks", "host", "port", "model_path", "entry_name", "context_tokens",
                 "kv_cache_type", "device")
-        data = f.object(parse_json(text, fail_doc, kind="a worker record", shape="a worker record is a JSON object"),
-                        "", ("schema", *keys), extra=True)
+        data = f.object(doc, "", ("schema", *keys), extra=True)
         f.equal(data["schema"], "schema", WORKER_SCHEMA, "it is ignored; `hotfit serve` writes a new one")
         counts = ("pid", "start_ticks", "port", "context_tokens")
         texts = ("host", "model_path", "entry_name", "kv_cache_type")

@@ -24,7 +24,7 @@ from typing import Any
 from core.entry import Artifact
 from core.errors import IntegrityError
 from core.log import get_logger
-from core.records import Fields, parse_json
+from core.records import parse_own_file
 from core.model_files import FileIdentity
 from state.files import write_text_atomic
 
@@ -79,17 +79,9 @@ def decode_receipt(text: str, *, path: Path | str) -> Receipt:
     """Parse one receipt; IntegrityError naming ``path`` and what is wrong when it is not one."""
     if len(text) > MAX_RECEIPT_BYTES:
         raise _damaged(path, f"{len(text)} characters, more than a receipt holds")
-
-    def fail_doc(problem: str, hint: str, **details: Any) -> IntegrityError:
-        return _damaged(path, problem)
-
-    def fail(field: str, problem: str, hint: str) -> IntegrityError:
-        return _damaged(path, f"{field} {problem}")
-
-    f = Fields(fail, noun="receipt", record="top level")
+    doc, f = parse_own_file(text, lambda why: _damaged(path, why), kind="a receipt", noun="receipt")
     # unknown keys are ignored: a receipt only vouches, and a newer field must not void it
-    raw = f.object(parse_json(text, fail_doc, kind="a receipt", shape="a receipt is a JSON object"), "",
-                   ("schema", *_REQUIRED), extra=True)
+    raw = f.object(doc, "", ("schema", *_REQUIRED), extra=True)
     f.equal(raw["schema"], "schema", RECEIPT_SCHEMA, "it is verified again and rewritten")
     strings = {key: f.string(raw.get(key), key, nullable=key not in _REQUIRED, blank=key not in _REQUIRED)
                for key in _STR_FIELDS}
