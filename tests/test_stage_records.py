@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from core.errors import StageRecordError
-from core.plan import Device, ProbeResult
+from core.plan import Device, Plan, ProbeResult
 from backends.llama_server.discovery import BuildInfo, ServerBinary
 from pipeline.provision import AutoOptions, decode_plan, decode_planned, provisioning_stages
 from backends.llama_server.allocation import AllocationReport
@@ -100,12 +100,17 @@ def test_a_stored_result_decodes_to_an_equal_result_of_the_same_type(result: Any
     assert type(back) is type(result) and back == result
 
 
-def test_the_plan_decodes_with_the_same_plan_id(tmp_path: Path) -> None:
+def _cpu_plan(tmp_path: Path) -> Plan:
     info = write_tool_call_model(tmp_path / "m.gguf")
     entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256="0" * 64, params_b=0.01, template=None)
     probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),), selected=0)
     plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
     assert plan is not None
+    return plan
+
+
+def test_the_plan_decodes_with_the_same_plan_id(tmp_path: Path) -> None:
+    plan = _cpu_plan(tmp_path)
     back = decode_plan(stored(plan))
     assert back == plan and back.plan_id == plan.plan_id
 
@@ -113,11 +118,7 @@ def test_the_plan_decodes_with_the_same_plan_id(tmp_path: Path) -> None:
 def test_the_plan_stage_record_carries_the_preflight_binary_and_decodes_to_the_same_result(tmp_path: Path) -> None:
     """The plan stage hands load the binary its preflight found as a field of its result (no side
     channel); the record holds the plan and that binary (path and build facts) and decodes back."""
-    info = write_tool_call_model(tmp_path / "m.gguf")
-    entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256="0" * 64, params_b=0.01, template=None)
-    probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),), selected=0)
-    plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
-    assert plan is not None
+    plan = _cpu_plan(tmp_path)
     binary = ServerBinary(tmp_path / "bin" / "llama-server", "cache",
                           BuildInfo("build-info.json", "0.0.1", 7000, "abc1234", "0.3.36", backend="cpu",
                                     variant="native", cpu_features=("avx2", "fma")), None)
