@@ -138,7 +138,7 @@ def decode_plan(record: Mapping[str, Any]) -> Plan:
     return decode_plan_json(record, Fields(stage_record_fail, noun="plan"))
 
 
-_PREFLIGHT_DECODERS: dict[str, Callable[[Mapping[str, Any]], BackendBinary]] = {
+_PREFLIGHT_DECODERS: dict[str, Callable[..., BackendBinary]] = {
     "llama": ServerBinary.decode, "openvino": OpenVinoRuntime.decode}
 
 
@@ -146,7 +146,7 @@ def decode_planned(record: Mapping[str, Any]) -> PlannedRun:
     """The plan stage's record (``PlannedRun.to_json()``): the plan, and the preflight's binary
     decoded as the plan's backend writes it; StageRecordError names a damaged field."""
     if not isinstance(record, Mapping):
-        raise stage_record_fail("", f"must be an object, got {type(record).__name__}", "")
+        return PlannedRun(decode_plan(record))  # the plan's decoder names what is wrong
     plan = decode_plan({k: v for k, v in record.items() if k != PREFLIGHT_KEY})
     found = record.get(PREFLIGHT_KEY)
     if found is None:
@@ -154,7 +154,7 @@ def decode_planned(record: Mapping[str, Any]) -> PlannedRun:
     decoder = _PREFLIGHT_DECODERS.get(plan.backend)
     if decoder is None:
         raise stage_record_fail(PREFLIGHT_KEY, f"is recorded for backend {plan.backend!r}, which has no preflight", "")
-    return PlannedRun(plan, decoder(found))
+    return PlannedRun(plan, decoder(found, path=PREFLIGHT_KEY))
 
 
 def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,

@@ -131,7 +131,7 @@ def test_the_plan_stage_record_carries_the_preflight_binary_and_decodes_to_the_s
     assert decode_planned(stored(PlannedRun(plan))) == PlannedRun(plan)  # planned only: no binary
     with pytest.raises(StageRecordError) as err:
         decode_planned(record | {"preflight": record["preflight"] | {"server_path": 3}})
-    assert err.value.details["field"] == "server_path"
+    assert err.value.details["field"] == "preflight.server_path"
 
 
 def test_a_load_record_decodes_without_a_live_server_and_re_encodes_the_same() -> None:

@@ -164,10 +164,10 @@ class ServerBinary:
         }
 
     @classmethod
-    def decode(cls, record: Mapping[str, Any]) -> ServerBinary:
+    def decode(cls, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:
         """The binary back from its :meth:`to_json` (the plan stage's record); StageRecordError names
         a damaged field."""
-        return decode_record(cls, record)
+        return decode_record(cls, record, path=path)
 
 
 # ---------------------------------------------------------------- pure core

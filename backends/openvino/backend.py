@@ -67,9 +67,9 @@ class OpenVinoRuntime:
                 "kv_precision": self.kv_precision}
 
     @classmethod
-    def decode(cls, record: Mapping[str, Any]) -> OpenVinoRuntime:
+    def decode(cls, record: Mapping[str, Any], *, path: str = "") -> OpenVinoRuntime:
         """The runtime back from its :meth:`to_json` (the plan stage's record)."""
-        return decode_record(cls, record, extra_keys=frozenset({"name"}))
+        return decode_record(cls, record, extra_keys=frozenset({"name"}), path=path)
 
 
 class OpenVinoBackend:
