@@ -1,10 +1,11 @@
 """Typed readers for hotfit's JSON files (pure): one toolkit, one wording, every format's own errors.
 
-Each file format (registry, manifest, probe file, receipts, download sidecar) decodes its document
-with a :class:`Fields` reader, and every stage record is decoded by :func:`decode_record`, which
-walks the result dataclass's annotations with the same readers. A reader checks one value at a time and, when
-it is wrong, raises the format's own error (a ``core.errors`` type) naming the file and the field
-path, what is wrong with the value, and what to do::
+Each file format (registry, manifest, probe file, receipts, download sidecar, serve's worker
+record) decodes its document with a :class:`Fields` reader, and every stage record is decoded by
+:func:`decode_record`, which walks the result dataclass's annotations with the same readers. A
+reader checks one value at a time and, when it is wrong, raises the format's own error (a
+``core.errors`` type) naming the file and the field path, what is wrong with the value, and what
+to do::
 
     fields = Fields(fail)                      # fail(field, problem, hint) -> HotfitError
     size = fields.integer(obj["size_bytes"], "artifact.size_bytes", nullable=True)
@@ -197,8 +198,9 @@ class Fields:
         if value is None and nullable:
             return None
         if value not in allowed:
-            raise self.fail(field, f"is {value!r}, not one of {', '.join(allowed)}",
-                            f"use one of: {', '.join(allowed)}" + (" (or null)" if nullable else ""))
+            names = ", ".join(map(str, allowed))
+            raise self.fail(field, f"is {value!r}, not one of {names}",
+                            f"use one of: {names}" + (" (or null)" if nullable else ""))
         return value
 
     def matching(self, value: Any, field: str, pattern: re.Pattern[str], what: str, hint: str, *,
@@ -280,7 +282,7 @@ def _value(tp: Any, value: Any, path: str, extra_keys: frozenset[str]) -> Any:
     if origin is list:
         return [_value(args[0], v, f"{path}[{i}]", extra_keys) for i, v in enumerate(f.items(value, path))]
     if origin is dict:
-        return {k: _value(args[1], v, f"{path}.{k}", extra_keys) for k, v in f.mapping(value, path).items()}
+        return {k: _value(args[1], v, _join(path, k), extra_keys) for k, v in f.mapping(value, path).items()}
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return decode_record(tp, value, extra_keys=extra_keys, path=path)
     readers: dict[Any, Any] = {
