@@ -12,8 +12,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
-import httpx
-
+from core.lazy_import import lazy_module
 from grading.protocol import (
     HTTP_ERROR,
     SLOT_ERASED,
@@ -24,6 +23,8 @@ from grading.protocol import (
     ServerFacts,
     parse_chat_body,
 )
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 __all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "facts_from"]
 

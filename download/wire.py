@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urljoin, urlsplit
 
-import httpx
-
 from core.errors import HubError
+from core.lazy_import import lazy_module
 from download.hub_errors import Retryable
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 MAX_REDIRECTS = 20  # httpx's default
 _REDIRECTS = (301, 302, 303, 307, 308)

@@ -30,7 +30,7 @@ import anyio
 
 from backends.base import Session
 from backends.http_chat import REQUEST_TIMEOUT_S, HttpChatEndpoint
-from core.decode import decode_record
+from core.records import decode_record
 from core.log import get_logger
 from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
 from grading.protocol import (
