@@ -12,8 +12,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
-import httpx
-
+from core.lazy_import import lazy_module
 from grading.protocol import (
     HTTP_ERROR,
     SLOT_ERASED,
@@ -24,6 +23,8 @@ from grading.protocol import (
     ServerFacts,
     parse_chat_body,
 )
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 __all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "facts_from"]
 
@@ -69,6 +70,12 @@ class HttpChatEndpoint:
         return parse_chat_body(response.status_code, response.content)
 
     async def reset(self) -> str:
+        # Whatever the erase answers, the scenario's first request goes out with cache_prompt:false:
+        # an erased slot is not an empty cache — llama-server's RAM prompt cache (--cache-ram, on by
+        # default since llama.cpp#16391) restores an earlier grade's prefix into it (measured on the
+        # pinned build: first-request cache_n 669-2,025 after a successful erase on a server that had
+        # served a grade; 0 with this). Later requests reuse the scenario's own prefix.
+        self._skip_cache_once = True
         try:
             response = await self._client.post(f"/slots/{self._slot_id}", params={"action": "erase"},
                                                timeout=_DESCRIBE_TIMEOUT_S)
@@ -79,9 +86,7 @@ class HttpChatEndpoint:
         if response.status_code == 501:
             # llama-server without --slot-save-path refuses slot actions (measured on the pinned
             # build: "Start it with `--slot-save-path`"), and then the next scenario reuses the last
-            # one's cache (cache_n in the thousands). cache_prompt:false on the scenario's first
-            # request starts it from an empty cache; later requests reuse the scenario's own prefix.
-            self._skip_cache_once = True
+            # one's cache (cache_n in the thousands); the uncached first request stands in.
             return SLOT_FRESH_PROMPT
         return SLOT_UNSUPPORTED
 

@@ -8,17 +8,17 @@ share, and the pure integrity rule.
 - verify ends with :class:`VerifyResult`: the file renamed into place and the GGUF header's facts
   (:class:`GGUFFacts`, read once per run) that load and later stages use instead of re-reading it.
 
-Every result has ``to_json`` and a ``decode`` (core.decode: one decoder for every stage record, a
+Every result has ``to_json`` and a ``decode`` (core.records: one decoder for every stage record, a
 StageRecordError naming the field), so a stage reused from ``state.db`` hands downstream the same
 type a fresh one does. Nothing here touches the disk.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from core.decode import decode_record
+from core.records import decode_record
 from core.errors import IntegrityError
 
 __all__ = [

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import anyio
-import httpx
 
 from core.errors import HubError, IntegrityError, PinMismatch, TransferError
+from core.lazy_import import lazy_module
 from core.log import get_logger
 from download.disk import bytes_held, check_disk_space, preallocate
 from download.hashing import OrderedHasher
@@ -38,6 +38,8 @@ from download.retry import gave_up, head_retrying, log_retry, retrying
 from download.sidecar import Block, Sidecar, encode_sidecar, read_sidecar, write_sidecar
 from download.stream import RangeIgnored, stream_block
 from state.files import fsync_dir
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 

@@ -9,32 +9,39 @@ only to the endpoint's own origin, never to a CDN.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
 from urllib.parse import quote, urljoin, urlsplit
 
-import httpx
-
 from core.errors import HubError, PinMismatch, UsageError
+from core.lazy_import import lazy_module
 from core.settings import Settings
 from download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
 from download.options import TransferOptions
 from download.wire import ConnectionPool
 
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+
 # httpcore reads at most 64 KiB per recv(); at local/LAN speeds the per-read overhead of the HTTP/1.1
 # parser then caps one Python stream well below curl. 256 KiB measured ~35 % faster than 64 KiB, 1 MiB
 # another ~9 % (single stream, 3 interleaved rounds: 565 → 620 MB/s, client CPU 1.73 → 1.61 s per GiB;
 # 4 MiB was no better). It only raises the *maximum* bytes taken per read — semantics are unchanged —
-# but it is a class attribute, so it applies to every httpx client in this process.
+# but it is a class attribute, so it applies to every httpx client in this process. Set when the
+# first Hub session opens (httpcore, like httpx, is not imported by a command that fetches nothing).
 _HTTPCORE_READ_BYTES = 1024 * 1024
-try:
-    import httpcore._async.http11 as _h11
 
-    if getattr(_h11.AsyncHTTP11Connection, "READ_NUM_BYTES", 0) < _HTTPCORE_READ_BYTES:
-        _h11.AsyncHTTP11Connection.READ_NUM_BYTES = _HTTPCORE_READ_BYTES
-except (ImportError, AttributeError):  # pragma: no cover - a future httpcore: keep its default
-    pass
+
+@functools.cache
+def _raise_httpcore_read_size() -> None:
+    try:
+        import httpcore._async.http11 as _h11  # third-party: first use only (core.lazy_import says why)
+
+        if getattr(_h11.AsyncHTTP11Connection, "READ_NUM_BYTES", 0) < _HTTPCORE_READ_BYTES:
+            _h11.AsyncHTTP11Connection.READ_NUM_BYTES = _HTTPCORE_READ_BYTES
+    except (ImportError, AttributeError):  # pragma: no cover - a future httpcore: keep its default
+        pass
 
 USER_AGENT = "hotfit/0.1"
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -103,6 +110,7 @@ class HubSession:
         limits = httpx.Limits(max_connections=max(8, self.options.connections * 2),
                               max_keepalive_connections=max(8, self.options.connections * 2))
         timeout = httpx.Timeout(self.options.read_timeout_s, connect=self.options.connect_timeout_s)
+        _raise_httpcore_read_size()
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=False,
                                         headers={"user-agent": USER_AGENT}, trust_env=False)
         # Ranged GETs of file bodies (download.wire): blocking sockets read in worker threads.

@@ -14,9 +14,10 @@ import time
 from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
-
 from core.errors import HubError
+from core.lazy_import import lazy_module
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 NOT_A_HUB = "HF_ENDPOINT does not answer like a Hugging Face Hub"

@@ -12,7 +12,6 @@ import time
 from typing import Any, Callable, TypeVar
 
 import anyio
-import httpx
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -22,10 +21,13 @@ from tenacity import (
 )
 
 from core.errors import TransferError
+from core.lazy_import import lazy_module
 from core.log import get_logger
 from download.hub import HubSession, RemoteFile
 from download.hub_errors import Retryable, is_retryable_hf_exception, redact_url
 from download.options import TransferOptions
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 T = TypeVar("T")

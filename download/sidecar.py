@@ -3,9 +3,10 @@
 ``<dir>/.partial/<name>.json`` beside ``<name>.part``: URL, repo, commit, file, size, expected sha256,
 etag, whether the server honours ranges, and per-block ``[start, end, done]``. It only ever claims
 bytes written before an ``fdatasync`` that completed (``download.engine`` checkpoints), so it is true
-after ``kill -9`` and after a power loss. A damaged one is never trusted: :func:`decode_sidecar` names
-the file and what is wrong; :func:`read_sidecar` logs that and answers None, and the download starts
-that file over (its bytes are not claimed by anything trustworthy).
+after ``kill -9`` and after a power loss. A damaged one is never trusted: :func:`decode_sidecar` (on
+the ``core.records`` readers) names the file and what is wrong; :func:`read_sidecar` logs that and
+answers None, and the download starts that file over (its bytes are not claimed by anything
+trustworthy).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from core.errors import IntegrityError
 from core.log import get_logger
+from core.records import parse_own_file
 from download.options import MAX_BLOCKS
 from state.files import write_text_atomic
 
@@ -75,53 +76,35 @@ def _damaged(path: Path, why: str) -> IntegrityError:
                           field="sidecar", path=str(path))
 
 
-def _int(raw: Any, key: str, path: Path) -> int:
-    value = raw.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _damaged(path, f"{key} is {value!r}, not an integer")
-    return value
-
-
 def decode_sidecar(path: Path, text: str) -> Sidecar:
     """The sidecar in ``text`` (read from ``path``), or IntegrityError naming ``path`` and the fault:
     not JSON, another schema, a field missing or mistyped, blocks that do not tile ``[0, size)``."""
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise _damaged(path, f"not JSON ({type(exc).__name__})") from None
-    if not isinstance(raw, dict):
+    doc, f = parse_own_file(text, lambda why: _damaged(path, why), kind="a sidecar", noun="sidecar")
+    if not isinstance(doc, dict):
         raise _damaged(path, "not a JSON object")
-    if raw.get("schema") != SIDECAR_SCHEMA:
-        raise _damaged(path, f"schema {raw.get('schema')!r}, this hotfit writes {SIDECAR_SCHEMA}")
-    strings = {}
-    for key, optional in (("url", False), ("repo", False), ("revision", False), ("file", False),
-                          ("expected_sha256", True), ("etag", True)):
-        value = raw.get(key)
-        if not (isinstance(value, str) or (optional and value is None)):
-            raise _damaged(path, f"{key} is {value!r}, not a string")
-        strings[key] = value
-    size = _int(raw, "size_bytes", path)
-    blocks_raw = raw.get("blocks")
-    if not isinstance(blocks_raw, list) or not blocks_raw:
-        raise _damaged(path, "blocks is not a non-empty list")
+    if doc.get("schema") != SIDECAR_SCHEMA:  # another version's sidecar: its fields mean other things
+        raise _damaged(path, f"schema {doc.get('schema')!r}, this hotfit writes {SIDECAR_SCHEMA}")
+    raw = f.object(doc, "", ("url", "repo", "revision", "file", "size_bytes", "blocks"), extra=True)
+    strings = {key: f.string(raw.get(key), key, nullable=key in ("expected_sha256", "etag"), blank=True)
+               for key in ("url", "repo", "revision", "file", "expected_sha256", "etag")}
+    size = f.integer(raw["size_bytes"], "size_bytes")
+    blocks_raw = f.items(raw["blocks"], "blocks", non_empty=True, what="[start, end, done] blocks")
     if len(blocks_raw) > MAX_BLOCKS:
         raise _damaged(path, f"{len(blocks_raw)} blocks, more than {MAX_BLOCKS}")
     blocks: list[list[int]] = []
     pos = 0
-    for b in blocks_raw:
-        if not (isinstance(b, list) and len(b) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in b)):
-            raise _damaged(path, f"block {b!r} is not [start, end, done]")
-        start, end, done = b
+    for i, b in enumerate(blocks_raw):
+        start, end, done = (f.integer(v, f"blocks[{i}][{j}]", minimum=0)
+                            for j, v in enumerate(f.items(b, f"blocks[{i}]", length=3)))
         # The blocks must tile [0, size) exactly with sane counters.
         if start != pos or end <= start or not 0 <= done <= end - start:
             raise _damaged(path, f"block {b!r} does not continue at byte {pos} with 0 ≤ done ≤ its length")
         blocks.append([start, end, done])
         pos = end
-    if size <= 0 or pos != size:
+    if pos != size:
         raise _damaged(path, f"blocks end at byte {pos}, the file has {size}")
-    return Sidecar(url=strings["url"], repo=strings["repo"], revision=strings["revision"], file=strings["file"],
-                   size_bytes=size, expected_sha256=strings["expected_sha256"], etag=strings["etag"],
-                   ranges_supported=bool(raw.get("ranges_supported", True)), blocks=blocks)
+    return Sidecar(**strings, size_bytes=size, ranges_supported=bool(raw.get("ranges_supported", True)),
+                   blocks=blocks)
 
 
 def read_sidecar(path: Path) -> Sidecar | None:

@@ -3,8 +3,9 @@
 Each block is one ``Range`` request on a kept-alive connection (``download.wire``: a blocking socket
 in a worker thread); the answer is checked against the pin (206 with the asked range of a file of
 the pinned size, or 200 with the pinned length for a whole-file stream) before a byte is written.
-The body is read with ``readinto`` straight into the file's pooled 1 MiB receive buffers, each handed
-to the write-behind thread of ``download.hashing`` at its absolute offset (one ``pwritev``, sha256 of
+The body is read with ``readinto1`` straight into the file's pooled 1 MiB receive buffers, each handed
+to the write-behind thread of ``download.hashing`` at its absolute offset when full or after one checkpoint
+interval (one ``pwritev``, sha256 of
 the same memory, no copy in Python); whatever is received when the stream breaks is still written,
 so a cut loses no received byte. The event loop only waits: cancelling it (Ctrl-C) shuts the socket
 down, so a blocked ``recv`` returns at once. A 200 to a ranged GET is :class:`RangeIgnored`: the
@@ -18,6 +19,7 @@ import http.client
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -30,7 +32,7 @@ from download.hub import HubSession
 from download.hub_errors import Retryable, hub_error_from_response
 from download.progress import ProgressReporter
 from download.sidecar import Block, Sidecar
-from download.wire import Opened, finish, open_get, transport_error
+from download.wire import Opened, finish, open_get, read_some, transport_error
 
 T = TypeVar("T")
 
@@ -193,6 +195,7 @@ def _receive(rx: _Receiver, opened: Opened, session: HubSession, side: Sidecar, 
     its offset; the position reached. Stops early, without error, when cancelled or a write failed."""
     resp, what = opened.resp, f"{side.file}: GET"
     pool = hasher.receive_buffers(session.options.chunk_bytes)
+    interval_s = session.options.checkpoint_interval_s
 
     def stop() -> bool:
         return rx.cancelled or hasher.write_error is not None or hasher.thread_error is not None
@@ -204,13 +207,20 @@ def _receive(rx: _Receiver, opened: Opened, session: HubSession, side: Sidecar, 
             if buf is None:
                 break
             view = memoryview(buf)[:min(len(buf), block.end - pos)]
-            n, failed = 0, None
+            n, failed, ended = 0, None, False
+            # A buffer is handed over when full or after a checkpoint interval, whichever comes first:
+            # on a slow link bytes are written (and so claimable by a checkpoint) within the interval
+            # instead of after a whole buffer's worth of seconds.
+            handover_at = time.monotonic() + interval_s
             try:
                 while n < len(view):
-                    got = resp.readinto(view[n:])
+                    got = read_some(resp, view[n:])
                     if not got:
+                        ended = True
                         break
                     n += got
+                    if time.monotonic() >= handover_at:
+                        break
             except (OSError, http.client.HTTPException) as exc:
                 failed = exc
             if n:
@@ -226,7 +236,7 @@ def _receive(rx: _Receiver, opened: Opened, session: HubSession, side: Sidecar, 
                 if rx.cancelled:
                     break
                 raise transport_error(what, failed) from failed
-            if n < len(view):  # the server closed the body early: the retry resumes at block.done
+            if ended:  # the server closed the body early: the retry resumes at block.done
                 break
         if pos >= block.end and not resp.isclosed():  # a body without Content-Length may go on
             try:

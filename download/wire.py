@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urljoin, urlsplit
 
-import httpx
-
 from core.errors import HubError
+from core.lazy_import import lazy_module
 from download.hub_errors import Retryable
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 MAX_REDIRECTS = 20  # httpx's default
 _REDIRECTS = (301, 302, 303, 307, 308)
@@ -165,6 +166,27 @@ def open_get(pool: ConnectionPool, url: str, headers_for: Callable[[str], dict[s
         return Opened(conn, resp, url, answer, conn.sock)
     raise HubError(f"{what}: more than {MAX_REDIRECTS} redirects",
                    hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)")
+
+
+def read_some(resp: http.client.HTTPResponse, view: memoryview) -> int:
+    """Body bytes into ``view``: what has arrived, after at most one ``recv`` (0 at the body's end).
+
+    ``HTTPResponse.readinto`` waits until ``view`` is full, so on a slow link a 1 MiB buffer held
+    its bytes for seconds — received but not written, so no checkpoint could claim them and a
+    kill -9 lost them. ``readinto1`` of the response's own buffered reader returns at once with what
+    is there, into the same memory (no copy); the body's remaining length is kept as ``readinto``
+    keeps it, and the response closed at the end the way ``readinto`` closes it (the connection
+    stays reusable). Chunked or close-delimited bodies keep ``http.client``'s own reader."""
+    fp = resp.fp
+    if fp is None or resp.chunked or resp.length is None:
+        return resp.readinto(view)
+    if len(view) > resp.length:
+        view = view[:resp.length]
+    n = fp.readinto1(view) if view else 0
+    resp.length -= n
+    if not resp.length or (not n and view):
+        resp.close()  # like http.client at the body's end: fp dropped, the socket kept for reuse
+    return n
 
 
 def finish(pool: ConnectionPool, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:

@@ -16,6 +16,9 @@ Invalid calls (an unknown or not-yet-offered tool, arguments that are not a JSON
 that break the schema, an invented extra key included) are answered with a structured error the
 model may recover from; they count against call validity, not against the scenario.
 
+A turn of a forced pack (:class:`~grading.scenarios.Turn` ``tool_choice`` / ``pinned``) sends its
+``tool_choice`` on its first request and checks calls against the narrowed schema it offered.
+
 The runner does no I/O of its own and reads no clock: the same replies give the same transcript
 and the same outcome.
 """
@@ -42,7 +45,7 @@ from grading.scenarios import (
     state_differences,
 )
 from grading.schema import validate_arguments
-from grading.world import TOOLS, WRITE_TOOLS, ToolError, World
+from grading.world import WRITE_TOOLS, ToolError, World
 
 __all__ = [
     "MODEL_FAILURES",
@@ -233,13 +236,18 @@ async def run_scenario(endpoint: ChatEndpoint, scenario: Scenario, *, step_limit
     finals: list[str] = []
     for t, turn in enumerate(scenario.turns):
         offered = scenario.tools_at(t)
-        tool_defs = [TOOLS[name].openai() for name in offered]
+        tool_defs = scenario.tool_defs(t)
+        schemas = {d["function"]["name"]: d["function"]["parameters"] for d in tool_defs}
         run.turn_tools.append(list(offered))
         run.messages.append({"role": "user", "content": turn.user})
         final: str | None = None
         for step in range(step_limit):
+            # a forced turn asks "required" on its first request only; once its call is answered the
+            # model may end the turn (string form only: llama.cpp#26849)
+            step_sampling = ({**sampling, "tool_choice": turn.tool_choice}
+                             if step == 0 and turn.tool_choice != "auto" else sampling)
             try:
-                reply = await endpoint.chat(list(run.messages), tool_defs, **sampling)
+                reply = await endpoint.chat(list(run.messages), tool_defs, **step_sampling)
             except EndpointFailure as exc:
                 return run.result(exc.kind, f"turn {t + 1} request {step + 1}: {exc.detail}")
             run.account(reply)
@@ -270,7 +278,7 @@ async def run_scenario(endpoint: ChatEndpoint, scenario: Scenario, *, step_limit
                     problem = f"no tool named {name!r} is offered (offered: {', '.join(offered)})"
                     code = "unknown_tool"
                 elif problem is None:
-                    problem = validate_arguments(TOOLS[name].parameters, args)
+                    problem = validate_arguments(schemas[name], args)  # the schema as offered (pinned: narrowed)
                     code = "schema"
                 else:
                     code = "bad_arguments"

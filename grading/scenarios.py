@@ -14,6 +14,12 @@ Every scenario offers its environment's tools plus two distractor tools from ano
 and a write), and every scenario has at least two user turns and none starts with a no-call
 turn (the scripted-server tests rely on both).
 
+Forced packs (test-only; tests/test_grade_forced.py): a turn may narrow what the model is offered
+so that the server's tool grammar admits exactly one call — ``only_tools`` (the tools of that turn
+alone), ``pinned`` (each argument of a tool offered as a single-value ``enum``) and ``tool_choice``
+(``"required"`` on the turn's first request). The scenarios below use none of them, and
+:meth:`Turn.to_json` leaves the fields out at their defaults, so the pack hash does not change.
+
 Over 400 lines because it is data: each scenario's script, tools and reference solution.
 """
 
@@ -26,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from grading.schema import validate_arguments
 from grading.world import TODAY, TOOLS, WRITE_TOOLS, ToolError, World, default_state
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "SCENARIOS",
     "SYSTEM_PROMPT",
     "TIERS",
+    "TOOL_CHOICES",
     "Call",
     "Scenario",
     "Turn",
@@ -41,12 +49,16 @@ __all__ = [
     "comparable_state",
     "expected_state",
     "pack_hash",
+    "pinned_definition",
     "scenarios_for",
     "state_differences",
 ]
 
 FORBID_ANY_CALL = "any_call"  # no tool fits (irrelevance): any call is a minefield
 FORBID_WRITES = "writes"  # a value is missing, or the needed tool is not offered yet: no state change
+# Only the string form of tool_choice: the object form ({"type": "function", ...}) is not honoured
+# alike by every chat-format handler (llama.cpp#26849).
+TOOL_CHOICES = ("auto", "required", "none")
 
 # Says what the assistant is and what "today" is; deliberately nothing like "ask when a value is
 # missing", which would hand out the answer (design note §4.4).
@@ -79,11 +91,34 @@ class Turn:
     add_tools: tuple[str, ...] = ()  # offered from this turn on (BFCL miss_func)
     required_reads: tuple[Call, ...] = ()  # must appear among this turn's valid calls (args: a subset)
     must_say: tuple[str, ...] = ()  # the turn's final answer contains each (case-insensitive)
+    # forced packs only (module docstring); the defaults leave a turn as the real packs have it
+    tool_choice: str = "auto"  # of the turn's first request; the later ones keep the sampling's ("auto")
+    only_tools: tuple[str, ...] | None = None  # offered in this turn instead of the scenario's tools
+    pinned: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # tool -> {argument: the one value}
+
+    def __post_init__(self) -> None:
+        if self.tool_choice not in TOOL_CHOICES:
+            raise ValueError(f"turn {self.user[:40]!r}: tool_choice {self.tool_choice!r} is not one of "
+                             f"{', '.join(TOOL_CHOICES)} (only the string form is sent: llama.cpp#26849)")
+        for name, args in self.pinned.items():
+            if name not in TOOLS:
+                raise ValueError(f"turn {self.user[:40]!r}: pinned tool {name!r} does not exist")
+            problem = validate_arguments(TOOLS[name].parameters, dict(args))
+            if problem:  # the one call the narrowed schema admits must be a valid call of the real tool
+                raise ValueError(f"turn {self.user[:40]!r}: pinned arguments of {name!r}: {problem}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"user": self.user, "steps": [[c.to_json() for c in s] for s in self.steps], "reply": self.reply,
-                "forbid": self.forbid, "add_tools": list(self.add_tools),
-                "required_reads": [c.to_json() for c in self.required_reads], "must_say": list(self.must_say)}
+        out = {"user": self.user, "steps": [[c.to_json() for c in s] for s in self.steps], "reply": self.reply,
+               "forbid": self.forbid, "add_tools": list(self.add_tools),
+               "required_reads": [c.to_json() for c in self.required_reads], "must_say": list(self.must_say)}
+        # only when set: the real packs' JSON, hence their pack hash, stays what it was
+        if self.tool_choice != "auto":
+            out["tool_choice"] = self.tool_choice
+        if self.only_tools is not None:
+            out["only_tools"] = list(self.only_tools)
+        if self.pinned:
+            out["pinned"] = {name: dict(args) for name, args in sorted(self.pinned.items())}
+        return out
 
 
 @dataclass(frozen=True)
@@ -97,8 +132,18 @@ class Scenario:
     tiers: frozenset[str]
 
     def tools_at(self, turn_index: int) -> tuple[str, ...]:
+        if self.turns[turn_index].only_tools is not None:
+            return self.turns[turn_index].only_tools
         added = [t for turn in self.turns[: turn_index + 1] for t in turn.add_tools]
         return (*self.tools, *added)
+
+    def tool_defs(self, turn_index: int) -> list[dict[str, Any]]:
+        """The OpenAI tool definitions offered in a turn: the tools' own, except that a pinned tool
+        offers exactly its pinned arguments, each a required single-value ``enum``, so a
+        grammar-constrained server can emit one call of it only."""
+        pinned = self.turns[turn_index].pinned
+        return [pinned_definition(name, pinned[name]) if name in pinned else TOOLS[name].openai()
+                for name in self.tools_at(turn_index)]
 
     def reference_calls(self) -> Iterable[Call]:
         for turn in self.turns:
@@ -108,6 +153,19 @@ class Scenario:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "category": self.category, "summary": self.summary, "tools": list(self.tools),
                 "turns": [t.to_json() for t in self.turns], "initial": self.initial, "tiers": sorted(self.tiers)}
+
+
+def pinned_definition(name: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """Tool ``name`` narrowed to one admissible call: ``args`` (validated by :class:`Turn`)."""
+    spec = TOOLS[name]
+    definition = spec.openai()
+    definition["function"]["parameters"] = {
+        "type": "object",
+        "properties": {k: {**spec.properties[k], "enum": [v]} for k, v in args.items()},
+        "required": list(args),
+        "additionalProperties": False,
+    }
+    return definition
 
 
 def expected_state(scenario: Scenario) -> dict[str, Any]:

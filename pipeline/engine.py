@@ -9,11 +9,12 @@ result with ``to_json()``. The engine owns everything effectful around it (issue
   its function returned, i.e. after its files are in place;
 * resume: a stage's *inputs hash* covers what it depends on (by default the plan id plus the
   fingerprints of the stages it names in ``deps``). A done record with the same hash, whose
-  outputs decode (``Stage.decode``) and are still valid on disk, is reused and the stage logged
-  as ``stage.skip``; downstream then gets the same result type a fresh run returns. A record that
-  does not decode is logged (``stage.stale``, with the :class:`~core.errors.StageRecordError`
-  naming the stage, the state file and the field) and the stage runs again. A changed plan gives
-  new hashes, so everything downstream of it runs again;
+  outputs decode (``Stage.decode``, once) and are still valid on disk (``Stage.still_valid``, handed
+  that decoded result), is reused and the stage logged as ``stage.skip``; downstream then gets
+  the same result type a fresh run returns. A record that does not decode is logged
+  (``stage.stale``, with the :class:`~core.errors.StageRecordError` naming the stage, the state
+  file and the field) and the stage runs again. A changed plan gives new hashes, so everything
+  downstream of it runs again;
 * live resources: stages in one ``session`` (load → probe-tool-call → re-check share a running
   llama-server) are skipped together or run together; what a stage enters through
   ``ctx.enter_context`` is closed when the pipeline ends, fails or is interrupted;
@@ -112,12 +113,17 @@ class Stage(Generic[R]):
     # recorded outputs -> the result a fresh run returns (StageRecordError when damaged). None: the
     # stage's result is plain JSON, handed on as a read-only mapping either way.
     decode: Callable[[Mapping[str, Any]], R] | None = None
-    still_valid: Callable[[dict[str, Any]], bool] | None = None  # are recorded outputs on disk?
+    # are a reused record's outputs still on disk? Handed the decoded result (one decode per record
+    # per run), or the read-only mapping when the stage has no ``decode``.
+    still_valid: Callable[[R], bool] | None = None
     encode: Callable[[R], dict[str, Any] | None] = _to_json
     figures: Callable[[R], dict[str, Any]] | None = None  # key figures for stage.done
     # What downstream stages hash of this stage's outputs (default: all of them). Lets volatile
     # facts (bytes transferred this run, a server's port) stay out of the inputs downstream.
     fingerprint: Callable[[Mapping[str, Any]], Any] | None = None
+    # The plan stage only: the Plan in its result, which later stages read as ``ctx.plan`` (None:
+    # the result is the plan itself). Lets the stage hand more than the plan (its backend preflight).
+    plan_of: Callable[[R], Plan] | None = None
 
 
 @dataclass(frozen=True)
@@ -291,8 +297,8 @@ class Runner:
                 return StageContext(run_id=run_id, run_dir=run_dir, settings=self.settings, plan=plan,
                                     results=MappingProxyType(dict(results)), enter_context=enter_context)
 
-            def planned(result: object) -> Plan:
-                new_plan: Plan = result  # type: ignore[assignment]  # the plan stage returns the Plan
+            def planned(stage: Stage[Any], result: object) -> Plan:
+                new_plan: Plan = stage.plan_of(result) if stage.plan_of else result  # type: ignore[assignment]
                 self._bind(plan_id=new_plan.plan_id)  # from here on every event names the plan
                 return new_plan
 
@@ -320,7 +326,7 @@ class Runner:
                         outputs[stage.name] = record.outputs
                         fingerprints[stage.name] = _fingerprint(stage, record.outputs)
                         if stage.name == self.plan_stage:
-                            plan = planned(reuse.result)
+                            plan = planned(stage, reuse.result)
                         await store.stage_skipped(run_id, stage.name, digest, plan_id, record.outputs,
                                                   f"inputs unchanged since run {record.run_id}")
                         self._event("info", "stage.skip", reason="inputs_unchanged", from_run=record.run_id,
@@ -337,7 +343,7 @@ class Runner:
                         raise
                     encoded = stage.encode(result)
                     if stage.name == self.plan_stage:
-                        plan = planned(result)
+                        plan = planned(stage, result)
                     await store.stage_done(run_id, stage.name, encoded)
                     figures = stage.figures(result) if stage.figures else {}
                     self._event("info", "stage.done", duration_s=round(time.monotonic() - t0, 3), **figures)
@@ -389,7 +395,7 @@ class Runner:
             log.warning("stage.stale", reason="recorded outputs do not decode", from_run=record.run_id,
                         error=err.to_json())
             return None
-        if stage.still_valid is not None and not await anyio.to_thread.run_sync(stage.still_valid, record.outputs):
+        if stage.still_valid is not None and not await anyio.to_thread.run_sync(stage.still_valid, result):
             log.info("stage.stale", reason="recorded outputs no longer on disk", from_run=record.run_id)
             return None
         return _Reuse(digest, record, result)

@@ -24,14 +24,14 @@ from typing import Any
 import anyio
 
 from backends.base import BackendBinary
-from backends.llama_server.discovery import gpu_listing_binaries
-from core.decode import stage_record_fail
+from backends.llama_server.discovery import ServerBinary, gpu_listing_binaries
+from backends.openvino.backend import OpenVinoRuntime
 from core.entry import Entry
 from core.errors import NoModelQualifies
 from core.log import get_logger
 from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.plan import Plan, ProbeResult
-from core.records import Fields
+from core.records import Fields, stage_record_fail
 from core.settings import Settings
 from download import check_disk
 from pipeline.engine import Stage, StageContext
@@ -43,7 +43,7 @@ from registry.select import normalize_origin
 from stages.fetch_template import fetch_template
 from stages.fetch_weights import fetch_weights, fetched_still_on_disk
 from stages.load import preflight
-from stages.plan import PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
+from stages.plan import PREFLIGHT_KEY, PlannedRun, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
 from stages.probe import load_probe_file, probe_devices
 from stages.verify import verify
 from state.locks import FileLock
@@ -143,14 +143,32 @@ def decode_plan(record: Mapping[str, Any]) -> Plan:
     return decode_plan_json(record, Fields(stage_record_fail, noun="plan"))
 
 
+_PREFLIGHT_DECODERS: dict[str, Callable[..., BackendBinary]] = {
+    "llama": ServerBinary.decode, "openvino": OpenVinoRuntime.decode}
+
+
+def decode_planned(record: Mapping[str, Any]) -> PlannedRun:
+    """The plan stage's record (``PlannedRun.to_json()``): the plan, and the preflight's binary
+    decoded as the plan's backend writes it; StageRecordError names a damaged field."""
+    if not isinstance(record, Mapping):
+        return PlannedRun(decode_plan(record))  # the plan's decoder names what is wrong
+    plan = decode_plan({k: v for k, v in record.items() if k != PREFLIGHT_KEY})
+    found = record.get(PREFLIGHT_KEY)
+    if found is None:
+        return PlannedRun(plan)
+    decoder = _PREFLIGHT_DECODERS.get(plan.backend)
+    if decoder is None:
+        raise stage_record_fail(PREFLIGHT_KEY, f"is recorded for backend {plan.backend!r}, which has no preflight", "")
+    return PlannedRun(plan, decoder(found, path=PREFLIGHT_KEY))
+
+
 def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
                     on_plan: Callable[[PlanOutcome], None] | None = None,
-                    check_backend: bool = True,
-                    resolved: dict[str, BackendBinary] | None = None) -> list[Stage[Any]]:
+                    check_backend: bool = True) -> list[Stage[Any]]:
     """probe → plan. ``on_plan`` sees the whole selection (every device and candidate), which the
-    dry run prints; the stage's result is the winning Plan. ``check_backend`` False (the dry run and
-    the no-op check): only plan; the binary is checked when a run would use it. ``resolved`` receives
-    the preflight's binary under the run id, for the load stage."""
+    dry run prints; the stage's result is the winning Plan with the backend its preflight found
+    (:class:`~stages.plan.PlannedRun`, read by load). ``check_backend`` False (the dry run and the
+    no-op check): only plan; the binary is checked when a run would use it."""
 
     async def probe_stage(ctx: StageContext) -> ProbeResult:
         if opts.probe_file is not None:
@@ -158,25 +176,23 @@ def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
         binaries = gpu_listing_binaries(ctx.settings)
         return await anyio.to_thread.run_sync(functools.partial(probe_devices, ggml_binaries=binaries))
 
-    async def plan_stage(ctx: StageContext) -> Plan:
+    async def plan_stage(ctx: StageContext) -> PlannedRun:
         outcome = compute_plan(opts, ctx.settings, ctx.result("probe", ProbeResult), previous)
         if on_plan is not None:
             on_plan(outcome)
         plan = outcome.plan
         assert plan is not None  # compute_plan raised the refusal otherwise
         if not check_backend:
-            return plan
+            return PlannedRun(plan)
         # The backend that will serve this plan must be usable here before a single weight byte is
         # fetched (issue 9 item 4): llama-server found, answering, suiting this CPU and the device;
         # OpenVINO importable with the plan's device and KV precision. Found once: load reuses it.
-        binary = await anyio.to_thread.run_sync(preflight, plan, ctx.settings)
-        if resolved is not None:
-            resolved[ctx.run_id] = binary
-        return plan
+        return PlannedRun(plan, await anyio.to_thread.run_sync(preflight, plan, ctx.settings))
 
     return [
         Stage("probe", probe_stage, always_run=True, decode=ProbeResult.decode, figures=_probe_figures),
-        Stage("plan", plan_stage, deps=("probe",), always_run=True, decode=decode_plan, figures=_plan_figures),
+        Stage("plan", plan_stage, deps=("probe",), always_run=True, decode=decode_planned,
+              figures=lambda planned: _plan_figures(planned.plan), plan_of=lambda planned: planned.plan),
     ]
 
 
@@ -222,31 +238,29 @@ def _template_fingerprint(out: Mapping[str, Any]) -> Any:
     return {k: out.get(k) for k in ("path", "sha256", "source")}
 
 
-def _template_still_there(out: Mapping[str, Any]) -> bool:
+def _template_still_there(template: TemplateResult) -> bool:
     """The template is a few KiB: hash it, so text edited behind our back is fetched again
     instead of being trusted by verify and load through a skipped record."""
-    path = out.get("path")
-    if path is None:
+    if template.path is None:
         return True
     try:
-        data = Path(path).read_bytes()
+        data = Path(template.path).read_bytes()
     except OSError:
         return False
-    return hashlib.sha256(data).hexdigest() == out.get("sha256")
+    return hashlib.sha256(data).hexdigest() == template.sha256
 
 
 def _verify_fingerprint(out: Mapping[str, Any]) -> Any:
     return {k: out.get(k) for k in ("weights_path", "size_bytes", "sha256", "chat_template_path")}
 
 
-def _verify_still_there(out: Mapping[str, Any]) -> bool:
-    path = out.get("weights_path")
-    if path is None:
+def _verify_still_there(verified: VerifyResult) -> bool:
+    if verified.weights_path is None:
         return False
-    p = Path(path)
+    p = Path(verified.weights_path)
     if p.is_dir():
         return True
-    return p.is_file() and p.stat().st_size == out.get("size_bytes")
+    return p.is_file() and p.stat().st_size == verified.size_bytes
 
 
 def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
@@ -317,7 +331,5 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
 def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
                         on_plan: Callable[[PlanOutcome], None] | None = None) -> list[Stage[Any]]:
     """The pipeline of ``hotfit auto``, in order (issue 6); ``on_plan`` sees the plan stage's outcome."""
-    resolved: dict[str, BackendBinary] = {}  # run id -> the plan stage's backend preflight, handed to load
-    return [*planning_stages(opts, previous, on_plan=on_plan, resolved=resolved),
-            *fetch_stages(FetchJob(wait=opts.wait)),
-            *session_stages(resolved)]
+    return [*planning_stages(opts, previous, on_plan=on_plan), *fetch_stages(FetchJob(wait=opts.wait)),
+            *session_stages()]

@@ -21,10 +21,9 @@ from typing import Any
 import anyio
 
 from backends.base import AllocationReport as Report
-from backends.base import BackendBinary
 from backends.llama_server.allocation import AllocationReport
 from backends.openvino.allocation import OpenVinoAllocationReport
-from core.decode import decode_record
+from core.records import decode_record
 from core.log import get_logger
 from core.model_files import VerifyResult
 from core.plan import Plan
@@ -33,6 +32,7 @@ from grading.scenarios import pack_hash, scenarios_for
 from pipeline.engine import Stage, StageContext
 from stages.grade import GradeResult, fresh_output_path, grade_session, write_report
 from stages.load import LoadResult, model_files, open_session
+from stages.plan import PlannedRun
 from stages.probe_tool_call import ProbeToolCallResult, probe_tool_call
 from stages.recheck import recheck_allocation
 
@@ -109,10 +109,10 @@ def decode_recheck(record: Mapping[str, Any]) -> AllocationReport | OpenVinoAllo
     return decode_record(OpenVinoAllocationReport, record)
 
 
-async def _load_stage(ctx: StageContext, resolved: dict[str, BackendBinary]) -> LoadResult:
+async def _load_stage(ctx: StageContext) -> LoadResult:
     plan = ctx.require_plan()
     files = model_files(ctx.result("verify", VerifyResult))
-    binary = resolved.pop(ctx.run_id, None)  # the plan stage's preflight (None: resolve it now)
+    binary = ctx.result("plan", PlannedRun).backend  # the plan stage's preflight (None: resolve it now)
     session = await ctx.enter_context(open_session(plan, files, run_dir=ctx.run_dir, settings=ctx.settings,
                                                    binary=binary))
     return LoadResult.opened(session, binary)
@@ -200,8 +200,8 @@ def _grade_inputs(options: GradeOptions) -> Any:
     return inputs
 
 
-def _grade_still_there(out: Mapping[str, Any]) -> bool:
-    return bool(out.get("path")) and Path(str(out["path"])).is_file()
+def _grade_still_there(graded: GradeResult) -> bool:
+    return bool(graded.path) and Path(graded.path).is_file()
 
 
 def _grade_figures(result: GradeResult) -> dict[str, Any]:
@@ -221,11 +221,11 @@ def grade_stage(options: GradeOptions) -> Stage[GradeResult]:
                  figures=_grade_figures)
 
 
-def session_stages(resolved: dict[str, BackendBinary]) -> list[Stage[Any]]:
-    """load → probe-tool-call → re-check, skipped or run as one. ``resolved``: run id → the binary the
-    plan stage's preflight found, so load starts that one without looking again."""
+def session_stages() -> list[Stage[Any]]:
+    """load → probe-tool-call → re-check, skipped or run as one. load starts the binary the plan
+    stage's preflight found (its ``PlannedRun``), without looking again."""
     return [
-        Stage("load", functools.partial(_load_stage, resolved=resolved), deps=("verify",), session=SERVER_SESSION, decode=decode_load,
+        Stage("load", _load_stage, deps=("verify",), session=SERVER_SESSION, decode=decode_load,
               fingerprint=_load_fingerprint, figures=_load_figures),
         Stage("probe-tool-call", _probe_tool_call_stage, deps=("load",), session=SERVER_SESSION,
               decode=decode_probe_call, fingerprint=_probe_call_fingerprint, figures=_probe_call_figures),

@@ -28,15 +28,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-import httpx
-
+from core.errors import IntegrityError
+from core.lazy_import import lazy_module
 from core.log import get_logger
 from pipeline.manifest import Manifest, plan_from_json
 from core.plan import Device, ProbeResult
+from core.records import parse_own_file
 from registry.kv import UnknownKV, kv_bytes, layer_profile, parse_kv_cache_type
 from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import available_with_worker, same_device
 from state.files import write_text_atomic
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 
@@ -64,17 +67,25 @@ class WorkerRecord:
         return {"schema": WORKER_SCHEMA, **asdict(self), "device": dict(self.device)}
 
     @classmethod
-    def from_json(cls, data: Any) -> "WorkerRecord":
-        if not isinstance(data, Mapping) or data.get("schema") != WORKER_SCHEMA:
-            raise ValueError("not a worker record of this version")
-        fields = {k: data[k] for k in ("pid", "start_ticks", "host", "port", "model_path", "entry_name",
-                                       "context_tokens", "kv_cache_type", "device")}
-        for key in ("pid", "start_ticks", "port", "context_tokens"):
-            if not isinstance(fields[key], int) or isinstance(fields[key], bool) or fields[key] < 0:
-                raise ValueError(f"{key} is not a whole number")
-        if not isinstance(fields["device"], Mapping):
-            raise ValueError("device is not an object")
-        return cls(**fields, api_key_file=data.get("api_key_file"))
+    def decode(cls, text: str, *, path: Path | str) -> WorkerRecord:
+        """The record in ``text`` (read from ``path``); IntegrityError naming the file and the field."""
+        doc, f = parse_own_file(text, lambda why: _unreadable(path, why), kind="a worker record",
+                                noun="worker record")
+        keys = ("pid", "start_ticks", "host", "port", "model_path", "entry_name", "context_tokens",
+                "kv_cache_type", "device")
+        data = f.object(doc, "", ("schema", *keys), extra=True)
+        f.equal(data["schema"], "schema", WORKER_SCHEMA, "it is ignored; `hotfit serve` writes a new one")
+        counts = ("pid", "start_ticks", "port", "context_tokens")
+        texts = ("host", "model_path", "entry_name", "kv_cache_type")
+        return cls(**{k: f.integer(data[k], k, minimum=0) for k in counts},
+                   **{k: f.string(data[k], k, blank=True) for k in texts},
+                   device=f.mapping(data["device"], "device"),
+                   api_key_file=f.string(data.get("api_key_file"), "api_key_file", nullable=True))
+
+
+def _unreadable(path: Path | str, why: str) -> IntegrityError:
+    return IntegrityError(f"worker record {path} is damaged: {why}",
+                          hint="it is ignored: the worker it named is not trusted", path=str(path))
 
 
 @dataclass(frozen=True)
@@ -106,10 +117,10 @@ def write_worker_record(path: Path, record: WorkerRecord) -> None:
 
 def read_worker_record(path: Path) -> WorkerRecord | None:
     try:
-        return WorkerRecord.from_json(json.loads(path.read_text(encoding="utf-8")))
+        return WorkerRecord.decode(path.read_text(encoding="utf-8"), path=path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (OSError, UnicodeDecodeError, IntegrityError) as exc:
         log.info("worker.record_unreadable", path=str(path), error=str(exc))
         return None
 

@@ -11,20 +11,20 @@ this reader 0.4 s / 40 MiB).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, BinaryIO
-
-from gguf import GGUF_MAGIC, GGUFValueType, Keys
 
 from core.errors import IntegrityError
 from core.model_files import GGUFFacts
 
-__all__ = ["GGUFHeader", "read_gguf_header", "whole_number"]
+__all__ = ["GGUFHeader", "gguf_names", "read_gguf_header", "whole_number"]
 
 MAX_KV_COUNT = 1 << 16  # real files: ~30–80 keys
 MAX_TENSOR_COUNT = 1 << 20  # real files: ≤ ~3 000 tensors
@@ -36,12 +36,26 @@ MAX_ARRAY_ITEMS_WALKED = 1 << 23  # string arrays are walked item by item; vocab
 MAX_ARRAY_DEPTH = 2
 MAX_HEADER_BYTES = 1 << 30  # a header that would need more than this is not a header
 
-_SCALAR_FORMATS: dict[int, str] = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
+
+
+@functools.cache
+def gguf_names() -> ModuleType:
+    """The ``gguf`` package, for the format's constants and key names (``GGUF_MAGIC``,
+    ``GGUFValueType``, ``Keys``). Imported on first use, not with this module: ``gguf`` imports
+    numpy (~0.1 s), which every CLI start would otherwise pay though only a header read needs it."""
+    import gguf  # third-party and heavy: lazy on purpose (see above)
+
+    return gguf
+
+
+_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"  # gguf.Keys.Tokenizer.CHAT_TEMPLATE (a test holds them equal)
+
+
+@functools.cache
+def _scalar_formats() -> dict[int, str]:
+    t = gguf_names().GGUFValueType
+    return {t.UINT8: "<B", t.INT8: "<b", t.UINT16: "<H", t.INT16: "<h", t.UINT32: "<I", t.INT32: "<i",
+            t.FLOAT32: "<f", t.BOOL: "<?", t.UINT64: "<Q", t.INT64: "<q", t.FLOAT64: "<d"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,7 @@ class GGUFHeader:
 
     @property
     def architecture(self) -> str | None:
-        value = self.metadata.get(Keys.General.ARCHITECTURE)
+        value = self.metadata.get(gguf_names().Keys.General.ARCHITECTURE)
         return value if isinstance(value, str) else None
 
     def arch_key(self, template: str) -> Any:
@@ -77,12 +91,13 @@ class GGUFHeader:
             return whole_number(self.arch_key(key))
 
         tpl = self.chat_template
+        llm, attn = gguf_names().Keys.LLM, gguf_names().Keys.Attention
         return GGUFFacts(
             version=self.version, tensor_count=self.tensor_count, architecture=self.architecture,
-            context_length=one(Keys.LLM.CONTEXT_LENGTH), block_count=one(Keys.LLM.BLOCK_COUNT),
-            embedding_length=one(Keys.LLM.EMBEDDING_LENGTH), head_count=per_layer(Keys.Attention.HEAD_COUNT),
-            head_count_kv=per_layer(Keys.Attention.HEAD_COUNT_KV), key_length=one(Keys.Attention.KEY_LENGTH),
-            value_length=one(Keys.Attention.VALUE_LENGTH), sliding_window=one(Keys.Attention.SLIDING_WINDOW),
+            context_length=one(llm.CONTEXT_LENGTH), block_count=one(llm.BLOCK_COUNT),
+            embedding_length=one(llm.EMBEDDING_LENGTH), head_count=per_layer(attn.HEAD_COUNT),
+            head_count_kv=per_layer(attn.HEAD_COUNT_KV), key_length=one(attn.KEY_LENGTH),
+            value_length=one(attn.VALUE_LENGTH), sliding_window=one(attn.SLIDING_WINDOW),
             has_chat_template=self.has_chat_template,
             chat_template_sha256=hashlib.sha256(tpl.encode()).hexdigest() if tpl is not None else None,
             header_bytes=self.header_bytes)
@@ -146,43 +161,44 @@ class _Reader:
 
 def _value_type(r: _Reader, raw: int, what: str) -> int:
     try:
-        return GGUFValueType(raw)
+        return gguf_names().GGUFValueType(raw)
     except ValueError:
         raise r.fail(f"{what} has unknown value type {raw}") from None
 
 
 def _read_value(r: _Reader, vtype: int, key: str, depth: int, budget: list[int]) -> tuple[Any, bool]:
     """(value or None, kept?) — skips what the checks do not need."""
-    if vtype in _SCALAR_FORMATS:
-        return r.unpack(_SCALAR_FORMATS[vtype], key), True
-    if vtype == GGUFValueType.STRING:
+    scalars, types = _scalar_formats(), gguf_names().GGUFValueType
+    if vtype in scalars:
+        return r.unpack(scalars[vtype], key), True
+    if vtype == types.STRING:
         n = r.string_len(key)
-        keep_cap = MAX_TEMPLATE_BYTES if key == Keys.Tokenizer.CHAT_TEMPLATE else MAX_KEPT_STRING_BYTES
+        keep_cap = MAX_TEMPLATE_BYTES if key == _CHAT_TEMPLATE_KEY else MAX_KEPT_STRING_BYTES
         if n > keep_cap:
             r.skip(n, key)
             return None, False
         return r.read(n, key).decode("utf-8", "replace"), True
-    if vtype == GGUFValueType.ARRAY:
+    if vtype == types.ARRAY:
         if depth >= MAX_ARRAY_DEPTH:
             raise r.fail(f"{key}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
         item_type = _value_type(r, r.unpack("<I", f"{key} item type"), key)
         count = r.unpack("<Q", f"{key} item count")
-        if item_type in _SCALAR_FORMATS:
-            item_size = struct.calcsize(_SCALAR_FORMATS[item_type])
+        if item_type in scalars:
+            item_size = struct.calcsize(scalars[item_type])
             r.need(count * item_size, f"{key} ({count} items)")
             if count <= MAX_KEPT_ARRAY_ITEMS:
                 raw = r.read(count * item_size, key)
-                fmt = "<" + _SCALAR_FORMATS[item_type][1] * count
+                fmt = "<" + scalars[item_type][1] * count
                 return tuple(struct.unpack(fmt, raw)), True
             r.skip(count * item_size, key)
             return None, False
         # strings / nested arrays: each item is ≥ 8 bytes, so the count is bounded by what is left
-        r.need(count * 8 if item_type == GGUFValueType.STRING else count * 12, f"{key} ({count} items)")
+        r.need(count * 8 if item_type == types.STRING else count * 12, f"{key} ({count} items)")
         budget[0] -= count
         if budget[0] < 0:
             raise r.fail(f"{key}: more than {MAX_ARRAY_ITEMS_WALKED} array items in the header")
         for _ in range(count):
-            if item_type == GGUFValueType.STRING:
+            if item_type == types.STRING:
                 r.skip(r.string_len(key), key)
             else:
                 _read_value(r, item_type, key, depth + 1, budget)
@@ -204,7 +220,7 @@ def read_gguf_header(source: Path | str | BinaryIO, *, size_bytes: int | None = 
         fh.seek(here)
     r = _Reader(fh, size_bytes, name or "file")
     magic = r.read(4, "magic")
-    if struct.unpack("<I", magic)[0] != GGUF_MAGIC:
+    if struct.unpack("<I", magic)[0] != gguf_names().GGUF_MAGIC:
         raise r.fail(f"magic is {magic!r}, not b'GGUF'")
     version = r.unpack("<I", "version")
     if version not in (2, 3):
@@ -226,12 +242,12 @@ def read_gguf_header(source: Path | str | BinaryIO, *, size_bytes: int | None = 
         except UnicodeDecodeError:
             raise r.fail(f"key #{i} is not UTF-8") from None
         vtype = _value_type(r, r.unpack("<I", f"{key} type"), key)
-        if key == Keys.Tokenizer.CHAT_TEMPLATE:
+        if key == _CHAT_TEMPLATE_KEY:
             has_template = True
         value, kept = _read_value(r, vtype, key, 0, budget)
         if kept:
             metadata[key] = value
-    template = metadata.pop(Keys.Tokenizer.CHAT_TEMPLATE, None)
+    template = metadata.pop(_CHAT_TEMPLATE_KEY, None)
     return GGUFHeader(version=version, tensor_count=tensor_count, kv_count=kv_count, metadata=metadata,
                       chat_template=template if isinstance(template, str) else None,
                       has_chat_template=has_template, header_bytes=r.pos)

@@ -35,12 +35,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import anyio
 
 from core.entry import Artifact, Entry
-from core.errors import HubError, IntegrityError, RegistryError, StageRecordError, TransferError
+from core.errors import HubError, IntegrityError, RegistryError, TransferError
 from core.log import get_logger
 from core.model_files import (
     PARTIAL_DIRNAME,
@@ -204,13 +204,10 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
                        vision=projector is not None, warnings=tuple(warnings))
 
 
-def fetched_still_on_disk(outputs: Mapping[str, Any]) -> bool:
-    """May a recorded fetch-weights result be reused? Each file's hashed partial is still there as it
-    was hashed, or verify has since put it in place (its receipt vouches for that sha256)."""
-    try:
-        fetched = FetchResult.decode(outputs)
-    except StageRecordError:  # the one stage-record decoder's error (the engine decodes first, so rare)
-        return False
+def fetched_still_on_disk(fetched: FetchResult) -> bool:
+    """May a recorded fetch-weights result (decoded by the engine, once) be reused? Each file's hashed
+    partial is still there as it was hashed, or verify has since put it in place (its receipt vouches
+    for that sha256)."""
     if fetched.snapshot is not None:
         snap_dir = Path(fetched.snapshot.directory)
         for sf in fetched.snapshot.listed:

@@ -21,7 +21,7 @@ import dataclasses
 import datetime as _dt
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ import anyio
 
 from backends.base import Session
 from backends.http_chat import REQUEST_TIMEOUT_S, HttpChatEndpoint
-from core.decode import decode_record
+from core.records import decode_record
 from core.log import get_logger
 from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
 from grading.protocol import (
@@ -48,7 +48,7 @@ from grading.report import (
     speeds,
 )
 from grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
-from grading.scenarios import pack_hash, scenarios_for
+from grading.scenarios import Scenario, pack_hash, scenarios_for
 
 __all__ = ["GRADE_FILE", "REQUEST_TIMEOUT_S", "GradeResult", "HttpChatEndpoint", "brief", "default_output_path", "fresh_output_path",
            "grade_endpoint", "grade_session", "session_facts", "write_report"]
@@ -94,13 +94,15 @@ async def _preflight(endpoint: ChatEndpoint, facts: ServerFacts) -> tuple[str | 
 
 async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: str = "full",
                          budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                         known: Mapping[str, Any] | None = None, budget_flag: str = "--budget-s") -> dict[str, Any]:
+                         known: Mapping[str, Any] | None = None, budget_flag: str = "--budget-s",
+                         scenarios: Sequence[Scenario] | None = None) -> dict[str, Any]:
     """Grade ``endpoint``; return the report dict (transcripts included). Never raises for a
     server failure: that becomes an inconclusive verdict naming it. ``known``: fingerprint parts
     the caller knows better than the server reports them (the flags it started it with, the
     verified sha256); a None value leaves the server's reading. ``budget_flag`` names the option that
-    set the budget in the verdict."""
-    scenarios = scenarios_for(tier)
+    set the budget in the verdict. ``scenarios``: another pack than the tier's (the tests' forced
+    packs); its hash is the fingerprint's."""
+    scenarios = tuple(scenarios) if scenarios is not None else scenarios_for(tier)
     pack_sha256 = pack_hash(scenarios, grade_version=GRADE_VERSION)
     started = clock()
     deadline = None if budget_s is None else started + budget_s

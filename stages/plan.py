@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, Iterable, Literal
 
+from backends.base import BackendBinary
 from core.errors import NoModelQualifies, UsageError
 from core.log import get_logger
 from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
@@ -44,6 +45,7 @@ from registry.select import (
 log = get_logger()
 
 KVSource = Literal["env", "flag", "default"]
+PREFLIGHT_KEY = "preflight"  # the plan stage's record: the plan's fields and this one
 
 
 def resolve_kv_cache_type(flag: str | None, env_raw: str | None) -> tuple[KVCacheType, KVSource]:
@@ -53,6 +55,21 @@ def resolve_kv_cache_type(flag: str | None, env_raw: str | None) -> tuple[KVCach
     if env_raw is not None and env_raw.strip():
         return parse_kv_cache_type(env_raw, source=KV_CACHE_ENV), "env"
     return parse_kv_cache_type(None), "default"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """The plan stage's result: the frozen plan, and what the backend preflight found for it
+    (llama-server's path and build facts, OpenVINO's runtime) — checked before any weight byte is
+    fetched and read by load through ``ctx.result("plan", PlannedRun)``, so the binary is found once
+    per run. ``backend`` is None where the stage only plans (the dry run, the no-op check)."""
+
+    plan: Plan
+    backend: BackendBinary | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        # the plan's own record, plus the preflight (so the record holds what load was handed)
+        return {**self.plan.to_json(), PREFLIGHT_KEY: self.backend.to_json() if self.backend is not None else None}
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from gguf import Keys
 
 from core.entry import Artifact, Entry
 from core.errors import IntegrityError, TemplateError
@@ -51,7 +50,7 @@ from core.model_files import (
     VerifyResult,
     check_integrity,
 )
-from stages._gguf_header import GGUFHeader, read_gguf_header, whole_number
+from stages._gguf_header import GGUFHeader, gguf_names, read_gguf_header, whole_number
 from stages._snapshot_verify import place_snapshot, verify_snapshot_dir
 from download import discard_partial, partial_paths
 from state.files import finalize_file
@@ -98,9 +97,10 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
         checks.append(FieldCheck("architecture", entry.architecture, None, False, "general.architecture missing"))
         return tuple(checks)
     cfg = entry.config
+    keys = gguf_names().Keys  # gguf is imported on first use (see stages._gguf_header.gguf_names)
 
-    block_count = header.arch_key(Keys.LLM.BLOCK_COUNT)
-    nextn_raw = header.arch_key(Keys.LLM.NEXTN_PREDICT_LAYERS)
+    block_count = header.arch_key(keys.LLM.BLOCK_COUNT)
+    nextn_raw = header.arch_key(keys.LLM.NEXTN_PREDICT_LAYERS)
     nextn = 0 if nextn_raw is None else whole_number(nextn_raw)
     if nextn is None or nextn < 0:
         checks.append(FieldCheck("nextn_predict_layers", None, nextn_raw, False, "not a whole number of layers"))
@@ -113,23 +113,23 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
     groups = cfg.layer_groups or ()
     if groups:
         reg_kv = {g.n_kv_heads for g in groups}
-        gguf_kv = _as_values(header.arch_key(Keys.Attention.HEAD_COUNT_KV))
+        gguf_kv = _as_values(header.arch_key(keys.Attention.HEAD_COUNT_KV))
         if gguf_kv is None:  # GGUF omits head_count_kv when it equals head_count
-            gguf_kv = _as_values(header.arch_key(Keys.Attention.HEAD_COUNT))
+            gguf_kv = _as_values(header.arch_key(keys.Attention.HEAD_COUNT))
         checks.append(FieldCheck("head_count_kv", sorted(reg_kv), None if gguf_kv is None else sorted(gguf_kv),
                                  gguf_kv == reg_kv if gguf_kv is not None else False))
         if cfg.mla:
-            checks.append(FieldCheck("key_length", None, header.arch_key(Keys.Attention.KEY_LENGTH), None,
+            checks.append(FieldCheck("key_length", None, header.arch_key(keys.Attention.KEY_LENGTH), None,
                                      "MLA: budgeted as dense, head dims not compared"))
         else:
             for name, reg_dims, key, key_swa in (
-                ("key_length", {g.head_dim_k for g in groups}, Keys.Attention.KEY_LENGTH, Keys.Attention.KEY_LENGTH_SWA),
-                ("value_length", {g.head_dim_v for g in groups}, Keys.Attention.VALUE_LENGTH, Keys.Attention.VALUE_LENGTH_SWA),
+                ("key_length", {g.head_dim_k for g in groups}, keys.Attention.KEY_LENGTH, keys.Attention.KEY_LENGTH_SWA),
+                ("value_length", {g.head_dim_v for g in groups}, keys.Attention.VALUE_LENGTH, keys.Attention.VALUE_LENGTH_SWA),
             ):
                 dims = {header.arch_key(key), header.arch_key(key_swa)} - {None}
                 if not dims:  # llama.cpp's default: embedding_length / head_count
-                    embd = whole_number(header.arch_key(Keys.LLM.EMBEDDING_LENGTH))
-                    heads = _as_values(header.arch_key(Keys.Attention.HEAD_COUNT))
+                    embd = whole_number(header.arch_key(keys.LLM.EMBEDDING_LENGTH))
+                    heads = _as_values(header.arch_key(keys.Attention.HEAD_COUNT))
                     if embd is not None and heads and len(heads) == 1 and next(iter(heads)) > 0:
                         dims = {embd // next(iter(heads))}
                 dims_int = {whole_number(d) for d in dims}
@@ -140,7 +140,7 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
                 checks.append(FieldCheck(name, sorted(reg_dims), sorted(dims_int) or None,  # type: ignore[type-var]
                                          dims_int == reg_dims if dims_int else False))
         windows = {g.window_tokens for g in groups if g.window_tokens}
-        gguf_window = header.arch_key(Keys.Attention.SLIDING_WINDOW)
+        gguf_window = header.arch_key(keys.Attention.SLIDING_WINDOW)
         if windows:
             checks.append(FieldCheck("sliding_window", sorted(windows), gguf_window,
                                      {whole_number(gguf_window)} == windows))
@@ -148,7 +148,7 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
             checks.append(FieldCheck("sliding_window", None, gguf_window, None,
                                      "registry budgets these layers as full attention (conservative)"))
 
-    ctx = header.arch_key(Keys.LLM.CONTEXT_LENGTH)
+    ctx = header.arch_key(keys.LLM.CONTEXT_LENGTH)
     if entry.context_limit is not None:
         checks.append(FieldCheck("context_length", entry.context_limit, ctx,
                                  (whole_number(ctx) or 0) >= entry.context_limit,

@@ -7,8 +7,8 @@ only while its receipt matches the pin (:func:`receipt_matches`).
 
 :func:`decode_receipt` is the only parser of the format: a damaged receipt is an IntegrityError
 naming the file; :func:`read_receipt` logs that (``receipt.damaged``) and treats the file as having
-no receipt, so it is verified again — never trusted, never a traceback. Hand-written rather than a
-schema library: ten optional fields and one rule each; the error names the receipt and the field.
+no receipt, so it is verified again — never trusted, never a traceback. Decoded with the
+``core.records`` readers, so the error names the receipt, the field and what is wrong with it.
 Also here: :func:`file_identity` and :func:`sha256_file`, the two ways a stage knows bytes on disk.
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 from core.entry import Artifact
 from core.errors import IntegrityError
 from core.log import get_logger
+from core.records import parse_own_file
 from core.model_files import FileIdentity
 from state.files import write_text_atomic
 
@@ -38,6 +39,7 @@ MAX_RECEIPT_BYTES = 1 << 20  # real receipts are a few hundred bytes
 
 _STR_FIELDS = ("repo", "revision", "file", "sha256", "hub_lfs_sha256", "variant", "git_sha1", "commit_listed")
 _STR_LIST_FIELDS = ("verified_against", "tool_markers")
+_REQUIRED = ("repo", "file")
 
 
 @dataclass(frozen=True)
@@ -77,32 +79,15 @@ def decode_receipt(text: str, *, path: Path | str) -> Receipt:
     """Parse one receipt; IntegrityError naming ``path`` and what is wrong when it is not one."""
     if len(text) > MAX_RECEIPT_BYTES:
         raise _damaged(path, f"{len(text)} characters, more than a receipt holds")
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise _damaged(path, f"not JSON ({str(exc)[:80]})") from None
-    if not isinstance(raw, dict):
-        raise _damaged(path, f"top level is {type(raw).__name__}, not an object")
-    if raw.get("schema") != RECEIPT_SCHEMA:
-        raise _damaged(path, f"schema {raw.get('schema')!r}, expected {RECEIPT_SCHEMA}")
-    for key in _STR_FIELDS:
-        if raw.get(key) is not None and not isinstance(raw[key], str):
-            raise _damaged(path, f"{key} is {type(raw[key]).__name__}, not a string")
-    for key in ("repo", "file"):
-        if not raw.get(key):
-            raise _damaged(path, f"{key} is missing")
-    size = raw.get("size_bytes")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-        raise _damaged(path, f"size_bytes is {size!r}, not a byte count")
-    lists: dict[str, tuple[str, ...]] = {}
-    for key in _STR_LIST_FIELDS:
-        value = raw.get(key) or []
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise _damaged(path, f"{key} is not a list of strings")
-        lists[key] = tuple(value)
-    return Receipt(repo=raw["repo"], revision=raw.get("revision"), file=raw["file"], sha256=raw.get("sha256"),
-                   size_bytes=size, hub_lfs_sha256=raw.get("hub_lfs_sha256"), variant=raw.get("variant"),
-                   git_sha1=raw.get("git_sha1"), commit_listed=raw.get("commit_listed"), **lists)
+    doc, f = parse_own_file(text, lambda why: _damaged(path, why), kind="a receipt", noun="receipt")
+    # unknown keys are ignored: a receipt only vouches, and a newer field must not void it
+    raw = f.object(doc, "", ("schema", *_REQUIRED), extra=True)
+    f.equal(raw["schema"], "schema", RECEIPT_SCHEMA, "it is verified again and rewritten")
+    strings = {key: f.string(raw.get(key), key, nullable=key not in _REQUIRED, blank=key not in _REQUIRED)
+               for key in _STR_FIELDS}
+    lists = {key: f.strings(raw.get(key) or [], key) for key in _STR_LIST_FIELDS}
+    return Receipt(**strings, size_bytes=f.integer(raw.get("size_bytes"), "size_bytes", minimum=0, nullable=True),
+                   **lists)
 
 
 def read_receipt(dest_dir: Path, file: str) -> Receipt | None:

@@ -189,7 +189,29 @@ async def test_no_slot_erase_at_all_is_recorded_not_fatal() -> None:
     assert report["verdict"]["verdict"] == "pass"
     assert all(s["slot"] == "unsupported" for s in report["scenarios"])
     assert any("was not erased" in n for n in report["determinism_notes"])
-    assert all("cache_prompt" not in r for r in server.chat_requests)
+    assert _cache_prompt_sent(server) == _uncached_first_requests(server)
+
+
+def _first_of_scenario(server: ScriptedServer) -> list[bool]:
+    return [len([m for m in r["messages"] if m["role"] == "user"]) == 1
+            and not any(m["role"] == "assistant" for m in r["messages"]) for r in server.chat_requests]
+
+
+def _cache_prompt_sent(server: ScriptedServer) -> list[object]:
+    return [r.get("cache_prompt") for r in server.chat_requests]
+
+
+def _uncached_first_requests(server: ScriptedServer) -> list[object]:
+    return [False if first else None for first in _first_of_scenario(server)]
+
+
+async def test_an_erased_slot_still_starts_each_scenario_uncached() -> None:
+    # llama-server's RAM prompt cache (--cache-ram) puts an earlier run's prefix back into an erased
+    # slot, so the erase alone does not make the first request start from nothing.
+    report, server = await grade(gs.oracle, tier="quick")
+    assert all(s["slot"] == "erased" for s in report["scenarios"])
+    assert sum(_first_of_scenario(server)) == 6
+    assert _cache_prompt_sent(server) == _uncached_first_requests(server)
 
 
 async def test_budget_stops_cleanly_with_an_inconclusive_verdict() -> None:

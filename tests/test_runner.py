@@ -5,6 +5,7 @@ The stages here are small real async functions that write real files; nothing is
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -122,9 +123,10 @@ class World:
         def fetch_inputs(ctx: StageContext) -> Any:
             return {"model": ctx.plan.model}  # the window does not change the file
 
-        def still_on_disk(out: dict[str, Any]) -> bool:
-            p = Path(out["path"])
-            return p.is_file() and p.stat().st_size == out["size_bytes"]
+        def still_on_disk(fetched: FileResult) -> bool:
+            assert isinstance(fetched, FileResult)  # the decoded record, not the raw outputs
+            p = Path(fetched.path)
+            return p.is_file() and p.stat().st_size == fetched.size_bytes
 
         return [
             Stage("probe", probe, always_run=True),
@@ -200,6 +202,35 @@ async def test_rerun_skips_done_stages_and_logs_the_skip(world: World, events: i
     assert [e["stage"] for e in skips][-4:] == ["fetch", "verify", "load", "check"]
     store = SyncStateStore(world.home / "state.db")
     assert [r.status for r in store.stages(outcome.run_id)] == ["done", "done"] + ["skipped"] * 4
+
+
+@pytest.mark.anyio
+async def test_a_reused_record_is_decoded_once_and_still_valid_checks_that_result(world: World) -> None:
+    """The engine decodes a record once per run and hands the decoded result to ``still_valid``:
+    no reuse check decodes the record a second time."""
+    await run_once(world)
+    decoded: list[FileResult] = []
+    checked: list[object] = []
+
+    def counting_decode(record: dict[str, Any]) -> FileResult:
+        decoded.append(FileResult.from_json(record))
+        return decoded[-1]
+
+    def still_there(fetched: FileResult) -> bool:
+        checked.append(fetched)
+        return Path(fetched.path).is_file()
+
+    stages = [dataclasses.replace(s, decode=counting_decode, still_valid=still_there) if s.name == "fetch" else s
+              for s in world.stages()]
+    world.calls.clear()
+    store = await StateStore.open(world.home / "state.db")
+    try:
+        outcome = await Runner(stages, store, FakeSettings(world.home), handle_signals=False).run()
+    finally:
+        await store.aclose()
+    assert "fetch" in outcome.skipped and "fetch" not in world.calls
+    assert len(decoded) == 1  # one decode of the fetch record in this run
+    assert len(checked) == 1 and checked[0] is decoded[0] is outcome.results["fetch"]
 
 
 @pytest.mark.anyio
@@ -498,13 +529,17 @@ def test_recorded_template_is_reused_only_while_its_text_is_unchanged(tmp_path: 
     path = tmp_path / "chat_template.jinja"
     text = "{% for tool in tools %}<tool_call>{% endfor %}"
     path.write_text(text)
-    outputs = {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    outputs = stage.decode({"entry": "fx", "path": str(path), "source": "org/m@main/chat_template.jinja",
+                            "variant": "jinja", "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                            "tool_markers": []})
     assert stage.still_valid(outputs)
     path.write_text(text.replace("<tool_call>", "plain prose"))
     assert not stage.still_valid(outputs)
     path.unlink()
     assert not stage.still_valid(outputs)
-    assert stage.still_valid({"path": None, "sha256": None})  # the entry names no template
+    no_template = stage.decode({"entry": "fx", "path": None, "source": None, "variant": None, "sha256": None,
+                                "tool_markers": []})
+    assert stage.still_valid(no_template)  # the entry names no template
 
 
 def _damage(db: Path, stage: str, outputs_json: str) -> None:
@@ -535,8 +570,8 @@ async def test_a_record_that_does_not_decode_is_named_and_its_stage_runs_again(
 
 @pytest.mark.anyio
 async def test_a_field_of_the_wrong_kind_names_the_field(world: World, events: io.StringIO) -> None:
-    """A decoder from core.decode names the damaged field's path in the logged error."""
-    from core.decode import decode_record
+    """A decoder from core.records names the damaged field's path in the logged error."""
+    from core.records import decode_record
 
     stages = world.stages()
     fetch = next(s for s in stages if s.name == "fetch")

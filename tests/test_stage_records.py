@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from core.errors import StageRecordError
-from core.plan import Device, ProbeResult
-from pipeline.provision import AutoOptions, decode_plan, provisioning_stages
+from core.plan import Device, Plan, ProbeResult
+from backends.llama_server.discovery import BuildInfo, ServerBinary
+from pipeline.provision import AutoOptions, decode_plan, decode_planned, provisioning_stages
 from backends.llama_server.allocation import AllocationReport
 from backends.openvino.allocation import OpenVinoAllocationReport
 from pipeline.session_stages import decode_load, decode_probe_call, decode_recheck
@@ -25,7 +26,7 @@ from stages.load import LoadResult
 from registry.kv import parse_kv_cache_type
 from core.model_files import (FetchedFile, FetchResult, FieldCheck, FileIdentity, GGUFFacts, SnapshotFile,
                                SnapshotResult, TemplateResult, VerifyResult)
-from stages.plan import build_plan
+from stages.plan import PlannedRun, build_plan
 from stages.probe_tool_call import ProbeToolCallResult, ToolCallVerdict
 from tests.e2e_support import GiB, fixture_entry
 from tests.gguf_fixtures import write_tool_call_model
@@ -99,14 +100,38 @@ def test_a_stored_result_decodes_to_an_equal_result_of_the_same_type(result: Any
     assert type(back) is type(result) and back == result
 
 
-def test_the_plan_decodes_with_the_same_plan_id(tmp_path: Path) -> None:
+def _cpu_plan(tmp_path: Path) -> Plan:
     info = write_tool_call_model(tmp_path / "m.gguf")
     entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256="0" * 64, params_b=0.01, template=None)
     probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),), selected=0)
     plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
     assert plan is not None
+    return plan
+
+
+def test_the_plan_decodes_with_the_same_plan_id(tmp_path: Path) -> None:
+    plan = _cpu_plan(tmp_path)
     back = decode_plan(stored(plan))
     assert back == plan and back.plan_id == plan.plan_id
+
+
+def test_the_plan_stage_record_carries_the_preflight_binary_and_decodes_to_the_same_result(tmp_path: Path) -> None:
+    """The plan stage hands load the binary its preflight found as a field of its result (no side
+    channel); the record holds the plan and that binary (path and build facts) and decodes back."""
+    plan = _cpu_plan(tmp_path)
+    binary = ServerBinary(tmp_path / "bin" / "llama-server", "cache",
+                          BuildInfo("build-info.json", "0.0.1", 7000, "abc1234", "0.3.36", backend="cpu",
+                                    variant="native", cpu_features=("avx2", "fma")), None)
+    planned = PlannedRun(plan, binary)
+    record = stored(planned)
+    assert record["preflight"]["server_path"] == str(binary.server_path)
+    assert decode_plan({k: v for k, v in record.items() if k != "preflight"}) == plan  # the plan's own fields
+    back = decode_planned(record)
+    assert back == planned and isinstance(back.backend, ServerBinary) and back.plan.plan_id == plan.plan_id
+    assert decode_planned(stored(PlannedRun(plan))) == PlannedRun(plan)  # planned only: no binary
+    with pytest.raises(StageRecordError) as err:
+        decode_planned(record | {"preflight": record["preflight"] | {"server_path": 3}})
+    assert err.value.details["field"] == "preflight.server_path"
 
 
 def test_a_load_record_decodes_without_a_live_server_and_re_encodes_the_same() -> None:

@@ -326,14 +326,15 @@ async def test_a_recorded_partial_is_verified_from_its_streamed_hash_after_a_res
     entry, fetched, dest, weights = await _fetched_partial(local_hub, tmp_path)
     record = json.loads(json.dumps(fetched.to_json()))
     assert FetchResult.decode(record) == fetched
-    assert fetched_still_on_disk(record)
+    assert fetched_still_on_disk(FetchResult.decode(record))
     with structlog.testing.capture_logs() as logs:
         result = await verify(entry, dest, fetched=FetchResult.decode(record))
     assert result.sha256_source == "streamed" and not [e for e in logs if e["event"] == "verify.rehash"]
     assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
-    assert fetched_still_on_disk(record)  # the partial is gone, but in place with a receipt for that sha256
+    # the partial is gone, but in place with a receipt for that sha256
+    assert fetched_still_on_disk(FetchResult.decode(record))
     receipt_path(dest, "model.gguf").unlink()
-    assert not fetched_still_on_disk(record)
+    assert not fetched_still_on_disk(FetchResult.decode(record))
 
 
 @pytest.mark.anyio
@@ -343,7 +344,7 @@ async def test_a_partial_touched_since_hashing_is_rehashed_and_a_damaged_one_dis
     partial = Path(fetched.weights.partial_path)
     st = partial.stat()
     os.utime(partial, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # same bytes, another mtime
-    assert not fetched_still_on_disk(fetched.to_json())  # a rerun would fetch (and hash) it again
+    assert not fetched_still_on_disk(fetched)  # a rerun would fetch (and hash) it again
     result = await verify(entry, dest, fetched=fetched)
     assert result.sha256_source == "rehashed" and result.sha256 == sha256_of(weights)
 
@@ -356,7 +357,7 @@ async def test_a_partial_touched_since_hashing_is_rehashed_and_a_damaged_one_dis
         await verify(entry, dest, fetched=fetched)
     assert exc.value.details["field"] == "sha256"
     assert not partial.exists() and not (dest / "model.gguf").exists()  # never resumed from, never in place
-    assert not fetched_still_on_disk(fetched.to_json())  # so the next run fetches it again
+    assert not fetched_still_on_disk(fetched)  # so the next run fetches it again
     again = await fetch_weights(entry, dest, settings=settings_for(local_hub, tmp_path / "second" / "home"),
                                 options=FAST, progress=False)
     assert again.weights is not None and again.weights.resumed_from_bytes == 0

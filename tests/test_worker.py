@@ -6,6 +6,7 @@ one). The end-to-end run with the real llama-server is in tests/test_serve_worke
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,15 @@ def test_record_round_trips(tmp_path: Path) -> None:
     record = _record(123, 456)
     write_worker_record(tmp_path / "serve.pid", record)
     assert read_worker_record(tmp_path / "serve.pid") == record
+
+
+def test_a_damaged_record_names_the_file_and_the_field(tmp_path: Path) -> None:
+    from core.errors import IntegrityError
+
+    good = _record(123, 456).to_json()
+    path = tmp_path / "serve.pid"
+    for damaged, field in (({**good, "pid": "x"}, "pid"), ({**good, "device": []}, "device"),
+                           ({k: v for k, v in good.items() if k != "port"}, "port")):
+        with pytest.raises(IntegrityError) as err:
+            WorkerRecord.decode(json.dumps(damaged), path=path)
+        assert err.value.what.startswith(f"worker record {path} is damaged: {field} "), err.value.what

@@ -37,13 +37,15 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import anyio
-import httpx
 
 from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO
 from backends.llama_server.logs import LogLine, read_server_log
 from core.errors import AllocationMismatch
+from core.lazy_import import lazy_module
 from core.plan import Plan
 from registry.kv import allocation_kv_bytes
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
     from backends.llama_server.process import LoadedServer

@@ -16,11 +16,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import httpx
 
+from core.lazy_import import lazy_module
 from backends.base import ChatAnswer, ChatFailed
 from backends.llama_server.crash import signal_death_report
 from backends.llama_server.logs import relevant_log_lines
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
     from backends.llama_server.process import LoadedServer

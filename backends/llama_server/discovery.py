@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from core.records import decode_record
 from core.errors import BackendError, BackendNotFound
 from core.isa import cpuinfo_flags, missing_features
 from core.log import get_logger
@@ -161,6 +162,12 @@ class ServerBinary:
                 "cuda_architectures": list(self.build.cuda_architectures),
             },
         }
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:
+        """The binary back from its :meth:`to_json` (the plan stage's record); StageRecordError names
+        a damaged field."""
+        return decode_record(cls, record, path=path)
 
 
 # ---------------------------------------------------------------- pure core

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Literal, Mapping
 
 import anyio
-import httpx
 
 from backends.base import AllocationReport, ChatAnswer
 from backends.http_chat import HttpChatEndpoint
@@ -59,9 +58,12 @@ from backends.llama_server.logs import (
     relevant_log_lines,
 )
 from core.errors import LoadError
+from core.lazy_import import lazy_module
 from core.log import get_logger
 from core.plan import Plan
 from grading.protocol import ChatEndpoint
+
+httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 __all__ = ["HEALTH_TIMEOUT_S", "TERM_GRACE_S", "LoadedServer", "free_port", "open_server"]
 

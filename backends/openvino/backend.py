@@ -17,6 +17,7 @@ from typing import Any, Literal
 from backends.base import BackendBinary, ModelFiles, ServeCommand
 from backends.openvino.config import OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision, require_openvino
 from backends.openvino.session import OpenVinoSession, open_openvino_session
+from core.records import decode_record
 from core.plan import Plan
 from core.settings import Settings
 
@@ -64,6 +65,11 @@ class OpenVinoRuntime:
     def to_json(self) -> dict[str, Any]:
         return {"name": "openvino", "genai_version": self.genai_version, "device": self.device,
                 "kv_precision": self.kv_precision}
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any], *, path: str = "") -> OpenVinoRuntime:
+        """The runtime back from its :meth:`to_json` (the plan stage's record)."""
+        return decode_record(cls, record, extra_keys=frozenset({"name"}), path=path)
 
 
 class OpenVinoBackend:
