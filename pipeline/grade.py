@@ -7,13 +7,12 @@ already pulled and verified one, opened through the same Backend as load and ser
   nothing written), then the files in place re-confirmed from their verification receipts (nothing is
   downloaded: a model not pulled is refused naming ``hotfit pull NAME``).
 
-Either way the outcome updates the grade evidence (:func:`pipeline.evidence.record_grade`): a FULL-tier
-pass of a tool-chat model is recorded for ``--admit-graded``, a fail removes it.
-
 Either way the session is opened with :func:`stages.load.open_session` (the backend's own preflight
 first), graded through ``session.chat_endpoint()`` (:func:`stages.grade.grade_session`) and always
 stopped. The home lock is held throughout, so a grade never loads a second model beside a running
-``hotfit auto`` nor rewrites the manifest under it (a second one exits 6 naming the holder).
+``hotfit auto`` nor rewrites the manifest under it (a second one exits 6 naming the holder). The
+outcome then updates the grade evidence (:func:`pipeline.evidence.record_grade`): a FULL-tier pass of
+a tool-chat model is recorded for ``--admit-graded``, a fail removes it.
 """
 
 from __future__ import annotations
