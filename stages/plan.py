@@ -8,7 +8,8 @@ wrapped in ``core.plan.Plan``; when nothing qualifies the outcome carries the re
 instead, so ``hotfit plan`` can still print every candidate's verdict next to the error.
 
 Over 400 lines: the plan stage's whole job — KV type, previous-model rule, origin isolation,
-multi-device choice and the fail-closed refusal — in the one module per stage; the arithmetic is
+multi-device choice, the ``--admit-graded`` admission per device and the fail-closed refusal — in the
+one module per stage; the arithmetic is
 in registry/ (pure).
 """
 

@@ -12,6 +12,9 @@ What is real and what is a stand-in:
   ``build-info.json`` beside it) in the non-llama tests; the ``llama`` test uses the real binary, a
   real ``hotfit auto --admit-graded`` and a real full-tier grade of the fixture (which fails, and so
   withdraws the evidence).
+
+Just over 400 lines: one world (pulled files, stand-in build, scripted grade job) serves every test
+here, and splitting it would put that set-up in a third module for no reader's gain.
 """
 
 from __future__ import annotations
