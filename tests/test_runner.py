@@ -349,14 +349,19 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_reaps_child_and_marks_interrupted(tmp_path: Path, signum: int) -> None:
-    home = tmp_path / "home"
+def _start_holding(home: Path) -> tuple[subprocess.Popen[str], int]:
+    """The signal script, run until its second stage holds a child process: (runner, child pid)."""
     home.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(home)], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "holding"
-    child_pid = int((home / "child.pid").read_text())
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+    return proc, int((home / "child.pid").read_text())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_reaps_child_and_marks_interrupted(tmp_path: Path, signum: int) -> None:
+    home = tmp_path / "home"
+    proc, child_pid = _start_holding(home)
     os.kill(proc.pid, signum)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
@@ -374,11 +379,7 @@ def test_signal_reaps_child_and_marks_interrupted(tmp_path: Path, signum: int) -
 
 def test_kill_9_leaves_state_the_next_run_resumes(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    home.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(home)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "holding"
-    child_pid = int((home / "child.pid").read_text())
+    proc, child_pid = _start_holding(home)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     os.kill(child_pid, signal.SIGKILL)  # kill -9 cannot reap; the orphan is the test's to clean
