@@ -51,7 +51,7 @@ from pipeline.session_stages import (
     grade_stage,
     opened_context_tokens,
 )
-from pipeline.worker import find_worker, worker_held_bytes
+from pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
 from stages.plan import PlanOutcome, PreviousModel, outcome_json
 from state.locks import FileLock
 from state.store import StateStore
@@ -199,19 +199,44 @@ def build_manifest(outcome: PipelineOutcome) -> Manifest:
 
 async def previous_model(opts: AutoOptions, settings: Settings) -> tuple[Manifest | None, PreviousModel | None]:
     """The standing manifest, and the previous model the planner keeps while it qualifies."""
+    manifest, previous, _worker = await _standing(opts, settings)
+    return manifest, previous
+
+
+async def _standing(opts: AutoOptions,
+                    settings: Settings) -> tuple[Manifest | None, PreviousModel | None, WorkerFacts | None]:
+    """(manifest, the previous model the planner keeps while it qualifies, the live `hotfit serve`
+    worker of this home serving the manifest's model, if any)."""
     manifest = read_manifest(settings.manifest_path)
-    if opts.refresh or opts.model or manifest is None:
-        return manifest, None
+    if manifest is None:
+        return None, None, None
+    worker = await anyio.to_thread.run_sync(find_worker, settings.serve_pid_path, manifest)
+    if opts.refresh or opts.model:
+        return manifest, None, worker
     # Kept while it qualifies on the device it was provisioned on; a worker of this home
     # serving it right now holds memory that is the previous model's own (issue 10 item 1).
-    worker = await anyio.to_thread.run_sync(find_worker, settings.serve_pid_path, manifest)
     held = 0
     if worker is not None:
         try:
             held = worker_held_bytes(manifest, worker)
         except (UsageError, KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan
             log.info("worker.unjudged", reason=str(exc))
-    return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest), worker_held_bytes=held)
+    return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest),
+                                   worker_held_bytes=held), worker
+
+
+def _beside_worker(worker: WorkerFacts | None) -> dict[str, Any]:
+    """A run that provisions while `hotfit serve` serves loads its own llama-server beside the
+    worker (the load, tool probe and re-check need one) and leaves the worker as it is: said as a
+    warning and in the output, so an operator knows the worker still serves the old provisioning."""
+    if worker is None:
+        return {}
+    rec = worker.record
+    log.warning("run.beside_worker", pid=rec.pid, port=rec.port, model=rec.entry_name,
+                detail=f"`hotfit serve` (pid {rec.pid}, port {rec.port}) is serving {rec.entry_name} from this home; "
+                       "this run loads its own llama-server beside it (more memory in use until it ends) and "
+                       "does not stop or replace the worker: restart `hotfit serve` to serve what this run provisions")
+    return {"serving_worker": {"pid": rec.pid, "port": rec.port, "model": rec.entry_name, "replaced": False}}
 
 
 async def plan_only(opts: AutoOptions, settings: Settings,
@@ -253,7 +278,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
 
     lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
     async with held_interruptibly(lock):
-        manifest, previous = await previous_model(opts, settings)
+        manifest, previous, worker = await _standing(opts, settings)
         if manifest is not None and not opts.recheck and not opts.refresh:
             _probe, planned = await plan_only(opts, settings, previous)
             assert planned.plan is not None
@@ -265,6 +290,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
                 data = manifest.to_json() | {"noop": True} | _admitted_json(opts, planned)
                 return AutoOutcome("noop", data, planned.plan, manifest)
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)
+        beside = _beside_worker(worker)
         store = await StateStore.open(settings.state_db, lock_path=settings.lock_path)
         try:
             planned_now: list[PlanOutcome] = []
@@ -285,7 +311,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
         log.info("manifest.written", path=str(settings.manifest_path), model=new_manifest.entry_name,
                  run_id=outcome.run_id, plan_id=new_manifest.plan_id)
         assert outcome.plan is not None
-        data = new_manifest.to_json() | admitted
+        data = new_manifest.to_json() | admitted | beside
         graded = outcome.outputs.get(GRADE_STAGE)
         if graded and GRADE_STAGE not in outcome.skipped:  # a reused grade was recorded when it ran
             data["grade_evidence"] = await anyio.to_thread.run_sync(

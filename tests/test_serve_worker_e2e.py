@@ -120,6 +120,18 @@ def test_rerun_while_serving_keeps_the_served_model_and_changes_nothing(hub: Loc
         assert health(port) == 200 and serve.poll() is None  # serve's server still answering
         dry = json.loads(hotfit(hub, home, *auto_args(world, busy, "--dry-run")).stdout)
         assert dry["model"] == LARGE and dry["reused"] is True and dry["would"].startswith("nothing")
+
+        # A run that must provision while the worker serves (--recheck) says so and leaves it alone.
+        log_from = len(events(home))
+        recheck = hotfit(hub, home, *auto_args(world, roomy, "--recheck", "--json"))
+        assert recheck.returncode == 0, recheck.stderr[-2000:]
+        assert json.loads(recheck.stdout)["serving_worker"] == {"pid": serve.pid, "port": port, "model": LARGE,
+                                                                "replaced": False}
+        warned = [e for e in events(home)[log_from:] if e["event"] == "run.beside_worker"]
+        assert len(warned) == 1 and warned[0]["pid"] == serve.pid and warned[0]["level"] == "warning"
+        assert "restart `hotfit serve`" in warned[0]["detail"]
+        assert llama_servers_of(home) == {serve.pid}  # the run's own llama-server is gone again
+        assert health(port) == 200 and serve.poll() is None
     finally:
         serve.send_signal(signal.SIGTERM)
         try:
