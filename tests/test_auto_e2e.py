@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from download import partial_paths
 from tests.e2e_support import LARGE, SMALL, GiB, World, sha256_of, write_probe
 from tests.gguf_fixtures import pinned_template, require_llama_server, write_standin_llama_server
 from tests.hubserver import LocalHub
@@ -329,16 +328,9 @@ def _interrupt_mid_download(hub: LocalHub, home: Path, world: World, probe: Path
     slow_bps = 24_000  # about 9 s for the large fixture: SIGTERM lands mid-body
     hub.inject(file="*.gguf", throughput_bps=slow_bps, times=None)
     proc = start(hub, home, world, probe, "--json", server=server)
-    _p, sidecar, _l = partial_paths(home / "models" / LARGE / ".partial", large.artifact.repo, large.artifact.file)
-
-    def claimed_bytes() -> int:
-        try:
-            return int(json.loads(sidecar.read_text())["done_bytes"])
-        except (OSError, ValueError, KeyError):
-            return 0
     # SIGTERM once a checkpoint claims bytes (state, not a sleep: a loaded machine starts late), while
     # most of the body is still to come (at 24 kB/s the rest takes seconds)
-    wait_for(lambda: claimed_bytes() > 0, what="a checkpoint to claim downloaded bytes")
+    wait_for(lambda: sidecar_done_bytes(home / "models" / LARGE) > 0, what="a checkpoint to claim downloaded bytes")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
