@@ -199,19 +199,22 @@ def build_manifest(outcome: PipelineOutcome) -> Manifest:
 
 async def previous_model(opts: AutoOptions, settings: Settings) -> tuple[Manifest | None, PreviousModel | None]:
     """The standing manifest, and the previous model the planner keeps while it qualifies."""
-    manifest, previous, _worker = await _standing(opts, settings)
+    manifest, previous, _worker = await _standing(opts, settings, worker_wanted=False)
     return manifest, previous
 
 
-async def _standing(opts: AutoOptions,
-                    settings: Settings) -> tuple[Manifest | None, PreviousModel | None, WorkerFacts | None]:
+async def _standing(opts: AutoOptions, settings: Settings, *,
+                    worker_wanted: bool) -> tuple[Manifest | None, PreviousModel | None, WorkerFacts | None]:
     """(manifest, the previous model the planner keeps while it qualifies, the live `hotfit serve`
-    worker of this home serving the manifest's model, if any)."""
+    worker of this home serving the manifest's model, if any). The worker is looked for when the
+    previous model is judged, or when ``worker_wanted`` (a run that may provision beside it)."""
     manifest = read_manifest(settings.manifest_path)
     if manifest is None:
         return None, None, None
-    worker = await anyio.to_thread.run_sync(find_worker, settings.serve_pid_path, manifest)
-    if opts.refresh or opts.model:
+    keeps_previous = not (opts.refresh or opts.model)
+    worker = (await anyio.to_thread.run_sync(find_worker, settings.serve_pid_path, manifest)
+              if keeps_previous or worker_wanted else None)
+    if not keeps_previous:
         return manifest, None, worker
     # Kept while it qualifies on the device it was provisioned on; a worker of this home
     # serving it right now holds memory that is the previous model's own (issue 10 item 1).
@@ -278,7 +281,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
 
     lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
     async with held_interruptibly(lock):
-        manifest, previous, worker = await _standing(opts, settings)
+        manifest, previous, worker = await _standing(opts, settings, worker_wanted=True)
         if manifest is not None and not opts.recheck and not opts.refresh:
             _probe, planned = await plan_only(opts, settings, previous)
             assert planned.plan is not None
