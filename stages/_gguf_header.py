@@ -18,13 +18,13 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, BinaryIO
 
 from core.errors import IntegrityError
+from core.lazy_import import lazy_module
 from core.model_files import GGUFFacts
 
-__all__ = ["GGUFHeader", "gguf_names", "read_gguf_header", "whole_number"]
+__all__ = ["GGUFHeader", "gguf", "read_gguf_header", "whole_number"]
 
 MAX_KV_COUNT = 1 << 16  # real files: ~30–80 keys
 MAX_TENSOR_COUNT = 1 << 20  # real files: ≤ ~3 000 tensors
@@ -36,24 +36,17 @@ MAX_ARRAY_ITEMS_WALKED = 1 << 23  # string arrays are walked item by item; vocab
 MAX_ARRAY_DEPTH = 2
 MAX_HEADER_BYTES = 1 << 30  # a header that would need more than this is not a header
 
-
-
-@functools.cache
-def gguf_names() -> ModuleType:
-    """The ``gguf`` package, for the format's constants and key names (``GGUF_MAGIC``,
-    ``GGUFValueType``, ``Keys``). Imported on first use, not with this module: ``gguf`` imports
-    numpy (~0.1 s), which every CLI start would otherwise pay though only a header read needs it."""
-    import gguf  # third-party and heavy: lazy on purpose (see above)
-
-    return gguf
-
+# The format's constants and key names (GGUF_MAGIC, GGUFValueType, Keys) come from ``gguf``, imported on
+# first use (core.lazy_import): it imports numpy (~0.1 s), which every CLI start would otherwise pay
+# though only a header read needs it.
+gguf = lazy_module("gguf")
 
 _CHAT_TEMPLATE_KEY = "tokenizer.chat_template"  # gguf.Keys.Tokenizer.CHAT_TEMPLATE (a test holds them equal)
 
 
 @functools.cache
 def _scalar_formats() -> dict[int, str]:
-    t = gguf_names().GGUFValueType
+    t = gguf.GGUFValueType
     return {t.UINT8: "<B", t.INT8: "<b", t.UINT16: "<H", t.INT16: "<h", t.UINT32: "<I", t.INT32: "<i",
             t.FLOAT32: "<f", t.BOOL: "<?", t.UINT64: "<Q", t.INT64: "<q", t.FLOAT64: "<d"}
 
@@ -70,7 +63,7 @@ class GGUFHeader:
 
     @property
     def architecture(self) -> str | None:
-        value = self.metadata.get(gguf_names().Keys.General.ARCHITECTURE)
+        value = self.metadata.get(gguf.Keys.General.ARCHITECTURE)
         return value if isinstance(value, str) else None
 
     def arch_key(self, template: str) -> Any:
@@ -91,7 +84,7 @@ class GGUFHeader:
             return whole_number(self.arch_key(key))
 
         tpl = self.chat_template
-        llm, attn = gguf_names().Keys.LLM, gguf_names().Keys.Attention
+        llm, attn = gguf.Keys.LLM, gguf.Keys.Attention
         return GGUFFacts(
             version=self.version, tensor_count=self.tensor_count, architecture=self.architecture,
             context_length=one(llm.CONTEXT_LENGTH), block_count=one(llm.BLOCK_COUNT),
@@ -161,14 +154,14 @@ class _Reader:
 
 def _value_type(r: _Reader, raw: int, what: str) -> int:
     try:
-        return gguf_names().GGUFValueType(raw)
+        return gguf.GGUFValueType(raw)
     except ValueError:
         raise r.fail(f"{what} has unknown value type {raw}") from None
 
 
 def _read_value(r: _Reader, vtype: int, key: str, depth: int, budget: list[int]) -> tuple[Any, bool]:
     """(value or None, kept?) — skips what the checks do not need."""
-    scalars, types = _scalar_formats(), gguf_names().GGUFValueType
+    scalars, types = _scalar_formats(), gguf.GGUFValueType
     if vtype in scalars:
         return r.unpack(scalars[vtype], key), True
     if vtype == types.STRING:
@@ -220,7 +213,7 @@ def read_gguf_header(source: Path | str | BinaryIO, *, size_bytes: int | None = 
         fh.seek(here)
     r = _Reader(fh, size_bytes, name or "file")
     magic = r.read(4, "magic")
-    if struct.unpack("<I", magic)[0] != gguf_names().GGUF_MAGIC:
+    if struct.unpack("<I", magic)[0] != gguf.GGUF_MAGIC:
         raise r.fail(f"magic is {magic!r}, not b'GGUF'")
     version = r.unpack("<I", "version")
     if version not in (2, 3):

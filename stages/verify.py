@@ -50,7 +50,7 @@ from core.model_files import (
     VerifyResult,
     check_integrity,
 )
-from stages._gguf_header import GGUFHeader, gguf_names, read_gguf_header, whole_number
+from stages._gguf_header import GGUFHeader, gguf, read_gguf_header, whole_number
 from stages._snapshot_verify import place_snapshot, verify_snapshot_dir
 from download import discard_partial, partial_paths
 from state.files import finalize_file
@@ -97,7 +97,7 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
         checks.append(FieldCheck("architecture", entry.architecture, None, False, "general.architecture missing"))
         return tuple(checks)
     cfg = entry.config
-    keys = gguf_names().Keys  # gguf is imported on first use (see stages._gguf_header.gguf_names)
+    keys = gguf.Keys  # gguf is imported on first use (stages._gguf_header)
 
     block_count = header.arch_key(keys.LLM.BLOCK_COUNT)
     nextn_raw = header.arch_key(keys.LLM.NEXTN_PREDICT_LAYERS)
