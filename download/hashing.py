@@ -2,7 +2,7 @@
 
 Why threads: on one stream the event loop was the bound (scripts/bench-download: the HTTP parser,
 ``recv`` and a ``pwritev`` of every chunk all on one core). Bytes are received off the loop
-(``download.wire``); one thread per file writes each chunk at its offset (``pwritev``, GIL released),
+(``download.wire``); one thread per file writes each chunk at its offset (``pwrite`` in pieces, GIL released),
 starts its writeback and counts it in its block's ``done`` (so a checkpoint claims only written
 bytes); a second thread hashes it (sha256 releases the GIL too), so on one stream the write and the
 hash of successive chunks overlap instead of adding up (sha256 alone is ~0.6 s/GiB on one core).
@@ -34,6 +34,12 @@ MiB = 1024 * 1024
 # What the loop may have received but the thread not yet written: memory held, and at most this much
 # is lost to a kill -9 beyond what the last checkpoint did not claim anyway.
 WRITE_QUEUE_BYTES = 16 * MiB
+# One pwrite's size, not one receive buffer's: the kernel sizes a new page-cache folio by the write
+# (ext4 large folios, Linux >= 6.x), and large folios come from the large free blocks a VM with free
+# page reporting has handed back to its host, so every first touch faults there. Measured with
+# scripts/bench-download on such a VM (Firecracker, page_reporting_order 9): 1 MiB writes 3.6 s/GiB,
+# 64 KiB writes 2.3, curl (16 KiB writes) 2.1, memory settled before each fetch. README "Measured".
+WRITE_PIECE_BYTES = 64 * 1024
 Data = bytes | list[bytes]
 
 
@@ -157,7 +163,7 @@ class OrderedHasher:
     # ---------------------------------------------------------------- the threads
 
     def _run(self) -> None:
-        """The write thread: pwritev each chunk, count it, pass it on to the hash thread in order."""
+        """The write thread: write each chunk, count it, pass it on to the hash thread in order."""
         try:
             while True:
                 item = self._queue.get()
@@ -227,17 +233,20 @@ class OrderedHasher:
                 self._cond.notify_all()
 
     def _write(self, offset: int, parts: list[bytes], n_todo: int, block: Counted) -> bool:
-        """pwritev ``parts`` at ``offset``; False after a failed write (this one or an earlier one)."""
+        """Write ``parts`` at ``offset`` in ``WRITE_PIECE_BYTES`` pieces; False after a failed write
+        (this one or an earlier one)."""
         n = 0
         try:
             if self.write_error is not None:
                 return False
             try:
-                n = os.pwritev(self._fd, parts, offset)
-                if n < n_todo:  # short write (file-size limit, disk nearly full): finish byte-wise
-                    rest = b"".join(parts)
-                    while n < n_todo:
-                        n += os.pwrite(self._fd, memoryview(rest)[n:], offset + n)
+                for part in parts:
+                    view = memoryview(part)
+                    at = 0
+                    while at < len(view):  # a short write (file-size limit, disk nearly full) goes on from where it stopped
+                        wrote = os.pwrite(self._fd, view[at:at + WRITE_PIECE_BYTES], offset + n)
+                        at += wrote
+                        n += wrote
             except OSError as exc:
                 self.write_error = (exc, offset + n)
                 block.done += n  # what did land is kept and counted (not hashed: the download fails)

@@ -5,7 +5,7 @@ in a worker thread); the answer is checked against the pin (206 with the asked r
 the pinned size, or 200 with the pinned length for a whole-file stream) before a byte is written.
 The body is read with ``readinto1`` straight into the file's pooled 1 MiB receive buffers, each handed
 to the write-behind thread of ``download.hashing`` at its absolute offset when full or after one
-checkpoint interval (one ``pwritev``, sha256 of the same memory, no copy in Python); whatever is
+checkpoint interval (written in place, sha256 of the same memory, no copy in Python); whatever is
 received when the stream breaks is still written, so a cut loses no received byte. The event loop
 only waits: cancelling it (Ctrl-C) shuts the socket down, so a blocked ``recv`` returns at once. A
 200 to a ranged GET is :class:`RangeIgnored`: the scheduler restarts the file as one stream from

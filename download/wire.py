@@ -3,7 +3,7 @@
 Why: on one stream the event loop was the bound (scripts/bench-download, issue 11: ~1.5 s of loop
 CPU per GiB in httpx/httpcore/h11 — each body byte copied by the asyncio transport, by h11's
 receive buffer and again into a ``Data`` event — against curl's 1.3 s for everything). Here a
-``Content-Length`` body goes ``recv_into`` → a pooled 1 MiB buffer → ``pwritev`` + sha256 in the
+``Content-Length`` body goes ``recv_into`` → a pooled 1 MiB buffer → ``pwrite`` + sha256 in the
 write-behind thread, with no copy in Python; ``http.client`` only parses the status line and headers
 (chunked or close-delimited bodies are read by it too, with its own copies: they do not occur for
 ranged Hub/CDN answers). HEADs and Hub metadata calls stay on httpx.
