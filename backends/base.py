@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from core.plan import Plan
+from core.records import JsonRecord
 from core.settings import Settings
 from grading.protocol import ChatEndpoint
 
@@ -34,6 +35,7 @@ __all__ = [
     "KV_EXCESS_TOLERANCE",
     "KV_SHORTFALL_WARN_RATIO",
     "AllocationReport",
+    "AllocationVerdict",
     "Backend",
     "BackendBinary",
     "BackendName",
@@ -119,6 +121,18 @@ class ChatFailed(Exception):
         self.what = what
         self.hint = hint
         self.details = details
+
+
+@dataclass(frozen=True)
+class AllocationVerdict(JsonRecord):
+    """The fields every backend's allocation report opens with (its own facts follow them), and
+    its JSON: the fields, in that order."""
+
+    verdict: str  # "pass" | "fail"
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+    planned_hot_context_tokens: int
+    floor_tokens: int
 
 
 class AllocationReport(Protocol):

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import anyio
 
-from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO
+from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
 from backends.llama_server.logs import LogLine, read_server_log
 from core.errors import AllocationMismatch
 from core.lazy_import import lazy_module
@@ -180,14 +180,9 @@ def parse_log_allocation(lines: Sequence[LogLine]) -> LogAllocation:
 
 
 @dataclass(frozen=True)
-class AllocationReport:
+class AllocationReport(AllocationVerdict):
     """The verified hot allocation (``actual_*``) beside the plan's estimate — never merged."""
 
-    verdict: str  # "pass" | "fail"
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-    planned_hot_context_tokens: int
-    floor_tokens: int
     opened_n_ctx_per_slot: tuple[int, ...]  # from /slots
     props_n_ctx: int | None  # /props default_generation_settings.n_ctx
     total_slots: int | None
@@ -206,9 +201,6 @@ class AllocationReport:
     chat_template_caps: dict[str, Any] = field(default_factory=dict)
     build_info: str | None = None
     model_path: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
     @property
     def opened_context_tokens(self) -> int | None:

@@ -18,12 +18,12 @@ Pure: :func:`judge_openvino_allocation`. Effect: :func:`read_allocation`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO
+from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
 from backends.openvino.config import KV_PRECISIONS, KvShape, SessionConfig, kv_bytes_per_token, parse_ir_kv_shape
 from backends.openvino.protocol import WorkerGone
 from core.errors import AllocationMismatch
@@ -39,14 +39,9 @@ METRICS_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
-class OpenVinoAllocationReport:
+class OpenVinoAllocationReport(AllocationVerdict):
     """The verified allocation (``actual_*``, ``opened_*``) beside the plan's estimate — never merged."""
 
-    verdict: str  # "pass" | "fail"
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-    planned_hot_context_tokens: int
-    floor_tokens: int
     opened_context_tokens: int | None  # derived from actual_kv_bytes, not from the configuration
     configured_kv_blocks: int
     block_tokens: int
@@ -60,9 +55,6 @@ class OpenVinoAllocationReport:
     max_cache_usage_percent: float | None
     kv_states: int
     tolerance: float
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
     def event_facts(self) -> dict[str, Any]:
         return {
