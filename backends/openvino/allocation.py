@@ -57,16 +57,9 @@ class OpenVinoAllocationReport(AllocationVerdict):
     tolerance: float
 
     def event_facts(self) -> dict[str, Any]:
-        return {
-            "verdict": self.verdict,
-            "planned_hot_context_tokens": self.planned_hot_context_tokens,
-            "opened_context_tokens": self.opened_context_tokens,
-            "estimated_kv_bytes": self.estimated_kv_bytes,
-            "actual_kv_bytes": self.actual_kv_bytes,
-            "ratio": round(self.ratio, 6) if self.ratio else None,
-            "kv_precision": self.kv_precision,
-            "backend": "openvino",
-        }
+        return self.pick("verdict", "planned_hot_context_tokens", "opened_context_tokens", "estimated_kv_bytes",
+                         "actual_kv_bytes", "ratio", "kv_precision", ratio=round(self.ratio, 6) if self.ratio else None,
+                         backend="openvino")
 
     def warning_event(self, warning: str) -> str:
         return "recheck.kv_below_estimate"
@@ -135,10 +128,9 @@ def judge_openvino_allocation(
         elif ratio < KV_SHORTFALL_WARN_RATIO:
             warnings.append(f"OpenVINO allocated {actual_kv_bytes} KV bytes, only {ratio:.3f}x the estimate of "
                             f"{estimated_kv_bytes}")
-    return OpenVinoAllocationReport(
-        verdict="fail" if problems else "pass",
-        problems=tuple(problems),
-        warnings=tuple(warnings),
+    return OpenVinoAllocationReport.judged(
+        problems,
+        warnings,
         planned_hot_context_tokens=config.planned_tokens,
         floor_tokens=floor_tokens,
         opened_context_tokens=opened,
