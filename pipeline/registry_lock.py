@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 
 from core.errors import HubError, PinMismatch, UsageError
 from core.log import get_logger
+from core.records import field_dict
 from pipeline.registry_file import bundled_registry_path
 from registry.catalog import parse_registry, parse_registry_text
 from download import hub_error_from_hf_exception, is_not_a_hub
@@ -63,7 +64,7 @@ class LockChange:
     new: Any
 
     def to_json(self) -> dict[str, Any]:
-        return {"entry": self.entry, "field": self.field, "new": self.new}
+        return field_dict(self)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class LockProblem:
     message: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"entry": self.entry, "field": self.field, "kind": self.kind, "message": self.message}
+        return field_dict(self)
 
 
 @dataclass(frozen=True)
