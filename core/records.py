@@ -17,6 +17,10 @@ whole number, got 0") is the one the curated registry has always given, so every
 alike. A stage record (state.db) names the wrong value's kind instead of the value ("got str"):
 what a damaged record holds may be long, and it goes into the event log.
 
+The way back is shared too: a result whose JSON is its fields is a :class:`JsonRecord`
+(``to_json`` = ``dataclasses.asdict``, ``decode`` = :func:`decode_record`), and a record whose
+JSON renames or drops a field builds it from :func:`field_dict`.
+
 Why hand-written and not msgspec/pydantic (issue 11, item 6): the checks that matter here are
 cross-field rules (an auto-eligible entry needs a pinned revision, free ≤ total) that a schema
 library leaves to hand-written code anyway, and msgspec's own messages ("Expected `int | null`,
