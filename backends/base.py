@@ -20,13 +20,14 @@ failure). This module is pure: protocols and frozen result types only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 from core.plan import Plan
+from core.records import JsonRecord
 from core.settings import Settings
 from grading.protocol import ChatEndpoint
 
@@ -34,6 +35,7 @@ __all__ = [
     "KV_EXCESS_TOLERANCE",
     "KV_SHORTFALL_WARN_RATIO",
     "AllocationReport",
+    "AllocationVerdict",
     "Backend",
     "BackendBinary",
     "BackendName",
@@ -119,6 +121,29 @@ class ChatFailed(Exception):
         self.what = what
         self.hint = hint
         self.details = details
+
+
+@dataclass(frozen=True)
+class AllocationVerdict(JsonRecord):
+    """The fields every backend's allocation report opens with (its own facts follow them), and
+    its JSON: the fields, in that order."""
+
+    verdict: str  # "pass" | "fail"
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+    planned_hot_context_tokens: int
+    floor_tokens: int
+
+    @classmethod
+    def judged(cls, problems: Sequence[str], warnings: Sequence[str], **facts: Any) -> Self:
+        """The report of ``facts`` whose verdict follows from ``problems``: any problem fails it."""
+        return cls(verdict="fail" if problems else "pass", problems=tuple(problems), warnings=tuple(warnings),
+                   **facts)
+
+    def pick(self, *names: str, **values: Any) -> dict[str, Any]:
+        """The named fields in that order (for ``event_facts``); a name also in ``values`` takes its value
+        there (a rounded ratio) in the same place, the other ``values`` follow."""
+        return {name: getattr(self, name) for name in names} | values
 
 
 class AllocationReport(Protocol):

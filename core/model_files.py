@@ -8,18 +8,18 @@ share, and the pure integrity rule.
 - verify ends with :class:`VerifyResult`: the file renamed into place and the GGUF header's facts
   (:class:`GGUFFacts`, read once per run) that load and later stages use instead of re-reading it.
 
-Every result has ``to_json`` and a ``decode`` (core.records: one decoder for every stage record, a
-StageRecordError naming the field), so a stage reused from ``state.db`` hands downstream the same
-type a fresh one does. Nothing here touches the disk.
+Every result has ``to_json`` and a ``decode`` (:class:`core.records.JsonRecord`: one decoder for
+every stage record, a StageRecordError naming the field), so a stage reused from ``state.db`` hands
+downstream the same type a fresh one does. Nothing here touches the disk.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from core.records import decode_record
 from core.errors import IntegrityError
+from core.records import JsonRecord
 
 __all__ = [
     "TEMPLATE_FILENAME", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST", "PARTIAL_DIRNAME",
@@ -53,7 +53,7 @@ class FileIdentity:
 
 
 @dataclass(frozen=True)
-class FetchedFile:
+class FetchedFile(JsonRecord):
     """One pinned file fetch-weights brought to disk, not yet put in place by it.
 
     ``partial_path`` set: a complete partial whose bytes hashed to ``sha256`` while streaming, with
@@ -79,9 +79,6 @@ class FetchedFile:
     integrity_retries: int = 0
     verified_against: tuple[str, ...] = ()  # from the receipt when already present
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 
 @dataclass(frozen=True)
@@ -101,7 +98,7 @@ class SnapshotFile:
 
 
 @dataclass(frozen=True)
-class SnapshotResult:
+class SnapshotResult(JsonRecord):
     repo: str
     revision_requested: str
     commit: str
@@ -113,13 +110,10 @@ class SnapshotResult:
     files_already_present: int
     listed: tuple[SnapshotFile, ...] = ()  # every file of the commit (verify puts the partials in place)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 
 @dataclass(frozen=True)
-class FetchResult:
+class FetchResult(JsonRecord):
     entry: str
     backend: str
     weights: FetchedFile | None
@@ -131,16 +125,9 @@ class FetchResult:
     def files(self) -> tuple[FetchedFile, ...]:
         return tuple(f for f in (self.weights, self.projector) if f is not None)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def decode(cls, data: Mapping[str, Any]) -> FetchResult:
-        return decode_record(cls, data)
-
 
 @dataclass(frozen=True)
-class TemplateResult:
+class TemplateResult(JsonRecord):
     entry: str
     path: str | None  # chat_template.jinja written (None when the entry names no template)
     source: str | None  # "<repo>@<revision>/<file>"
@@ -148,13 +135,6 @@ class TemplateResult:
     sha256: str | None  # of the written template text
     tool_markers: tuple[str, ...]
     size_bytes: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def decode(cls, data: Mapping[str, Any]) -> TemplateResult:
-        return decode_record(cls, data)
 
 
 @dataclass(frozen=True)
@@ -173,7 +153,7 @@ PerLayer = int | tuple[int, ...] | None  # one value, or one per layer (GGUF arr
 
 
 @dataclass(frozen=True)
-class GGUFFacts:
+class GGUFFacts(JsonRecord):
     """What the GGUF header says, read once by verify (bounded reader) for every later stage.
 
     Whole numbers only: a header value that is not one is None here (verify has already failed
@@ -194,13 +174,10 @@ class GGUFFacts:
     chat_template_sha256: str | None  # of the embedded template (None if absent or over the kept cap)
     header_bytes: int
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 
 @dataclass(frozen=True)
-class VerifyResult:
+class VerifyResult(JsonRecord):
     entry: str
     weights_path: str | None  # a file (GGUF) or a directory (OpenVINO snapshot)
     size_bytes: int
@@ -214,13 +191,6 @@ class VerifyResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     verified_against: tuple[str, ...] = ()  # "registry", "hub_lfs", "hub_git_blob"
     gguf: GGUFFacts | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def decode(cls, data: Mapping[str, Any]) -> VerifyResult:
-        return decode_record(cls, data)
 
 
 def check_integrity(*, file: str, size_bytes: int, sha256: str | None, expected_size: int | None,

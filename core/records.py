@@ -17,6 +17,10 @@ whole number, got 0") is the one the curated registry has always given, so every
 alike. A stage record (state.db) names the wrong value's kind instead of the value ("got str"):
 what a damaged record holds may be long, and it goes into the event log.
 
+The way back is shared too: a result whose JSON is its fields is a :class:`JsonRecord`
+(``to_json`` = ``dataclasses.asdict``, ``decode`` = :func:`decode_record`), and a record whose
+JSON renames or drops a field builds it from :func:`field_dict`.
+
 Why hand-written and not msgspec/pydantic (issue 11, item 6): the checks that matter here are
 cross-field rules (an auto-eligible entry needs a pinned revision, free ≤ total) that a schema
 library leaves to hand-written code anyway, and msgspec's own messages ("Expected `int | null`,
@@ -34,7 +38,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar, Union
+from typing import Any, Literal, Protocol, Self, TypeVar, Union
 
 from core.errors import HotfitError, StageRecordError
 
@@ -317,3 +321,26 @@ def decode_record(cls: type[T], data: Any, *, extra_keys: frozenset[str] = froze
     values = {name: _value(hints[name], record[name], _join(path, name), extra_keys)
               for name in fields if name in record}
     return cls(**values)
+
+
+# --------------------------------------------------------------------------- the way back: to JSON
+
+
+def field_dict(record: Any, *, omit: Iterable[str] = ()) -> dict[str, Any]:
+    """A dataclass's fields by name, in declaration order, values as they are (shallow, unlike
+    ``dataclasses.asdict``): the JSON of a record whose keys are its field names, less ``omit``."""
+    skip = frozenset(omit)
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.name not in skip}
+
+
+class JsonRecord:
+    """Mixin of a frozen result dataclass whose JSON is its fields: ``to_json`` is
+    ``dataclasses.asdict`` and ``decode`` is :func:`decode_record`, so a record written by one reads
+    back through the other (a stage reused from ``state.db`` hands on the type a fresh one does)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def decode(cls, data: Mapping[str, Any]) -> Self:
+        return decode_record(cls, data)

@@ -52,18 +52,29 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _xdg_dir(env: Mapping[str, str], override: str, xdg: str, xdg_default: str, *under: str) -> Path:
+    """``$override`` if set, else ``<$xdg or ~/xdg_default>/under...`` (the XDG base directory rule)."""
+    if env.get(override):
+        return Path(env[override]).expanduser()
+    base = env.get(xdg) or str(Path(env.get("HOME", "~")).expanduser() / xdg_default)
+    return Path(base).joinpath(*under)
+
+
 def default_home(env: Mapping[str, str]) -> Path:
-    if env.get("HOTFIT_HOME"):
-        return Path(env["HOTFIT_HOME"]).expanduser()
-    base = env.get("XDG_DATA_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".local" / "share")
-    return Path(base) / "hotfit"
+    return _xdg_dir(env, "HOTFIT_HOME", "XDG_DATA_HOME", ".local/share", "hotfit")
 
 
 def default_llama_cache(env: Mapping[str, str]) -> Path:
-    if env.get("HOTFIT_LLAMA_CACHE"):
-        return Path(env["HOTFIT_LLAMA_CACHE"]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".cache")
-    return Path(base) / "hotfit" / "llama.cpp"
+    return _xdg_dir(env, "HOTFIT_LLAMA_CACHE", "XDG_CACHE_HOME", ".cache", "hotfit", "llama.cpp")
+
+
+def _in_home(*parts: str) -> property:
+    """A path of the home's layout (the module docstring's table), as a read-only property."""
+
+    def path(self: Settings) -> Path:
+        return self.home.joinpath(*parts)
+
+    return property(path, doc=f"<home>/{'/'.join(parts)}")
 
 
 @dataclass(frozen=True)
@@ -89,33 +100,13 @@ class Settings:
             return f"HOTFIT_HOME={self.home}"
         return f"the default home {self.home}"
 
-    @property
-    def state_db(self) -> Path:
-        return self.home / "state.db"
-
-    @property
-    def lock_path(self) -> Path:
-        return self.home / "pipeline.lock"
-
-    @property
-    def log_path(self) -> Path:
-        return self.home / "logs" / "hotfit.jsonl"
-
-    @property
-    def models_dir(self) -> Path:
-        return self.home / "models"
-
-    @property
-    def runs_dir(self) -> Path:
-        return self.home / "runs"
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.home / "manifest.json"
-
-    @property
-    def serve_pid_path(self) -> Path:
-        return self.home / "serve.pid"
+    state_db = _in_home("state.db")
+    lock_path = _in_home("pipeline.lock")
+    log_path = _in_home("logs", "hotfit.jsonl")
+    models_dir = _in_home("models")
+    runs_dir = _in_home("runs")
+    manifest_path = _in_home("manifest.json")
+    serve_pid_path = _in_home("serve.pid")
 
     def model_dir(self, entry_name: str) -> Path:
         return self.models_dir / entry_name

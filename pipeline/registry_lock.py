@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 
 from core.errors import HubError, PinMismatch, UsageError
 from core.log import get_logger
+from core.records import JsonRecord
 from pipeline.registry_file import bundled_registry_path
 from registry.catalog import parse_registry, parse_registry_text
 from download import hub_error_from_hf_exception, is_not_a_hub
@@ -57,24 +58,18 @@ class HubFacts:
 
 
 @dataclass(frozen=True)
-class LockChange:
+class LockChange(JsonRecord):
     entry: str
     field: str
     new: Any
 
-    def to_json(self) -> dict[str, Any]:
-        return {"entry": self.entry, "field": self.field, "new": self.new}
-
 
 @dataclass(frozen=True)
-class LockProblem:
+class LockProblem(JsonRecord):
     entry: str
     field: str
     kind: str  # "mismatch" (a recorded value disagrees with the Hub) | "error" (the Hub could not answer)
     message: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"entry": self.entry, "field": self.field, "kind": self.kind, "message": self.message}
 
 
 @dataclass(frozen=True)

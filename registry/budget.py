@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.entry import Entry
+from core.records import field_dict
 from registry.kv import (
     OPENVINO_KV_PRECISIONS,
     KVCacheType,
@@ -114,15 +115,8 @@ class DeviceBudget:
         return cls(None, name, 0, usable_bytes, 0, 0, usable_bytes)
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "device_kind": self.kind,
-            "device_name": self.name,
-            "total_bytes": self.total_bytes,
-            "free_bytes": self.free_bytes,
-            "reserve_bytes": self.reserve_bytes,
-            "headroom_bytes": self.headroom_bytes,
-            "usable_bytes": self.usable_bytes,
-        }
+        # beside a plan's other facts, a bare "kind"/"name" would not say they are the device's
+        return {"device_kind": self.kind, "device_name": self.name, **field_dict(self, omit=("kind", "name"))}
 
 
 def device_budget(kind: str, total_bytes: int, free_bytes: int, name: str = "") -> DeviceBudget:

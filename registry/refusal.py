@@ -10,6 +10,7 @@ from typing import Iterable
 
 from core.entry import ORIGINS, Entry
 from core.errors import NoModelQualifies
+from core.records import field_dict
 from registry.budget import (
     ACCELERATOR_KINDS,
     MIN_AGENTIC_HOT_CONTEXT,
@@ -50,16 +51,8 @@ class RequiredMemory:
         return self.weights_bytes + self.allowance_bytes + self.kv_floor_bytes
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "required_free_bytes": self.required_free_bytes,
-            "weights_bytes": self.weights_bytes,
-            "allowance_bytes": self.allowance_bytes,
-            "kv_floor_bytes": self.kv_floor_bytes,
-            "reserve_bytes": self.reserve_bytes,
-            "headroom_bytes": self.headroom_bytes,
-            "required_device_bytes": self.required_device_bytes,
-        }
+        headline = {"name": self.name, "required_free_bytes": self.required_free_bytes}  # the sum before its parts
+        return headline | field_dict(self, omit=headline)
 
 
 def required_memory(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType) -> RequiredMemory | None:

@@ -30,8 +30,8 @@ import anyio
 
 from backends.base import Session
 from backends.http_chat import REQUEST_TIMEOUT_S, HttpChatEndpoint
-from core.records import decode_record
 from core.log import get_logger
+from core.records import JsonRecord
 from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
 from grading.protocol import (
     SAMPLING,
@@ -195,7 +195,7 @@ async def grade_session(session: Session, *, label: str, tier: str = "full", bud
 
 
 @dataclass(frozen=True)
-class GradeResult:
+class GradeResult(JsonRecord):
     """What a grade's stage record keeps (the summary; the transcripts stay in ``path``), decoded
     back from the record when the stage is reused."""
 
@@ -220,12 +220,8 @@ class GradeResult:
                    fraction=float(score["fraction"]), categories=dict(report["categories"]),
                    speeds=dict(report["speeds"]), fingerprint=dict(report["fingerprint"]), path=str(path))
 
-    @classmethod
-    def decode(cls, record: Mapping[str, Any]) -> GradeResult:
-        return decode_record(cls, record)
-
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "reasons": list(self.reasons)}
+        return {**super().to_json(), "reasons": list(self.reasons)}
 
 
 def brief(report: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any, Iterator, Literal, Sequence
 import anyio.to_thread
 
 from core.errors import LockedError, UsageError
+from core.records import field_dict
 from state.locks import read_holder
 
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
@@ -97,17 +98,7 @@ class StageRecord:
     attempts: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "status": self.status,
-            "inputs_hash": self.inputs_hash,
-            "plan_id": self.plan_id,
-            "outputs": self.outputs,
-            "error": self.error,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "attempts": self.attempts,
-        }
+        return field_dict(self, omit=("run_id", "position"))  # listed under its run, in stage order
 
 
 @dataclass(frozen=True)
@@ -122,15 +113,7 @@ class RunRecord:
     error: dict[str, Any] | None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "status": self.status,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "plan_id": self.plan_id,
-            "args": self.args,
-            "error": self.error,
-        }
+        return field_dict(self, omit=("seq",))  # the store's row order, not a fact of the run
 
 
 def _dumps(value: Any) -> str | None:

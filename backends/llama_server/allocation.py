@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import anyio
 
-from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO
+from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
 from backends.llama_server.logs import LogLine, read_server_log
 from core.errors import AllocationMismatch
 from core.lazy_import import lazy_module
@@ -180,14 +180,9 @@ def parse_log_allocation(lines: Sequence[LogLine]) -> LogAllocation:
 
 
 @dataclass(frozen=True)
-class AllocationReport:
+class AllocationReport(AllocationVerdict):
     """The verified hot allocation (``actual_*``) beside the plan's estimate — never merged."""
 
-    verdict: str  # "pass" | "fail"
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-    planned_hot_context_tokens: int
-    floor_tokens: int
     opened_n_ctx_per_slot: tuple[int, ...]  # from /slots
     props_n_ctx: int | None  # /props default_generation_settings.n_ctx
     total_slots: int | None
@@ -207,26 +202,16 @@ class AllocationReport:
     build_info: str | None = None
     model_path: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
     @property
     def opened_context_tokens(self) -> int | None:
         """The smallest window a slot opened (None: /slots reported none)."""
         return min(self.opened_n_ctx_per_slot) if self.opened_n_ctx_per_slot else None
 
     def event_facts(self) -> dict[str, Any]:
-        return dict(
-            verdict=self.verdict,
-            planned_hot_context_tokens=self.planned_hot_context_tokens,
-            opened_n_ctx_per_slot=list(self.opened_n_ctx_per_slot),
-            estimated_kv_bytes=self.estimated_kv_bytes,
-            predicted_kv_bytes=self.predicted_kv_bytes,
-            actual_kv_bytes=self.actual_kv_bytes,
-            actual_kv_bytes_uncertainty=self.actual_kv_bytes_uncertainty,
-            ratio=round(self.ratio, 6) if self.ratio is not None else None,
-            kv_cache_type=self.kv_cache_type,
-        )
+        return self.pick("verdict", "planned_hot_context_tokens", "opened_n_ctx_per_slot", "estimated_kv_bytes",
+                         "predicted_kv_bytes", "actual_kv_bytes", "actual_kv_bytes_uncertainty", "ratio",
+                         "kv_cache_type", opened_n_ctx_per_slot=list(self.opened_n_ctx_per_slot),
+                         ratio=round(self.ratio, 6) if self.ratio is not None else None)
 
     def warning_event(self, warning: str) -> str:
         return "recheck.kv_prediction_off" if "prediction" in warning else "recheck.kv_below_estimate"
@@ -347,10 +332,9 @@ async def read_allocation(
             f"llama-server allocated {actual} KV bytes, {predicted_ratio:.4f}× registry.kv's exact "
             f"prediction of {predicted}"
         )
-    return AllocationReport(
-        verdict="fail" if problems else "pass",
-        problems=tuple(problems),
-        warnings=tuple(warnings),
+    return AllocationReport.judged(
+        problems,
+        warnings,
         planned_hot_context_tokens=plan.hot_context_tokens,
         floor_tokens=floor_tokens,
         opened_n_ctx_per_slot=slot_n_ctx,

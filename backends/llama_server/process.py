@@ -28,8 +28,9 @@ import socket
 import subprocess
 import time
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal, Mapping
+from typing import Any, AsyncIterator, ClassVar, Literal, Mapping
 
 import anyio
 
@@ -99,41 +100,24 @@ def _child_setup(parent_pid: int) -> None:
 
 
 
+@dataclass(eq=False, repr=False)  # a live process: one object is one server; __repr__ hides the key
 class LoadedServer:
     """A running llama-server opened by :func:`open_server` (valid inside the ``async with``)."""
 
-    def __init__(
-        self,
-        *,
-        process: subprocess.Popen[bytes],
-        argv: list[str],
-        host: str,
-        port: int,
-        api_key: str,
-        run_dir: Path,
-        log_path: Path,
-        stderr_path: Path,
-        template: TemplateUsed,
-        features: ServerFeatures,
-        plan: Plan,
-        model_path: Path,
-        load_seconds: float = 0.0,
-        build: BuildInfo | None = None,
-    ) -> None:
-        self.process = process
-        self.argv = tuple(argv)
-        self.host = host
-        self.port = port
-        self._api_key = api_key
-        self.run_dir = run_dir
-        self.log_path = log_path
-        self.stderr_path = stderr_path
-        self.template = template
-        self.features = features
-        self.plan = plan
-        self.model_path = model_path
-        self.load_seconds = load_seconds
-        self.build = build  # what the binary is (backend, ISA build); None: not known to the caller
+    process: subprocess.Popen[bytes]
+    argv: tuple[str, ...]
+    host: str
+    port: int
+    api_key: str
+    run_dir: Path
+    log_path: Path
+    stderr_path: Path
+    template: TemplateUsed
+    features: ServerFeatures
+    plan: Plan
+    model_path: Path
+    load_seconds: float = 0.0  # set once /health answers
+    build: BuildInfo | None = None  # what the binary is (backend, ISA build); None: not known to the caller
 
     def __repr__(self) -> str:  # never show the key
         return f"LoadedServer(pid={self.pid}, base_url={self.base_url!r}, log={str(self.log_path)!r})"
@@ -149,7 +133,7 @@ class LoadedServer:
     @property
     def auth_headers(self) -> dict[str, str]:
         # A build without LLAMA_API_KEY support runs keyless: an empty "Bearer " is an illegal header
-        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def client(self, timeout_s: float) -> httpx.AsyncClient:
         """An HTTP client for this server (authorised; proxies from the environment ignored)."""
@@ -168,8 +152,8 @@ class LoadedServer:
 
     # ------------------------------------------------------------ backends.base.Session
 
-    backend: Literal["llama"] = "llama"
-    server_name = "llama-server"
+    backend: ClassVar[Literal["llama"]] = "llama"
+    server_name: ClassVar[str] = "llama-server"
 
     def load_figures(self) -> dict[str, Any]:
         return {"pid": self.pid, "load_seconds": round(self.load_seconds, 3), "template": self.template.describe(),
@@ -182,7 +166,7 @@ class LoadedServer:
         return chat.tool_call_fix(cause, answer)
 
     def chat_endpoint(self) -> AbstractAsyncContextManager[ChatEndpoint]:
-        return HttpChatEndpoint(self.base_url, api_key=self._api_key or None)
+        return HttpChatEndpoint(self.base_url, api_key=self.api_key or None)
 
     async def allocation_report(self, plan: Plan, *, floor_tokens: int, tolerance: float,
                                 timeout_s: float) -> AllocationReport:
@@ -320,7 +304,7 @@ async def open_server(
                 preexec_fn=lambda: _child_setup(parent),
             )
         server = LoadedServer(
-            process=process, argv=argv, host=host, port=port, api_key=api_key, run_dir=run_dir,
+            process=process, argv=tuple(argv), host=host, port=port, api_key=api_key, run_dir=run_dir,
             log_path=log_path, stderr_path=stderr_path, template=template, features=features,
             plan=plan, model_path=model_path, build=build,
         )  # fmt: skip

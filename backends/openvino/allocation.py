@@ -18,12 +18,12 @@ Pure: :func:`judge_openvino_allocation`. Effect: :func:`read_allocation`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO
+from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
 from backends.openvino.config import KV_PRECISIONS, KvShape, SessionConfig, kv_bytes_per_token, parse_ir_kv_shape
 from backends.openvino.protocol import WorkerGone
 from core.errors import AllocationMismatch
@@ -39,14 +39,9 @@ METRICS_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
-class OpenVinoAllocationReport:
+class OpenVinoAllocationReport(AllocationVerdict):
     """The verified allocation (``actual_*``, ``opened_*``) beside the plan's estimate — never merged."""
 
-    verdict: str  # "pass" | "fail"
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-    planned_hot_context_tokens: int
-    floor_tokens: int
     opened_context_tokens: int | None  # derived from actual_kv_bytes, not from the configuration
     configured_kv_blocks: int
     block_tokens: int
@@ -61,20 +56,10 @@ class OpenVinoAllocationReport:
     kv_states: int
     tolerance: float
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
     def event_facts(self) -> dict[str, Any]:
-        return {
-            "verdict": self.verdict,
-            "planned_hot_context_tokens": self.planned_hot_context_tokens,
-            "opened_context_tokens": self.opened_context_tokens,
-            "estimated_kv_bytes": self.estimated_kv_bytes,
-            "actual_kv_bytes": self.actual_kv_bytes,
-            "ratio": round(self.ratio, 6) if self.ratio else None,
-            "kv_precision": self.kv_precision,
-            "backend": "openvino",
-        }
+        return self.pick("verdict", "planned_hot_context_tokens", "opened_context_tokens", "estimated_kv_bytes",
+                         "actual_kv_bytes", "ratio", "kv_precision", ratio=round(self.ratio, 6) if self.ratio else None,
+                         backend="openvino")
 
     def warning_event(self, warning: str) -> str:
         return "recheck.kv_below_estimate"
@@ -143,10 +128,9 @@ def judge_openvino_allocation(
         elif ratio < KV_SHORTFALL_WARN_RATIO:
             warnings.append(f"OpenVINO allocated {actual_kv_bytes} KV bytes, only {ratio:.3f}x the estimate of "
                             f"{estimated_kv_bytes}")
-    return OpenVinoAllocationReport(
-        verdict="fail" if problems else "pass",
-        problems=tuple(problems),
-        warnings=tuple(warnings),
+    return OpenVinoAllocationReport.judged(
+        problems,
+        warnings,
         planned_hot_context_tokens=config.planned_tokens,
         floor_tokens=floor_tokens,
         opened_context_tokens=opened,

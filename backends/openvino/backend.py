@@ -17,7 +17,7 @@ from typing import Any, Literal
 from backends.base import BackendBinary, ModelFiles, ServeCommand
 from backends.openvino.config import OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision, require_openvino
 from backends.openvino.session import OpenVinoSession, open_openvino_session
-from core.records import decode_record
+from core.records import decode_record, field_dict
 from core.plan import Plan
 from core.settings import Settings
 
@@ -63,8 +63,7 @@ class OpenVinoRuntime:
     kv_precision: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": "openvino", "genai_version": self.genai_version, "device": self.device,
-                "kv_precision": self.kv_precision}
+        return {"name": "openvino", **field_dict(self)}  # "name": which backend's binary record this is
 
     @classmethod
     def decode(cls, record: Mapping[str, Any], *, path: str = "") -> OpenVinoRuntime:
