@@ -42,6 +42,7 @@ The pytest fixture ``local_hub`` (a started hub in the test's tmp_path) lives in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fnmatch
 import hashlib
@@ -55,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -1168,6 +1169,34 @@ class LocalHub:
 
 
 # --------------------------------------------------------------------------- CLI
+
+
+# --------------------------------------------------------------------------- a plain HTTP server
+
+
+@contextlib.contextmanager
+def serve_handler(handler: type[BaseHTTPRequestHandler], **server_attrs: Any) -> Iterator[str]:
+    """Serve ``handler`` on 127.0.0.1:<free port> in a daemon thread and yield the base URL; shut down on
+    exit. ``server_attrs`` are set on the server, for the handler to read as ``self.server.<name>``. For
+    the stand-ins that are no Hub (a proxy's page, a stale mirror, a scripted chat endpoint)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    for name, value in server_attrs.items():
+        setattr(server, name, value)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def free_port_closed() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from stages.verify import verify
 from state.locks import FileLock
 from state.receipts import file_identity, read_receipt, receipt_path
 from tests.e2e_support import sha256_of
-from tests.hubserver import LocalHub
+from tests.hubserver import LocalHub, free_port_closed, serve_handler
 
 MiB = 1 << 20
 FAST = TransferOptions(connections=4, block_bytes=512 * 1024, backoff_initial_s=0.01, backoff_max_s=0.05,
@@ -617,9 +617,6 @@ async def test_snapshot_of_gated_or_missing_repo(local_hub: LocalHub, tmp_path: 
 @pytest.mark.anyio
 async def test_revision_header_mismatch_fails_closed(tmp_path: Path) -> None:
     """A server (a stale mirror, a misconfigured proxy) that answers the pinned URL with another commit."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     seen: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -638,33 +635,21 @@ async def test_revision_header_mismatch_fails_closed(tmp_path: Path) -> None:
             seen.append("GET " + self.path)
             self.send_error(500)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"),
-                                  "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"})
+    with serve_handler(Handler) as url:
+        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": url})
         entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
         with pytest.raises(PinMismatch, match="served commit f{40} but the registry pins 1{40}") as exc:
             await fetch_m(entry, settings)
         assert exc.value.details["served"] == "f" * 40
-    finally:
-        server.shutdown()
-        server.server_close()
     assert seen == [f"HEAD /org/m/resolve/{'1' * 40}/model.gguf"]  # nothing fetched from a wrong commit
     assert not (tmp_path / "home" / "models" / "m" / "model.gguf").exists()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.anyio
 async def test_an_unreachable_mirror_reports_each_retry_before_giving_up(tmp_path: Path) -> None:
     # Before: ~18 s of silence, then the error. Each wait is now a download.retry event; the URL
     # carries no credentials (a mirror's user:password in HF_ENDPOINT never reaches the log).
-    port = _free_port()  # nothing listens there: connection refused on every attempt
+    port = free_port_closed()  # nothing listens there: connection refused on every attempt
     settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"),
                               "HF_ENDPOINT": f"http://mirror-user:s3cret@127.0.0.1:{port}"})
     entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
