@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 
 from tests.e2e_support import World, build_world
 from tests.gguf_fixtures import pinned_template, require_llama_server, tool_template_text
-from tests.hubserver import LocalHub
+from tests.hubserver import LocalHub, serve_handler
 
 # Never let huggingface_hub reach the real Hub or send Xet headers / telemetry from tests.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
@@ -98,12 +97,5 @@ class _NotAHubHandler(BaseHTTPRequestHandler):
 def not_a_hub(request: pytest.FixtureRequest) -> Iterator[str]:
     """The endpoint of a plain web server on 127.0.0.1 that has none of the Hub's headers
     (X-Repo-Commit, X-Error-Code): a mistyped HF_ENDPOINT, a proxy's landing page."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotAHubHandler)
-    server.mode = request.param  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_handler(_NotAHubHandler, mode=request.param) as url:
+        yield url

@@ -27,6 +27,7 @@ from registry.kv import parse_kv_cache_type
 from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
 from tests.gguf_fixtures import FixtureInfo, pinned_template, write_tool_call_model
+from tests.hubserver import LocalHub
 
 GiB = 1 << 30
 TEMPLATE_REPO = "hotfit-fixtures/qwen3-chat-template"
@@ -36,11 +37,8 @@ HOST_TOTAL_BYTES = 16 * GiB  # the saved probes describe a 16 GiB host ("cpu" de
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def fixture_entry(name: str, info: FixtureInfo, *, repo: str, revision: str, sha256: str, params_b: float,
@@ -129,22 +127,16 @@ def write_probe(path: Path, free_bytes: int, total_bytes: int = HOST_TOTAL_BYTES
 def main(argv: list[str] | None = None) -> int:
     """Set up a world under ROOT with a running local Hub; print its endpoint and files as JSON,
     then serve until SIGINT/SIGTERM (scripts/provision-demo drives this)."""
-    from tests.hubserver import LocalHub
-
     ap = argparse.ArgumentParser(prog="python -m tests.e2e_support")
     ap.add_argument("root", type=Path)
     ap.add_argument("--free-gib", type=float, default=8.0, help="free memory the saved probe reports")
     args = ap.parse_args(argv)
-    hub = LocalHub(args.root / "hub")
-    hub.start()
-    try:
+    with LocalHub(args.root / "hub") as hub:
         world = build_world(args.root, hub)
         probe = write_probe(args.root / "probe.json", int(args.free_gib * GiB))
         print(json.dumps({"endpoint": hub.endpoint, "registry": str(world.registry_path), "probe": str(probe),
                           "models": sorted(world.entries)}), flush=True)
         hub.serve_forever()
-    finally:
-        hub.stop()
     return 0
 
 

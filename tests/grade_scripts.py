@@ -14,11 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import socket
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import anyio
@@ -26,6 +24,7 @@ import httpx
 
 from grading.scenarios import SCENARIOS, Scenario
 from grading.world import TOOLS, WRITE_TOOLS
+from tests.hubserver import serve_handler
 
 HANG = -1  # an agent status meaning "never answer" (in process only): for the budget tests
 Response = tuple[int, Any]  # (status, JSON value or raw str/bytes)
@@ -267,19 +266,6 @@ def http_stub(server: ScriptedServer) -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
+    with serve_handler(Handler) as url:
+        yield url
 
-
-def free_port_closed() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -42,6 +42,7 @@ The pytest fixture ``local_hub`` (a started hub in the test's tmp_path) lives in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fnmatch
 import hashlib
@@ -55,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -129,13 +130,7 @@ class Commit:
         return Commit(data["id"], data["parent"], data["message"], data["created_at"], files)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "parent": self.parent,
-            "message": self.message,
-            "created_at": self.created_at,
-            "files": {p: e.to_json() for p, e in sorted(self.files.items())},
-        }
+        return dataclasses.asdict(self) | {"files": {p: e.to_json() for p, e in sorted(self.files.items())}}
 
 
 def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None | str:
@@ -404,7 +399,21 @@ class HubStore:
 
 
 @dataclasses.dataclass
-class Fault:
+class _EffectFields:
+    """What a fault does to a response: set by a ``Fault``, merged per request into ``_Effects``."""
+
+    status: int | None = None
+    retry_after: int | float | str | None = None
+    close_after_bytes: int | None = None
+    throughput_bps: int | None = None
+    ignore_range: bool = False
+    advertise_size: int | None = None
+    corrupt: bool = False
+    redirect_to_cdn: bool = False
+
+
+@dataclasses.dataclass(kw_only=True)
+class Fault(_EffectFields):
     """One injected misbehaviour. Selectors (all must match; None matches anything):
 
     - ``file``: fnmatch glob on the repo file path (``"*.gguf"``); only file requests match it.
@@ -437,14 +446,6 @@ class Fault:
     method: str | None = None
     where: str | None = None
     times: int | None = 1
-    status: int | None = None
-    retry_after: int | float | str | None = None
-    close_after_bytes: int | None = None
-    throughput_bps: int | None = None
-    ignore_range: bool = False
-    advertise_size: int | None = None
-    corrupt: bool = False
-    redirect_to_cdn: bool = False
     hits: int = 0
 
     def __post_init__(self) -> None:
@@ -518,16 +519,8 @@ class _RequestInfo:
 
 
 @dataclasses.dataclass
-class _Effects:
-    status: int | None = None
-    retry_after: int | float | str | None = None
-    close_after_bytes: int | None = None
-    throughput_bps: int | None = None
-    ignore_range: bool = False
-    advertise_size: int | None = None
-    corrupt: bool = False
-    redirect_to_cdn: bool = False
-    count: int = 0
+class _Effects(_EffectFields):
+    count: int = 0  # how many faults were applied
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -1178,6 +1171,34 @@ class LocalHub:
 # --------------------------------------------------------------------------- CLI
 
 
+# --------------------------------------------------------------------------- a plain HTTP server
+
+
+@contextlib.contextmanager
+def serve_handler(handler: type[BaseHTTPRequestHandler], **server_attrs: Any) -> Iterator[str]:
+    """Serve ``handler`` on 127.0.0.1:<free port> in a daemon thread and yield the base URL; shut down on
+    exit. ``server_attrs`` are set on the server, for the handler to read as ``self.server.<name>``. For
+    the stand-ins that are no Hub (a proxy's page, a stale mirror, a scripted chat endpoint)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    for name, value in server_attrs.items():
+        setattr(server, name, value)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def free_port_closed() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.hubserver", description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", required=True, help="store directory (repos created by HubStore/LocalHub)")
@@ -1187,15 +1208,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-redirect-lfs", action="store_true", help="serve LFS files directly (no 302)")
     ap.add_argument("--redirect-small", action="store_true", help="307 small files to /api/resolve-cache")
     args = ap.parse_args(argv)
-    hub = LocalHub(args.root, host=args.host, port=args.port, cdn_host=args.cdn_host,
-                   redirect_lfs=not args.no_redirect_lfs, redirect_small=args.redirect_small)
-    hub.start()
-    print(json.dumps({"endpoint": hub.endpoint, "cdn_endpoint": hub.cdn_endpoint, "root": str(hub.store.root)}),
-          flush=True)
-    try:
+    with LocalHub(args.root, host=args.host, port=args.port, cdn_host=args.cdn_host,
+                  redirect_lfs=not args.no_redirect_lfs, redirect_small=args.redirect_small) as hub:
+        print(json.dumps({"endpoint": hub.endpoint, "cdn_endpoint": hub.cdn_endpoint, "root": str(hub.store.root)}),
+              flush=True)
         hub.serve_forever()
-    finally:
-        hub.stop()
     return 0
 
 

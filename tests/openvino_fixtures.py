@@ -26,15 +26,18 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from backends.base import ModelFiles, Session
+from backends.openvino.backend import OpenVinoBackend
+from backends.openvino.config import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
+from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
+from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from core.settings import load_settings
 from tests.gguf_fixtures import FixtureInfo, FixtureVocab, write_llama_model, write_tool_call_model
-
-if TYPE_CHECKING:
-    from core.plan import Plan
-    from core.entry import Entry
 
 __all__ = [
     "CHATML_NO_TOOLS_TEMPLATE",
@@ -46,6 +49,7 @@ __all__ = [
     "OvFixture",
     "convert_gguf_to_ir",
     "make_ov_fixture",
+    "open_ov_fixture",
     "ov_entry",
     "ov_plan",
     "require_openvino_genai",
@@ -163,9 +167,18 @@ def make_ov_fixture(root: Path, kind: str, chat_template: str = QWEN3_TOOLS_TEMP
     return OvFixture(root / "ir", kind, info.n_layers, info.n_kv_heads, info.head_dim_k, seconds)
 
 
-def ov_entry(fx: OvFixture, name: str | None = None) -> Entry:
-    from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
+@asynccontextmanager
+async def open_ov_fixture(tmp_path: Path, kind: str = "tool-call", tokens: int = 32768) -> AsyncIterator[Session]:
+    """An OpenVINO session on a fresh ``kind`` fixture (made under ``tmp_path/ov``), planned for ``tokens``
+    (skips, or fails under REQUIRE_OPENVINO_ENV, without openvino-genai)."""
+    require_openvino_genai()
+    fx = make_ov_fixture(tmp_path / "ov", kind)
+    async with OpenVinoBackend().open(ov_plan(fx, tokens), ModelFiles(fx.ir_dir), run_dir=tmp_path / "run",
+                                      binary=None, settings=load_settings()) as session:
+        yield session
 
+
+def ov_entry(fx: OvFixture, name: str | None = None) -> Entry:
     size = sum(p.stat().st_size for p in fx.ir_dir.iterdir() if p.is_file())
     return Entry(
         name=name or f"fixture-ov-{fx.kind}", display_name=f"OpenVINO fixture {fx.kind}", backend="openvino",
@@ -186,9 +199,6 @@ def ov_plan(fx: OvFixture, tokens: int, kv_type: str = "f16", *, estimated_kv_by
             entry_name: str | None = None) -> Plan:
     """A host-memory plan for ``fx`` whose estimate is OpenVINO's own KV arithmetic (what the planner
     must use for OpenVINO entries: backends.openvino.config.kv_bytes_per_token_for_entry)."""
-    from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-    from backends.openvino.config import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
-
     entry = ov_entry(fx, entry_name)
     per_token = kv_bytes_per_token_for_entry(
         [(fx.n_layers, fx.n_kv_heads, fx.head_dim, fx.head_dim)], KV_PRECISIONS.get(kv_type, "f16"))

@@ -68,6 +68,14 @@ def auto(hub: LocalHub, home: Path, world: World, probe: Path, *args: str, timeo
                           text=True, timeout=timeout)
 
 
+def auto_json(hub: LocalHub, home: Path, world: World, probe: Path, *args: str,
+              server: Path | None = None) -> dict[str, Any]:
+    """``hotfit auto --json ARGS`` that must succeed (its stderr tail if not): its JSON answer."""
+    done = auto(hub, home, world, probe, "--json", *args, server=server)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 def start(hub: LocalHub, home: Path, world: World, probe: Path, *args: str,
           server: Path | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd(home, world, probe, *args), cwd=REPO, env=env_for(hub, server),
@@ -130,7 +138,7 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
     done = auto(hub, home, world, probe, "--json")
     assert done.returncode == 0, done.stderr[-3000:]
-    manifest = json.loads(done.stdout)
+    manifest = json.loads(done.stdout)  # not auto_json: the hint on stderr is checked below
     large = world.entry(LARGE)
     # the automatic pick: both fit, the larger model wins
     assert manifest["entry_name"] == LARGE and manifest["kv_cache_type"] == "f16"
@@ -174,17 +182,13 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
 
     # a completed, still-valid provisioning: a fast no-op, nothing downloaded again
     hub.reset_counters()
-    again = auto(hub, home, world, probe, "--json")
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert json.loads(again.stdout)["noop"] is True
+    assert auto_json(hub, home, world, probe)["noop"] is True
     assert hub.bytes_sent() == 0
     assert "run.noop" in [e["event"] for e in events(home)]
 
     # --recheck re-opens the session; downloads are reused (stage.skip), not repeated
     hub.reset_counters()
-    rechecked = auto(hub, home, world, probe, "--json", "--recheck")
-    assert rechecked.returncode == 0, rechecked.stderr[-2000:]
-    new_run = json.loads(rechecked.stdout)["run_id"]
+    new_run = auto_json(hub, home, world, probe, "--recheck")["run_id"]
     assert new_run != run_id and hub.bytes_sent() == 0
     assert stage_story(events(home), new_run) == [
         ("stage.start", "probe"), ("stage.done", "probe"), ("stage.start", "plan"), ("stage.done", "plan"),
@@ -220,23 +224,18 @@ def test_dry_run_prints_probe_plan_and_reuse_and_changes_nothing(hub: LocalHub, 
 def test_budget_change_keeps_previous_model_while_it_qualifies(hub: LocalHub, world: World,
                                                                tmp_path: Path) -> None:
     home = tmp_path / "home"
-    first = auto(hub, home, world, write_probe(tmp_path / "roomy.json", ROOMY_FREE_BYTES), "--json")
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert json.loads(first.stdout)["entry_name"] == LARGE
+    assert auto_json(hub, home, world, write_probe(tmp_path / "roomy.json", ROOMY_FREE_BYTES))["entry_name"] == LARGE
 
     # less memory, but the large model still holds the floor: kept (a fast no-op)
     tight = write_probe(tmp_path / "tight.json", world.floor_free_bytes(LARGE))
     dry = json.loads(auto(hub, home, world, tight, "--dry-run").stdout)
     assert dry["model"] == LARGE and dry["reused"] is True and dry["previous_model"] == LARGE
-    kept = auto(hub, home, world, tight, "--json")
-    assert kept.returncode == 0 and json.loads(kept.stdout)["noop"] is True
+    assert auto_json(hub, home, world, tight)["noop"] is True
 
     # one byte less: the large model no longer qualifies; re-plan to the small one and provision it
     too_tight = write_probe(tmp_path / "too-tight.json", world.floor_free_bytes(LARGE) - 1)
     assert world.floor_free_bytes(SMALL) <= world.floor_free_bytes(LARGE) - 1
-    replanned = auto(hub, home, world, too_tight, "--json")
-    assert replanned.returncode == 0, replanned.stderr[-2000:]
-    manifest = json.loads(replanned.stdout)
+    manifest = auto_json(hub, home, world, too_tight)
     assert manifest["entry_name"] == SMALL and manifest["measured"]["verdict"] == "pass"
     assert manifest["planned_hot_context_tokens"] >= 32768
     selected = [e for e in events(home) if e["event"] == "plan.selected"]
@@ -278,9 +277,7 @@ def test_nothing_qualifies_fails_closed_with_exit_3(hub: LocalHub, plain_world: 
 def test_explicit_model_is_provisioned_without_fallback(hub: LocalHub, world: World, tmp_path: Path) -> None:
     home = tmp_path / "home"
     roomy = write_probe(tmp_path / "roomy.json", ROOMY_FREE_BYTES)
-    named = auto(hub, home, world, roomy, "--json", "--model", SMALL)
-    assert named.returncode == 0, named.stderr[-2000:]
-    manifest = json.loads(named.stdout)
+    manifest = auto_json(hub, home, world, roomy, "--model", SMALL)
     assert manifest["entry_name"] == SMALL and manifest["plan"]["explicit_model"] is True
     # a named model that cannot open its window fails closed; no other model is fetched
     tight = write_probe(tmp_path / "tight.json", world.floor_free_bytes(LARGE) - 1)
@@ -379,9 +376,7 @@ def test_sigterm_mid_download_then_rerun_provisions_with_the_real_server(hub: Lo
     home = tmp_path / "home"
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
     status = _interrupt_mid_download(hub, home, world, probe, None)
-    resumed = auto(hub, home, world, probe, "--json")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    manifest = json.loads(resumed.stdout)
+    manifest = auto_json(hub, home, world, probe)
     assert manifest["run_id"] == status["run"]["run_id"]  # the same run continued
     assert Path(manifest["model_path"]) == home / "models" / LARGE / world.entry(LARGE).artifact.file
     _assert_the_rerun_fetched_only_the_rest(hub, home, world)
@@ -477,9 +472,7 @@ def test_new_kv_type_replans_and_reopens_without_downloading_again(hub: LocalHub
                                                                    tmp_path: Path) -> None:
     home = tmp_path / "home"
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
-    first = auto(hub, home, world, probe, "--json")
-    assert first.returncode == 0, first.stderr[-2000:]
-    f16 = json.loads(first.stdout)
+    f16 = auto_json(hub, home, world, probe)
     hub.reset_counters()
     env = env_for(hub) | {"CONTENOX_LLAMA_KV_CACHE_TYPE": "q8_0"}
     second = subprocess.run(cmd(home, world, probe, "--json"), cwd=REPO, env=env, capture_output=True, text=True,

@@ -21,7 +21,6 @@ import backends.select
 from backends.base import ChatAnswer, ChatFailed, ModelFiles, ServeCommand
 from backends.llama_server.backend import LlamaServerBackend
 from backends.llama_server.flags import API_KEY_ENV
-from backends.openvino.backend import OpenVinoBackend
 from core.errors import AllocationMismatch, ToolCallProbeFailed
 from core.plan import Device, ProbeResult
 from core.settings import load_settings
@@ -33,7 +32,7 @@ from stages.probe_tool_call import PROBE_FILE, PROBE_TOOL, PROBE_TOOL_NAME, prob
 from stages.recheck import RECHECK_FILE, recheck_allocation
 from tests.e2e_support import GiB, fixture_entry, sha256_of
 from tests.gguf_fixtures import pinned_template, require_llama_server, write_tool_call_model
-from tests.openvino_fixtures import make_ov_fixture, ov_plan, require_openvino_genai
+from tests.openvino_fixtures import open_ov_fixture
 from tests.test_load import fixture_plan
 
 pytestmark = pytest.mark.anyio
@@ -276,10 +275,7 @@ async def test_a_llama_session_serves_the_grades_chat_endpoint(tmp_path: Path) -
 
 @pytest.mark.openvino
 async def test_an_openvino_session_serves_the_grades_chat_endpoint(tmp_path: Path) -> None:
-    require_openvino_genai()
-    fx = make_ov_fixture(tmp_path / "ov", "tool-call")
-    async with OpenVinoBackend().open(ov_plan(fx, 32768), ModelFiles(fx.ir_dir), run_dir=tmp_path / "run",
-                                      binary=None, settings=load_settings()) as session:
+    async with open_ov_fixture(tmp_path) as session:
         async with session.chat_endpoint() as endpoint:
             reply = await endpoint.chat(_call_messages(), [PROBE_TOOL], tool_choice="required", max_tokens=64)
             facts = await endpoint.describe()

@@ -205,14 +205,6 @@ def test_a_deeply_nested_registry_file_is_a_registry_error() -> None:
     assert "deep.json" in str(info.value) and info.value.hint
 
 
-def test_binary_registry_file_is_a_registry_error(tmp_path: Path) -> None:
-    path = tmp_path / "reg.json"
-    path.write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(RegistryError) as info:
-        load_registry(path)
-    assert str(path) in str(info.value) and "UTF-8" in str(info.value) and info.value.hint
-
-
 @pytest.mark.parametrize("field", ["params_total_b", "params_active_b"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_parameter_counts_are_refused(field: str, value: float) -> None:

@@ -8,6 +8,8 @@ import io
 import json
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,14 +17,35 @@ from typing import Any
 import pytest
 from tenacity import RetryCallState
 
-from download import OrderedHasher, ProgressReporter, TransferOptions, safe_relpath
+from core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError, UsageError
+from core.settings import Settings, load_settings
+from download import (
+    HubSession,
+    OrderedHasher,
+    ProgressReporter,
+    TransferOptions,
+    disk,
+    download_to_partial,
+    head_retrying,
+    hub_call_retrying,
+    partial_paths,
+    safe_relpath,
+)
 from download.disk import bytes_held, preallocate
-from download.engine import plan_blocks
-from download.hub_errors import Retryable, parse_retry_after
+from download.engine import DownloadOutcome, plan_blocks
+from download.hub_errors import (
+    NOT_A_HUB,
+    Retryable,
+    hub_error_from_hf_exception,
+    hub_error_from_response,
+    is_not_a_hub,
+    parse_retry_after,
+)
 from download.options import MAX_BLOCKS
 from download.retry import StopPolicy, wait_policy
-from download.sidecar import read_sidecar
-from download.stream import parse_content_range
+from download.sidecar import Block, decode_sidecar, read_sidecar
+from download.stream import _Writer, parse_content_range
+from tests.hubserver import LocalHub
 
 
 @pytest.mark.parametrize("buffer_bytes", [1 << 30, 3000, 0])
@@ -176,7 +199,6 @@ def test_progress_events_are_throttled(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> None:
     """A resume must not be refused for space the partial reserved itself (fallocate KEEP_SIZE)."""
-
     partial = tmp_path / "m.gguf.part"
     size = 4 << 20
     fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
@@ -192,10 +214,6 @@ def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("endpoint", ["localhost:8080", "ftp://mirror.example", "http://", "hf-mirror.com/hf"])
 def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoint: str, tmp_path: Path) -> None:
-    from core.errors import UsageError
-    from core.settings import load_settings
-    from download import HubSession
-
     settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
     with pytest.raises(UsageError) as exc:
         HubSession(settings, token=False)
@@ -204,9 +222,6 @@ def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoin
 
 @pytest.mark.parametrize("endpoint", ["https://huggingface.co", "http://127.0.0.1:8080/", "https://mirror.example/hf"])
 def test_http_endpoints_with_or_without_a_path_are_accepted(endpoint: str, tmp_path: Path) -> None:
-    from core.settings import load_settings
-    from download import HubSession
-
     settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
     session = HubSession(settings, token=False)
     assert session.resolve_url("o/r", "a" * 40, "f.gguf") == f"{endpoint.rstrip('/')}/o/r/resolve/{'a' * 40}/f.gguf"
@@ -216,9 +231,6 @@ def test_http_endpoints_with_or_without_a_path_are_accepted(endpoint: str, tmp_p
 
 
 def test_a_damaged_sidecar_names_its_file_and_the_fault(tmp_path: Path) -> None:
-    from core.errors import IntegrityError
-    from download.sidecar import decode_sidecar
-
     good = {"schema": 1, "url": "u", "repo": "r", "revision": "c" * 40, "file": "f", "size_bytes": 10,
             "blocks": [[0, 5, 5], [5, 10, 2]]}
     p = tmp_path / "m.gguf.abc.json"
@@ -247,37 +259,41 @@ def test_reading_a_damaged_sidecar_says_which_file_it_discards(tmp_path: Path) -
     assert logs[0]["file"] == str(p) and "damaged" in logs[0]["reason"]
 
 
+@contextmanager
+def _hub_with(tmp_path: Path, path: str, data: bytes, **repo_kw: Any) -> Iterator[tuple[LocalHub, str, Settings]]:
+    """A local Hub whose repository ``o/r`` holds ``path`` = ``data``: the hub, the commit, a client's settings."""
+    src = tmp_path / path
+    src.write_bytes(data)
+    with LocalHub(tmp_path / "hub") as hub:
+        commit = hub.create_repo("o/r", {path: src}, **repo_kw)
+        yield hub, commit, load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint})
+
+
+async def _download_model(session: HubSession, commit: str, data: bytes, partial_dir: Path) -> DownloadOutcome:
+    """``o/r``'s model.gguf (``data``, no pinned hash) into ``partial_dir``."""
+    return await download_to_partial(session, repo="o/r", revision=commit, path="model.gguf",
+                                     expected_size=len(data), expected_sha256=None, partial_dir=partial_dir)
+
+
 @pytest.mark.anyio
 async def test_a_damaged_sidecar_restarts_the_file_from_byte_0(tmp_path: Path) -> None:
     """End to end on the local Hub: a partial whose sidecar is garbage is not trusted — the whole file
     is fetched again and the result is the pinned bytes (the behaviour before the decoder was one)."""
-    from core.settings import load_settings
-    from download import HubSession, download_to_partial, partial_paths
-    from tests.hubserver import LocalHub
-
     data = random.Random(7).randbytes(3 << 20)
-    src = tmp_path / "model.gguf"
-    src.write_bytes(data)
-    with LocalHub(tmp_path / "hub") as hub:
-        commit = hub.create_repo("o/r", {"model.gguf": src}, lfs=["model.gguf"])
+    with _hub_with(tmp_path, "model.gguf", data, lfs=["model.gguf"]) as (_hub, commit, settings):
         partial_dir = tmp_path / ".partial"
         partial_dir.mkdir()
         part, sidecar, _lock = partial_paths(partial_dir, "o/r", "model.gguf")
         part.write_bytes(b"\xff" * (1 << 20))  # wrong bytes a trusted sidecar would have kept
         sidecar.write_text('{"schema": 1, "blocks": "garbage"}')
-        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint})
         async with HubSession(settings, TransferOptions(connections=2, block_bytes=1 << 20), token=False) as s:
-            out = await download_to_partial(s, repo="o/r", revision=commit, path="model.gguf",
-                                            expected_size=len(data), expected_sha256=None, partial_dir=partial_dir)
+            out = await _download_model(s, commit, data, partial_dir)
     assert out.resumed_from_bytes == 0 and out.bytes_transferred == len(data)
     assert out.sha256 == hashlib.sha256(data).hexdigest() and part.read_bytes() == data
 
 
 def test_one_disk_margin_for_the_entry_check_and_the_per_file_check(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import download.disk as disk
-    from core.errors import DiskSpaceError
-
     assert disk.DISK_MARGIN_BYTES == 512 << 20  # the spec's artifact + projector + 512 MiB
     monkeypatch.setattr(disk, "free_bytes", lambda _d: 1000 + disk.DISK_MARGIN_BYTES)
     disk.check_disk_space(tmp_path, 1000, "f")  # exactly what is needed plus the margin: fits
@@ -291,8 +307,6 @@ def test_one_disk_margin_for_the_entry_check_and_the_per_file_check(tmp_path: Pa
 def test_free_bytes_of_a_directory_not_created_yet_is_its_filesystems(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # Which filesystem is asked, not two readings of a free-space figure other writers move.
-    from download import disk
-
     asked: list[Path] = []
     real = os.statvfs
 
@@ -329,9 +343,6 @@ def _response(status: int, code: str) -> Any:
 ])
 def test_the_hub_api_and_the_resolve_endpoint_give_one_message_per_cause(cls_name: str, status: int, code: str,
                                                                          words: tuple[str, ...]) -> None:
-    from core.errors import HubError
-    from download.hub_errors import hub_error_from_hf_exception, hub_error_from_response
-
     api = hub_error_from_hf_exception(_hf_error(cls_name, status, {"x-error-code": code}), repo="o/r",
                                       revision="c" * 40, endpoint="http://hub.example", url="http://hub.example/api")
     resolve = hub_error_from_response(_response(status, code), repo="o/r", revision="c" * 40, path="f.gguf",
@@ -343,8 +354,6 @@ def test_the_hub_api_and_the_resolve_endpoint_give_one_message_per_cause(cls_nam
 
 
 def test_the_hf_mapping_names_not_a_hub_unreachable_and_leaves_bugs_alone() -> None:
-    from download.hub_errors import NOT_A_HUB, hub_error_from_hf_exception, is_not_a_hub
-
     kw = {"repo": "o/r", "revision": None, "endpoint": "http://web.example", "url": "http://web.example/api"}
     plain_404 = hub_error_from_hf_exception(_hf_error("HfHubHTTPError", 404, {"content-type": "text/html"}), **kw)
     assert plain_404 is not None and is_not_a_hub(plain_404) and NOT_A_HUB in plain_404.what
@@ -359,17 +368,8 @@ def test_the_hf_mapping_names_not_a_hub_unreachable_and_leaves_bugs_alone() -> N
 
 @pytest.mark.anyio
 async def test_one_retry_policy_for_heads_and_hub_api_calls(tmp_path: Path) -> None:
-    from core.errors import PinMismatch, TransferError
-    from core.settings import load_settings
-    from download import HubSession, head_retrying, hub_call_retrying
-    from tests.hubserver import LocalHub
-
     opts = TransferOptions(backoff_initial_s=0.001, backoff_max_s=0.002, max_attempts_without_progress=3)
-    src = tmp_path / "f.bin"
-    src.write_bytes(b"x" * 100)
-    with LocalHub(tmp_path / "hub") as hub:
-        commit = hub.create_repo("o/r", {"f.bin": src})
-        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint})
+    with _hub_with(tmp_path, "f.bin", b"x" * 100) as (hub, commit, settings):
         async with HubSession(settings, opts, token=False) as session:
             hub.inject(method="HEAD", file="f.bin", status=503, retry_after=0, times=2)
             counters = {"attempts": 0}
@@ -404,8 +404,6 @@ async def test_one_retry_policy_for_heads_and_hub_api_calls(tmp_path: Path) -> N
 
 
 def test_the_write_behind_thread_writes_counts_and_hashes_in_order(tmp_path: Path) -> None:
-    from download.sidecar import Block
-
     data = random.Random(3).randbytes(200_000)
     path = tmp_path / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -425,8 +423,6 @@ def test_the_write_behind_thread_writes_counts_and_hashes_in_order(tmp_path: Pat
 
 
 def test_a_failed_write_is_kept_for_the_loop_and_later_writes_are_dropped(tmp_path: Path) -> None:
-    from download.sidecar import Block
-
     path = tmp_path / "f"
     path.write_bytes(b"")
     fd = os.open(path, os.O_RDONLY)  # every pwritev fails (EBADF)
@@ -445,8 +441,6 @@ def test_a_failed_write_is_kept_for_the_loop_and_later_writes_are_dropped(tmp_pa
 def test_a_thread_that_died_is_raised_by_the_next_write_not_retried_in_silence(tmp_path: Path) -> None:
     import anyio
 
-    from download.sidecar import Block
-    from download.stream import _Writer
 
     path = tmp_path / "f"
     path.write_bytes(b"")
@@ -477,52 +471,33 @@ async def test_a_cancelled_stream_stops_at_once_keeps_its_bytes_and_resumes(tmp_
     # leave every received byte written and claimed, and the rerun must resume there, not at 0.
     import anyio
 
-    from core.settings import load_settings
-    from download import HubSession, download_to_partial, partial_paths
-    from tests.hubserver import LocalHub
 
     data = random.Random(11).randbytes(8 << 20)
-    src = tmp_path / "model.gguf"
-    src.write_bytes(data)
-    with LocalHub(tmp_path / "hub") as hub:
-        commit = hub.create_repo("o/r", {"model.gguf": src}, lfs=["model.gguf"])
-        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint})
+    with _hub_with(tmp_path, "model.gguf", data, lfs=["model.gguf"]) as (hub, commit, settings):
         partial_dir = tmp_path / ".partial"
         part, sidecar, _lock = partial_paths(partial_dir, "o/r", "model.gguf")
         opts = TransferOptions(connections=1, read_timeout_s=600)  # only the cancel can end the wait
         hub.inject(file="model.gguf", method="GET", throughput_bps=2 << 20, times=None)
         async with HubSession(settings, opts, token=False) as s:
             with anyio.move_on_after(1.0) as scope:
-                await download_to_partial(s, repo="o/r", revision=commit, path="model.gguf",
-                                          expected_size=len(data), expected_sha256=None, partial_dir=partial_dir)
+                await _download_model(s, commit, data, partial_dir)
         assert scope.cancelled_caught
         side = read_sidecar(sidecar)
         assert side is not None and 0 < side.done_bytes < len(data)
         assert part.read_bytes()[:side.done_bytes] == data[:side.done_bytes]
         hub.clear_faults()
         async with HubSession(settings, TransferOptions(connections=1), token=False) as s:
-            out = await download_to_partial(s, repo="o/r", revision=commit, path="model.gguf",
-                                            expected_size=len(data), expected_sha256=None, partial_dir=partial_dir)
+            out = await _download_model(s, commit, data, partial_dir)
     assert out.resumed_from_bytes == side.done_bytes and out.bytes_transferred == len(data) - side.done_bytes
     assert out.sha256 == hashlib.sha256(data).hexdigest()
 
 
 @pytest.mark.anyio
 async def test_ranged_gets_reuse_their_keep_alive_connections_between_blocks(tmp_path: Path) -> None:
-    from core.settings import load_settings
-    from download import HubSession, download_to_partial
-    from tests.hubserver import LocalHub
-
     data = random.Random(12).randbytes(6 << 20)
-    src = tmp_path / "model.gguf"
-    src.write_bytes(data)
-    with LocalHub(tmp_path / "hub") as hub:
-        commit = hub.create_repo("o/r", {"model.gguf": src}, lfs=["model.gguf"])
-        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint})
+    with _hub_with(tmp_path, "model.gguf", data, lfs=["model.gguf"]) as (hub, commit, settings):
         async with HubSession(settings, TransferOptions(connections=2, block_bytes=1 << 20), token=False) as s:
-            out = await download_to_partial(s, repo="o/r", revision=commit, path="model.gguf",
-                                            expected_size=len(data), expected_sha256=None,
-                                            partial_dir=tmp_path / ".partial")
+            out = await _download_model(s, commit, data, tmp_path / ".partial")
         gets = hub.requests_for(file="model.gguf", method="GET", where="cdn")
     assert out.sha256 == hashlib.sha256(data).hexdigest()
     assert len(gets) == 6 and all(r.status == 206 for r in gets)

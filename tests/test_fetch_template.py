@@ -9,9 +9,16 @@ from typing import Any
 import pytest
 
 from core.errors import TemplateError
-from core.settings import load_settings
-from core.entry import TemplateSource
-from stages.fetch_template import TEMPLATE_FILENAME, check_tool_capable, extract_template, fetch_template
+from core.entry import Entry, TemplateSource
+from core.model_files import TemplateResult
+from core.settings import Settings, load_settings
+from stages.fetch_template import (
+    MAX_TEMPLATE_SOURCE_BYTES,
+    TEMPLATE_FILENAME,
+    check_tool_capable,
+    extract_template,
+    fetch_template,
+)
 from stages.fetch_weights import fetch_weights
 from stages.verify import verify
 from tests.gguf_fixtures import pinned_template
@@ -117,12 +124,17 @@ async def _fetched(local_hub: LocalHub, tmp_path: Path, repo: dict[str, Any], te
     return entry, settings, fetched
 
 
+async def _template(entry: Entry, settings: Settings) -> TemplateResult:
+    """fetch-template for ``entry`` into model directory "m"."""
+    return await fetch_template(entry, settings.model_dir("m"), settings=settings)
+
+
 @pytest.mark.anyio
 async def test_tokenizer_config_tool_use_written_beside_weights(local_hub: LocalHub, tmp_path: Path,
                                                                hub_repo: dict[str, Any]) -> None:
     src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)
-    result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    result = await _template(entry, settings)
     assert Path(result.path).read_text() == TOOLS and Path(result.path).name == TEMPLATE_FILENAME
     assert result.variant == "tokenizer_config:tool_use"
     verified = await verify(entry, settings.model_dir("m"), fetched=fetched, template=result)
@@ -137,7 +149,7 @@ async def test_unpinned_source_resolves_and_records_the_commit(local_hub: LocalH
                                                               hub_repo: dict[str, Any]) -> None:
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo,
                                               TemplateSource("org/m", None, "chat_template.jinja"))
-    result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    result = await _template(entry, settings)
     assert result.source == f"org/m@{hub_repo['src']}/chat_template.jinja" and result.variant == "jinja"
 
 
@@ -147,7 +159,7 @@ async def test_template_without_tools_fails_and_keeps_the_weights(local_hub: Loc
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo,
                                               TemplateSource("org/m", hub_repo["src"], "no_tools.jinja"))
     with pytest.raises(TemplateError, match="cannot express tool calls"):
-        await fetch_template(entry, settings.model_dir("m"), settings=settings)
+        await _template(entry, settings)
     assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
     # nothing downloaded is lost: the hashed partial waits for verify
     assert Path(fetched.weights.partial_path).read_bytes() == hub_repo["weights"].read_bytes()
@@ -159,7 +171,7 @@ async def test_missing_named_template_is_a_template_error(local_hub: LocalHub, t
     entry, settings, _f = await _fetched(local_hub, tmp_path, hub_repo,
                                          TemplateSource("org/m", hub_repo["src"], "gone.jinja"))
     with pytest.raises(TemplateError, match="could not be fetched") as exc:
-        await fetch_template(entry, settings.model_dir("m"), settings=settings)
+        await _template(entry, settings)
     assert exc.value.exit_code == 4
 
 
@@ -170,7 +182,7 @@ async def test_corrupt_small_file_fails_its_git_blob_check(local_hub: LocalHub, 
                                          TemplateSource("org/m", hub_repo["src"], "chat_template.jinja"))
     local_hub.inject(file="chat_template.jinja", method="GET", corrupt=True, times=1)
     with pytest.raises(TemplateError, match="git blob"):
-        await fetch_template(entry, settings.model_dir("m"), settings=settings)
+        await _template(entry, settings)
     assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
 
 
@@ -178,7 +190,7 @@ async def test_corrupt_small_file_fails_its_git_blob_check(local_hub: LocalHub, 
 async def test_no_template_named_records_the_gguf_one(local_hub: LocalHub, tmp_path: Path,
                                                       hub_repo: dict[str, Any]) -> None:
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, None)
-    result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    result = await _template(entry, settings)
     assert result.path is None
     verified = await verify(entry, settings.model_dir("m"), fetched=fetched, template=result)
     assert verified.gguf_embeds_chat_template is True and verified.chat_template_path is None
@@ -193,7 +205,7 @@ async def test_relative_redirect_to_resolve_cache_is_followed(tmp_path: Path) ->
         entry = make_entry("m", "org/m", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
                            template=TemplateSource("org/m", commit, "chat_template.jinja"))
         settings = settings_for(hub, tmp_path / "home")
-        result = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+        result = await _template(entry, settings)
         assert Path(result.path).read_text() == TOOLS
         assert any(r.status == 307 for r in hub.requests_for(file="chat_template.jinja"))
 
@@ -201,11 +213,9 @@ async def test_relative_redirect_to_resolve_cache_is_followed(tmp_path: Path) ->
 @pytest.mark.anyio
 async def test_template_in_place_is_not_fetched_again_and_works_offline(local_hub: LocalHub, tmp_path: Path,
                                                                         hub_repo: dict[str, Any]) -> None:
-    from core.settings import load_settings
-
     src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)
-    first = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    first = await _template(entry, settings)
     local_hub.reset_counters()
     offline = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": local_hub.endpoint,
                              "HF_HUB_OFFLINE": "1"})
@@ -214,7 +224,7 @@ async def test_template_in_place_is_not_fetched_again_and_works_offline(local_hu
     assert (again.path, again.sha256, again.variant, again.tool_markers) == (
         first.path, first.sha256, first.variant, first.tool_markers)
     Path(first.path).write_text("{{ tampered }}")  # text no longer what the receipt vouches for: fetched again
-    third = await fetch_template(entry, settings.model_dir("m"), settings=settings)
+    third = await _template(entry, settings)
     assert Path(third.path).read_text() == TOOLS and local_hub.requests
 
 
@@ -223,8 +233,6 @@ async def test_an_oversized_template_source_is_refused_before_it_is_downloaded(l
                                                                                 tmp_path: Path) -> None:
     # A template source far past any real one (a wrong file, a hostile repo) must not be fetched
     # in full and read into memory before extract_template's bound says no.
-    from stages.fetch_template import MAX_TEMPLATE_SOURCE_BYTES
-
     weights = make_gguf(tmp_path / "model.gguf", pad_bytes=100_000)
     big = b"{{ tools }}" + b" " * (MAX_TEMPLATE_SOURCE_BYTES + 1)
     commit = local_hub.create_repo("org/big", {"model.gguf": weights, "chat_template.jinja": big},
@@ -233,7 +241,7 @@ async def test_an_oversized_template_source_is_refused_before_it_is_downloaded(l
                        template=TemplateSource("org/big", commit, "chat_template.jinja"))
     settings = settings_for(local_hub, tmp_path / "home")
     with pytest.raises(TemplateError, match="too large|exceeds"):
-        await fetch_template(entry, settings.model_dir("m"), settings=settings)
+        await _template(entry, settings)
     assert local_hub.bytes_sent("chat_template.jinja") == 0
     assert not (settings.model_dir("m") / TEMPLATE_FILENAME).exists()
 

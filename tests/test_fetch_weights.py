@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from stages.verify import verify
 from state.locks import FileLock
 from state.receipts import file_identity, read_receipt, receipt_path
 from tests.e2e_support import sha256_of
-from tests.hubserver import LocalHub
+from tests.hubserver import LocalHub, free_port_closed, serve_handler
 
 MiB = 1 << 20
 FAST = TransferOptions(connections=4, block_bytes=512 * 1024, backoff_initial_s=0.01, backoff_max_s=0.05,
@@ -100,6 +100,12 @@ async def fetch_and_verify(entry: Entry, dest: Path, **kw: Any) -> FetchResult:
     return fetched
 
 
+async def fetch_m(entry: Entry, settings: Settings, **kw: Any) -> FetchResult:
+    """fetch_and_verify into model directory "m", quiet, with the FAST options unless ``kw`` says otherwise."""
+    return await fetch_and_verify(entry, settings.model_dir("m"), settings=settings,
+                                  **{"options": FAST, "progress": False, **kw})
+
+
 @pytest.fixture
 def weights(tmp_path: Path) -> Path:
     (tmp_path / "src").mkdir()
@@ -112,6 +118,18 @@ def repo(local_hub: LocalHub, weights: Path) -> tuple[str, str, Entry]:
                                    lfs=["model.gguf"])
     entry = make_entry("m", "org/model-GGUF", commit, "model.gguf", weights.stat().st_size, sha256_of(weights))
     return "org/model-GGUF", commit, entry
+
+
+@pytest.fixture
+def entry(repo: tuple[str, str, Entry]) -> Entry:
+    """The registry entry of ``repo``'s model.gguf."""
+    return repo[2]
+
+
+@pytest.fixture
+def settings(local_hub: LocalHub, tmp_path: Path) -> Settings:
+    """A fresh home under tmp_path whose Hub is ``local_hub``."""
+    return settings_for(local_hub, tmp_path / "home")
 
 
 # --------------------------------------------------------------------------- tests
@@ -156,11 +174,9 @@ async def test_parallel_download_verifies_and_places_file(local_hub: LocalHub, r
 
 @pytest.mark.anyio
 async def test_a_final_file_without_its_receipt_is_verified_in_place_not_fetched_again(
-        local_hub: LocalHub, repo: Any, weights: Path, tmp_path: Path) -> None:
+        local_hub: LocalHub, entry: Entry, settings: Settings, weights: Path) -> None:
     # A kill between the rename into place and the receipt write (or a file seeded by the operator)
     # leaves the right bytes without a receipt: they are re-hashed once and verified, not re-downloaded.
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
     dest = settings.model_dir("m")
     await fetch_and_verify(entry, dest, settings=settings, options=FAST, progress=False)
     receipt_path(dest, "model.gguf").unlink()
@@ -206,28 +222,24 @@ async def test_no_sha256_to_check_against_fails_once_and_keeps_the_bytes(local_h
 
 
 @pytest.mark.anyio
-async def test_a_cut_late_in_a_long_download_is_still_retried(local_hub: LocalHub, repo: Any, weights: Path,
-                                                              tmp_path: Path) -> None:
+async def test_a_cut_late_in_a_long_download_is_still_retried(local_hub: LocalHub, entry: Entry, settings: Settings,
+                                                              weights: Path) -> None:
     # max_total_retry_s bounds the time spent *failing*, not the length of the download: a cut that
     # comes after the download has run longer than that (hours into a 20 GB pull) is retried.
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
     size = weights.stat().st_size
     one = replace(FAST, connections=1, block_bytes=None, max_total_retry_s=0.3)
     local_hub.inject(file="model.gguf", method="GET", throughput_bps=size, close_after_bytes=size // 2, times=1)
-    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=one, connections=1,
-                                 progress=False)  # the first half alone takes ~0.5 s at this pace
+    # the first half alone takes ~0.5 s at this pace
+    result = await fetch_m(entry, settings, options=one, connections=1)
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     assert result.weights is not None and result.weights.attempts >= 2
 
 
 @pytest.mark.anyio
-async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any, weights: Path,
-                                                  tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, entry: Entry, settings: Settings,
+                                                  weights: Path) -> None:
     cut = local_hub.inject(file="model.gguf", method="GET", close_after_bytes=100_000, times=3)
-    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_m(entry, settings)
     assert cut.hits == 3
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     # every cut range is resumed from where it broke: nothing is fetched twice
@@ -238,14 +250,12 @@ async def test_cut_mid_body_is_resumed_in_process(local_hub: LocalHub, repo: Any
 
 
 @pytest.mark.anyio
-async def test_an_expired_cdn_link_is_refreshed_by_a_new_head_not_fatal(local_hub: LocalHub, repo: Any,
-                                                                        weights: Path, tmp_path: Path) -> None:
+async def test_an_expired_cdn_link_is_refreshed_by_a_new_head_not_fatal(local_hub: LocalHub, entry: Entry,
+                                                                        settings: Settings, weights: Path) -> None:
     # Signed CDN URLs expire (the CDN then answers 403); blocks requested after that must re-HEAD
     # the Hub for a fresh link instead of failing a long unattended pull half-way.
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
     expired = local_hub.inject(file="model.gguf", method="GET", where="cdn", status=403, times=2)
-    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_m(entry, settings)
     assert expired.hits == 2
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     assert result.weights is not None
@@ -280,12 +290,11 @@ async def test_failed_run_leaves_partial_and_rerun_resumes_rehashing_prefix_once
 
 
 @pytest.mark.anyio
-async def test_500_burst_and_429_are_retried(local_hub: LocalHub, repo: Any, weights: Path, tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_500_burst_and_429_are_retried(local_hub: LocalHub, entry: Entry, settings: Settings,
+                                             weights: Path) -> None:
     burst = local_hub.inject(file="model.gguf", method="GET", status=500, times=3)
     limited = local_hub.inject(file="model.gguf", method="HEAD", status=429, retry_after=0, times=2)
-    await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    await fetch_m(entry, settings)
     assert burst.hits == 3 and limited.hits == 2
     statuses = [r.status for r in local_hub.requests_for(file="model.gguf")]
     assert statuses.count(500) == 3 and statuses.count(429) == 2 and 206 in statuses
@@ -293,24 +302,20 @@ async def test_500_burst_and_429_are_retried(local_hub: LocalHub, repo: Any, wei
 
 
 @pytest.mark.anyio
-async def test_retry_after_beyond_the_cap_gives_up_with_a_clear_error(local_hub: LocalHub, repo: Any,
-                                                                     tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_retry_after_beyond_the_cap_gives_up_with_a_clear_error(local_hub: LocalHub, entry: Entry,
+                                                                      settings: Settings) -> None:
     local_hub.inject(file="model.gguf", method="HEAD", status=429, retry_after=3600, times=None)
     with pytest.raises(Exception) as exc:
-        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_m(entry, settings)
     assert "429" in str(exc.value) and exc.value.exit_code == 4  # type: ignore[attr-defined]
     assert len(local_hub.requests_for(file="model.gguf", method="HEAD")) == 1  # no hammering
 
 
 @pytest.mark.anyio
-async def test_server_ignoring_range_restarts_as_one_stream(local_hub: LocalHub, repo: Any, weights: Path,
-                                                            tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_server_ignoring_range_restarts_as_one_stream(local_hub: LocalHub, entry: Entry, settings: Settings,
+                                                            weights: Path) -> None:
     local_hub.inject(file="model.gguf", method="GET", ignore_range=True, times=None)
-    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_m(entry, settings)
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
     assert result.weights is not None and result.weights.connections == 1
     final_get = local_hub.requests_for(file="model.gguf", method="GET")[-1]
@@ -318,12 +323,10 @@ async def test_server_ignoring_range_restarts_as_one_stream(local_hub: LocalHub,
 
 
 @pytest.mark.anyio
-async def test_wrong_size_fails_closed_before_writing(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_wrong_size_fails_closed_before_writing(local_hub: LocalHub, entry: Entry, settings: Settings) -> None:
     local_hub.inject(file="model.gguf", advertise_size=entry.artifact.size_bytes - 10, times=None)  # type: ignore[union-attr]
     with pytest.raises(PinMismatch, match="registry pins"):
-        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_m(entry, settings)
     assert local_hub.requests_for(file="model.gguf", method="GET") == []
     assert not (settings.model_dir("m") / "model.gguf").exists()
 
@@ -353,9 +356,7 @@ async def test_moved_branch_is_not_followed_and_a_repin_discards_the_old_partial
 
 
 @pytest.mark.anyio
-async def test_unpinned_entry_is_refused(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_unpinned_entry_is_refused(local_hub: LocalHub, entry: Entry, settings: Settings) -> None:
     unpinned = replace(entry, artifact=replace(entry.artifact, revision="main"))  # type: ignore[arg-type]
     with pytest.raises(RegistryError, match="not pinned"):
         await fetch_and_verify(unpinned, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
@@ -394,35 +395,27 @@ async def test_missing_repo_and_missing_file(local_hub: LocalHub, repo: Any, tmp
 
 
 @pytest.mark.anyio
-async def test_corrupt_body_is_discarded_and_fetched_again(local_hub: LocalHub, repo: Any, weights: Path,
-                                                           tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_corrupt_body_is_discarded_and_fetched_again(local_hub: LocalHub, entry: Entry, settings: Settings,
+                                                           weights: Path) -> None:
     local_hub.inject(file="model.gguf", method="GET", corrupt=True, times=1)
-    result = await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+    result = await fetch_m(entry, settings)
     assert result.weights is not None and result.weights.integrity_retries == 1
     assert (settings.model_dir("m") / "model.gguf").read_bytes() == weights.read_bytes()
 
 
 @pytest.mark.anyio
-async def test_persistent_corruption_fails_and_never_places_the_file(local_hub: LocalHub, repo: Any,
-                                                                     tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_persistent_corruption_fails_and_never_places_the_file(local_hub: LocalHub, entry: Entry,
+                                                                     settings: Settings) -> None:
     local_hub.inject(file="model.gguf", method="GET", corrupt=True, times=None)
     with pytest.raises(IntegrityError) as exc:
-        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False,
-                            integrity_retries=1)
+        await fetch_m(entry, settings, integrity_retries=1)
     assert exc.value.details["field"] == "sha256"
     assert not (settings.model_dir("m") / "model.gguf").exists()
     assert not list((settings.model_dir("m") / ".partial").glob("*.part"))  # bad bytes are not resumed from
 
 
 @pytest.mark.anyio
-async def test_header_mismatch_names_the_field_and_keeps_the_file_out(local_hub: LocalHub, repo: Any,
-                                                                      tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_header_mismatch_names_the_field_and_keeps_the_file_out(entry: Entry, settings: Settings) -> None:
     wrong = replace(entry, config=replace(entry.config, layer_groups=(LayerGroup(4, 8, 64, 64),)))
     fetched = await fetch_weights(wrong, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     with pytest.raises(IntegrityError, match="head_count_kv") as exc:
@@ -485,9 +478,8 @@ async def test_present_projector_gives_vision(local_hub: LocalHub, weights: Path
 
 
 @pytest.mark.anyio
-async def test_second_writer_of_a_target_is_told_the_holder(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_second_writer_of_a_target_is_told_the_holder(local_hub: LocalHub, entry: Entry,
+                                                            settings: Settings) -> None:
     dest = settings.model_dir("m")
     _p, _s, lock_path = partial_paths(dest / ".partial", "org/model-GGUF", "model.gguf")
     with FileLock(lock_path):  # another writer holds the target
@@ -625,9 +617,6 @@ async def test_snapshot_of_gated_or_missing_repo(local_hub: LocalHub, tmp_path: 
 @pytest.mark.anyio
 async def test_revision_header_mismatch_fails_closed(tmp_path: Path) -> None:
     """A server (a stale mirror, a misconfigured proxy) that answers the pinned URL with another commit."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     seen: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -646,39 +635,27 @@ async def test_revision_header_mismatch_fails_closed(tmp_path: Path) -> None:
             seen.append("GET " + self.path)
             self.send_error(500)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"),
-                                  "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"})
+    with serve_handler(Handler) as url:
+        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": url})
         entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
         with pytest.raises(PinMismatch, match="served commit f{40} but the registry pins 1{40}") as exc:
-            await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+            await fetch_m(entry, settings)
         assert exc.value.details["served"] == "f" * 40
-    finally:
-        server.shutdown()
-        server.server_close()
     assert seen == [f"HEAD /org/m/resolve/{'1' * 40}/model.gguf"]  # nothing fetched from a wrong commit
     assert not (tmp_path / "home" / "models" / "m" / "model.gguf").exists()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.anyio
 async def test_an_unreachable_mirror_reports_each_retry_before_giving_up(tmp_path: Path) -> None:
     # Before: ~18 s of silence, then the error. Each wait is now a download.retry event; the URL
     # carries no credentials (a mirror's user:password in HF_ENDPOINT never reaches the log).
-    port = _free_port()  # nothing listens there: connection refused on every attempt
+    port = free_port_closed()  # nothing listens there: connection refused on every attempt
     settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"),
                               "HF_ENDPOINT": f"http://mirror-user:s3cret@127.0.0.1:{port}"})
     entry = make_entry("m", "org/m", "1" * 40, "model.gguf", 1000, "a" * 64)
     with structlog.testing.capture_logs() as events:
         with pytest.raises(TransferError, match="gave up after repeated failures"):
-            await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+            await fetch_m(entry, settings)
     retries = [e for e in events if e["event"] == "download.retry"]
     assert [e["attempt"] for e in retries] == list(range(1, FAST.max_attempts_without_progress))
     for e in retries:
@@ -689,13 +666,11 @@ async def test_an_unreachable_mirror_reports_each_retry_before_giving_up(tmp_pat
 
 
 @pytest.mark.anyio
-async def test_a_retried_cdn_get_is_reported_without_the_signed_query(local_hub: LocalHub, repo: Any,
-                                                                      weights: Path, tmp_path: Path) -> None:
-    _repo, _commit, entry = repo
-    settings = settings_for(local_hub, tmp_path / "home")
+async def test_a_retried_cdn_get_is_reported_without_the_signed_query(local_hub: LocalHub, entry: Entry,
+                                                                      settings: Settings, weights: Path) -> None:
     local_hub.inject(file="model.gguf", method="GET", where="cdn", status=503, retry_after=0, times=1)
     with structlog.testing.capture_logs() as events:
-        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_m(entry, settings)
     retries = [e for e in events if e["event"] == "download.retry"]
     assert len(retries) == 1
     assert retries[0]["attempt"] == 1 and "HTTP 503" in retries[0]["cause"] and retries[0]["wait_s"] == 0
@@ -727,7 +702,7 @@ async def test_a_web_server_that_is_not_a_hub_is_named_not_blamed_on_the_registr
     settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": not_a_hub})
     entry = make_entry("m", "org/m-GGUF", "1" * 40, "model.gguf", 1000, "a" * 64)
     with pytest.raises(HubError) as exc:
-        await fetch_and_verify(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
+        await fetch_m(entry, settings)
     assert NOT_A_HUB in exc.value.what and not_a_hub in exc.value.what
     assert "renamed" not in str(exc.value) and "registry" not in str(exc.value)
     assert exc.value.details["endpoint"] == not_a_hub

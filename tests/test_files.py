@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from pipeline.registry_lock import write_atomic
 from state.files import finalize_file, write_text_atomic
 
 
@@ -21,16 +23,19 @@ def test_replace_keeps_mode_and_leaves_no_temp(tmp_path: Path, durable: bool) ->
     assert sorted(p.name for p in target.parent.iterdir()) == ["x.json"]
 
 
-def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+# registry_lock.write_atomic (the registry file's writer) is one of the callers: the same failure, through it
+@pytest.mark.parametrize("write", [write_text_atomic, write_atomic], ids=["write_text_atomic", "registry_lock"])
+def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         write: Callable[[Path, str], None]) -> None:
     target = tmp_path / "x.json"
     write_text_atomic(target, "old")
 
-    def boom(*_a: object) -> None:
+    def boom(*_a: object) -> None:  # the rename never happens (power cut before it)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
-        write_text_atomic(target, "new")
+        write(target, "new")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
 

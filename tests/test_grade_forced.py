@@ -323,6 +323,12 @@ async def _grade(url: str, pack: Sequence[Scenario], log: list[int | None] | Non
     return report
 
 
+async def _grade_embedded(embedded: FixtureInfo, pack: Sequence[Scenario]) -> dict[str, Any]:
+    """Grade ``pack`` on a fresh llama-server (``--jinja``) serving the embedded-template fixture."""
+    with llama_server(embedded.path, n_ctx=32768, extra_args=["--jinja"]) as srv:
+        return await _grade(srv.base_url, pack)
+
+
 def _calls(report: Mapping[str, Any]) -> dict[str, list[tuple[str, Any]]]:
     return {s["id"]: [(c["name"], c["arguments"]) for c in s["call_log"]] for s in report["scenarios"]}
 
@@ -331,17 +337,22 @@ def _pinned(pack: Sequence[Scenario]) -> dict[str, list[tuple[str, Any]]]:
     return {s.id: [(c.name, dict(c.args)) for c in _pinned_calls(s)] for s in pack}
 
 
+def _assert_forced(report: Mapping[str, Any], pack: Sequence[Scenario], outcome: str, verdict: str) -> None:
+    """What a forced pack gives whatever the grammar forces: every scenario ends ``outcome``, the verdict is
+    ``verdict`` with no stack problem, and the calls are exactly the pinned ones, all valid."""
+    assert {s["id"]: s["outcome"] for s in report["scenarios"]} == {s.id: outcome for s in pack}
+    assert report["verdict"]["verdict"] == verdict and report["verdict"]["stack_problem"] is None
+    assert _calls(report) == _pinned(pack)
+    assert report["call_validity"] == 1.0
+
+
 @pytest.mark.llama
 @pytest.mark.anyio
 async def test_forced_correct_pack_grades_100_percent_pass(embedded: FixtureInfo) -> None:
-    with llama_server(embedded.path, n_ctx=32768, extra_args=["--jinja"]) as srv:
-        report = await _grade(srv.base_url, FORCED_CORRECT)
-    assert {s["id"]: s["outcome"] for s in report["scenarios"]} == {s.id: "pass" for s in FORCED_CORRECT}
-    assert report["score"] == {"passed": 4, "total": 4, "fraction": 1.0}
-    assert report["verdict"]["verdict"] == "pass" and report["verdict"]["stack_problem"] is None
-    assert report["call_validity"] == 1.0
+    report = await _grade_embedded(embedded, FORCED_CORRECT)
     # exactly the one admissible call per forced turn, no distractor, no call in the no-call turn
-    assert _calls(report) == _pinned(FORCED_CORRECT)
+    _assert_forced(report, FORCED_CORRECT, "pass", "pass")
+    assert report["score"] == {"passed": 4, "total": 4, "fraction": 1.0}
     # a tool refusal went back to the model and the scenario still passed (FORCED-RECOVER)
     recover = next(s for s in report["scenarios"] if s["id"] == "FORCED-RECOVER")
     assert '"code":"not_empty"' in next(m["content"] for m in recover["transcript"] if m["role"] == "tool")
@@ -352,13 +363,9 @@ async def test_forced_correct_pack_grades_100_percent_pass(embedded: FixtureInfo
 @pytest.mark.llama
 @pytest.mark.anyio
 async def test_forced_wrong_pack_grades_0_percent_wrong_state_fail(embedded: FixtureInfo) -> None:
-    with llama_server(embedded.path, n_ctx=32768, extra_args=["--jinja"]) as srv:
-        report = await _grade(srv.base_url, FORCED_WRONG)
-    assert {s["id"]: s["outcome"] for s in report["scenarios"]} == {s.id: "wrong_state" for s in FORCED_WRONG}
+    report = await _grade_embedded(embedded, FORCED_WRONG)
+    _assert_forced(report, FORCED_WRONG, "wrong_state", "fail")  # the model did what the grammar forced: valid calls
     assert report["score"]["passed"] == 0 and report["score"]["total"] == 4
-    assert report["verdict"]["verdict"] == "fail" and report["verdict"]["stack_problem"] is None
-    assert _calls(report) == _pinned(FORCED_WRONG)  # the model did what the grammar forced: valid calls
-    assert report["call_validity"] == 1.0
     shop = next(s for s in report["scenarios"] if s["id"] == "FORCED-SHOP")
     assert "shop.orders[0].items.BAT-AA-4: missing" in shop["detail"]
     assert "shop.orders[0].ship_to: expected '12 Elm Street, Springfield'" in shop["detail"]
@@ -392,8 +399,7 @@ async def test_forced_pack_is_deterministic_and_starts_each_scenario_from_an_era
     with llama_server(embedded.path, n_ctx=32768, extra_args=["--jinja", "--slot-save-path", str(tmp_path)]) as srv:
         first = await _grade(srv.base_url, FORCED_CORRECT, log)
         second = await _grade(srv.base_url, FORCED_CORRECT)
-    with llama_server(embedded.path, n_ctx=32768, extra_args=["--jinja"]) as srv:
-        unerased = await _grade(srv.base_url, FORCED_CORRECT)
+    unerased = await _grade_embedded(embedded, FORCED_CORRECT)
     hashes = [s["transcript_sha256"] for s in first["scenarios"]]
     assert len(set(hashes)) == len(FORCED_CORRECT)
     assert hashes == [s["transcript_sha256"] for s in second["scenarios"]]

@@ -22,11 +22,8 @@ from typing import Any
 
 import pytest
 
-from backends.base import ModelFiles
 from backends.http_chat import HttpChatEndpoint
-from backends.openvino.backend import OpenVinoBackend
 from core.errors import StageRecordError, UsageError
-from core.settings import load_settings
 from pipeline.cli import main
 from pipeline.manifest import read_manifest
 from pipeline.session_stages import GRADE_STAGE
@@ -34,7 +31,7 @@ from stages.grade import GradeResult, grade_session
 from tests import grade_scripts as gs
 from tests.e2e_support import LARGE, SMALL, World, write_probe
 from tests.hubserver import LocalHub
-from tests.openvino_fixtures import make_ov_fixture, ov_plan, require_openvino_genai
+from tests.openvino_fixtures import open_ov_fixture
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for, events
 from tests.test_backend_boundary import CALL, FakeSession, _report
 
@@ -91,10 +88,7 @@ async def test_a_stack_failure_through_a_session_is_inconclusive(tmp_path: Path)
 
 @pytest.mark.openvino
 async def test_an_openvino_session_is_graded_through_the_same_boundary(tmp_path: Path) -> None:
-    require_openvino_genai()
-    fx = make_ov_fixture(tmp_path / "ov", "tool-call")
-    async with OpenVinoBackend().open(ov_plan(fx, 32768), ModelFiles(fx.ir_dir), run_dir=tmp_path / "run",
-                                      binary=None, settings=load_settings()) as session:
+    async with open_ov_fixture(tmp_path) as session:
         report = await grade_session(session, label="ov fixture", tier="quick")
     # the OpenVINO tool-call fixture is no agent either: a model failure, told apart from a stack one
     assert report["verdict"]["verdict"] == "fail" and report["verdict"]["stack_problem"] is None

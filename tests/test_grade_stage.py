@@ -20,7 +20,8 @@ from pipeline.cli import main
 from backends.http_chat import HttpChatEndpoint, facts_from
 from stages.grade import default_output_path, grade_endpoint
 from tests import grade_scripts as gs
-from tests.grade_scripts import ScriptedServer, free_port_closed, http_stub
+from tests.grade_scripts import ScriptedServer, http_stub
+from tests.hubserver import free_port_closed
 
 pytestmark = pytest.mark.anyio
 

@@ -13,11 +13,8 @@ from core.errors import BackendNotFound, LoadError
 from core.plan import Device, ProbeResult
 from backends.openvino import config as openvino_config
 from backends.openvino.toolcall import (
+    PARSERS,
     answer_from_text,
-    parse_harmony,
-    parse_hermes,
-    parse_phi4,
-    parse_qwen3_coder,
     structural_tag,
     tool_call_family,
 )
@@ -44,76 +41,65 @@ ARGS = {"text": "ping"}
 
 # ---------------------------------------------------------------- parsers
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}\n</tool_call>', [("hotfit_probe", ARGS)]),
-        ('<think>\nok\n</think>\n\n<tool_call>\n{"name":"hotfit_probe","arguments":{"text":"ping"}}\n</tool_call><|im_end|>',
-         [("hotfit_probe", ARGS)]),
-        ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
-         [("a", {}), ("b", {"x": 1})]),
-        ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}', [("hotfit_probe", ARGS)]),  # unclosed
-        ('<tool_call>\n{"name": "hotfit_probe", "arguments": "{\\"text\\": \\"ping\\"}"}\n</tool_call>',
-         [("hotfit_probe", ARGS)]),  # arguments as a JSON string
-        ("Sure! I would call hotfit_probe with ping.", []),
-        ('{"name": "hotfit_probe", "arguments": {"text": "ping"}}', []),  # no markers: not a hermes call
-        ("<tool_call>not json</tool_call>", []),
-    ],
-)
-def test_parse_hermes(text: str, expected: list[tuple[str, object]]) -> None:
-    assert [(c.name, c.arguments) for c in parse_hermes(text)] == expected
+_HERMES_CASES = [
+    ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}\n</tool_call>', [("hotfit_probe", ARGS)]),
+    ('<think>\nok\n</think>\n\n<tool_call>\n{"name":"hotfit_probe","arguments":{"text":"ping"}}\n</tool_call><|im_end|>',
+     [("hotfit_probe", ARGS)]),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
+     [("a", {}), ("b", {"x": 1})]),
+    ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}', [("hotfit_probe", ARGS)]),  # unclosed
+    ('<tool_call>\n{"name": "hotfit_probe", "arguments": "{\\"text\\": \\"ping\\"}"}\n</tool_call>',
+     [("hotfit_probe", ARGS)]),  # arguments as a JSON string
+    ("Sure! I would call hotfit_probe with ping.", []),
+    ('{"name": "hotfit_probe", "arguments": {"text": "ping"}}', []),  # no markers: not a hermes call
+    ("<tool_call>not json</tool_call>", []),
+]
+
+_HARMONY_CASES = [
+    ('<|channel|>commentary to=functions.hotfit_probe <|constrain|>json<|message|>{"text": "ping"}<|call|>',
+     [("hotfit_probe", ARGS)]),
+    (('<|channel|>analysis<|message|>Need to call.<|end|><|start|>assistant<|channel|>commentary '
+      'to=functions.hotfit_probe <|constrain|>json<|message|>{"text":"ping"}<|call|>'), [("hotfit_probe", ARGS)]),
+    ('<|start|>assistant to=functions.hotfit_probe<|channel|>commentary json<|message|>{"text": "ping"}<|call|>',
+     [("hotfit_probe", ARGS)]),  # recipient in the role header
+    ('<|channel|>commentary to=functions.hotfit_probe<|message|>{"text": "ping"}', [("hotfit_probe", ARGS)]),
+    ("<|channel|>final<|message|>Hello there.<|return|>", []),
+]
+
+_PHI4_CASES = [
+    ('functools[{"name": "hotfit_probe", "arguments": {"text": "ping"}}]', [("hotfit_probe", ARGS)]),
+    ('functools[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"y": true}}]',
+     [("a", {}), ("b", {"y": True})]),
+    ('<|tool_call|>[{"name": "hotfit_probe", "arguments": {"text": "ping"}}]<|/tool_call|><|end|>',
+     [("hotfit_probe", ARGS)]),
+    ("I cannot call tools.", []),
+    ("functools[oops", []),
+]
+
+_QWEN3_CODER_CASES = [
+    ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n</function>\n</tool_call>",
+     [("hotfit_probe", ARGS)]),
+    (("Let me call it.\n<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n"
+     "<parameter=loud>\ntrue\n</parameter>\n</function>\n</tool_call>"), [("hotfit_probe", {"text": "ping", "loud": True})]),
+    ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\ntwo\nlines\n</parameter>\n</function>",
+     [("hotfit_probe", {"text": "two\nlines"})]),  # unclosed call, multi-line value
+    ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\n123\n</parameter>\n</function>\n</tool_call>",
+     [("hotfit_probe", {"text": "123"})]),  # a string parameter stays text
+    ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}\n</tool_call>', []),  # JSON: not this syntax
+    ("No tools needed.", []),
+]
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ('<|channel|>commentary to=functions.hotfit_probe <|constrain|>json<|message|>{"text": "ping"}<|call|>',
-         [("hotfit_probe", ARGS)]),
-        (('<|channel|>analysis<|message|>Need to call.<|end|><|start|>assistant<|channel|>commentary '
-          'to=functions.hotfit_probe <|constrain|>json<|message|>{"text":"ping"}<|call|>'), [("hotfit_probe", ARGS)]),
-        ('<|start|>assistant to=functions.hotfit_probe<|channel|>commentary json<|message|>{"text": "ping"}<|call|>',
-         [("hotfit_probe", ARGS)]),  # recipient in the role header
-        ('<|channel|>commentary to=functions.hotfit_probe<|message|>{"text": "ping"}', [("hotfit_probe", ARGS)]),
-        ("<|channel|>final<|message|>Hello there.<|return|>", []),
-    ],
+    ("family", "text", "expected"),
+    [pytest.param(family, text, expected, id=f"{family}-{i}")
+     for family, cases in [("hermes", _HERMES_CASES), ("harmony", _HARMONY_CASES), ("phi4", _PHI4_CASES),
+                           ("qwen3_coder", _QWEN3_CODER_CASES)]
+     for i, (text, expected) in enumerate(cases)],
 )
-def test_parse_harmony(text: str, expected: list[tuple[str, object]]) -> None:
-    assert [(c.name, c.arguments) for c in parse_harmony(text)] == expected
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ('functools[{"name": "hotfit_probe", "arguments": {"text": "ping"}}]', [("hotfit_probe", ARGS)]),
-        ('functools[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"y": true}}]',
-         [("a", {}), ("b", {"y": True})]),
-        ('<|tool_call|>[{"name": "hotfit_probe", "arguments": {"text": "ping"}}]<|/tool_call|><|end|>',
-         [("hotfit_probe", ARGS)]),
-        ("I cannot call tools.", []),
-        ("functools[oops", []),
-    ],
-)
-def test_parse_phi4(text: str, expected: list[tuple[str, object]]) -> None:
-    assert [(c.name, c.arguments) for c in parse_phi4(text)] == expected
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n</function>\n</tool_call>",
-         [("hotfit_probe", ARGS)]),
-        (("Let me call it.\n<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n"
-         "<parameter=loud>\ntrue\n</parameter>\n</function>\n</tool_call>"), [("hotfit_probe", {"text": "ping", "loud": True})]),
-        ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\ntwo\nlines\n</parameter>\n</function>",
-         [("hotfit_probe", {"text": "two\nlines"})]),  # unclosed call, multi-line value
-        ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\n123\n</parameter>\n</function>\n</tool_call>",
-         [("hotfit_probe", {"text": "123"})]),  # a string parameter stays text
-        ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}\n</tool_call>', []),  # JSON: not this syntax
-        ("No tools needed.", []),
-    ],
-)
-def test_parse_qwen3_coder(text: str, expected: list[tuple[str, object]]) -> None:
-    assert [(c.name, c.arguments) for c in parse_qwen3_coder(text, [PROBE_TOOL])] == expected
+def test_parse(family: str, text: str, expected: list[tuple[str, object]]) -> None:
+    # through PARSERS, with the request's tools, as answer_from_text calls them
+    assert [(c.name, c.arguments) for c in PARSERS[family](text, [PROBE_TOOL])] == expected
 
 
 @pytest.mark.parametrize(

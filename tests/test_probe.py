@@ -319,14 +319,6 @@ def test_a_deeply_nested_probe_file_is_a_usage_error_not_a_traceback(tmp_path: P
     assert str(path) in str(exc.value)
 
 
-def test_binary_probe_file_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
-    path = tmp_path / "probe.json"
-    path.write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(UsageError) as exc:
-        load_probe_file(path)
-    assert str(path) in str(exc.value) and "UTF-8" in str(exc.value) and exc.value.hint
-
-
 def test_probe_cli_json_and_save(tmp_path: Path, hotfit_home: Path) -> None:
     out = io.StringIO()
     save = tmp_path / "saved.json"

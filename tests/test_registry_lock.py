@@ -250,20 +250,6 @@ def test_write_atomic_replaces_whole_file_keeps_mode_and_leaves_no_temp(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["reg.json"]
 
 
-def test_write_atomic_failure_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "reg.json"
-    path.write_text("old")
-
-    def crash(src: str, dst: str) -> None:  # the rename never happens (power cut before it)
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError):
-        write_atomic(path, "new")
-    assert path.read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["reg.json"]
-
-
 def test_lock_against_a_server_that_is_not_a_hub_says_so_and_writes_nothing(tmp_path: Path, not_a_hub: str,
                                                                              hotfit_home: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:

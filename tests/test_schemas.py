@@ -20,6 +20,7 @@ from pipeline.manifest import Manifest, plan_from_json, read_manifest, write_man
 from pipeline.registry_file import load_registry
 from registry.catalog import entry_fields
 from registry.schema import decode_entry
+from stages.probe import load_probe_file
 
 GiB = 1 << 30
 
@@ -214,6 +215,22 @@ def test_a_damaged_probe_file_names_the_file_and_field_at_the_cli(tmp_path: Path
         assert error["message"].startswith(f"probe file {path}: {field} "), error
         assert error["details"] == {"file": str(path), "field": field}
         assert "hotfit probe --save" in error["hint"]
+
+
+# --------------------------------------------------------------------------- binary files (registry, probe file)
+
+
+@pytest.mark.parametrize("name,load,error", [
+    ("reg.json", load_registry, RegistryError),
+    ("probe.json", load_probe_file, UsageError),
+], ids=["registry", "probe-file"])
+def test_a_binary_file_is_a_typed_error_naming_it_not_a_traceback(
+        tmp_path: Path, name: str, load: Callable[[Path], Any], error: type[Exception]) -> None:
+    path = tmp_path / name
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(error) as info:
+        load(path)
+    assert str(path) in str(info.value) and "UTF-8" in str(info.value) and info.value.hint  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- registry/ stays pure
