@@ -35,10 +35,11 @@ MiB = 1024 * 1024
 # is lost to a kill -9 beyond what the last checkpoint did not claim anyway.
 WRITE_QUEUE_BYTES = 16 * MiB
 # One pwrite's size, not one receive buffer's: the kernel sizes a new page-cache folio by the write
-# (ext4 large folios, Linux >= 6.x), and large folios come from the large free blocks a VM with free
-# page reporting has handed back to its host, so every first touch faults there. Measured with
-# scripts/bench-download on such a VM (Firecracker, page_reporting_order 9): 1 MiB writes 3.6 s/GiB,
-# 64 KiB writes 2.3, curl (16 KiB writes) 2.1, memory settled before each fetch. README "Measured".
+# (large folios: ext4 since Linux 6.16; this VM runs 6.18), and large ones come from the large free
+# blocks a VM with free-page reporting has handed back to its host, so every first touch faults
+# there. scripts/bench-download on such a VM (Firecracker, page_reporting_order 9), one stream, two
+# runs: 64 KiB writes 1046-1139 MB/s, one 1 MiB write per buffer 495-526, curl (16 KiB writes)
+# 872-878. README "Measured".
 WRITE_PIECE_BYTES = 64 * 1024
 Data = bytes | list[bytes]
 
@@ -243,7 +244,7 @@ class OrderedHasher:
                 for part in parts:
                     view = memoryview(part)
                     at = 0
-                    while at < len(view):  # a short write (file-size limit, disk nearly full) goes on from where it stopped
+                    while at < len(view):  # a short write (file-size limit, disk full) goes on where it stopped
                         wrote = os.pwrite(self._fd, view[at:at + WRITE_PIECE_BYTES], offset + n)
                         at += wrote
                         n += wrote
