@@ -425,7 +425,7 @@ def test_the_write_behind_thread_writes_counts_and_hashes_in_order(tmp_path: Pat
 def test_a_failed_write_is_kept_for_the_loop_and_later_writes_are_dropped(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(b"")
-    fd = os.open(path, os.O_RDONLY)  # every pwritev fails (EBADF)
+    fd = os.open(path, os.O_RDONLY)  # every write fails (EBADF)
     try:
         w = OrderedHasher(fd, 20, buffer_bytes=100)
         b = Block(0, 20)
