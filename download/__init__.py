@@ -2,8 +2,9 @@
 
 Modules, leaves first: ``options`` (knobs, pin and path rules), ``progress``, ``hub_errors`` (the one
 mapping of Hub answers to errors), ``sidecar`` (the resume file: one schema, one decoder), ``disk``
-(the one free-space check and margin, the write-path hints), ``hashing`` (in-order sha256 off the
-event loop), ``hub`` (the session and the pinned HEAD), ``retry`` (the one retry policy), ``stream``
+(the one free-space check and margin, the write-path hints), ``wire`` (a body's GET on a blocking
+socket into pooled buffers), ``hashing`` (the write-behind threads: writes in 64 KiB pieces, in-order
+sha256), ``hub`` (the session and the pinned HEAD), ``retry`` (the one retry policy), ``stream``
 (one ranged GET into the file), ``engine`` (the block scheduler). Imports only ``core`` and
 ``state``; stages use the names re-exported here.
 """
