@@ -289,11 +289,6 @@ class ProbeToolCallResult:
         return data | data.pop("backend_facts")
 
 
-# What the result keeps of the backend's ChatAnswer, under the answer's own field names.
-_ANSWER_FIELDS = ("template", "supports_tools", "prompt_tokens_per_s", "generation_tokens_per_s", "prompt_tokens",
-                  "generated_tokens")
-
-
 async def probe_tool_call(
     session: Session,
     *,
@@ -326,8 +321,18 @@ async def probe_tool_call(
         raise fail(exc.what, exc.hint, cause=exc.cause, **exc.details) from None
 
     verdict = judge_answer(got.answer)
-    result = ProbeToolCallResult(verdict=verdict, request=request, answer=got.answer, backend_facts=dict(got.facts),
-                                 **{name: getattr(got, name) for name in _ANSWER_FIELDS})
+    result = ProbeToolCallResult(
+        verdict=verdict,
+        template=got.template,
+        supports_tools=got.supports_tools,
+        prompt_tokens_per_s=got.prompt_tokens_per_s,
+        generation_tokens_per_s=got.generation_tokens_per_s,
+        prompt_tokens=got.prompt_tokens,
+        generated_tokens=got.generated_tokens,
+        request=request,
+        answer=got.answer,
+        backend_facts=dict(got.facts),
+    )
     record = {"outcome": "pass" if verdict.passed else "fail", **result.to_json()}
     (session.run_dir / PROBE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     facts = {k: v for k, v in got.facts.items() if k == "family"}
