@@ -140,11 +140,6 @@ class AllocationVerdict(JsonRecord):
         return cls(verdict="fail" if problems else "pass", problems=tuple(problems), warnings=tuple(warnings),
                    **facts)
 
-    def pick(self, *names: str, **values: Any) -> dict[str, Any]:
-        """The named fields in that order (for ``event_facts``); a name also in ``values`` takes its value
-        there (a rounded ratio) in the same place, the other ``values`` follow."""
-        return {name: getattr(self, name) for name in names} | values
-
 
 class AllocationReport(Protocol):
     """A backend's verified allocation beside the plan's estimate (never merged)."""

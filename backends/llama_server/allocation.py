@@ -208,10 +208,17 @@ class AllocationReport(AllocationVerdict):
         return min(self.opened_n_ctx_per_slot) if self.opened_n_ctx_per_slot else None
 
     def event_facts(self) -> dict[str, Any]:
-        return self.pick("verdict", "planned_hot_context_tokens", "opened_n_ctx_per_slot", "estimated_kv_bytes",
-                         "predicted_kv_bytes", "actual_kv_bytes", "actual_kv_bytes_uncertainty", "ratio",
-                         "kv_cache_type", opened_n_ctx_per_slot=list(self.opened_n_ctx_per_slot),
-                         ratio=round(self.ratio, 6) if self.ratio is not None else None)
+        return dict(
+            verdict=self.verdict,
+            planned_hot_context_tokens=self.planned_hot_context_tokens,
+            opened_n_ctx_per_slot=list(self.opened_n_ctx_per_slot),
+            estimated_kv_bytes=self.estimated_kv_bytes,
+            predicted_kv_bytes=self.predicted_kv_bytes,
+            actual_kv_bytes=self.actual_kv_bytes,
+            actual_kv_bytes_uncertainty=self.actual_kv_bytes_uncertainty,
+            ratio=round(self.ratio, 6) if self.ratio is not None else None,
+            kv_cache_type=self.kv_cache_type,
+        )
 
     def warning_event(self, warning: str) -> str:
         return "recheck.kv_prediction_off" if "prediction" in warning else "recheck.kv_below_estimate"

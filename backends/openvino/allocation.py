@@ -57,9 +57,16 @@ class OpenVinoAllocationReport(AllocationVerdict):
     tolerance: float
 
     def event_facts(self) -> dict[str, Any]:
-        return self.pick("verdict", "planned_hot_context_tokens", "opened_context_tokens", "estimated_kv_bytes",
-                         "actual_kv_bytes", "ratio", "kv_precision", ratio=round(self.ratio, 6) if self.ratio else None,
-                         backend="openvino")
+        return {
+            "verdict": self.verdict,
+            "planned_hot_context_tokens": self.planned_hot_context_tokens,
+            "opened_context_tokens": self.opened_context_tokens,
+            "estimated_kv_bytes": self.estimated_kv_bytes,
+            "actual_kv_bytes": self.actual_kv_bytes,
+            "ratio": round(self.ratio, 6) if self.ratio else None,
+            "kv_precision": self.kv_precision,
+            "backend": "openvino",
+        }
 
     def warning_event(self, warning: str) -> str:
         return "recheck.kv_below_estimate"
