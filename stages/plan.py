@@ -9,8 +9,7 @@ instead, so ``hotfit plan`` can still print every candidate's verdict next to th
 
 Over 400 lines: the plan stage's whole job — KV type, previous-model rule, origin isolation,
 multi-device choice, the ``--admit-graded`` admission per device and the fail-closed refusal — in the
-one module per stage; the arithmetic is
-in registry/ (pure).
+one module per stage; the arithmetic is in registry/ (pure).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from core.errors import HotfitError, UsageError
 from core.records import Fields, parse_json
@@ -97,6 +97,15 @@ _EVIDENCE_KEYS = ("model", "device_kind", "verdict", "tier", "passed", "total", 
 _HINT = "delete it and grade again (`hotfit grade --model NAME --tier full`): it is rewritten by every full grade"
 
 
+def _document_fail(path: Path | str) -> Callable[..., HotfitError]:
+    """The error of a fault in the file as a whole (unreadable, not JSON, not an object), naming it."""
+
+    def fail(problem: str, hint: str, **details: Any) -> HotfitError:
+        return UsageError(f"grade evidence {path}: {problem}", hint=f"{hint}; or {_HINT}", path=str(path), **details)
+
+    return fail
+
+
 def decode_evidence_file(text: str, *, path: Path | str) -> EvidenceFile:
     """The one parser of ``evidence.json``: every field checked, the error naming the file and field."""
 
@@ -104,10 +113,7 @@ def decode_evidence_file(text: str, *, path: Path | str) -> EvidenceFile:
         return UsageError(f"grade evidence {path}: field {field!r} {problem}", hint=f"{hint}; or {_HINT}",
                           path=str(path), field=field)
 
-    def doc_fail(problem: str, hint: str, **details: Any) -> HotfitError:
-        return UsageError(f"grade evidence {path}: {problem}", hint=f"{hint}; or {_HINT}", path=str(path), **details)
-
-    raw = parse_json(text, doc_fail, kind="a grade evidence file", shape='{"schema": 1, "evidence": [...]}')
+    raw = parse_json(text, _document_fail(path), kind="a grade evidence file", shape='{"schema": 1, "evidence": [...]}')
     f = Fields(fail, noun="grade evidence")
     top = f.object(raw, "", ("schema", "evidence"))
     f.equal(top["schema"], "schema", EVIDENCE_SCHEMA, "this file was written by another hotfit version")
@@ -148,11 +154,7 @@ def decode_evidence_file(text: str, *, path: Path | str) -> EvidenceFile:
 
 def read_evidence_file(path: Path) -> EvidenceFile:
     """The evidence under ``path``; an empty file object when there is none yet."""
-
-    def fail(problem: str, hint: str, **details: Any) -> HotfitError:
-        return UsageError(f"grade evidence {path}: {problem}", hint=f"{hint}; or {_HINT}", path=str(path), **details)
-
-    text = read_text_document(path, fail, missing_ok=True)
+    text = read_text_document(path, _document_fail(path), missing_ok=True)
     return EvidenceFile() if text is None else decode_evidence_file(text, path=path)
 
 
