@@ -26,6 +26,7 @@ from core.plan import Plan
 from grading.scenarios import TIERS
 from pipeline.auto import AutoOutcome, provision
 from pipeline.cli.context import CliContext
+from pipeline.cli.grade import evidence_change
 from pipeline.cli.plan import add_plan_options
 from pipeline.manifest import Manifest
 from pipeline.provision import AutoOptions
@@ -137,8 +138,7 @@ def render(outcome: AutoOutcome) -> str:
                    skipped=outcome.skipped)
     evidence = outcome.data.get("grade_evidence")
     if evidence:
-        what = "recorded" if evidence["recorded"] else "removed" if evidence["removed"] else "not recorded"
-        text += f"\n  grade evidence  {what}: {evidence['why']}"
+        text += f"\n  grade evidence  {evidence_change(evidence)}: {evidence['why']}"
     return text
 
 

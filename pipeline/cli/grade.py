@@ -58,12 +58,16 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.set_defaults(handler=handler)
 
 
+def evidence_change(evidence: dict[str, Any]) -> str:
+    """What a grade did to the model's evidence (``pipeline.evidence.record_grade``'s answer), in a word."""
+    return "recorded" if evidence["recorded"] else "removed" if evidence["removed"] else "not recorded"
+
+
 def evidence_text(evidence: dict[str, Any] | None) -> str:
     """One line on what the grade did to the model's evidence for ``--admit-graded``."""
     if not evidence:
         return ""
-    what = "recorded" if evidence["recorded"] else "removed" if evidence["removed"] else "not recorded"
-    return f"\nevidence: {what} — {evidence['why']} ({evidence['path']})"
+    return f"\nevidence: {evidence_change(evidence)} — {evidence['why']} ({evidence['path']})"
 
 
 def _api_key(path: str | None) -> str | None:
