@@ -67,7 +67,7 @@ from tests.entries import GiB, entry
 from tests.gguf_fixtures import write_standin_llama_server, write_tool_call_model
 from tests.hubserver import LocalHub
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for
-from tests.test_grade_model import ScriptedSession
+from tests.test_grade_model import ScriptedSession, cli_json
 
 FP = GradeFingerprint(model_sha256="a" * 64, template_sha256="b" * 64, backend_build="c" * 64,
                       backend_build_described="llama.cpp 0.5.0-dev, commit 0c1e570, cpu backend, native build",
@@ -227,12 +227,6 @@ def pull(e: Earned, name: str = LARGE) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def run_cli(*argv: str) -> tuple[int, dict[str, Any]]:
-    out = io.StringIO()
-    code = main(["--json", *argv], out=out)
-    return code, json.loads(out.getvalue())
-
-
 def run_text(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
     code = main(["--log-format", "json", *argv], out=out)
@@ -240,7 +234,7 @@ def run_text(*argv: str) -> tuple[int, str]:
 
 
 def plan_json(e: Earned, *extra: str) -> tuple[int, dict[str, Any]]:
-    return run_cli("plan", "--registry", str(e.world.registry_path), "--probe-file", str(e.probe), *extra)
+    return cli_json("plan", "--registry", str(e.world.registry_path), "--probe-file", str(e.probe), *extra)
 
 
 def grade(e: Earned, agent: gs.Agent, tier: str) -> dict[str, Any]:
@@ -308,7 +302,7 @@ def test_a_full_pass_admits_the_tool_chat_model_only_with_the_flag(
     assert {c["name"]: c["reason"] for c in admitted["candidates"]}[LARGE].startswith("admitted by grade evidence")
 
     # auto --dry-run says the same (the full auto is the llama test below)
-    code, dry = run_cli("auto", "--dry-run", "--admit-graded", "--registry", str(e.world.registry_path),
+    code, dry = cli_json("auto", "--dry-run", "--admit-graded", "--registry", str(e.world.registry_path),
                         "--probe-file", str(e.probe))
     assert code == 0 and dry["model"] == LARGE and dry["selection"]["selected"]["admitted_by_grade"] is True
 
@@ -316,7 +310,7 @@ def test_a_full_pass_admits_the_tool_chat_model_only_with_the_flag(
                           "--probe-file", str(e.probe))
     assert code == 0 and f"admitted by grade: {LARGE} — full tier 16/16 on this machine's cpu device" in text
 
-    code, status = run_cli("status", "--registry", str(e.world.registry_path))
+    code, status = cli_json("status", "--registry", str(e.world.registry_path))
     assert code == 0
     rows = {(m["model"], m["device_kind"]): m for m in status["grade_evidence"]["models"]}
     assert rows[(LARGE, "cpu")]["status"] == "valid" and rows[(LARGE, "cpu")]["evidence"]["passed"] == 16
@@ -392,7 +386,7 @@ def test_each_fingerprint_change_withdraws_the_admission_naming_the_part(
     assert row["reason"].startswith(f"evidence unusable: no verified {LARGE}.gguf for the registry's pin"), row
     pull(e)
     refused("evidence stale: model file changed")  # the first part that differs is named (the template did too)
-    code, status = run_cli("status", "--registry", str(e.world.registry_path))
+    code, status = cli_json("status", "--registry", str(e.world.registry_path))
     assert [m["status"] for m in status["grade_evidence"]["models"] if m["model"] == LARGE] == ["stale"]
 
 
@@ -431,7 +425,7 @@ def test_a_damaged_evidence_file_is_an_error_naming_it(earned: Earned) -> None:
     assert code == 2 and str(path) in doc["error"]["message"] and "device_kind" in doc["error"]["message"]
     code, plain = plan_json(e)  # without the flag the file is not read at all
     assert code == 0 and plain["selected"]["name"] == SMALL
-    code, status = run_cli("status", "--registry", str(e.world.registry_path))
+    code, status = cli_json("status", "--registry", str(e.world.registry_path))
     assert code == 0 and str(path) in status["grade_evidence"]["problem"]
 
 
@@ -486,6 +480,6 @@ def test_auto_admit_graded_provisions_the_earned_model_and_a_real_failed_grade_w
     assert report["tier"] == "full" and report["evidence"]["removed"] is True
     code, doc = plan_json(e, "--admit-graded")
     assert code == 0 and doc["selected"]["name"] == SMALL and doc["admission"]["models"] == []
-    code, status = run_cli("status", "--registry", str(e.world.registry_path))
+    code, status = cli_json("status", "--registry", str(e.world.registry_path))
     assert status["last_grade"]["verdict"] == "fail" and status["last_grade"]["tier"] == "full"
     assert status["last_grade"]["total"] == 16 and status["last_grade"]["graded_at"]

@@ -97,10 +97,16 @@ async def test_an_openvino_session_is_graded_through_the_same_boundary(tmp_path:
     assert fp["backend"] == "openvino" and fp["flags"]["max_num_seqs"] == 1 and fp["template_roundtrip"] == "ok"
 
 
-def cli_error(*argv: str) -> tuple[int, dict[str, Any]]:
+def cli_json(*argv: str) -> tuple[int, dict[str, Any]]:
+    """``hotfit --json ARGV`` in-process: the exit code and the JSON it printed."""
     out = io.StringIO()
     code = main(["--json", *argv], out=out)
-    return code, json.loads(out.getvalue())["error"]
+    return code, json.loads(out.getvalue())
+
+
+def cli_error(*argv: str) -> tuple[int, dict[str, Any]]:
+    code, data = cli_json(*argv)
+    return code, data["error"]
 
 
 def test_cli_grade_model_not_pulled_is_a_usage_error(hotfit_home: Path, plain_world: World, tmp_path: Path) -> None:
