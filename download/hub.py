@@ -9,7 +9,6 @@ only to the endpoint's own origin, never to a CDN.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_im
 _HTTPCORE_READ_BYTES = 1024 * 1024
 
 
-@functools.cache
 def _raise_httpcore_read_size() -> None:
+    """Idempotent; the import is sys.modules' after the first session."""
     try:
         import httpcore._async.http11 as _h11  # third-party: first use only (core.lazy_import says why)
 
