@@ -19,6 +19,8 @@ from typing import Iterable
 __all__ = [
     "MACRO_TO_CPUINFO",
     "AMX_CPUINFO",
+    "INTRINSIC_ONLY_CPUINFO",
+    "executable_features",
     "features_from_macros",
     "cpuinfo_flags",
     "missing_features",
@@ -86,13 +88,32 @@ MACRO_TO_CPUINFO: dict[str, str] = {
 # ggml's AMX kernels crash on real quantized models (llama.cpp#20824): the build never uses them.
 AMX_CPUINFO = frozenset({"amx_tile", "amx_int8", "amx_bf16", "amx_fp16"})
 
+# Features a compiler enables with -march but never emits on its own: only a call of their
+# intrinsics (or inline asm) puts these instructions in a binary, and ggml calls none of them
+# (tests/test_isa.py scans the pinned tree's sources and disassembles the built binaries). A CPU
+# whose kernel hides one of them (Zen 5's rdseed, masked for AMD's RDSEED erratum) still runs a
+# binary "built for" it: docs/hardware.md.
+INTRINSIC_ONLY_CPUINFO = frozenset({
+    "aes", "pclmulqdq", "vaes", "vpclmulqdq", "gfni", "sha_ni",
+    "rdrand", "rdseed", "adx",
+    "xsave", "xsaveopt", "xsavec", "xsaves",
+    "clflushopt", "clwb",
+})
+
 _MACRO_RE = re.compile(r"#define\s+(__[A-Z0-9_]+__)\s")
 
 
 def features_from_macros(text: str) -> list[str]:
-    """The cpuinfo names of the ISA macros in ``c++ -dM -E`` output, sorted."""
+    """The cpuinfo names of the ISA macros in ``c++ -dM -E`` output that the compiled code can
+    execute (:func:`executable_features`), sorted."""
     found = {MACRO_TO_CPUINFO[m] for m in _MACRO_RE.findall(text) if m in MACRO_TO_CPUINFO}
-    return sorted(found)
+    return executable_features(found)
+
+
+def executable_features(recorded: Iterable[str]) -> list[str]:
+    """The features a binary can really execute, of those its compiler enabled: everything but
+    :data:`INTRINSIC_ONLY_CPUINFO`. An unknown name stays (fail closed), sorted."""
+    return sorted(set(recorded) - INTRINSIC_ONLY_CPUINFO)
 
 
 def cpuinfo_flags(text: str) -> frozenset[str]:

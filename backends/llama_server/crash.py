@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from backends.llama_server.discovery import BUILD_INFO_NAME, BuildInfo, build_info_from_json, install_command
-from core.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, missing_features
+from core.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, executable_features, missing_features
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
     from backends.llama_server.process import LoadedServer
@@ -66,7 +66,8 @@ def compare_isa(build: BuildInfo | None, cpu_flags: frozenset[str]) -> IsaCompar
     """Pure: which recorded features this CPU lacks, and where AMX stands on each side."""
     recorded = tuple(sorted(build.cpu_features)) if build is not None and build.cpu_features is not None else None
     cpu_isa = tuple(sorted(cpu_flags & _ISA_NAMES))
-    missing = tuple(missing_features(recorded, cpu_flags)) if recorded is not None and cpu_flags else ()
+    missing = (tuple(missing_features(executable_features(recorded), cpu_flags))
+               if recorded is not None and cpu_flags else ())
     amx_in_build = tuple(f for f in recorded if f in AMX_CPUINFO) if recorded is not None else None
     return IsaComparison(recorded, cpu_isa, missing, tuple(sorted(cpu_flags & AMX_CPUINFO)), amx_in_build)
 

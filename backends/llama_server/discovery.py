@@ -42,7 +42,7 @@ from typing import Any, Literal, Mapping
 
 from core.records import decode_record
 from core.errors import BackendError, BackendNotFound
-from core.isa import cpuinfo_flags, missing_features
+from core.isa import cpuinfo_flags, executable_features, missing_features
 from core.log import get_logger
 from core.settings import LLAMA_SDIST_VERSION, Settings
 
@@ -389,7 +389,8 @@ def _linked_backend(server: Path) -> BackendKind | None:
 
 def check_cpu_features(backend: ServerBinary, cpuinfo_text: str) -> None:
     """Refuse a binary built for ISA features this CPU lacks (it would die by SIGILL mid-run)."""
-    required = backend.build.cpu_features
+    # Records written before the intrinsic-only features were dropped still list them.
+    required = executable_features(backend.build.cpu_features or ())
     if not required:
         return
     have = cpuinfo_flags(cpuinfo_text)
