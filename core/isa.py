@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Iterable
+from typing import Iterable, Mapping
 
 __all__ = [
     "MACRO_TO_CPUINFO",
     "AMX_CPUINFO",
     "INTRINSIC_ONLY_CPUINFO",
     "executable_features",
+    "GGML_VARIANT_SCORE_BITS",
+    "ggml_cpu_variant",
     "features_from_macros",
     "cpuinfo_flags",
     "missing_features",
@@ -114,6 +116,33 @@ def executable_features(recorded: Iterable[str]) -> list[str]:
     """The features a binary can really execute, of those its compiler enabled: everything but
     :data:`INTRINSIC_ONLY_CPUINFO`. An unknown name stays (fail closed), sorted."""
     return sorted(set(recorded) - INTRINSIC_ONLY_CPUINFO)
+
+
+# What ggml's x86 variant scoring adds for each feature a variant was compiled for
+# (ggml-cpu/arch/x86/cpu-feats.cpp, ggml_backend_cpu_x86_score); a variant that needs a feature the
+# CPU lacks scores 0 and is never loaded. avx512f stands for ggml's AVX512 group (F, CD, VL, DQ, BW).
+GGML_VARIANT_SCORE_BITS: dict[str, int] = {
+    "fma": 1, "f16c": 1 << 1, "sse4_2": 1 << 2, "bmi2": 1 << 3, "avx": 1 << 4, "avx2": 1 << 5,
+    "avx_vnni": 1 << 6, "avx512f": 1 << 7, "avx512vbmi": 1 << 8, "avx512_bf16": 1 << 9,
+    "avx512_vnni": 1 << 10, "amx_int8": 1 << 11,
+}
+
+
+def ggml_cpu_variant(variants: Mapping[str, Iterable[str]], cpu_flags: frozenset[str]) -> str | None:
+    """The CPU variant a portable build's ggml loads on a CPU with these flags: the highest-scoring
+    variant whose executable features the CPU all has (ties: the first name), None if none runs.
+
+    ggml scores CPUID, not /proc/cpuinfo; where the two differ (a feature the kernel or hypervisor
+    hides) the binary's own answer is what counts: discovery compares both."""
+    best: tuple[int, str] | None = None
+    for name in sorted(variants):
+        needs = executable_features(variants[name])
+        if missing_features(needs, cpu_flags):
+            continue
+        score = 1 + sum(GGML_VARIANT_SCORE_BITS.get(f, 0) for f in needs)
+        if best is None or score > best[0]:
+            best = (score, name)
+    return best[1] if best else None
 
 
 def cpuinfo_flags(text: str) -> frozenset[str]:

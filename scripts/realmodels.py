@@ -21,6 +21,7 @@ import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: its modules below
@@ -196,12 +197,12 @@ class Server:
     ``offload``: every layer on the accelerator (``-ngl all``), else the CPU plan's ``-ngl 0 -dev none``."""
 
     def __init__(self, binary: Path, model: Path, run_dir: Path, *, threads: int | None, ctx_tokens: int,
-                 offload: bool = False):
+                 offload: bool = False, wrapper: Sequence[str] = ()):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        argv = [
-            str(binary), "-m", str(model), "-c", str(ctx_tokens), "-ctk", "f16", "-ctv", "f16",
+        argv = [  # wrapper: e.g. an emulator (qemu-x86_64 -cpu Haswell) the server runs under
+            *wrapper, str(binary), "-m", str(model), "-c", str(ctx_tokens), "-ctk", "f16", "-ctv", "f16",
             "-fa", "auto", "-np", "1", "-b", str(LLAMA_BATCH_TOKENS), "-ub", str(LLAMA_UBATCH_TOKENS),
             *(["-ngl", "all"] if offload else ["-ngl", "0", "-dev", "none"]),
             "--fit", "off", "--cache-ram", "0", "--offline", "--log-jsonl", "-lv", str(LOG_VERBOSITY),
@@ -213,7 +214,7 @@ class Server:
         env.pop("LLAMA_API_KEY", None)
         with open(run_dir / "llama-server.jsonl", "wb") as out, open(run_dir / "llama-server.stderr.log", "wb") as err:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, cwd=binary.parent)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:

@@ -31,6 +31,14 @@ def built() -> None:
         pytest.skip("llama-server not built (set HOTFIT_REQUIRE_LLAMA=1 to make this a failure)")
 
 
+@pytest.fixture
+def built_native() -> None:
+    if not (_bin_dir("cpu-native") / "llama-server").exists():
+        if os.environ.get("HOTFIT_REQUIRE_LLAMA"):
+            pytest.fail("the native CPU build is missing; run scripts/install-llama-server --backend cpu --variant native")
+        pytest.skip("native llama-server not built (set HOTFIT_REQUIRE_LLAMA=1 to make this a failure)")
+
+
 def test_script_pins_the_same_version_as_settings() -> None:
     text = SCRIPT.read_text()
     assert f'SDIST_VERSION="{LLAMA_SDIST_VERSION}"' in text
@@ -52,17 +60,18 @@ def test_second_run_is_a_noop_and_build_info_is_recorded(built: None) -> None:
     info = json.loads((_bin_dir() / "build-info.json").read_text())
     sha = re.search(r'SDIST_SHA256="([0-9a-f]{64})"', SCRIPT.read_text()).group(1)
     assert info["sdist_sha256"] == sha and info["sdist_version"] == LLAMA_SDIST_VERSION
-    assert info["backend"] == "cpu" and info["variant"] == "native"
+    assert info["backend"] == "cpu" and info["variant"] == "portable"  # the default build
     assert "llama-server" in info["targets"] and "llama-fit-params" in info["targets"]
     assert (_bin_dir() / "llama-fit-params").exists()
     version = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
     assert "version" in (version.stdout + version.stderr)
 
 
-def test_cpu_build_uses_this_cpus_isa_but_never_amx(built: None) -> None:
+def test_native_cpu_build_uses_this_cpus_isa_but_never_amx(built_native: None) -> None:
     """The recorded features are what the compiler may emit for ggml-cpu: all present on this CPU
     (it was built here), AVX2 at least on x86-64, and no AMX whatever the CPU reports."""
-    info = json.loads((_bin_dir() / "build-info.json").read_text())
+    info = json.loads((_bin_dir("cpu-native") / "build-info.json").read_text())
+    assert info["variant"] == "native"
     features = set(info["cpu_features"])
     assert not features & AMX_CPUINFO
     assert set(info["cpu_features_excluded"]) == {"amx_tile", "amx_int8", "amx_bf16"}
@@ -113,7 +122,9 @@ def test_backend_is_picked_from_the_hardware(tmp_path: Path, driver, vendors, ex
 
 
 @pytest.mark.parametrize("args", [["--backend", "rocm"], ["--variant", "fast"], ["--frobnicate"],
-                                  ["--backend", "vulkan", "--variant", "generic"]])
+                                  ["--backend", "vulkan", "--variant", "generic"],
+                                  ["--backend", "vulkan", "--variant", "native"],
+                                  ["--export", "a.tgz", "--from", "b.tgz"]])
 def test_bad_arguments_are_refused_with_a_message(args: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "HOTFIT_LLAMA_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=30, env=env)

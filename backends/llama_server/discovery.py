@@ -42,7 +42,7 @@ from typing import Any, Literal, Mapping
 
 from core.records import decode_record
 from core.errors import BackendError, BackendNotFound
-from core.isa import cpuinfo_flags, executable_features, missing_features
+from core.isa import cpuinfo_flags, executable_features, ggml_cpu_variant, missing_features
 from core.log import get_logger
 from core.settings import LLAMA_SDIST_VERSION, Settings
 
@@ -61,6 +61,8 @@ __all__ = [
     "build_info_from_json",
     "find_llama_server",
     "check_cpu_features",
+    "loaded_cpu_variant",
+    "with_loaded_variant",
     "install_command",
     "BACKENDS",
     "cache_backends",
@@ -123,6 +125,10 @@ class BuildInfo:
     variant: str | None = None  # "native" (this CPU, AMX compiled out) or "generic" (GGML_NATIVE=OFF)
     cpu_features: tuple[str, ...] | None = None  # cpuinfo names the CPU code may execute; None: unknown
     cuda_architectures: tuple[str, ...] = ()
+    # A portable build (ggml's CPU variants): the variants it ships, and the one ggml loaded on this
+    # machine, as the binary itself reported it (cpu_features then includes that variant's ISA).
+    cpu_variants: tuple[str, ...] = ()
+    cpu_variant: str | None = None
 
     def describe(self) -> str:
         parts = [f"llama.cpp {self.version or 'unknown version'}"]
@@ -160,6 +166,8 @@ class ServerBinary:
                 "variant": self.build.variant,
                 "cpu_features": list(self.build.cpu_features) if self.build.cpu_features is not None else None,
                 "cuda_architectures": list(self.build.cuda_architectures),
+                "cpu_variants": list(self.build.cpu_variants),
+                "cpu_variant": self.build.cpu_variant,
             },
         }
 
@@ -268,6 +276,7 @@ def build_info_from_json(data: Mapping[str, Any]) -> BuildInfo:
     backend = data.get("backend", "cpu")  # records older than the backend field were CPU builds
     features = data.get("cpu_features")
     archs = data.get("cuda_architectures")
+    variants = data.get("cpu_variants")
     return BuildInfo(
         origin="build-info.json",
         version=parsed.version,
@@ -279,7 +288,38 @@ def build_info_from_json(data: Mapping[str, Any]) -> BuildInfo:
         variant=data.get("variant") if isinstance(data.get("variant"), str) else None,
         cpu_features=tuple(str(f) for f in features) if isinstance(features, list) else None,
         cuda_architectures=tuple(str(a) for a in archs) if isinstance(archs, list) else (),
+        cpu_variants=tuple(sorted(str(v) for v in variants)) if isinstance(variants, dict) else (),
     )
+
+
+_LOADED_CPU_RE = re.compile(r"loaded CPU backend from (?P<path>\S+)")
+
+
+def loaded_cpu_variant(text: str) -> str | None:
+    """The CPU variant ggml reports loading (``load_backend: loaded CPU backend from
+    .../libggml-cpu-zen4.so``), None when the text names none."""
+    match = _LOADED_CPU_RE.search(text)
+    if match is None:
+        return None
+    tag = re.fullmatch(r"libggml-cpu-(.+)\.so", Path(match.group("path")).name)
+    return tag.group(1) if tag else None
+
+
+def with_loaded_variant(build: BuildInfo, data: Mapping[str, Any], loaded: str | None,
+                        cpu_flags: frozenset[str]) -> BuildInfo:
+    """A portable build's record completed by what ggml loaded here (pure).
+
+    ``cpu_features`` becomes the binary's own ISA plus the loaded variant's, so the ISA check and
+    a crash diagnosis judge the code that really runs. When the binary names no variant (an older
+    build), the variant ggml's scoring would pick for these flags stands in (core.isa)."""
+    variants = data.get("cpu_variants")
+    if not isinstance(variants, dict) or not variants:
+        return build
+    chosen = loaded if loaded is not None else ggml_cpu_variant(variants, cpu_flags)
+    needs = variants.get(chosen, []) if chosen is not None else []
+    own = build.cpu_features or ()
+    features = tuple(sorted(set(own) | {str(f) for f in needs if isinstance(f, str)}))
+    return dataclasses.replace(build, cpu_variant=chosen, cpu_features=features)
 
 
 # ---------------------------------------------------------------- effects
@@ -326,6 +366,7 @@ def _run_version(server: Path) -> str:
     try:
         proc = subprocess.run(
             [str(server), "--version"],
+            cwd=server.parent,  # ggml searches the working directory for backend modules too
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -361,16 +402,19 @@ def _run_version(server: Path) -> str:
     return text
 
 
-def _read_build_info(server: Path) -> BuildInfo:
+def _read_build_info(server: Path, cpu_flags: frozenset[str]) -> BuildInfo:
     text = _run_version(server)  # always: a recorded build that no longer runs is caught here
     info_file = server.parent / BUILD_INFO_NAME
     if info_file.is_file():
         try:
             data = json.loads(info_file.read_text(encoding="utf-8"))
-            if isinstance(data, dict):
-                return build_info_from_json(data)
         except (OSError, ValueError):
-            pass  # unreadable record: what the binary says and links
+            data = None  # unreadable record: what the binary says and links
+        if isinstance(data, dict):
+            build = build_info_from_json(data)
+            if build.cpu_variants:  # ask the binary which CPU variant ggml loads on this machine
+                build = with_loaded_variant(build, data, loaded_cpu_variant(text), cpu_flags)
+            return build
     parsed = parse_version_text(text)
     return dataclasses.replace(parsed, backend=_linked_backend(server))
 
@@ -398,8 +442,10 @@ def check_cpu_features(backend: ServerBinary, cpuinfo_text: str) -> None:
         return  # no flags line (not x86, or /proc hidden): nothing to compare against
     missing = missing_features(required, have)
     if missing:
+        what = (f"loads its {backend.build.cpu_variant} CPU variant, which uses CPU features"
+                if backend.build.cpu_variant else "was built for CPU features")
         raise BackendError(
-            f"llama-server at {backend.server_path} was built for CPU features this CPU lacks: "
+            f"llama-server at {backend.server_path} {what} this CPU lacks: "
             f"{', '.join(missing)} (it would stop with SIGILL mid-run)",
             hint=f"build it on this machine: `{install_command(backend.build.backend or 'cpu')} --force`",
             path=str(backend.server_path),
@@ -460,7 +506,11 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None, device
 
     assert chosen.path is not None
     server = chosen.path.absolute()
-    build = _read_build_info(server)
+    try:
+        cpuinfo = cpuinfo_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        cpuinfo = ""
+    build = _read_build_info(server, cpuinfo_flags(cpuinfo))
     fit = server.parent / FIT_PARAMS_NAME
     backend = ServerBinary(
         server_path=server,
@@ -468,10 +518,6 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None, device
         build=build,
         fit_params_path=fit if _is_executable_file(fit) else None,
     )
-    try:
-        cpuinfo = cpuinfo_path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        cpuinfo = ""
     check_cpu_features(backend, cpuinfo)
     if device_kind is not None:
         problem = compatibility_problem(device_kind, build)
@@ -487,6 +533,7 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None, device
         commit=build.commit,
         backend=build.backend,
         variant=build.variant,
+        cpu_variant=build.cpu_variant,
         cpu_features=list(build.cpu_features) if build.cpu_features is not None else None,
         build_info_origin=build.origin,
         fit_params=str(backend.fit_params_path) if backend.fit_params_path else None,

@@ -134,8 +134,8 @@ def llama_server_argv(
     kv = plan.kv_cache_type
     accelerator = plan.probe.device.kind != "cpu"
     argv = [
-        str(binary),
-        "-m", str(model_path),
+        str(binary.absolute()),
+        "-m", str(model_path.absolute()),  # absolute: the server runs in its binary's folder
         "--jinja",
         "-c", str(plan.hot_context_tokens),
         "-ctk", kv,
@@ -150,7 +150,7 @@ def llama_server_argv(
         "--port", str(port),
     ]  # fmt: skip
     if template_path is not None:
-        argv += ["--chat-template-file", str(template_path)]
+        argv += ["--chat-template-file", str(template_path.absolute())]
     if accelerator:
         argv += ["-ngl", "all" if features.ngl_all else "999"]
         ggml_device = plan.probe.device.ggml_device

@@ -300,6 +300,7 @@ async def open_server(
                 stdout=out,
                 stderr=err,
                 env=env,
+                cwd=Path(argv[0]).parent,  # ggml also loads backend modules from the working directory
                 start_new_session=True,
                 preexec_fn=lambda: _child_setup(parent),
             )

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""The record, export and import steps of scripts/install-llama-server (standard library only: it
+runs with the system python3 before any virtualenv exists). docs/builds.md describes the layout.
+
+    llama_build.py record  BIN_DIR BUILD_DIR FIELDS_JSON   write BIN_DIR/build-info.json
+    llama_build.py export  BIN_DIR FLAVOUR ARCHIVE         pack a finished build (+ sha256 manifest)
+    llama_build.py import  ARCHIVE CACHE_VERSION_DIR PIN_JSON
+                                                           check an archive and install it; prints
+                                                           the installed llama-server path
+
+``record`` reads the exact compile commands of ggml-cpu (compile_commands.json) and asks the
+compiler which ISA macros they define, so ``cpu_features`` (what the binary itself needs) and, for
+a build with ggml's CPU variants, ``cpu_variants`` (what each ``libggml-cpu-<tag>.so`` needs) are
+the instruction sets the code can execute (core/isa.py drops the intrinsic-only ones).
+
+``import`` never trusts the archive: members must be plain files or directories under one
+``<flavour>/bin/`` folder, every file must be listed in ``SHA256SUMS`` with its hash, the build
+record must name this script's pin, and the unpacked binary must answer ``--version`` and list
+its devices on this machine (``--list-devices``) before it replaces anything in the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from core.isa import (AMX_CPUINFO, cpuinfo_flags, features_from_macros,  # noqa: E402
+                      ggml_cpu_variant, missing_features)
+
+MANIFEST = "SHA256SUMS"
+ARCHIVE_FORMAT = 1
+RUN_TIMEOUT_S = 60
+_LOADED_RE = re.compile(r"loaded (?P<kind>\w+) backend from (?P<path>\S+)")
+_VARIANT_OBJECT_RE = re.compile(r"ggml-cpu-(?P<tag>[A-Za-z0-9_.]+)\.dir/")
+
+
+class BuildArchiveError(Exception):
+    """A build archive or build that must not be installed; the message says why and what to do."""
+
+
+def _say(text: str) -> None:
+    print(f"install-llama-server: {text}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------- record
+def _compiler_features(entry: dict) -> list[str]:
+    args = entry.get("arguments") or shlex.split(entry["command"])
+    keep = [a for a in args[1:] if a.startswith(("-m", "-f", "-O", "-D", "-std"))]
+    proc = subprocess.run([args[0], *keep, "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+                          text=True, check=True)
+    return features_from_macros(proc.stdout)
+
+
+def isa_record(compile_commands: Path) -> tuple[list[str], dict[str, list[str]]]:
+    """(features of the binary's own code, {variant tag: features}) from compile_commands.json.
+
+    Without CPU variants ggml-cpu is linked in, so its flags are the binary's; with them the
+    binary's own code is the rest (ggml-base's ggml.c) and each variant is a module of its own."""
+    entries = json.loads(compile_commands.read_text())
+    variants: dict[str, list[str]] = {}
+    single: list[str] | None = None
+    base: list[str] | None = None
+    for entry in entries:
+        file = entry["file"]
+        if file.endswith("/ggml-cpu/ggml-cpu.c"):
+            where = " ".join([entry.get("output", ""), entry.get("command", ""), *entry.get("arguments", [])])
+            match = _VARIANT_OBJECT_RE.search(where)
+            if match:
+                variants[match.group("tag")] = _compiler_features(entry)
+            elif single is None:
+                single = _compiler_features(entry)
+        elif file.endswith("/ggml/src/ggml.c") and base is None:
+            base = _compiler_features(entry)
+    if single is not None and not variants:
+        return single, {}
+    if base is None:  # modules only (variants, or a GPU build whose CPU code is another build's)
+        raise BuildArchiveError(f"no compile command for ggml.c or ggml-cpu.c in {compile_commands}")
+    return base, variants
+
+
+def record(bin_dir: Path, build_dir: Path, fields: dict) -> None:
+    features, variants = isa_record(build_dir / "compile_commands.json")
+    variants = variants or fields.pop("cpu_variants", {})  # a GPU build records the modules it reuses
+    amx = sorted({f for fs in [features, *variants.values()] for f in fs} & AMX_CPUINFO)
+    if amx:
+        raise BuildArchiveError(f"the CPU code was compiled with AMX ({', '.join(amx)}); refusing the build "
+                                "(ggml's AMX kernels crash on quantized models: docs/builds.md)")
+    info = {**fields, "cpu_features": features}
+    if variants:
+        info["cpu_variants"] = dict(sorted(variants.items()))
+    _write_json(bin_dir / "build-info.json", info)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------- export
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def export(bin_dir: Path, flavour: str, archive: Path) -> None:
+    if not (bin_dir / "llama-server").is_file() or not (bin_dir / "build-info.json").is_file():
+        raise BuildArchiveError(f"no finished {flavour} build at {bin_dir}: build it first "
+                                f"(scripts/install-llama-server --backend ...)")
+    files = sorted(p for p in bin_dir.iterdir() if p.is_file() and not p.name.endswith(".tmp")
+                   and p.name != MANIFEST)
+    lines = [f"{_sha256(p)}  {flavour}/bin/{p.name}\n" for p in files]
+    archive = archive.absolute()
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=archive.name + ".", suffix=".tmp", dir=archive.parent)
+    os.close(fd)
+    try:
+        with tarfile.open(tmp_name, "w:gz") as tar:
+            manifest_bytes = "".join(lines).encode()
+            info = tarfile.TarInfo(MANIFEST)
+            info.size, info.mode = len(manifest_bytes), 0o644
+            tar.addfile(info, io.BytesIO(manifest_bytes))
+            for p in files:
+                tar.add(p, arcname=f"{flavour}/bin/{p.name}", recursive=False)
+        os.replace(tmp_name, archive)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    _say(f"exported {flavour} ({len(files)} files, {archive.stat().st_size} bytes) to {archive}")
+
+
+# ----------------------------------------------------------------------------------- import
+def _unpack(archive: Path, into: Path) -> str:
+    """Unpack a checked archive into ``into``; returns the flavour."""
+    try:
+        tar = tarfile.open(archive, "r:*")
+    except (OSError, tarfile.TarError) as exc:
+        raise BuildArchiveError(f"{archive} is not a readable build archive ({exc}): make it with "
+                                "`scripts/install-llama-server --export FILE` on the build machine") from None
+    with tar:
+        members = tar.getmembers()
+        flavours = set()
+        for m in members:
+            parts = Path(m.name).parts
+            if m.name == MANIFEST and m.isfile():
+                continue
+            unsafe = (m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir())
+                      or len(parts) < 2 or parts[1] != "bin" or (m.isfile() and len(parts) != 3))
+            if unsafe:
+                raise BuildArchiveError(f"{archive}: member '{m.name}' is not a file under <flavour>/bin/ "
+                                        "(links, devices and paths outside are refused); re-export the build")
+            flavours.add(parts[0])
+        if len(flavours) != 1:
+            raise BuildArchiveError(f"{archive} holds {len(flavours)} builds ({', '.join(sorted(flavours)) or 'none'}); "
+                                    "an archive holds exactly one")
+        tar.extractall(into, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(into)
+    return flavours.pop()
+
+
+def _check_manifest(root: Path, flavour: str, archive: Path) -> None:
+    manifest = root / MANIFEST
+    if not manifest.is_file():
+        raise BuildArchiveError(f"{archive} has no {MANIFEST}: re-export it with --export")
+    listed: dict[str, str] = {}
+    for line in manifest.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+            raise BuildArchiveError(f"{archive}: malformed {MANIFEST} line '{line[:80]}'")
+        listed[name] = digest
+    present = {f"{flavour}/bin/{p.name}" for p in (root / flavour / "bin").iterdir()}
+    if present != set(listed):
+        raise BuildArchiveError(f"{archive}: {MANIFEST} and the files disagree "
+                                f"(unlisted: {sorted(present - set(listed))}, missing: {sorted(set(listed) - present)})")
+    for name, digest in sorted(listed.items()):
+        got = _sha256(root / name)
+        if got != digest:
+            raise BuildArchiveError(f"{archive}: {name} has sha256 {got}, the manifest says {digest}; "
+                                    "the archive is damaged: copy it again")
+
+
+def _run(binary: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL, cwd=binary.parent)
+    except OSError as exc:
+        raise BuildArchiveError(f"{binary} cannot be started here: {exc}") from None
+    except subprocess.TimeoutExpired:
+        raise BuildArchiveError(f"{binary} {' '.join(args)} did not answer within {RUN_TIMEOUT_S} s") from None
+
+
+def loaded_cpu_variant(text: str) -> str | None:
+    """The CPU variant ggml says it loaded (``load_backend: loaded CPU backend from .../libggml-cpu-zen4.so``)."""
+    for match in _LOADED_RE.finditer(text):
+        if match.group("kind") == "CPU":
+            name = Path(match.group("path")).name
+            tag = re.fullmatch(r"libggml-cpu-(.+)\.so", name)
+            return tag.group(1) if tag else None
+    return None
+
+
+def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
+    """Refuse a build that cannot run on this machine; returns a one-line summary."""
+    flags = cpuinfo_flags(cpuinfo_text)
+    arch = os.uname().machine
+    if info.get("arch") and info["arch"] != arch:
+        raise BuildArchiveError(f"the build is for {info['arch']}, this machine is {arch}: export one built for {arch}")
+    variants = info.get("cpu_variants") or {}
+    if flags:
+        missing = missing_features(info.get("cpu_features") or [], flags)
+        if missing:
+            raise BuildArchiveError(f"the build needs CPU features this CPU lacks: {', '.join(missing)} "
+                                    "(it would stop with SIGILL); export a portable CPU build "
+                                    "(--variant portable) or build on a machine like this one")
+        if variants and ggml_cpu_variant(variants, flags) is None:
+            raise BuildArchiveError("none of the build's CPU variants runs on this CPU "
+                                    f"({', '.join(sorted(variants))})")
+    server = bin_dir / "llama-server"
+    version = _run(server, "--version")
+    if version.returncode != 0:
+        tail = (version.stderr or version.stdout).strip().splitlines()[-3:]
+        raise BuildArchiveError(f"{server} --version failed here (exit {version.returncode}): {' | '.join(tail)} "
+                                "— a library it needs is missing on this machine, or the build is broken")
+    devices = _run(server, "--list-devices")
+    out = devices.stdout + devices.stderr
+    if devices.returncode != 0:
+        raise BuildArchiveError(f"{server} --list-devices failed here (exit {devices.returncode}): "
+                                f"{' | '.join(out.strip().splitlines()[-3:])}")
+    backend = info.get("backend", "cpu")
+    if backend in ("cuda", "vulkan"):
+        want = "CUDA" if backend == "cuda" else "Vulkan"
+        listed = [line.strip() for line in out.splitlines() if re.match(rf"\s*{want}\d+:", line)]
+        if not listed:
+            raise BuildArchiveError(f"this {backend} build sees no {want} device here "
+                                    f"({' | '.join(out.strip().splitlines()[-3:]) or 'no output'}): install the driver, "
+                                    "or use a CPU build on this machine")
+    variant = loaded_cpu_variant(out)
+    if variants:
+        if variant is None:
+            raise BuildArchiveError(f"{server} loaded no CPU variant here ({' | '.join(out.strip().splitlines()[-3:])})")
+        if flags:
+            missing = missing_features(variants.get(variant, []), flags)
+            if missing:
+                raise BuildArchiveError(f"ggml loaded its {variant} CPU variant, which needs {', '.join(missing)} "
+                                        "that this CPU's kernel does not offer")
+    return f"{backend} build runs here" + (f" (CPU variant {variant})" if variant else "")
+
+
+def import_archive(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Path) -> Path:
+    if not archive.is_file():
+        raise BuildArchiveError(f"no build archive at {archive}")
+    version_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".import-", dir=version_dir))
+    try:
+        flavour = _unpack(archive, staging)
+        _check_manifest(staging, flavour, archive)
+        bin_dir = staging / flavour / "bin"
+        try:
+            info = json.loads((bin_dir / "build-info.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise BuildArchiveError(f"{archive}: build-info.json is missing or not JSON ({exc})") from None
+        for key in ("sdist_version", "sdist_sha256"):
+            if info.get(key) != pin[key]:
+                raise BuildArchiveError(f"{archive} was built from {key} {info.get(key)}, this checkout pins "
+                                        f"{pin[key]}: export it from a build machine on the same hotfit version")
+        expected_flavour = info.get("backend", "cpu") + ("" if info.get("variant") in (None, "portable")
+                                                         or info.get("backend") != "cpu" else f"-{info['variant']}")
+        if flavour != expected_flavour:
+            raise BuildArchiveError(f"{archive}: folder '{flavour}' does not match its record ({expected_flavour})")
+        for name in ("llama-server", "llama-fit-params"):
+            if not (bin_dir / name).is_file():
+                raise BuildArchiveError(f"{archive} has no {flavour}/bin/{name}")
+        try:
+            cpuinfo = cpuinfo_path.read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+        summary = check_runs_here(bin_dir, info, cpuinfo)
+        dest = version_dir / flavour
+        old = version_dir / f".old-{flavour}-{os.getpid()}"
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(staging / flavour, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        _say(f"installed {flavour} from {archive}: {summary}")
+        return dest / "bin" / "llama-server"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["record"] and len(argv) == 4:
+            record(Path(argv[1]), Path(argv[2]), json.loads(argv[3]))
+        elif argv[:1] == ["export"] and len(argv) == 4:
+            export(Path(argv[1]), argv[2], Path(argv[3]))
+        elif argv[:1] == ["import"] and len(argv) == 4:
+            cpuinfo = Path(os.environ.get("HOTFIT_DETECT_ROOT", "") + "/proc/cpuinfo")
+            print(import_archive(Path(argv[1]), Path(argv[2]), json.loads(argv[3]), cpuinfo))
+        else:
+            print(__doc__, file=sys.stderr)
+            return 2
+    except BuildArchiveError as exc:
+        _say(f"refused: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
