@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from backends.base import BackendBinary, ModelFiles, ServeCommand
-from backends.openvino.config import OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision, require_openvino
+from backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
+                                     require_openvino)
 from backends.openvino.session import OpenVinoSession, open_openvino_session
 from core.records import decode_record, field_dict
 from core.plan import Plan
