@@ -297,3 +297,30 @@ def test_a_gpu_nvml_cannot_read_is_a_hardware_error_with_a_hint(tmp_path: Path) 
     with pytest.raises(HardwareProbeError) as err:
         probe_devices(env={}, nvml=nvml, proc_root=root / "proc", sys_root=root / "sys", cgroup_root=root / "cgroup")
     assert "NVML is installed but failing" in err.value.what and "nvidia-smi" in (err.value.hint or "")
+
+
+def test_a_gpu_in_mig_mode_without_instances_is_not_planned_as_the_whole_card(tmp_path: Path) -> None:
+    row = Row("nvidia-h100-mig", MATRIX / "nvidia-h100-mig")
+    data = row.nvml
+    assert data is not None
+    data["gpus"][0]["mig_devices"] = []  # MIG enabled, no GPU instance created yet
+    root = machine_root(row, tmp_path)
+    probe = probe_devices(env={}, nvml=nvml_from(data), proc_root=root / "proc", sys_root=root / "sys",
+                          cgroup_root=root / "cgroup")
+    assert [d.kind for d in probe.devices] == ["cpu"]
+    assert any("MIG mode" in n and "none configured" in n for n in probe.notes)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.expected["probe"]["devices"]], ids=lambda r: r.machine)
+def test_openvinos_preflight_accepts_what_the_planner_plans_on_a_gpu_machine(row: Row, tmp_path: Path) -> None:
+    # Seen: the planner put qwen3-8b-ov on the GPU and this preflight refused it (exit 5).
+    from backends.select import backend_for
+    from core.settings import load_settings
+    from pipeline.registry_file import load_registry
+    from registry.kv import KV_CACHE_TYPES
+    from stages.plan import build_plan
+
+    outcome = build_plan(row_probe(row, tmp_path), load_registry().entries, KV_CACHE_TYPES["q8_0"], backend="openvino")
+    assert outcome.plan is not None
+    runtime = backend_for("openvino").preflight(outcome.plan, load_settings())
+    assert runtime.to_json()["device"] == "CPU"
