@@ -216,6 +216,9 @@ class Backend(Protocol):
     """One kind of model server."""
 
     name: BackendName
+    # The probe's device kinds (registry.select.DEVICE_KINDS) this backend can run a model on; the
+    # planner plans no other device for it (stages/plan.py).
+    device_kinds: frozenset[str]
 
     def preflight(self, plan: Plan, settings: Settings) -> BackendBinary:
         """Refuse, with the fix named, a plan this machine cannot serve (before any download)."""

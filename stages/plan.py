@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Iterable, Literal
 
 from backends.base import BackendBinary
+from backends.select import backend_for
 from core.errors import NoModelQualifies, UsageError
 from core.log import get_logger
 from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
@@ -38,6 +39,7 @@ from registry.select import (
     Verdict,
     device_budget,
     fmt_bytes,
+    normalize_backend,
     select_auto,
     select_explicit,
 )
@@ -115,6 +117,7 @@ class DevicePlan:
     selection: Selection | None  # None with ``error``: --model NAME does not fit this device
     error: NoModelQualifies | None = None
     judged_free_bytes: int | None = None  # free counted for the previous model (its worker's memory added)
+    unserved: str | None = None  # why the chosen backend cannot run a model here (not planned)
 
     @property
     def chosen(self) -> Verdict | None:
@@ -175,6 +178,17 @@ def choose_devices(probe: ProbeResult, choice: str | None) -> tuple[Device, ...]
         raise UsageError(f"--device {choice!r}: the probe found no such device; it has {', '.join(present)}",
                          hint=hint, device=choice, valid=[*kinds, *(str(d.index) for d in probe.devices)])
     return chosen
+
+
+def served_device_kinds(backend: str) -> frozenset[str]:
+    """The device kinds the backend can run a model on, asked of the backend itself."""
+    return backend_for(normalize_backend(backend)).device_kinds
+
+
+def unserved_reason(backend: str, device: Device, served: frozenset[str]) -> str:
+    name = normalize_backend(backend)
+    return (f"the {name} backend cannot run a model on {device_label(device)} (it serves "
+            f"{', '.join(sorted(served))} devices); not planned")
 
 
 def same_device(d: Device, prev: Device) -> bool:
@@ -325,10 +339,19 @@ def build_plan(
     entries = tuple(entries)
     if isinstance(previous, str):
         previous = PreviousModel(previous)
-    wanted = {d.index for d in choose_devices(probe, device)}
-    devices = tuple(_plan_device(d, entries, cache_type, origin=origin, backend=backend, previous=previous,
-                                 model=model, considered=d.index in wanted,
-                                 admitted=admission.on(d) if admission is not None else frozenset())
+    chosen_devices = choose_devices(probe, device)
+    served = served_device_kinds(backend)
+    unserved = {d.index: unserved_reason(backend, d, served) for d in probe.devices if d.kind not in served}
+    wanted = {d.index for d in chosen_devices if d.index not in unserved}
+    if not wanted:  # --device named (or the probe has) only devices this backend cannot run a model on
+        raise UsageError((f"--device {device!r}: " if device is not None else "") + unserved[chosen_devices[0].index],
+                         hint=f"plan a device the {normalize_backend(backend)} backend serves ("
+                              f"{' or '.join(f'--device {k}' for k in sorted(served))}), or use --backend llama",
+                         device=device, backend=normalize_backend(backend), served_kinds=sorted(served))
+    devices = tuple(DevicePlan(d, False, None, unserved=unserved[d.index]) if d.index in unserved
+                    else _plan_device(d, entries, cache_type, origin=origin, backend=backend, previous=previous,
+                                      model=model, considered=d.index in wanted,
+                                      admitted=admission.on(d) if admission is not None else frozenset())
                     for d in probe.devices)
     considered = [dp for dp in devices if dp.considered]
     qualifying = [dp for dp in considered if dp.chosen is not None]
@@ -398,6 +421,8 @@ def device_refusal(dp: DevicePlan, devices: tuple[DevicePlan, ...]) -> str | Non
     """One line: why ``dp`` refused, and what another device would hold instead (with its flag)."""
     if dp.chosen is not None:
         return None
+    if dp.unserved is not None:
+        return dp.unserved
     sel = dp.selection
     why = (str(dp.error) if dp.error is not None
            else sel.refusal.message.splitlines()[0] if sel is not None and sel.refusal is not None else "refused")
@@ -421,6 +446,7 @@ def _device_json(dp: DevicePlan, best: int, devices: tuple[DevicePlan, ...]) -> 
         "params_total_b": None if c is None else c.entry.params_total_b,
         "reused_previous": bool(sel is not None and sel.reused_previous),
         "refusal": refusal,
+        "served": dp.unserved is None,
     }
 
 
@@ -495,8 +521,9 @@ def describe(outcome: PlanOutcome) -> str:
         what = (f"{dp.chosen_name} ({dp.chosen.fit.hot_context_tokens} hot tokens)"
                 if dp.chosen is not None and dp.chosen.fit is not None
                 else f"refused: {device_refusal(dp, outcome.devices)}")
-        lines.append(f"  {'*' if dp.device.index == d.index else ' '} {device_label(dp.device)}: "
-                     f"{what if dp.considered else 'not considered (--device ' + str(outcome.forced_device) + ')'}")
+        if not dp.considered:
+            what = dp.unserved or f"not considered (--device {outcome.forced_device})"
+        lines.append(f"  {'*' if dp.device.index == d.index else ' '} {device_label(dp.device)}: {what}")
     lines += [
 
         f"KV cache {sel.cache_type.name} ({outcome.kv_cache_type_source})"

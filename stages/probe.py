@@ -9,7 +9,8 @@ usable memory after device reservations):
    installed (ImportError, or ``NVMLError_LibraryNotFound``) → skipped with a note and a log
    event; NVML present but failing → ``HardwareProbeError``, never a silent fallback.
    Indices are NVML's (PCI bus order), which is CUDA's order under CUDA_DEVICE_ORDER=PCI_BUS_ID;
-   the UUID recorded per device is what later stages pin llama-server to.
+   the UUID recorded per device is what later stages pin llama-server to. A GPU in MIG mode is
+   listed as its MIG devices (name, MIG- UUID, the slice's memory), never as the whole card.
 2. AMD through DRM sysfs: ``/sys/class/drm/cardN/device/mem_info_vram_total`` and
    ``mem_info_vram_used`` of vendor 0x1002 cards. GTT (system memory the GPU may map) is never
    added: it is host RAM.
@@ -128,6 +129,42 @@ def _visible_handles(nvml: Any, raw: str | None, notes: list[str]) -> list[Any]:
     return chosen
 
 
+def _mig_devices(nvml: Any, handle: Any) -> list[Any] | None:
+    """The MIG devices of a GPU in MIG mode (None: MIG off, unsupported, or a MIG device itself).
+    CUDA cannot allocate on such a GPU, only on its MIG devices, each pinned by its MIG- UUID."""
+    get_mode = getattr(nvml, "nvmlDeviceGetMigMode", None)
+    if get_mode is None:
+        return None
+    try:
+        current = get_mode(handle)[0]
+    except nvml.NVMLError:
+        return None  # not MIG-capable (NVML_ERROR_NOT_SUPPORTED), or a MIG device's own handle
+    if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+        return None
+    found = []
+    for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            found.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i))
+        except nvml.NVMLError:
+            continue  # an empty slot (NVML_ERROR_NOT_FOUND)
+    return found
+
+
+def _mig_expanded(nvml: Any, handles: list[Any], notes: list[str]) -> list[Any]:
+    """Each GPU in MIG mode replaced by its MIG devices: the whole card's memory is not one budget."""
+    out: list[Any] = []
+    for handle in handles:
+        migs = _mig_devices(nvml, handle)
+        if migs is None:
+            out.append(handle)
+            continue
+        name = _text(nvml.nvmlDeviceGetName(handle))
+        notes.append(f"{name} is in MIG mode: its {len(migs)} MIG device(s) are listed instead of the whole GPU"
+                     + ("" if migs else "; it has none configured, so nothing on it can be planned"))
+        out.extend(migs)
+    return out
+
+
 def _hides_all(raw: str | None) -> bool:
     """CUDA_VISIBLE_DEVICES set so that no device can be visible ('', '-1', 'NoDevFiles', ...)."""
     if raw is None:
@@ -163,7 +200,7 @@ def probe_nvidia(nvml: Any, env: Mapping[str, str], notes: list[str]) -> list[De
         raise _nvml_failure("nvmlInit", exc) from exc
     devices: list[Device] = []
     try:
-        handles = _visible_handles(nvml, raw, notes)
+        handles = _mig_expanded(nvml, _visible_handles(nvml, raw, notes), notes)
         if raw is not None and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(handles) > 1:
             notes.append("CUDA_VISIBLE_DEVICES indices were read in NVML (PCI bus) order; set "
                          "CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA numbers devices the same way")
@@ -213,6 +250,19 @@ def _read_int(path: Path) -> int:
     return int(path.read_text().strip())
 
 
+def _pci_device(dev: Path) -> str:
+    """The PCI device id, from ``device`` or else ``uevent``'s PCI_ID (vendor:device), or '?'."""
+    try:
+        if (dev / "device").exists():
+            return (dev / "device").read_text().strip()
+        for line in (dev / "uevent").read_text().splitlines():
+            if line.startswith("PCI_ID=") and ":" in line:
+                return "0x" + line.split(":", 1)[1].strip().lower()
+    except OSError:
+        pass
+    return "?"
+
+
 def probe_amd(sys_root: Path, notes: list[str]) -> list[Device]:
     drm = sys_root / "class" / "drm"
     if not drm.is_dir():
@@ -247,8 +297,7 @@ def probe_amd(sys_root: Path, notes: list[str]) -> list[Device]:
             except OSError:
                 name = ""
         if not name:
-            pci = (dev / "device").read_text().strip() if (dev / "device").exists() else "?"
-            name = f"AMD GPU {card.name} (PCI device {pci})"
+            name = f"AMD GPU {card.name} (PCI device {_pci_device(dev)})"
         devices.append(Device(index=-1, kind="amd", name=name, total_bytes=total,
                               free_bytes=max(total - used, 0)))
     return devices

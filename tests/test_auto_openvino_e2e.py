@@ -211,9 +211,11 @@ def test_a_non_cpu_plan_is_refused_before_download(hub: LocalHub, ov_world: OvWo
     gpu = Device(index=0, kind="nvidia", name="fixture GPU", total_bytes=24 * GiB, free_bytes=20 * GiB)
     probe.write_text(json.dumps(ProbeResult(devices=(gpu,), selected=0).to_json()))
     failed = auto(hub, home, ov_world.agent, probe)
-    assert failed.returncode == 5, failed.stderr[-3000:]
+    # The planner plans only devices OpenVINO serves: a probe with none of them is refused there.
+    assert failed.returncode == 2, failed.stderr[-3000:]
     err = json.loads(failed.stdout)["error"]
-    assert err["details"]["cause"] == "device_unsupported" and "--device cpu" in err["hint"]
+    assert err["code"] == "usage" and "openvino backend cannot run a model on [0] nvidia" in err["message"]
+    assert "--device cpu" in err["hint"]
     assert not (home / "models").exists()
 
 

@@ -114,6 +114,7 @@ class FakeBinary:
 
 class FakeBackend:
     name = "fake"
+    device_kinds = frozenset({"cpu"})  # backends.base.Backend: the device kinds it serves
 
     def __init__(self, **session: Any) -> None:
         self.session_args = session

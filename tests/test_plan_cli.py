@@ -164,7 +164,8 @@ def test_origin_errors_and_isolation(tmp_path: Path) -> None:
     assert "us, eu, china, gus" in json.loads(out.getvalue())["error"]["message"]
     rc, gus = plan_cli("--probe-file", probe, "--origin", "gus")
     assert rc == 3 and gus["error"]["smallest"] is None and "at any budget" in gus["error"]["message"]
-    rc, eu_ov = plan_cli("--probe-file", probe, "--origin", "eu", "--backend", "openvino")
+    host = str(write_probe(tmp_path, 80 * GiB, 80 * GiB, kind="cpu"))  # OpenVINO serves host memory only
+    rc, eu_ov = plan_cli("--probe-file", host, "--origin", "eu", "--backend", "openvino")
     assert rc == 3 and eu_ov["selected"] is None
     for origin in ("us", "eu", "china"):
         rc, data = plan_cli("--probe-file", probe, "--origin", origin)
@@ -333,3 +334,60 @@ def test_auto_takes_the_device_flag_too(tmp_path: Path) -> None:
     out = io.StringIO()
     assert main(["auto", "--dry-run", "--json", "--probe-file", probe, "--device", "tpu"], out=out) == 2
     assert "--device" in json.loads(out.getvalue())["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- only devices the backend serves
+
+
+def test_openvino_is_never_planned_on_a_gpu_it_cannot_serve(tmp_path: Path) -> None:
+    # Seen: `auto --backend openvino` beside an NVIDIA GPU planned qwen3-8b-ov on the GPU (GPU and
+    # host tie on model and window, the accelerator wins) and the preflight then refused it, exit 5.
+    probe = probe_many(("nvidia", 24 * GiB, 22 * GiB), ("cpu", 24 * GiB, 22 * GiB))
+    out = build_plan(probe, load_bundled().entries, KV_CACHE_TYPES["q8_0"], backend="openvino")
+    assert out.plan is not None and out.plan.probe.device.kind == "cpu"
+    assert out.plan.entry.backend == "openvino"
+    gpu = next(dp for dp in out.devices if dp.device.kind == "nvidia")
+    assert gpu.selection is None and not gpu.considered and gpu.unserved and "openvino" in gpu.unserved
+    # The llama backend still plans the GPU: the rule is the backend's, not the device's.
+    llama = build_plan(probe, load_bundled().entries, KV_CACHE_TYPES["q8_0"], backend="llama")
+    assert llama.plan is not None and llama.plan.probe.device.kind == "nvidia" and "accelerator" in llama.device_choice
+    rc, data = plan_cli("--probe-file", str(write_probe_many(tmp_path, probe)), "--backend", "openvino")
+    assert rc == 0 and data["device"]["kind"] == "cpu" and data["selected"]["backend"] == "openvino"
+    row = {d["kind"]: d for d in data["devices"]}
+    assert row["nvidia"]["served"] is False and row["nvidia"]["considered"] is False
+    assert "openvino backend cannot run a model on [0] nvidia" in row["nvidia"]["refusal"]
+    assert row["cpu"]["served"] is True and row["cpu"]["won"] is True
+
+
+def test_auto_with_openvino_beside_a_gpu_plans_host_memory_and_its_preflight_accepts_it(tmp_path: Path) -> None:
+    probe = str(write_probe_many(tmp_path, probe_many(("nvidia", 24 * GiB, 22 * GiB), ("cpu", 32 * GiB, 30 * GiB))))
+    out = io.StringIO()
+    assert main(["auto", "--dry-run", "--json", "--probe-file", probe, "--backend", "openvino"], out=out) == 0
+    data = json.loads(out.getvalue())
+    assert data["device"]["kind"] == "cpu" and data["plan"]["probe"]["selected"] == 1
+
+
+@pytest.mark.parametrize("choice", ["nvidia", "0"])
+def test_forcing_a_device_the_backend_cannot_serve_is_a_usage_error(tmp_path: Path, choice: str) -> None:
+    probe = str(write_probe_many(tmp_path, probe_many(("nvidia", 24 * GiB, 22 * GiB), ("cpu", 32 * GiB, 30 * GiB))))
+    out = io.StringIO()
+    assert main(["plan", "--json", "--probe-file", probe, "--backend", "openvino", "--device", choice], out=out) == 2
+    err = json.loads(out.getvalue())["error"]
+    assert "openvino backend cannot run a model on [0] nvidia" in err["message"]
+    assert "--device cpu" in err["hint"]
+
+
+def test_a_probe_without_a_device_the_backend_serves_is_a_usage_error(tmp_path: Path) -> None:
+    probe = str(write_probe(tmp_path, 24 * GiB, 22 * GiB, kind="amd"))
+    out = io.StringIO()
+    assert main(["plan", "--json", "--probe-file", probe, "--backend", "openvino"], out=out) == 2
+    assert "serves cpu devices" in json.loads(out.getvalue())["error"]["message"]
+
+
+def test_every_backend_names_the_device_kinds_it_serves() -> None:
+    from backends.openvino.config import OPENVINO_DEVICES
+    from backends.select import BACKENDS
+    from registry.select import DEVICE_KINDS
+
+    assert BACKENDS["llama"].device_kinds == DEVICE_KINDS
+    assert BACKENDS["openvino"].device_kinds == frozenset(OPENVINO_DEVICES) == {"cpu"}

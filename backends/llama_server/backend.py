@@ -16,12 +16,14 @@ from backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llam
 from backends.llama_server.process import LoadedServer, open_server
 from core.plan import Plan
 from core.settings import Settings
+from registry.select import DEVICE_KINDS
 
 __all__ = ["LlamaServerBackend"]
 
 
 class LlamaServerBackend:
     name: Literal["llama"] = "llama"
+    device_kinds: frozenset[str] = DEVICE_KINDS  # host memory, and each GPU kind through its build
 
     def preflight(self, plan: Plan, settings: Settings) -> ServerBinary:
         """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and

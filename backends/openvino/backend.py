@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from backends.base import BackendBinary, ModelFiles, ServeCommand
-from backends.openvino.config import OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision, require_openvino
+from backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
+                                     require_openvino)
 from backends.openvino.session import OpenVinoSession, open_openvino_session
 from core.records import decode_record, field_dict
 from core.plan import Plan
@@ -73,6 +74,7 @@ class OpenVinoRuntime:
 
 class OpenVinoBackend:
     name: Literal["openvino"] = "openvino"
+    device_kinds: frozenset[str] = frozenset(OPENVINO_DEVICES)
 
     def preflight(self, plan: Plan, settings: Settings) -> OpenVinoRuntime:
         """The extra importable, a device and a KV precision the session takes — each refused

@@ -42,6 +42,7 @@ __all__ = [
     "KV_BLOCK_TOKENS",
     "KV_PRECISIONS",
     "MAX_NUM_BATCHED_TOKENS",
+    "OPENVINO_DEVICES",
     "OPENVINO_GENAI_VERSION",
     "OPENVINO_INSTALL_HINT",
     "OPEN_TIMEOUT_S",
@@ -122,12 +123,17 @@ def openvino_kv_precision(kv_cache_type: str) -> str:
         ) from None
 
 
+# The probe's device kind -> OpenVINO's device name. hotfit's probe sees OpenVINO's GPU plugin's
+# devices (Intel GPUs) only as generic Vulkan devices, so only host-memory plans run on OpenVINO
+# today; the planner plans OpenVINO models on these kinds only (OpenVinoBackend.device_kinds).
+OPENVINO_DEVICES: dict[str, str] = {"cpu": "CPU"}
+
+
 def openvino_device(plan: Plan) -> str:
-    """The OpenVINO device for the planned one. hotfit's probe sees OpenVINO's GPU plugin's devices
-    (Intel GPUs) only as generic Vulkan devices, so only host-memory plans run on OpenVINO today."""
+    """The OpenVINO device for the planned one (:data:`OPENVINO_DEVICES`)."""
     device = plan.probe.device
-    if device.kind == "cpu":
-        return "CPU"
+    if device.kind in OPENVINO_DEVICES:
+        return OPENVINO_DEVICES[device.kind]
     raise LoadError(
         f"the plan is for {device.kind} device {device.name!r}, which hotfit cannot map to an OpenVINO device",
         hint="plan the OpenVINO model for host memory (`--device cpu`), or use the llama backend on this device",

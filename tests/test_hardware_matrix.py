@@ -1,0 +1,326 @@
+"""The hardware matrix: each real machine under tests/data/hardware (captured files, their public
+source in SOURCE.md) drives what ``scripts/install-llama-server --detect`` picks, the ISA verdict for
+the native build of this project's build machine, what ``hotfit probe`` reports and what ``hotfit
+plan`` picks with the bundled registry and the default KV type, for both backends — each against
+the row's expected.json. Machines the matrix does not cover get a message, never a traceback.
+docs/hardware-matrix.md describes the rows."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.llama_server.discovery import BuildInfo, ServerBinary, check_cpu_features
+from core.errors import BackendError
+from core.isa import cpuinfo_flags, features_from_macros
+from core.plan import ProbeResult
+from pipeline.cli import main
+from stages.probe import describe, probe_devices, save_probe
+from tests.hardware_matrix import (
+    BUILD_MACHINE,
+    MATRIX,
+    Row,
+    facts_from_exporter_capture,
+    facts_from_xml,
+    machine_root,
+    nvidia_smi_standin,
+    nvml_from,
+    rows,
+)
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "install-llama-server"
+ROWS = rows()
+ROW_IDS = [r.machine for r in ROWS]
+
+
+@pytest.fixture(autouse=True)
+def _home(hotfit_home: Path) -> None:
+    """Each test has its own HOTFIT_HOME (the CLI writes its event log there)."""
+
+
+# ----------------------------------------------------------------------------- what each row drives
+
+
+def detect(root: Path, bin_dir: Path | None = None) -> tuple[str, str]:
+    path = f"{bin_dir}:/usr/bin:/bin" if bin_dir is not None else "/usr/bin:/bin"
+    env = {**os.environ, "HOTFIT_DETECT_ROOT": str(root), "PATH": path}
+    proc = subprocess.run([str(SCRIPT), "--detect"], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    backend, why = proc.stdout.rstrip("\n").split("\t")
+    return backend, why
+
+
+def row_detect(row: Row, tmp: Path) -> tuple[str, str]:
+    root = machine_root(row, tmp)
+    bin_dir = None
+    if row.file("nvml.json"):
+        bin_dir = tmp / "bin"
+        nvidia_smi_standin(bin_dir, row.folder / "nvml.json")
+    return detect(root, bin_dir)
+
+
+def build_machine_binary() -> ServerBinary:
+    """The native llama-server built on the build machine, as its build-info.json records it."""
+    macros = (MATRIX / BUILD_MACHINE / "gcc-march-native-macros.txt").read_text()
+    build = BuildInfo("build-info.json", None, None, None, backend="cpu", variant="native",
+                      cpu_features=tuple(features_from_macros(macros)))
+    return ServerBinary(Path("/cache/llama.cpp/cpu/bin/llama-server"), "cache", build, None)
+
+
+def isa_verdict(cpuinfo: str) -> dict[str, Any]:
+    if not cpuinfo_flags(cpuinfo):
+        return {"verdict": "not-compared", "missing": []}  # no x86 flags line (Arm64, empty /proc/cpuinfo)
+    try:
+        check_cpu_features(build_machine_binary(), cpuinfo)
+    except BackendError as exc:
+        assert "SIGILL" in exc.what and "--force" in (exc.hint or "")
+        return {"verdict": "refused", "missing": exc.details["missing_features"]}
+    return {"verdict": "runs", "missing": []}
+
+
+def row_probe(row: Row, tmp: Path, env: dict[str, str] | None = None) -> ProbeResult:
+    root = machine_root(row, tmp)
+    data = row.nvml
+    return probe_devices(env=env or {}, nvml=None if data is None else nvml_from(data), proc_root=root / "proc",
+                         sys_root=root / "sys", cgroup_root=root / "cgroup")
+
+
+def plan_json(probe: ProbeResult, tmp: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    path = tmp / "probe.json"
+    save_probe(probe, path)
+    out = io.StringIO()
+    rc = main(["plan", "--json", "--probe-file", str(path), *args], out=out)
+    return rc, json.loads(out.getvalue())
+
+
+def probe_summary(probe: ProbeResult) -> dict[str, Any]:
+    return {"devices": [{"kind": d.kind, "name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
+                         "uuid": d.uuid} for d in probe.devices if d.kind != "cpu"],
+            "selected_kind": probe.device.kind}
+
+
+def plan_summary(rc: int, data: dict[str, Any]) -> dict[str, Any]:
+    sel = data["selected"]
+    return {"exit": rc, "model": None if sel is None else sel["name"], "device_kind": data["device"]["kind"],
+            "kv_cache_type": data["kv_cache_type"]}
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+
+def test_every_row_names_its_public_source() -> None:
+    assert len(ROWS) >= 15
+    for row in ROWS:
+        source = (row.folder / "SOURCE.md").read_text()
+        if row.machine != BUILD_MACHINE:  # the build machine is this project's own capture
+            assert "https://github.com/" in source and "commit: `" in source, row.machine
+        captured = [p for p in row.folder.rglob("*") if p.is_file() and p.name not in ("SOURCE.md", "expected.json")]
+        assert captured, f"{row.machine}: no captured file"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_detect_picks_the_backend(row: Row, tmp_path: Path) -> None:
+    want = row.expected["detect"]
+    backend, why = row_detect(row, tmp_path)
+    assert backend == want["backend"], why
+    assert want["why_contains"] in why
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_isa_verdict_for_the_build_machines_native_build(row: Row) -> None:
+    want = row.expected["isa"]
+    cpuinfo = row.file("proc-cpuinfo.txt")
+    if want is None:
+        assert cpuinfo is None  # a GPU capture: its host's CPU was not published
+        return
+    assert cpuinfo is not None
+    assert isa_verdict(cpuinfo.read_text()) == {"verdict": want["verdict"], "missing": want["missing"]}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_probe_reports_the_captured_devices(row: Row, tmp_path: Path) -> None:
+    want = row.expected["probe"]
+    probe = row_probe(row, tmp_path)
+    assert probe_summary(probe) == {"devices": want["devices"], "selected_kind": want["selected_kind"]}
+    text = describe(probe)
+    for d in want["devices"]:
+        assert d["name"] in text
+    for note in want.get("notes_contain", ()):
+        assert any(note in n for n in probe.notes), probe.notes
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_plan_picks_a_model_and_a_device_the_backend_serves(row: Row, backend: str, tmp_path: Path) -> None:
+    want = row.expected["plan"][backend]
+    rc, data = plan_json(row_probe(row, tmp_path), tmp_path, "--backend", backend)
+    assert plan_summary(rc, data) == want, data.get("device_choice")
+    if backend == "openvino":  # OpenVINO serves host memory only: no GPU row plans a GPU for it
+        assert all(d["selected"] is None for d in data["devices"] if d["kind"] != "cpu")
+        assert all(d["served"] is (d["kind"] == "cpu") for d in data["devices"])
+
+
+def test_the_lead_column_for_the_portable_builds_cpu_variant_is_reserved() -> None:
+    for row in ROWS:
+        assert "ggml_cpu_variant" in row.expected  # filled once core.isa names the variant ggml loads
+
+
+# ----------------------------------------------------------------------------- the captures, transcribed
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.file("nvml.json")], ids=lambda r: r.machine)
+def test_nvml_json_is_what_the_capture_says(row: Row) -> None:
+    data = row.nvml
+    assert data is not None
+    keys = ("name", "uuid", "memory_total_mib", "memory_used_mib", "memory_free_mib", "mig_mode")
+    if row.file("nvidia-smi-q.xml"):
+        facts = facts_from_xml(row.folder / "nvidia-smi-q.xml")
+        assert data["driver_version"] == facts["driver_version"] and data["cuda_version"] == facts["cuda_version"]
+        for gpu, cap in zip(data["gpus"], facts["gpus"], strict=True):
+            assert {k: gpu[k] for k in (*keys, "processes")} == {k: cap[k] for k in (*keys, "processes")}
+    else:
+        facts = facts_from_exporter_capture(row.folder / "nvidia-smi-capture.txt")
+        for gpu, cap in zip(data["gpus"], facts["gpus"], strict=True):
+            assert {k: gpu[k] for k in (*keys, "compute_cap")} == {k: cap[k] for k in (*keys, "compute_cap")}
+            assert data["driver_version"] == cap["driver_version"]
+        migs = [m for g in data["gpus"] for m in g["mig_devices"]]
+        mkeys = ("index", "profile", "uuid", "memory_total_mib", "memory_used_mib", "memory_free_mib")
+        assert [{k: m[k] for k in mkeys} for m in migs] == facts["mig_devices"]
+
+
+def test_the_nvidia_smi_standin_answers_like_nvidia_smi(tmp_path: Path) -> None:
+    smi = nvidia_smi_standin(tmp_path / "bin", MATRIX / "nvidia-h100-80gb" / "nvml.json")
+    out = subprocess.run([str(smi), "--query-gpu=name,memory.total,compute_cap", "--format=csv"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == "name, memory.total [MiB], compute_cap\nNVIDIA H100 80GB HBM3, 81559 MiB, 9.0\n"
+    bad = subprocess.run([str(smi), "--query-gpu=frobs", "--format=csv,noheader"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "is not a valid field" in bad.stdout
+
+
+# ----------------------------------------------------------------------------- MIG: one slice, or each
+
+
+def test_a_mig_slice_pinned_by_cuda_visible_devices_is_planned_on_its_own_memory(tmp_path: Path) -> None:
+    row = Row("nvidia-h100-mig", MATRIX / "nvidia-h100-mig")
+    data = row.nvml
+    assert data is not None
+    slice_ = data["gpus"][0]["mig_devices"][1]  # 2g.20gb
+    probe = row_probe(row, tmp_path, env={"CUDA_VISIBLE_DEVICES": slice_["uuid"]})
+    gpus = [d for d in probe.devices if d.kind == "nvidia"]
+    assert [(d.name, d.uuid, d.total_bytes) for d in gpus] == [
+        ("NVIDIA H100 80GB HBM3 MIG 2g.20gb", slice_["uuid"], slice_["memory_total_mib"] << 20)]
+    rc, plan = plan_json(probe, tmp_path)
+    assert rc == 0 and plan["selected"]["name"]
+    nv = next(d for d in plan["devices"] if d["kind"] == "nvidia")
+    assert nv["budget"]["total_bytes"] == slice_["memory_total_mib"] << 20  # never the whole 80 GB card
+
+
+# ----------------------------------------------------------------------------- machines the matrix does not cover
+
+
+def test_an_empty_cpuinfo_is_no_traceback(tmp_path: Path) -> None:
+    root = machine_root(None, tmp_path, cpuinfo="")
+    assert detect(root)[0] == "cpu"
+    assert isa_verdict("") == {"verdict": "not-compared", "missing": []}
+    probe = probe_devices(env={}, nvml=None, proc_root=root / "proc", sys_root=root / "sys",
+                          cgroup_root=root / "cgroup")
+    rc, data = plan_json(probe, tmp_path)
+    assert rc == 0 and data["device"]["kind"] == "cpu"
+
+
+@pytest.mark.parametrize(("garbage", "code"), [
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
+     "NVIDIA driver is installed and running.", 9),
+    ("\x00\x01 not a version", 0),
+    ("", 0),
+])
+def test_a_garbage_nvidia_smi_is_reported_not_read_as_a_driver(tmp_path: Path, garbage: str, code: int) -> None:
+    root = machine_root(None, tmp_path, cpuinfo="")
+    nvidia_smi_standin(tmp_path / "bin", garbage=garbage, exit_code=code)
+    backend, why = detect(root, tmp_path / "bin")
+    assert backend == "cpu" and "older than" not in why
+    assert "nvidia-smi is on PATH but answered no driver version" in why
+
+
+def test_a_garbage_nvidia_smi_beside_an_nvidia_card_falls_back_to_vulkan(tmp_path: Path) -> None:
+    root = machine_root(None, tmp_path, cpuinfo="")
+    dev = root / "sys" / "class" / "drm" / "card0" / "device"
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text("0x10de\n")
+    (dev / "class").write_text("0x030000\n")
+    nvidia_smi_standin(tmp_path / "bin", garbage="NVIDIA-SMI has failed because it couldn't communicate", exit_code=9)
+    backend, why = detect(root, tmp_path / "bin")
+    assert backend == "vulkan" and "without a loaded NVIDIA driver" in why and "NVIDIA-SMI has failed" in why
+
+
+def test_an_unknown_display_vendor_and_unreadable_vram_counters_are_no_traceback(tmp_path: Path) -> None:
+    root = machine_root(None, tmp_path, cpuinfo="flags\t\t: fpu sse sse2\n")
+    bmc = root / "sys" / "class" / "drm" / "card0" / "device"  # a server's BMC display (ASPEED)
+    bmc.mkdir(parents=True)
+    (bmc / "vendor").write_text("0x1a03\n")
+    (bmc / "class").write_text("0x030000\n")
+    amd = root / "sys" / "class" / "drm" / "card1" / "device"
+    amd.mkdir(parents=True)
+    for name, text in (("vendor", "0x1002\n"), ("class", "0x038000\n"), ("mem_info_vram_total", "n/a\n"),
+                       ("mem_info_vram_used", "0\n")):
+        (amd / name).write_text(text)
+    backend, why = detect(root)
+    assert backend == "vulkan" and "0x1002" in why  # the AMD card; the BMC display alone would be cpu
+    probe = probe_devices(env={}, nvml=None, proc_root=root / "proc", sys_root=root / "sys",
+                          cgroup_root=root / "cgroup")
+    assert [d.kind for d in probe.devices] == ["cpu"]
+    assert any("card1: VRAM counters unreadable" in n for n in probe.notes)
+    refused = isa_verdict("flags\t\t: fpu sse sse2\n")
+    assert refused["verdict"] == "refused" and "avx2" in refused["missing"]
+
+
+def test_a_gpu_nvml_cannot_read_is_a_hardware_error_with_a_hint(tmp_path: Path) -> None:
+    row = Row("nvidia-tesla-t4", MATRIX / "nvidia-tesla-t4")
+    data = row.nvml
+    assert data is not None
+    nvml = nvml_from(data)
+
+    def broken(handle: Any) -> Any:
+        raise nvml.NVMLError(15)  # NVML_ERROR_GPU_IS_LOST
+
+    nvml.nvmlDeviceGetMemoryInfo = broken
+    root = machine_root(row, tmp_path)
+    from core.errors import HardwareProbeError
+
+    with pytest.raises(HardwareProbeError) as err:
+        probe_devices(env={}, nvml=nvml, proc_root=root / "proc", sys_root=root / "sys", cgroup_root=root / "cgroup")
+    assert "NVML is installed but failing" in err.value.what and "nvidia-smi" in (err.value.hint or "")
+
+
+def test_a_gpu_in_mig_mode_without_instances_is_not_planned_as_the_whole_card(tmp_path: Path) -> None:
+    row = Row("nvidia-h100-mig", MATRIX / "nvidia-h100-mig")
+    data = row.nvml
+    assert data is not None
+    data["gpus"][0]["mig_devices"] = []  # MIG enabled, no GPU instance created yet
+    root = machine_root(row, tmp_path)
+    probe = probe_devices(env={}, nvml=nvml_from(data), proc_root=root / "proc", sys_root=root / "sys",
+                          cgroup_root=root / "cgroup")
+    assert [d.kind for d in probe.devices] == ["cpu"]
+    assert any("MIG mode" in n and "none configured" in n for n in probe.notes)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.expected["probe"]["devices"]], ids=lambda r: r.machine)
+def test_openvinos_preflight_accepts_what_the_planner_plans_on_a_gpu_machine(row: Row, tmp_path: Path) -> None:
+    # Seen: the planner put qwen3-8b-ov on the GPU and this preflight refused it (exit 5).
+    from backends.select import backend_for
+    from core.settings import load_settings
+    from pipeline.registry_file import load_registry
+    from registry.kv import KV_CACHE_TYPES
+    from stages.plan import build_plan
+
+    outcome = build_plan(row_probe(row, tmp_path), load_registry().entries, KV_CACHE_TYPES["q8_0"], backend="openvino")
+    assert outcome.plan is not None
+    runtime = backend_for("openvino").preflight(outcome.plan, load_settings())
+    assert runtime.to_json()["device"] == "CPU"
