@@ -231,6 +231,15 @@ def test_pull_then_auto_serve_and_status_use_the_verified_snapshot(hub: LocalHub
     assert sorted(p.name for p in snapshot.iterdir()) == sorted([*IR_FILES, "tokenizer_config.json"])
     assert result["template"]["source"] == f"{repo}@{commit}/tokenizer_config.json"
     assert len(hub.requests_for(file="tokenizer_config.json", method="GET")) == 1
+    # a second pull downloads nothing, and says where the template came from
+    hub.reset_counters()
+    again = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "pull", "fx-ov-tokcfg",
+                            "--registry", str(registry)], cwd=REPO, capture_output=True, text=True, check=False,
+                           env=os.environ | hub.env())
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"snapshot  {snapshot} at {commit}" in again.stdout
+    assert "read from the snapshot's tokenizer_config.json" in again.stdout
+    assert [r for r in hub.requests_for(method="GET") if r.file] == []
     # nothing is provisioned by a pull: serve says to run auto
     refused = hotfit(hub, home, "serve", "--print-command")
     assert refused.returncode == 2 and "hotfit auto" in json.loads(refused.stdout)["error"]["hint"]
