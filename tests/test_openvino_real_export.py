@@ -131,7 +131,9 @@ def test_a_real_export_is_provisioned_up_to_an_honest_probe_failure(hub: LocalHu
     # the probe fails honestly: exit 5, the prose cause, nothing provisioned, nothing left running
     err = json.loads(failed.stdout)["error"]
     assert err["code"] == "tool_call_probe" and err["details"]["cause"] == "prose", err
-    assert "cannot express tools" in err["message"]  # the IR's own template, the one GenAI renders
+    # ... and says why: GenAI rendered the tokenizer IR's own template, not the snapshot's file hotfit checked
+    assert "cannot express tools" in err["message"] and "openvino_tokenizer.xml" in err["message"]
+    assert err["details"]["unrendered_template"] == TEMPLATE_FILE and "tokenizer IR" in err["hint"]
     assert not (home / "manifest.json").exists()
 
 
