@@ -302,6 +302,16 @@ async def test_a_template_inside_the_snapshot_is_read_from_it_not_downloaded_aga
     again = await pull_entry(entry, settings, progress=False)
     assert again.template.sha256 == pulled.template.sha256 and again.verify.files_checked == 3
     assert local_hub.requests_for(method="GET", file=template_file) == []
+    # the written template lost: it is extracted again from the snapshot's placed copy, offline from the Hub
+    Path(pulled.template.path).unlink()
+    third = await pull_entry(entry, settings, progress=False)
+    assert Path(third.template.path).read_text() == TOOLS and third.template.source == pulled.template.source
+    assert local_hub.requests_for(method="GET", file=template_file) == []
+    # and a snapshot copy changed behind our back is refused, not trusted
+    (dest / "snapshot" / template_file).write_bytes(SNAPSHOT_SOURCES[template_file].replace(b"tools", b"tool5"))
+    Path(third.template.path).unlink()
+    with pytest.raises(TemplateError, match="not the bytes"):
+        await fetch_template(entry, dest, settings=settings, snapshot=third.fetch.snapshot)
 
 
 @pytest.mark.anyio
