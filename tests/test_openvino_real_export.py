@@ -59,7 +59,7 @@ TEMPLATE_FILE = "tokenizer_config.json"
 # plans the floor (GenAI allocates the blocks it is told; the probe's prompt is a few hundred tokens).
 WINDOW_TOKENS = 32768
 # The planner's price at u8 (q8_0): 30 layers x 3 KV heads x (80 B of K + 72 B of V per head, scales
-# included) per token, times the window (design note, measured on this export: 448,266,240 B).
+# included) per token, times the window (measured on this export: 448,266,240 B; docs/openvino.md).
 U8_KV_BYTES = 30 * 3 * (80 + 72) * WINDOW_TOKENS
 
 
