@@ -22,7 +22,7 @@ from core.errors import IntegrityError
 from core.records import JsonRecord
 
 __all__ = [
-    "TEMPLATE_FILENAME", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST", "PARTIAL_DIRNAME",
+    "TEMPLATE_FILENAME", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST", "PARTIAL_DIRNAME", "TEMPLATE_PARTIAL_DIRNAME",
     "FileIdentity", "FetchedFile", "SnapshotFile", "SnapshotResult", "FetchResult", "TemplateResult",
     "FieldCheck", "GGUFFacts", "VerifyResult", "check_integrity",
 ]
@@ -32,6 +32,9 @@ TEMPLATE_FILENAME = "chat_template.jinja"
 SNAPSHOT_DIRNAME = "snapshot"  # an OpenVINO repository snapshot
 SNAPSHOT_MANIFEST = "snapshot.json"  # what the snapshot fetch verified
 PARTIAL_DIRNAME = ".partial"  # downloads in progress, hashed partials, locks
+# fetch-template's own downloads and lock: a partial is named by (repo, path), and a template may be a
+# file of the very repository fetch-weights fetches, so the two stages' partials must never share a name
+TEMPLATE_PARTIAL_DIRNAME = f"{PARTIAL_DIRNAME}/template"
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ On-disk layout under the home directory (the one place it is written down)::
       logs/hotfit.jsonl        JSON event log, appended by every command
       models/<entry>/          verified weights, projector, chat_template.jinja
       models/<entry>/.partial/ partial downloads + JSON sidecars (resume state), per-target locks
+      models/<entry>/.partial/template/  fetch-template's own (a template source from outside the snapshot)
       models/<entry>/.verified/ receipts of verified files (size, sha256, pinned commit)
       models/<entry>/snapshot/ OpenVINO repository snapshot (+ snapshot.json: commit, file list)
       runs/<run_id>/           per-run files (llama-server logs, probe transcript)

@@ -309,8 +309,10 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
 
     async def fetch_template_stage(ctx: StageContext) -> TemplateResult:
         entry = job.entry_of(ctx)
+        # a template that is a file of the OpenVINO snapshot is read from what fetch-weights brought
+        snapshot = ctx.result("fetch-weights", FetchResult).snapshot
         return await locked(ctx, lambda: fetch_template(entry, ctx.settings.model_dir(entry.name),
-                                                        settings=ctx.settings, wait=job.wait))
+                                                        settings=ctx.settings, wait=job.wait, snapshot=snapshot))
 
     async def verify_stage(ctx: StageContext) -> VerifyResult:
         entry = job.entry_of(ctx)

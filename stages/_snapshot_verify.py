@@ -21,7 +21,7 @@ from state.receipts import Receipt, file_identity, write_receipt
 
 log = get_logger()
 
-__all__ = ["place_snapshot", "verify_snapshot_dir"]
+__all__ = ["place_snapshot", "snapshot_commit", "verify_snapshot_dir"]
 
 
 def _rehash(path: Path, *, git_blob: bool) -> tuple[str, str | None]:
@@ -118,3 +118,12 @@ def verify_snapshot_dir(dest_dir: Path, *, rehash: bool = False) -> tuple[int, i
                                      field="sha256", file=str(path))
         total += size
     return total, len(files)
+
+
+def snapshot_commit(dest_dir: Path) -> str | None:
+    """The commit ``snapshot.json`` records for the snapshot in place (None: no readable manifest)."""
+    try:
+        commit = json.loads((dest_dir / SNAPSHOT_MANIFEST).read_text(encoding="utf-8")).get("commit")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return commit if isinstance(commit, str) else None

@@ -13,6 +13,16 @@ come back as prose. So where the registry entry names a template source it is ma
 
 Whether the GGUF embeds ``tokenizer.chat_template`` is verify's to say: it reads the header once.
 
+**A template inside the OpenVINO snapshot** (every bundled OpenVINO entry: its ``tokenizer_config.json``
+or ``chat_template.jinja``, in the repository fetch-weights lists) is read from the file fetch-weights
+brought — its hashed partial, or the snapshot's copy once verify has placed it — after checking its
+bytes against the listing's git blob id (or LFS sha256); it is never downloaded a second time, and the
+template is recorded at the snapshot's commit. That file stays where it is: verify puts it into
+``snapshot/`` with the rest. Only a template from elsewhere (another repository, or a pinned commit the
+snapshot is not at) is downloaded here, into fetch-template's own partial directory
+(:data:`~core.model_files.TEMPLATE_PARTIAL_DIRNAME`), so no partial, sidecar or lock of this stage is
+ever one fetch-weights uses.
+
 A template failure fails this stage but keeps the verified weights: nothing already downloaded is
 lost, and a rerun fetches only the template. Parsing is bounded and fuzzed
 (``tests/test_fuzz_inputs.py``): oversized or garbage input gives TemplateError quickly.
@@ -25,10 +35,17 @@ import json
 import re
 from pathlib import Path
 
-from core.entry import Entry
+from core.entry import Entry, TemplateSource
 from core.errors import HubError, IntegrityError, TemplateError
 from core.log import get_logger
-from core.model_files import PARTIAL_DIRNAME, TEMPLATE_FILENAME, TemplateResult
+from core.model_files import (
+    SNAPSHOT_DIRNAME,
+    TEMPLATE_FILENAME,
+    TEMPLATE_PARTIAL_DIRNAME,
+    SnapshotFile,
+    SnapshotResult,
+    TemplateResult,
+)
 from core.settings import Settings
 from download import (
     HubSession,
@@ -45,7 +62,8 @@ from state.receipts import Receipt, read_receipt, write_receipt
 
 log = get_logger()
 
-__all__ = ["TemplateResult", "fetch_template", "extract_template", "check_tool_capable", "TEMPLATE_FILENAME"]
+__all__ = ["TemplateResult", "fetch_template", "extract_template", "check_tool_capable", "in_snapshot",
+           "TEMPLATE_FILENAME"]
 
 MAX_TEMPLATE_SOURCE_BYTES = 8 << 20  # real tokenizer_config.json files are ≤ ~1 MiB (with added tokens)
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are ≤ ~50 KiB
@@ -153,10 +171,11 @@ def check_tool_capable(text: str, *, source: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- stage
 
 
-def _present(entry: Entry, dest_dir: Path, settings: Settings) -> TemplateResult | None:
+def _present(entry: Entry, dest_dir: Path, settings: Settings, *, commit: str | None = None) -> TemplateResult | None:
     """The template already written for this pin (its receipt and text agree), or None.
 
-    An unpinned source is re-resolved when online (main may have moved) and taken from disk offline.
+    ``commit``: the snapshot commit a template inside the snapshot must come from. Otherwise an
+    unpinned source is re-resolved when online (main may have moved) and taken from disk offline.
     """
     src = entry.chat_template
     assert src is not None
@@ -164,9 +183,12 @@ def _present(entry: Entry, dest_dir: Path, settings: Settings) -> TemplateResult
     receipt = read_receipt(dest_dir, TEMPLATE_FILENAME)
     if receipt is None or not final.is_file() or (receipt.repo, receipt.file) != (src.repo, src.file):
         return None
-    if src.revision is not None and receipt.revision != src.revision:
+    if commit is not None:
+        if receipt.revision != commit or receipt.commit_listed != commit:
+            return None
+    elif src.revision is not None and receipt.revision != src.revision:
         return None
-    if src.revision is None and not settings.hf_offline:
+    elif src.revision is None and not settings.hf_offline:
         return None
     data = final.read_bytes()
     if hashlib.sha256(data).hexdigest() != receipt.sha256:
@@ -177,11 +199,71 @@ def _present(entry: Entry, dest_dir: Path, settings: Settings) -> TemplateResult
                           size_bytes=len(data))
 
 
+def in_snapshot(src: TemplateSource, snapshot: SnapshotResult | None) -> SnapshotFile | None:
+    """Pure: the snapshot file the template source names — same repository, a file the commit lists,
+    and no pin to another commit — or None (the source is fetched on its own)."""
+    if snapshot is None or src.repo != snapshot.repo:
+        return None
+    if src.revision is not None and src.revision != snapshot.commit:
+        return None
+    return next((f for f in snapshot.listed if f.path == src.file), None)
+
+
+def _read_snapshot_source(entry: Entry, dest_dir: Path, snapshot: SnapshotResult, sf: SnapshotFile) -> bytes:
+    """The bytes fetch-weights brought for ``sf``: its hashed partial, or the snapshot's placed copy
+    (verify already ran), checked against the listing (git blob id, or LFS sha256) — the same check
+    verify makes, so the template is only ever taken from the file verify puts in place."""
+    where = f"{snapshot.repo}@{snapshot.commit}/{sf.path}"
+    if sf.size_bytes > MAX_TEMPLATE_SOURCE_BYTES:
+        raise TemplateError(f"{where}: {sf.size_bytes} bytes is too large for a template source",
+                            hint="point the entry at the template file itself", entry=entry.name, file=sf.path)
+    partial = Path(sf.partial_path) if sf.partial_path else None
+    path = partial if partial is not None and partial.is_file() else dest_dir / SNAPSHOT_DIRNAME / sf.path
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TemplateError(f"{where}: the snapshot's copy is not on disk ({exc.strerror or exc})",
+                            hint="rerun; fetch-weights fetches the snapshot again", entry=entry.name,
+                            file=str(path)) from None
+    if sf.lfs_sha256 is not None:
+        ok = hashlib.sha256(data).hexdigest() == sf.lfs_sha256
+    else:
+        ok = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == sf.blob_id
+    if len(data) != sf.size_bytes or not ok:
+        raise TemplateError(f"{path}: not the bytes {where} lists (size or hash differ)",
+                            hint="rerun; the snapshot's file changed since it was fetched and is fetched again",
+                            entry=entry.name, file=str(path))
+    return data
+
+
+def _write(entry: Entry, dest_dir: Path, src: TemplateSource, revision: str, data: bytes, *,
+           commit_listed: str | None) -> TemplateResult:
+    """Extract and check the template, write ``chat_template.jinja`` and its receipt."""
+    text, variant = extract_template(src.file, data)
+    markers = check_tool_capable(text, source=f"{src.repo}/{src.file}")
+    final = dest_dir / TEMPLATE_FILENAME
+    write_text_atomic(final, text)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    # keyed by the file written (chat_template.jinja), recording the source file it came from (and,
+    # for a file of the snapshot, the commit it was listed at: verify checks it is the snapshot's)
+    write_receipt(dest_dir, Receipt(repo=src.repo, revision=revision, file=src.file, sha256=digest,
+                                    variant=variant, tool_markers=markers, commit_listed=commit_listed),
+                  key=TEMPLATE_FILENAME)
+    log.info("template.written", entry=entry.name, variant=variant, markers=list(markers),
+             size_bytes=len(text.encode()), source=f"{src.repo}@{revision}/{src.file}",
+             from_snapshot=commit_listed is not None)
+    return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{revision}/{src.file}",
+                          variant=variant, sha256=digest, tool_markers=markers, size_bytes=len(text.encode()))
+
+
 async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wait: bool = False,
-                         options: TransferOptions | None = None) -> TemplateResult:
+                         options: TransferOptions | None = None,
+                         snapshot: SnapshotResult | None = None) -> TemplateResult:
     """Fetch the entry's pinned template source, check it, and write ``<dest_dir>/chat_template.jinja``.
 
-    Raises TemplateError / HubError / PinMismatch; never touches weights.
+    ``snapshot``: fetch-weights' OpenVINO snapshot; a template that is one of its files is read from
+    what fetch-weights brought (see the module docstring). Raises TemplateError / HubError /
+    PinMismatch; never touches weights, nor any file of the snapshot.
     """
     dest_dir = Path(dest_dir)
     src = entry.chat_template
@@ -192,9 +274,17 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
         raise TemplateError(f"entry {entry.name}: chat template source {src.repo}/{src.file} names "
                             f"{src.revision!r}, not a 40-hex commit", hint="pin it (hotfit registry lock)",
                             entry=entry.name)
-    partial_dir = dest_dir / PARTIAL_DIRNAME
+    partial_dir = dest_dir / TEMPLATE_PARTIAL_DIRNAME
     _partial, sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
+    own = in_snapshot(src, snapshot)
     async with FileLock(lock_path, wait=wait, what=f"chat template of {entry.name}").async_held():
+        if own is not None:
+            assert snapshot is not None
+            present = _present(entry, dest_dir, settings, commit=snapshot.commit)
+            if present is not None:
+                return present
+            data = _read_snapshot_source(entry, dest_dir, snapshot, own)
+            return _write(entry, dest_dir, src, snapshot.commit, data, commit_listed=snapshot.commit)
         present = _present(entry, dest_dir, settings)
         if present is not None:
             return present
@@ -222,16 +312,5 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
                                     hint="the download is corrupt; rerun", entry=entry.name)
             data = outcome.partial_path.read_bytes()
         finally:
-            discard_partial(outcome.partial_path, sidecar)
-        text, variant = extract_template(src.file, data)
-        markers = check_tool_capable(text, source=f"{src.repo}/{src.file}")
-        final = dest_dir / TEMPLATE_FILENAME
-        write_text_atomic(final, text)
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        # keyed by the file written (chat_template.jinja), recording the source file it came from
-        write_receipt(dest_dir, Receipt(repo=src.repo, revision=revision, file=src.file, sha256=digest,
-                                        variant=variant, tool_markers=markers), key=TEMPLATE_FILENAME)
-    log.info("template.written", entry=entry.name, variant=variant, markers=list(markers),
-             size_bytes=len(text.encode()))
-    return TemplateResult(entry=entry.name, path=str(final), source=f"{src.repo}@{revision}/{src.file}",
-                          variant=variant, sha256=digest, tool_markers=markers, size_bytes=len(text.encode()))
+            discard_partial(outcome.partial_path, sidecar)  # fetch-template's own partial, read in full
+        return _write(entry, dest_dir, src, revision, data, commit_listed=None)

@@ -23,7 +23,8 @@ header's facts (:class:`~core.model_files.GGUFFacts`) travel forward in the :cla
 load takes "does the GGUF embed a template" from there instead of opening the file again.
 OpenVINO snapshots go the same way (:func:`place_snapshot`: size and LFS sha256 or git blob id per
 file, rename, receipt, stale files dropped, ``snapshot.json`` written) and are then re-confirmed
-against ``snapshot.json`` (:func:`verify_snapshot_dir`).
+against ``snapshot.json`` (:func:`verify_snapshot_dir`); a template fetch-template read from a file
+of the snapshot must be from the commit placed.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from core.model_files import (
     check_integrity,
 )
 from stages._gguf_header import GGUFHeader, gguf, read_gguf_header, whole_number
-from stages._snapshot_verify import place_snapshot, verify_snapshot_dir
+from stages._snapshot_verify import place_snapshot, snapshot_commit, verify_snapshot_dir
 from download import discard_partial, partial_paths
 from state.files import finalize_file
 from state.receipts import Receipt, file_identity, read_receipt, receipt_matches, sha256_file, write_receipt
@@ -280,6 +281,23 @@ def _check_template(entry: Entry, dest_dir: Path, template: TemplateResult | Non
     return str(tpl)
 
 
+def _check_snapshot_template(entry: Entry, dest_dir: Path, template: TemplateResult | None) -> None:
+    """An OpenVINO entry's template: the one fetch-template checked, and — when it was read from a
+    file of the snapshot — from the commit of the snapshot now in place, so the text checked for
+    tools is the one GenAI renders from ``snapshot/``."""
+    if entry.chat_template is None:
+        return
+    _check_template(entry, dest_dir, template)
+    receipt = read_receipt(dest_dir, TEMPLATE_FILENAME)
+    listed = receipt.commit_listed if receipt is not None else None
+    commit = snapshot_commit(dest_dir)
+    if listed is not None and listed != commit:
+        raise TemplateError(f"{dest_dir / TEMPLATE_FILENAME} was taken from {entry.chat_template.file} of snapshot "
+                            f"commit {listed}, but the snapshot in place is at {commit}",
+                            hint="rerun `hotfit pull` (or `hotfit auto`): the template is read from the snapshot again",
+                            entry=entry.name, file=entry.chat_template.file)
+
+
 # --------------------------------------------------------------------------- stage
 
 
@@ -304,6 +322,7 @@ def _verify_sync(entry: Entry, dest_dir: Path, fetched: FetchResult | None, temp
         if fetched is not None and fetched.snapshot is not None:
             place_snapshot(dest_dir, fetched.snapshot, rehash=rehash)
         total, count = verify_snapshot_dir(dest_dir, rehash=rehash)
+        _check_snapshot_template(entry, dest_dir, template)
         return VerifyResult(entry=entry.name, weights_path=str(dest_dir / SNAPSHOT_DIRNAME), size_bytes=total,
                             sha256=None, sha256_source="rehashed" if rehash else "streamed", header_checks=(),
                             gguf_embeds_chat_template=None, chat_template_path=None, vision=False,

@@ -213,3 +213,89 @@ def ov_plan(fx: OvFixture, tokens: int, kv_type: str = "f16", *, estimated_kv_by
     return Plan(entry=entry, probe=ProbeResult(devices=(device,), selected=0), kv_cache_type=kv_type,
                 kv_cache_type_source="flag", hot_context_tokens=tokens, estimated_kv_bytes=estimate,
                 budget=budget, origin=None)
+
+
+# ---------------------------------------------------------------- a real export, converted once
+
+
+@dataclass(frozen=True)
+class CachedExport:
+    """An IR directory GenAI's GGUF reader made from a real, pinned GGUF, kept outside the repository."""
+
+    ir_dir: Path
+    gguf_sha256: str
+    genai_version: str
+    convert_seconds: float  # of the run that made it (recorded in the receipt)
+    converted_now: bool  # False: taken from the cache
+
+
+EXPORT_RECEIPT = "export.json"
+
+
+def _export_receipt(ir_dir: Path, gguf_sha256: str, genai_version: str) -> dict[str, object] | None:
+    import json
+
+    try:
+        receipt = json.loads((ir_dir.parent / EXPORT_RECEIPT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    sizes = {n: (ir_dir / n).stat().st_size for n in IR_FILES if (ir_dir / n).is_file()}
+    same = (isinstance(receipt, dict) and receipt.get("gguf_sha256") == gguf_sha256
+            and receipt.get("genai_version") == genai_version and receipt.get("sizes") == sizes
+            and len(sizes) == len(IR_FILES))
+    return receipt if same else None
+
+
+def cached_export(gguf_path: Path, gguf_sha256: str, cache_root: Path) -> CachedExport:
+    """The IR of ``gguf_path`` under ``cache_root/<sha256[:16]>-genai<version>/ir``, converted once (the
+    conversion is GenAI's own, in a child process) and then reused while its receipt matches: the GGUF's
+    sha256, the openvino-genai release that converted it, and each IR file's size. Concurrent callers
+    queue on a lock; a failed conversion leaves nothing behind."""
+    import importlib.metadata
+    import json
+    import tempfile
+
+    from state.locks import FileLock
+
+    version = importlib.metadata.version("openvino-genai")
+    root = cache_root / f"{gguf_sha256[:16]}-genai{version}"
+    ir_dir = root / "ir"
+    with FileLock(cache_root / f"{gguf_sha256[:16]}.lock", wait=True, what=f"OpenVINO export of {gguf_path.name}"):
+        receipt = _export_receipt(ir_dir, gguf_sha256, version)
+        if receipt is not None:
+            return CachedExport(ir_dir, gguf_sha256, version, float(receipt["convert_seconds"]),  # type: ignore[arg-type]
+                                converted_now=False)
+        shutil.rmtree(root, ignore_errors=True)
+        cache_root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_root, prefix=".converting-") as tmp:
+            work = Path(tmp) / "work"
+            work.mkdir()
+            (work / gguf_path.name).symlink_to(gguf_path)  # the reader writes the IR beside the path it is given
+            seconds = convert_gguf_to_ir(work / gguf_path.name, Path(tmp) / "ir")
+            (work / gguf_path.name).unlink()
+            sizes = {n: (Path(tmp) / "ir" / n).stat().st_size for n in IR_FILES}
+            (Path(tmp) / EXPORT_RECEIPT).write_text(json.dumps(
+                {"gguf": gguf_path.name, "gguf_sha256": gguf_sha256, "genai_version": version,
+                 "convert_seconds": round(seconds, 3), "sizes": sizes}, indent=1), encoding="utf-8")
+            shutil.rmtree(work)
+            os.rename(tmp, root)  # whole, or not at all
+            Path(tmp).mkdir()  # TemporaryDirectory removes its (now empty) name on exit
+    return CachedExport(ir_dir, gguf_sha256, version, seconds, converted_now=True)
+
+
+def with_ir_chat_template(ir_dir: Path, out_dir: Path, chat_template: str) -> Path:
+    """A copy of ``ir_dir`` in ``out_dir`` whose tokenizer and detokenizer IRs carry ``chat_template``
+    in their rt_info, as an optimum-intel export carries the repository's template (the model files
+    are linked, not copied). GenAI renders this one in preference to a ``tokenizer_config.json``."""
+    import openvino as ov
+    import openvino_tokenizers  # noqa: F401 - registers the tokenizer ops read_model needs
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    core = ov.Core()
+    for stem in ("openvino_tokenizer", "openvino_detokenizer"):
+        model = core.read_model(ir_dir / f"{stem}.xml")
+        model.set_rt_info(chat_template, "chat_template")
+        ov.save_model(model, out_dir / f"{stem}.xml", compress_to_fp16=False)
+    for name in ("openvino_model.xml", "openvino_model.bin"):
+        (out_dir / name).symlink_to(ir_dir / name)
+    return out_dir

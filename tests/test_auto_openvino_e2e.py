@@ -38,22 +38,33 @@ REPO = Path(__file__).resolve().parent.parent
 STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
 ROOMY_FREE_BYTES = 8 * GiB
 TEMPLATE_REPO = "hotfit-fixtures/ov-qwen3-template"
+# The tool-capable template as the OpenVINO/*-ov repositories carry it: GenAI reads it from the
+# snapshot directory before the IR's own (tokenizer_config.json, then chat_template.jinja).
+IN_SNAPSHOT_TEMPLATES = {"tokenizer_config.json": json.dumps({"chat_template": QWEN3_TOOLS_TEMPLATE}).encode(),
+                         "chat_template.jinja": QWEN3_TOOLS_TEMPLATE.encode()}
 
 
 @dataclasses.dataclass(frozen=True)
 class OvWorld:
-    agent: Path  # registry files, one entry each
+    agent: Path  # registry files, one entry each (agent: the template in a separate repository)
     prose: Path
     damaged: Path
+    in_snapshot: dict[str, Path]  # the template inside the snapshot, by file name
     entries: dict[str, Entry]
 
 
-def _publish(hub: LocalHub, fx: OvFixture, name: str, template: TemplateSource, *,
+def _publish(hub: LocalHub, fx: OvFixture, name: str, template: TemplateSource | str, *,
              truncate_bin: bool = False) -> Entry:
+    """``fx`` as the repository ``OpenVINO/<name>-ov``; ``template`` a source elsewhere, or the name of a
+    file added to the repository itself (``tokenizer_config.json`` / ``chat_template.jinja``, holding the
+    tool-capable template), the way every bundled OpenVINO entry names its template."""
     files: dict[str, Any] = {n: fx.ir_dir / n for n in IR_FILES}
     if truncate_bin:  # what the Hub serves is damaged: fetch and verify pass, the runtime refuses it
         files["openvino_model.bin"] = (fx.ir_dir / "openvino_model.bin").read_bytes()[:-4096]
     repo = f"OpenVINO/{name}-ov"
+    if isinstance(template, str):
+        files[template] = IN_SNAPSHOT_TEMPLATES[template]
+        template = TemplateSource(repo=repo, revision=None, file=template)
     hub.create_repo(repo, files, lfs=[n for n in IR_FILES if n.endswith(".bin")])
     size = sum(len(v) if isinstance(v, bytes) else v.stat().st_size for v in files.values())
     entry = ov_entry(fx, name)
@@ -76,12 +87,18 @@ def ov_world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> OvWorld
         "fx-ov-agent": _publish(hub, agent_ir, "fx-ov-agent", template),
         "fx-ov-prose": _publish(hub, prose_ir, "fx-ov-prose", template),
         "fx-ov-damaged": _publish(hub, agent_ir, "fx-ov-damaged", template, truncate_bin=True),
+        # the real layout: the template is a file of the snapshot, and the tokenizer IR's rt_info
+        # carries the same text, as in an optimum-intel export (GenAI 2026.4 prefers the rt_info one)
+        "fx-ov-tokcfg": _publish(hub, agent_ir, "fx-ov-tokcfg", "tokenizer_config.json"),
+        "fx-ov-jinja": _publish(hub, agent_ir, "fx-ov-jinja", "chat_template.jinja"),
     }
     paths = {}
-    for key in ("agent", "prose", "damaged"):
+    for key in ("agent", "prose", "damaged", "tokcfg", "jinja"):
         paths[key] = root / f"registry-{key}.json"
         write_registry(paths[key], [entries[f"fx-ov-{key}"]])
-    return OvWorld(agent=paths["agent"], prose=paths["prose"], damaged=paths["damaged"], entries=entries)
+    return OvWorld(agent=paths["agent"], prose=paths["prose"], damaged=paths["damaged"],
+                   in_snapshot={"tokenizer_config.json": paths["tokcfg"], "chat_template.jinja": paths["jinja"]},
+                   entries=entries)
 
 
 def hotfit(hub: LocalHub, home: Path, *args: str, env: dict[str, str] | None = None,
@@ -157,6 +174,97 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     assert json.loads(rechecked.stdout)["measured"]["actual_kv_bytes"] == tokens * per_token
     pids = _worker_pids(home)
     assert len(pids) == 2 and all(process_gone(p) for p in pids)  # opened again, and closed again
+
+
+@pytest.mark.parametrize("template_file", sorted(IN_SNAPSHOT_TEMPLATES))
+def test_auto_provisions_a_snapshot_whose_template_is_one_of_its_files(hub: LocalHub, ov_world: OvWorld,
+                                                                       tmp_path: Path, template_file: str) -> None:
+    # The layout of every bundled OpenVINO entry: chat_template names a file of the artifact's own repository.
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    hub.reset_counters()
+    done = auto(hub, home, ov_world.in_snapshot[template_file], probe, "--kv-cache-type", "q8_0")
+    assert done.returncode == 0, done.stderr[-4000:]
+    manifest = json.loads(done.stdout)
+    name = manifest["entry_name"]
+    repo = ov_world.entries[name].artifact.repo  # type: ignore[union-attr]
+    snapshot = Path(manifest["model_path"])
+    # verify placed the whole snapshot, the template's source among its files, as the Hub serves it
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted([*IR_FILES, template_file])
+    assert (snapshot / template_file).read_bytes() == IN_SNAPSHOT_TEMPLATES[template_file]
+    # read from the file fetch-weights brought: the Hub served it once, at the snapshot's commit
+    served = hub.requests_for(file=template_file, method="GET")
+    assert len(served) == 1 and served[0].repo_id == repo
+    written = [e for e in events(home) if e.get("event") == "template.written"]
+    commit = manifest["extra"]["openvino"]["snapshot_commit"]
+    assert [(e["from_snapshot"], e["source"]) for e in written] == [(True, f"{repo}@{commit}/{template_file}")]
+    assert Path(manifest["template_path"]).read_text() == QWEN3_TOOLS_TEMPLATE
+    # through load, the tool probe and the re-check
+    run_id = manifest["run_id"]
+    finished = [e["stage"] for e in events(home) if e.get("run_id") == run_id and e["event"] == "stage.done"]
+    assert finished == STAGES
+    assert manifest["probe_verdict"]["passed"] is True and manifest["probe_verdict"]["tool"] == "hotfit_probe"
+    assert manifest["extra"]["openvino"]["tool_call_family"] == "hermes"
+    measured = manifest["measured"]
+    assert measured["verdict"] == "pass" and measured["actual_kv_bytes"] == measured["estimated_kv_bytes"]
+    # a rerun is a no-op: nothing downloaded, nothing opened
+    hub.reset_counters()
+    again = auto(hub, home, ov_world.in_snapshot[template_file], probe, "--kv-cache-type", "q8_0")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout).get("noop") is True
+    assert hub.requests_for(method="GET") == []
+    assert len(_worker_pids(home)) == 1 and all(process_gone(p) for p in _worker_pids(home))
+
+
+def test_pull_then_auto_serve_and_status_use_the_verified_snapshot(hub: LocalHub, ov_world: OvWorld,
+                                                                  tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    registry = ov_world.in_snapshot["tokenizer_config.json"]
+    repo = ov_world.entries["fx-ov-tokcfg"].artifact.repo  # type: ignore[union-attr]
+    hub.reset_counters()
+    pulled = hotfit(hub, home, "pull", "fx-ov-tokcfg", "--registry", str(registry))
+    assert pulled.returncode == 0, pulled.stderr[-3000:]
+    result = json.loads(pulled.stdout)
+    snapshot = home / "models" / "fx-ov-tokcfg" / "snapshot"
+    commit = result["fetch"]["snapshot"]["commit"]
+    assert result["verify"]["weights_path"] == str(snapshot) and result["verify"]["files_checked"] == len(IR_FILES) + 1
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted([*IR_FILES, "tokenizer_config.json"])
+    assert result["template"]["source"] == f"{repo}@{commit}/tokenizer_config.json"
+    assert len(hub.requests_for(file="tokenizer_config.json", method="GET")) == 1
+    # a second pull downloads nothing, and says where the template came from
+    hub.reset_counters()
+    again = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "pull", "fx-ov-tokcfg",
+                            "--registry", str(registry)], cwd=REPO, capture_output=True, text=True, check=False,
+                           env=os.environ | hub.env())
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"snapshot  {snapshot} at {commit}" in again.stdout
+    assert "read from the snapshot's tokenizer_config.json" in again.stdout
+    assert [r for r in hub.requests_for(method="GET") if r.file] == []
+    # nothing is provisioned by a pull: serve says to run auto
+    refused = hotfit(hub, home, "serve", "--print-command")
+    assert refused.returncode == 2 and "hotfit auto" in json.loads(refused.stdout)["error"]["hint"]
+    # auto provisions the pulled snapshot without downloading it again
+    hub.reset_counters()
+    probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+    done = auto(hub, home, registry, probe, "--kv-cache-type", "q8_0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads(done.stdout)
+    assert manifest["model_path"] == str(snapshot) and manifest["extra"]["openvino"]["snapshot_commit"] == commit
+    assert [r for r in hub.requests_for(method="GET") if r.file] == []  # only the listing: no file fetched again
+    fetched = [e for e in events(home) if e.get("event") == "fetch.snapshot_done" and e.get("run_id")]
+    assert fetched[-1]["bytes_transferred"] == 0 and fetched[-1]["files_already_present"] == len(IR_FILES) + 1
+    printed = hotfit(hub, home, "serve", "--print-command")
+    assert printed.returncode == 0, printed.stderr
+    argv = json.loads(printed.stdout)["argv"]
+    assert dict(zip(argv[1::2], argv[2::2]))["--model_path"] == str(snapshot)
+    status = hotfit(hub, home, "status")
+    assert status.returncode == 0
+    shown = json.loads(status.stdout)
+    assert shown["provisioned"]["model_path"] == str(snapshot) and shown["provisioned"]["backend"] == "openvino"
+    assert shown["provisioned_problems"] == []
+    human = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "status"], cwd=REPO,
+                           capture_output=True, text=True, check=False, env=os.environ | hub.env())
+    assert f"provisioned: fx-ov-tokcfg (q8_0 KV" in human.stdout and f"→ {snapshot}" in human.stdout
 
 
 def test_serve_prints_the_ovms_command_and_refuses_to_exec(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:

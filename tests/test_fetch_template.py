@@ -256,3 +256,155 @@ async def test_a_template_from_a_server_that_is_not_a_hub_says_so(not_a_hub: str
             await fetch_template(entry, settings.model_dir("m"), settings=settings, options=FAST)
         assert "HF_ENDPOINT does not answer like a Hugging Face Hub" in exc.value.what
         assert not_a_hub in exc.value.what and "renamed" not in str(exc.value)
+
+
+# --------------------------------------------------------------------------- a template inside an OpenVINO snapshot
+
+
+def _ov_entry_with_template(repo_id: str, template_file: str, revision: str | None = None) -> Entry:
+    """An entry shaped like the bundled OpenVINO ones: the template is a file of the snapshot itself."""
+    from dataclasses import replace
+
+    from core.entry import Artifact
+
+    base = make_entry("ov", repo_id, "0" * 40, "x", None, None, backend="openvino")
+    return replace(base, artifact=Artifact(repo_id, None, None, None, None), architecture=None,
+                   chat_template=TemplateSource(repo_id, revision, template_file))
+
+
+SNAPSHOT_SOURCES = {"tokenizer_config.json": cfg(TOOLS), "chat_template.jinja": TOOLS.encode()}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("template_file", sorted(SNAPSHOT_SOURCES))
+async def test_a_template_inside_the_snapshot_is_read_from_it_not_downloaded_again(
+        local_hub: LocalHub, tmp_path: Path, template_file: str) -> None:
+    from pipeline.pull import pull_entry
+
+    files = {"openvino_model.xml": b"<net/>" * 50, "openvino_model.bin": b"\x01" * 300_000,
+             template_file: SNAPSHOT_SOURCES[template_file]}
+    commit = local_hub.create_repo("OpenVINO/t-ov", files, lfs=["openvino_model.bin"])
+    entry = _ov_entry_with_template("OpenVINO/t-ov", template_file)
+    settings = settings_for(local_hub, tmp_path / "home")
+    pulled = await pull_entry(entry, settings, progress=False)
+    dest = settings.model_dir("ov")
+    # verify found every file of the snapshot, the template's source among them, in place
+    assert pulled.verify.files_checked == 3
+    for name, data in files.items():
+        assert (dest / "snapshot" / name).read_bytes() == data
+    # the template is the snapshot's own file, at the snapshot's commit, fetched once
+    assert pulled.template.source == f"OpenVINO/t-ov@{commit}/{template_file}"
+    assert Path(pulled.template.path).read_text() == TOOLS
+    assert len(local_hub.requests_for(file=template_file, method="GET")) == 1
+    assert not [p for p in (dest / ".partial").rglob("*.part")]
+    # a second pull changes nothing and downloads nothing
+    local_hub.reset_counters()
+    again = await pull_entry(entry, settings, progress=False)
+    assert again.template.sha256 == pulled.template.sha256 and again.verify.files_checked == 3
+    assert local_hub.requests_for(method="GET", file=template_file) == []
+    # the written template lost: it is extracted again from the snapshot's placed copy, offline from the Hub
+    Path(pulled.template.path).unlink()
+    third = await pull_entry(entry, settings, progress=False)
+    assert Path(third.template.path).read_text() == TOOLS and third.template.source == pulled.template.source
+    assert local_hub.requests_for(method="GET", file=template_file) == []
+    # and a snapshot copy changed behind our back is refused, not trusted
+    (dest / "snapshot" / template_file).write_bytes(SNAPSHOT_SOURCES[template_file].replace(b"tools", b"tool5"))
+    Path(third.template.path).unlink()
+    with pytest.raises(TemplateError, match="not the bytes"):
+        await fetch_template(entry, dest, settings=settings, snapshot=third.fetch.snapshot)
+
+
+@pytest.mark.anyio
+async def test_a_template_pinned_to_another_commit_of_the_snapshot_repo_never_shares_its_partials(
+        local_hub: LocalHub, tmp_path: Path) -> None:
+    # The template is pinned to an older commit of the repository whose main the snapshot follows:
+    # it is downloaded on its own, into fetch-template's partial directory, and the snapshot's own
+    # tokenizer_config.json (main's) is placed untouched.
+    from pipeline.pull import pull_entry
+
+    old = local_hub.create_repo("OpenVINO/p-ov", {"openvino_model.xml": b"<net/>", "tokenizer_config.json": cfg(TOOLS)})
+    new = local_hub.commit("OpenVINO/p-ov", {"tokenizer_config.json": cfg(CHATML)})
+    entry = _ov_entry_with_template("OpenVINO/p-ov", "tokenizer_config.json", revision=old)
+    settings = settings_for(local_hub, tmp_path / "home")
+    pulled = await pull_entry(entry, settings, progress=False)
+    dest = settings.model_dir("ov")
+    assert pulled.fetch.snapshot is not None and pulled.fetch.snapshot.commit == new
+    assert pulled.template.source == f"OpenVINO/p-ov@{old}/tokenizer_config.json"
+    assert Path(pulled.template.path).read_text() == TOOLS
+    assert (dest / "snapshot" / "tokenizer_config.json").read_bytes() == cfg(CHATML)
+    revisions = sorted(r.revision or "" for r in local_hub.requests_for(file="tokenizer_config.json", method="GET"))
+    assert revisions == sorted([old, new])  # each commit's file once: one for the snapshot, one for the template
+
+
+@pytest.mark.anyio
+async def test_verify_refuses_a_template_read_from_another_snapshot_commit(local_hub: LocalHub,
+                                                                            tmp_path: Path) -> None:
+    # fetch-template read the template from the snapshot at one commit; the snapshot then moved and
+    # was placed without the template being read again: what was checked is not what GenAI renders.
+    local_hub.create_repo("OpenVINO/m-ov", {"openvino_model.xml": b"<net/>", "tokenizer_config.json": cfg(TOOLS)})
+    entry = _ov_entry_with_template("OpenVINO/m-ov", "tokenizer_config.json")
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("ov")
+    first = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    template = await fetch_template(entry, dest, settings=settings, snapshot=first.snapshot)
+    await verify(entry, dest, fetched=first, template=template)
+    local_hub.commit("OpenVINO/m-ov", {"tokenizer_config.json": cfg(TOOLS + " ")})
+    moved = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False)
+    with pytest.raises(TemplateError, match="snapshot in place is at") as exc:
+        await verify(entry, dest, fetched=moved, template=template)
+    assert exc.value.exit_code == 4
+    again = await fetch_template(entry, dest, settings=settings, snapshot=moved.snapshot)
+    assert moved.snapshot is not None and again.source.startswith(f"OpenVINO/m-ov@{moved.snapshot.commit}/")
+    assert Path(again.path).read_text() == TOOLS + " "
+    await verify(entry, dest, fetched=moved, template=again)
+
+
+# --------------------------------------------------------------------------- the bundled OpenVINO entries
+
+
+def _bundled_openvino_entries() -> list[Entry]:
+    from pipeline.registry_file import load_registry
+
+    return [e for e in load_registry(None).entries if e.backend == "openvino"]
+
+
+def test_every_bundled_openvino_entry_takes_its_template_from_its_own_snapshot() -> None:
+    from core.model_files import SnapshotFile, SnapshotResult
+    from stages.fetch_template import in_snapshot
+
+    entries = _bundled_openvino_entries()
+    assert len(entries) >= 5
+    for entry in entries:
+        src, art = entry.chat_template, entry.artifact
+        assert src is not None and art is not None and art.file is None, entry.name
+        assert src.repo == art.repo and src.file in ("tokenizer_config.json", "chat_template.jinja"), entry.name
+        assert src.revision in (None, art.revision), entry.name  # follows the snapshot's commit
+        commit = art.revision or "c" * 40
+        listing = SnapshotResult(repo=art.repo, revision_requested=art.revision or "main", commit=commit,
+                                 directory="/d", files=2, size_bytes=2, bytes_transferred=0, bytes_reread=0,
+                                 files_already_present=0,
+                                 listed=(SnapshotFile("openvino_model.xml", 1, None, "b" * 40),
+                                         SnapshotFile(src.file, 1, None, "a" * 40)))
+        assert in_snapshot(src, listing) is listing.listed[1], entry.name  # read from it, never fetched apart
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", [e.name for e in _bundled_openvino_entries()])
+async def test_each_bundled_openvino_entry_pulls_as_written(local_hub: LocalHub, tmp_path: Path, name: str) -> None:
+    # The entry exactly as bundled, against a local Hub repository of the same name and file layout.
+    from pipeline.pull import pull_entry
+
+    entry = next(e for e in _bundled_openvino_entries() if e.name == name)
+    assert entry.chat_template is not None and entry.artifact is not None
+    files = {"openvino_model.xml": b"<net/>", "openvino_model.bin": b"\x02" * 70_000,
+             "openvino_tokenizer.xml": b"<t/>", "openvino_tokenizer.bin": b"\x03" * 10,
+             "openvino_detokenizer.xml": b"<d/>", "openvino_detokenizer.bin": b"\x04" * 10,
+             "config.json": b"{}", "tokenizer_config.json": cfg(TOOLS), "chat_template.jinja": TOOLS.encode()}
+    commit = local_hub.create_repo(entry.artifact.repo, files, lfs=["openvino_model.bin"])
+    settings = settings_for(local_hub, tmp_path / "home")
+    pulled = await pull_entry(entry, settings, progress=False)
+    assert pulled.verify.files_checked == len(files)
+    assert pulled.template.source == f"{entry.artifact.repo}@{commit}/{entry.chat_template.file}"
+    assert len(local_hub.requests_for(file=entry.chat_template.file, method="GET")) == 1
+    assert (settings.model_dir(name) / "snapshot" / entry.chat_template.file).read_bytes() == files[
+        entry.chat_template.file]

@@ -338,3 +338,23 @@ def test_template_expresses_tools(template: str | None, prompt: str, ok: bool, n
 
     got, why = template_expresses_tools(template, prompt, [PROBE_TOOL])
     assert got is ok and needle in why
+
+
+@pytest.mark.parametrize(("files", "rendered", "expected"), [
+    ({}, "{{ x }}", None),
+    ({"tokenizer_config.json": json.dumps({"chat_template": "{% if tools %}{{ tools }}{% endif %}"})}, "plain", "tokenizer_config.json"),
+    ({"tokenizer_config.json": json.dumps({"chat_template": "{% if tools %}{{ tools }}{% endif %}"})},
+     "{% if tools %}{{ tools }}{% endif %}", None),  # the same template: it was rendered
+    ({"tokenizer_config.json": json.dumps({"chat_template": "{{ messages }}"})}, "plain", None),  # no tools either
+    ({"tokenizer_config.json": json.dumps({"chat_template": [{"name": "default", "template": "x"},
+                                                             {"name": "tool_use", "template": "{{ tools }}"}]})},
+     "plain", "tokenizer_config.json"),
+    ({"tokenizer_config.json": "not json", "chat_template.jinja": "{%- for t in tools %}{% endfor %}"}, "plain",
+     "chat_template.jinja"),
+    ({"tokenizer_config.json": "[1, 2]"}, "plain", None),
+])
+def test_a_tool_template_genai_did_not_render_is_named(files: dict[str, str], rendered: str,
+                                                      expected: str | None) -> None:
+    from backends.openvino.toolcall import unrendered_tool_template
+
+    assert unrendered_tool_template(files, rendered) == expected

@@ -17,16 +17,19 @@ What llama-server does behind ``/v1/chat/completions`` is done here over the wor
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from backends.base import ChatAnswer, ChatFailed
 from backends.openvino.protocol import WorkerGone
 from backends.openvino.toolcall import (
     PARSERS,
+    SNAPSHOT_TEMPLATE_FILES,
     answer_from_text,
     structural_tag,
     template_expresses_tools,
     tool_call_family,
+    unrendered_tool_template,
 )
 from grading.protocol import (
     HTTP_ERROR,
@@ -63,6 +66,22 @@ async def _ask(session: OpenVinoSession, op: str, timeout_s: float, purpose: str
     return reply
 
 
+MAX_TEMPLATE_FILE_BYTES = 8 << 20  # as fetch-template bounds a template source
+
+
+def _export_template_files(ir_dir: Path) -> dict[str, str]:
+    """The export's own template files (SNAPSHOT_TEMPLATE_FILES) that are there and readable."""
+    found: dict[str, str] = {}
+    for name in SNAPSHOT_TEMPLATE_FILES:
+        path = ir_dir / name
+        try:
+            if path.is_file() and path.stat().st_size <= MAX_TEMPLATE_FILE_BYTES:
+                found[name] = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+    return found
+
+
 async def call_tools(session: OpenVinoSession, request: Mapping[str, Any], *, timeout_s: float, purpose: str,
                      family: str | None = None) -> ChatAnswer:
     """One chat completion of ``request`` on ``session`` (``family`` overrides the template's)."""
@@ -75,6 +94,15 @@ async def call_tools(session: OpenVinoSession, request: Mapping[str, Any], *, ti
     if tools:
         renders_tools, why_not = template_expresses_tools(template, prompt, tools)
         if not renders_tools:
+            other = unrendered_tool_template(_export_template_files(session.ir_dir), template)
+            if other is not None:  # the export names tools in a file GenAI does not render from
+                raise ChatFailed(
+                    "prose", f"{purpose} failed: the chat template GenAI renders (the tokenizer IR's own, in "
+                    f"openvino_tokenizer.xml) cannot express tools ({why_not}); the export's {other} can, but "
+                    "GenAI renders the tokenizer IR's template in preference to it",
+                    "use an export whose tokenizer IR carries the tool-capable template (optimum-cli export "
+                    "openvino writes the repository's template there), or the registry entry must not be "
+                    "auto-eligible", reason="template drops tools", family=fam, unrendered_template=other)
             raise ChatFailed("prose", f"{purpose} failed: the model's chat template cannot express tools ({why_not})",
                              "the export's template cannot express tool calls: use an export whose template renders "
                              "`tools`, or the registry entry must not be auto-eligible",

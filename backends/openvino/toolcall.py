@@ -40,6 +40,8 @@ __all__ = [
     "parse_qwen3_coder",
     "structural_tag",
     "template_expresses_tools",
+    "unrendered_tool_template",
+    "SNAPSHOT_TEMPLATE_FILES",
     "tool_call_family",
 ]
 
@@ -179,6 +181,36 @@ def tool_call_family(chat_template: str | None, entry_name: str = "") -> Family:
 # a tools branch). The model never learned that syntax, so a polyfilled rendering does not count.
 _MINJA_TOOLS_POLYFILL = "You can call any of the following tools to satisfy the user's requests"
 _TEMPLATE_TOOLS_RE = re.compile(r"{[{%][^}]*\btools\b")
+
+
+# What GenAI also reads a template from, beside the tokenizer IR (openvino.genai
+# src/cpp/src/tokenizer/tokenizer_impl.cpp: these files first, then the IR's rt_info ``chat_template``,
+# which wins when present: measured on openvino-genai 2026.4.1).
+SNAPSHOT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
+
+
+def _file_template(name: str, text: str) -> str | None:
+    if not name.endswith(".json"):
+        return text
+    try:
+        value = json.loads(text).get("chat_template")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    if isinstance(value, list):  # [{"name", "template"}]: the tool_use one, else the default
+        named = {i.get("name"): i.get("template") for i in value if isinstance(i, dict)}
+        value = named.get("tool_use") or named.get("default")
+    return value if isinstance(value, str) else None
+
+
+def unrendered_tool_template(files: Mapping[str, str], rendered: str | None) -> str | None:
+    """Pure: the first of the export's template files (name -> text) whose template reads ``tools``
+    but is not the template GenAI rendered — the tokenizer IR's own took precedence — or None."""
+    for name in SNAPSHOT_TEMPLATE_FILES:
+        text = files.get(name)
+        template = _file_template(name, text) if text is not None else None
+        if template and template != rendered and _TEMPLATE_TOOLS_RE.search(template):
+            return name
+    return None
 
 
 def template_expresses_tools(template: str | None, prompt: str,

@@ -43,7 +43,10 @@ def _human(result: PullResult) -> str:
         lines.append(f"  snapshot  {s.directory} at {s.commit} ({s.files} files, {s.size_bytes} bytes)")
     t = result.template
     if t.path:
-        lines.append(f"  template  {t.path} ({t.variant}; tool markers: {', '.join(t.tool_markers)})")
+        s = f.snapshot
+        origin = (f"read from the snapshot's {t.source.rsplit('/', 1)[-1]}; "
+                  if s is not None and t.source and t.source.startswith(f"{s.repo}@{s.commit}/") else "")
+        lines.append(f"  template  {t.path} ({origin}{t.variant}; tool markers: {', '.join(t.tool_markers)})")
     else:
         lines.append("  template  none named by the entry"
                      + (" (the GGUF embeds one)" if result.verify.gguf_embeds_chat_template else ""))
