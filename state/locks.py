@@ -40,6 +40,7 @@ import anyio
 
 from core.errors import LockedError
 from core.log import get_logger
+from state.files import checked_write_path
 
 __all__ = ["FileLock", "LockHolder", "read_holder"]
 
@@ -94,8 +95,9 @@ class FileLock:
         return self._fd is not None
 
     def _open(self) -> int:
+        checked_write_path(self.path)  # never a lock through a symlink, nor a directory (docs/faults.md)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
     def _try_lock(self, fd: int) -> bool:
         try:

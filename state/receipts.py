@@ -113,7 +113,8 @@ def read_receipt(dest_dir: Path, file: str) -> Receipt | None:
 def write_receipt(dest_dir: Path, receipt: Receipt, *, key: str | None = None) -> None:
     """Write ``receipt`` durably; ``key`` names it when it is not ``receipt.file`` (a snapshot file's
     receipt is kept under ``snapshot/<path>`` and records the path inside the repository)."""
-    write_text_atomic(receipt_path(dest_dir, key or receipt.file), json.dumps(receipt.to_json(), sort_keys=True))
+    write_text_atomic(receipt_path(dest_dir, key or receipt.file), json.dumps(receipt.to_json(), sort_keys=True),
+                      what="the receipt")
 
 
 def receipt_matches(receipt: Receipt | None, artifact: Artifact, final: Path) -> bool:
