@@ -26,12 +26,12 @@ from core.errors import IntegrityError
 from core.log import get_logger
 from core.records import parse_own_file
 from core.model_files import FileIdentity
-from state.files import write_text_atomic
+from state.files import checked_write_path, write_text_atomic
 
 log = get_logger()
 
 __all__ = ["Receipt", "RECEIPT_SCHEMA", "receipt_path", "decode_receipt", "read_receipt", "write_receipt",
-           "receipt_matches", "file_identity", "sha256_file"]
+           "drop_receipt", "receipt_matches", "file_identity", "sha256_file"]
 
 RECEIPT_SCHEMA = 1
 RECEIPTS_DIRNAME = ".verified"
@@ -115,6 +115,13 @@ def write_receipt(dest_dir: Path, receipt: Receipt, *, key: str | None = None) -
     receipt is kept under ``snapshot/<path>`` and records the path inside the repository)."""
     write_text_atomic(receipt_path(dest_dir, key or receipt.file), json.dumps(receipt.to_json(), sort_keys=True),
                       what="the receipt")
+
+
+def drop_receipt(dest_dir: Path, key: str) -> None:
+    """Remove the receipt of ``key`` (the file it vouched for no longer hashes to it)."""
+    path = receipt_path(dest_dir, key)
+    checked_write_path(path)
+    path.unlink(missing_ok=True)
 
 
 def receipt_matches(receipt: Receipt | None, artifact: Artifact, final: Path) -> bool:

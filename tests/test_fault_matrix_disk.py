@@ -448,3 +448,104 @@ def test_nothing_is_written_through_a_symlink_or_onto_the_wrong_type(kind: str, 
     code, out = cli_json("pull", "m", "--registry", str(pulled["registry"]))
     assert code == 0, out
     assert out["fetch"]["weights"]["sha256"] == pulled["entry"].artifact.sha256
+
+
+# --------------------------------------------------------------------------- damaged in place
+
+
+def _flip_one_byte(path: Path) -> None:
+    """One byte of the tensor data flipped in place: same size, same header, another sha256."""
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size - 1000)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def _events(home: Path, name: str) -> list[dict[str, Any]]:
+    lines = (home / "logs" / "hotfit.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == name]
+
+
+def test_pull_rehashes_an_installed_model_and_fetches_a_damaged_one_again(pulled: dict[str, Any],
+                                                                          local_hub: LocalHub) -> None:
+    reg = str(pulled["registry"])
+    assert cli_json("pull", "m", "--registry", reg)[0] == 0
+    final = pulled["dest"] / "model.gguf"
+    good = final.read_bytes()
+    code, out = cli_json("pull", "m", "--registry", reg)  # intact: re-hashed, trusted, nothing fetched
+    assert code == 0 and out["fetch"]["weights"]["already_present"] is True
+    _flip_one_byte(final)
+    damaged_sha = sha256_of(final)
+    local_hub.reset_counters()
+    code, out = cli_json("pull", "m", "--registry", reg)
+    assert code == 0, out
+    w = out["fetch"]["weights"]
+    assert w["already_present"] is False and w["bytes_transferred"] == len(good) and final.read_bytes() == good
+    seen = _events(pulled["home"], "fetch.installed_damaged")
+    assert [(e["expected_sha256"], e["actual_sha256"]) for e in seen] == [(pulled["entry"].artifact.sha256,
+                                                                            damaged_sha)]
+
+
+def test_offline_a_damaged_model_fails_naming_both_hashes(pulled: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = str(pulled["registry"])
+    assert cli_json("pull", "m", "--registry", reg)[0] == 0
+    final = pulled["dest"] / "model.gguf"
+    _flip_one_byte(final)
+    damaged_sha = sha256_of(final)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out = cli_json("pull", "m", "--registry", reg)
+    assert code == 4
+    msg = out["error"]["message"]
+    assert damaged_sha in msg and pulled["entry"].artifact.sha256 in msg and str(final) in msg
+    assert not final.exists()  # nothing may serve (or trust) the damaged bytes
+
+
+def test_hotfit_verify_rehashes_every_installed_file_on_demand(pulled: dict[str, Any]) -> None:
+    reg = str(pulled["registry"])
+    assert cli_json("pull", "m", "--registry", reg)[0] == 0
+    code, out = cli_json("verify")
+    assert code == 0 and out["damaged"] == 0
+    assert sorted(Path(f["path"]).name for f in out["files"]) == ["chat_template.jinja", "model.gguf"]
+    final = pulled["dest"] / "model.gguf"
+    _flip_one_byte(final)
+    damaged_sha = sha256_of(final)
+    code, out = cli_json("verify", "m")
+    assert code == 4
+    msg = out["error"]["message"]
+    assert f"{final}: sha256 {damaged_sha}, receipt {pulled['entry'].artifact.sha256}" in msg
+    assert "hotfit pull m" in out["error"]["hint"]
+    assert not final.exists() and not (pulled["dest"] / ".verified" / "model.gguf.json").exists()
+    assert cli_json("pull", "m", "--registry", reg)[0] == 0  # fetched again
+    assert cli_json("verify")[0] == 0
+    assert cli_json("verify", "nope")[0] == 2
+
+
+def test_auto_recheck_rehashes_what_its_records_trust(local_hub: LocalHub, small_model: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    """`auto --recheck`'s fetch stages (FetchJob.rehash_installed) with a state store: the recorded
+    fetch-weights result is reused while the installed file still hashes to it, and fetched again
+    (not loaded) once a byte flipped in place."""
+    from state.store import StateStore
+
+    entry = small_model["entry"]
+    settings = settings_for(local_hub, tmp_path / "home")
+    final = settings.model_dir("m") / "model.gguf"
+
+    async def run(rehash: bool) -> Any:
+        store = await StateStore.open(settings.state_db)
+        try:
+            job = FetchJob(entry=entry, progress=False, rehash_installed=rehash, check_disk=False)
+            return await Runner(fetch_stages(job), store, settings, handle_signals=False, plan_stage="").run()
+        finally:
+            await store.aclose()
+
+    anyio.run(run, False)
+    assert "fetch-weights" in anyio.run(run, True).skipped  # intact: the record stands
+    _flip_one_byte(final)
+    assert "fetch-weights" in anyio.run(run, False).skipped  # without --recheck: size-only, trusted
+    again = anyio.run(run, True)
+    assert "fetch-weights" not in again.skipped
+    assert again.results["fetch-weights"].weights.bytes_transferred == small_model["size"]
+    assert final.read_bytes() == small_model["weights"].read_bytes()

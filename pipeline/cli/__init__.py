@@ -19,7 +19,7 @@ from core import log
 from core.diskspace import from_os_error, is_disk_full
 from core.errors import HotfitError, Interrupted
 from core.settings import load_settings
-from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status
+from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
 from pipeline.cli.context import CliContext
 from state.files import checked_write_path, prepare_home, unusable_home
 
@@ -38,7 +38,7 @@ EXIT_CODES_HELP = """exit codes:
 
 
 def _commands() -> list[Any]:
-    return [probe, plan, registry, pull, auto, status, serve, grade]
+    return [probe, plan, registry, pull, auto, status, serve, grade, verify]
 
 
 def build_parser() -> argparse.ArgumentParser:
