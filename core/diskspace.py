@@ -36,19 +36,20 @@ def free_bytes(path: Path | str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def disk_full_error(path: Path | str, *, needed_bytes: int, what: str, errno_: int | None = errno.ENOSPC,
+def disk_full_error(path: Path | str, *, needed_bytes: int | None, what: str, errno_: int | None = errno.ENOSPC,
                     **details: object) -> DiskSpaceError:
     """The error for ``what`` (e.g. "the resume sidecar") that could not write ``needed_bytes`` at
-    ``path``: it names both, and the bytes free now."""
+    ``path``: it names both, and the bytes free now (``needed_bytes`` None: not known)."""
     free = free_bytes(path)
     reason = "file size limit reached" if errno_ == errno.EFBIG else "disk full"
+    need = "" if needed_bytes is None else f"need {max(0, needed_bytes)} bytes, "
     return DiskSpaceError(
-        f"{reason} writing {what} {path}: need {max(0, needed_bytes)} bytes, {free} free",
-        hint=RERUN_HINT, path=str(path), needed_bytes=max(0, needed_bytes), free_bytes=free, errno=errno_,
-        **details)
+        f"{reason} writing {what} {path}: {need}{free} free",
+        hint=RERUN_HINT, path=str(path), needed_bytes=None if needed_bytes is None else max(0, needed_bytes),
+        free_bytes=free, errno=errno_, **details)
 
 
-def from_os_error(exc: OSError, path: Path | str | None, *, needed_bytes: int, what: str,
+def from_os_error(exc: OSError, path: Path | str | None, *, needed_bytes: int | None, what: str,
                   **details: object) -> DiskSpaceError:
     """:func:`disk_full_error` for an OSError already caught (its own file name when ``path`` is None)."""
     where = path if path is not None else (exc.filename or "?")

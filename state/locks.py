@@ -38,6 +38,7 @@ from typing import AsyncIterator, Iterator
 
 import anyio
 
+from core.diskspace import from_os_error, is_disk_full
 from core.errors import LockedError
 from core.log import get_logger
 from state.files import checked_write_path
@@ -109,8 +110,15 @@ class FileLock:
         return True
 
     def _claim(self, fd: int) -> None:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {_current_command()}\n".encode(), 0)
+        holder = f"{os.getpid()} {_current_command()}\n".encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder, 0)
+        except OSError as exc:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if is_disk_full(exc):
+                raise from_os_error(exc, self.path, needed_bytes=len(holder), what="the lock file") from None
+            raise
         self._fd = fd
 
     def _locked_error(self) -> LockedError:

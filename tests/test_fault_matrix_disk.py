@@ -337,7 +337,10 @@ def test_full_home_is_exit_4_from_the_cli(local_hub: LocalHub, small_model: dict
                              capture_output=True, timeout=120)
         assert out.returncode == 4, out.stderr.decode()[-2000:]
         error = json.loads(out.stdout)["error"]
-        assert error["code"] == "disk_space" and "free" in error["message"] and "Traceback" not in out.stderr.decode()
+        assert error["code"] == "disk_space" and "Traceback" not in out.stderr.decode()
+        # the first write that meets the full disk names itself (here the model directory's lock file)
+        assert error["details"]["path"].startswith(str(home)) and error["details"]["path"] in error["message"]
+        assert f"{error['details']['free_bytes']} free" in error["message"]
 
 
 # --------------------------------------------------------------------------- one path check

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -98,7 +99,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     except OSError as exc:  # the writers map a full disk themselves; this is the net under them
         if not is_disk_full(exc):
             raise
-        return _report(from_os_error(exc, None, needed_bytes=0, what="a file"), want_json, out)
+        home = args.home or os.environ.get("HOTFIT_HOME")
+        where = exc.filename or home or "?"
+        what = "a file" if exc.filename else "a file in the home"
+        return _report(from_os_error(exc, where, needed_bytes=None, what=what), want_json, out)
 
 
 def _report(exc: HotfitError, want_json: bool, out: TextIO) -> int:
