@@ -5,11 +5,14 @@ before downloading, ../shared/reference/contenox-auto-facts.md): the download en
 only 64 MiB per file beside it. One margin, the spec's, is the larger and the one a user was already
 told about; a filesystem at 100 % misbehaves for everyone. Two callers check with it: the fetch
 stage for the whole entry before a byte is requested (:func:`check_disk`), and the engine for each
-file with what its partial already holds counted as held (:func:`check_disk_space`).
+file (:func:`check_disk_space`); both count what a partial already holds with :func:`bytes_held`.
 
 ENOSPC/EFBIG mid-write is :func:`disk_error` (the partial is kept). On Linux a partial's blocks are
 reserved up front (``fallocate`` KEEP_SIZE) and each written chunk's writeback is started at once
 (``sync_file_range``), so a checkpoint's ``fdatasync`` finds little left and never stalls the stream.
+The reservation is counted once (docs/faults.md): it is gone from the free space, so
+:func:`bytes_held` counts it as held, and a failed download gives back what it never claimed
+(:func:`release_unclaimed`); only a kill -9 leaves it whole, for the rerun to reuse.
 """
 
 from __future__ import annotations
