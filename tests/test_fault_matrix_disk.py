@@ -288,6 +288,8 @@ def test_full_disk_during_a_download_is_exit_4_and_the_rerun_resumes(
         assert w is not None and w.sha256 == entry.artifact.sha256
         if where != "receipt":
             assert w.resumed_from_bytes >= kept > 0
+        else:  # the verified file is re-hashed where it lies (moved to the partial slot), not fetched
+            assert w.bytes_transferred == 0 and w.bytes_reread == small_model["size"]
         placed = anyio.run(lambda: verify(entry, settings.model_dir("m"), fetched=fetched))
         assert placed.sha256 == entry.artifact.sha256 and final.read_bytes() == small_model["weights"].read_bytes()
 
