@@ -71,7 +71,7 @@ from download import (
     safe_relpath,
 )
 from state.locks import FileLock
-from state.receipts import drop_receipt, file_identity, read_receipt, receipt_matches, sha256_file
+from state.receipts import drop_receipt, file_identity, git_blob_sha1, read_receipt, receipt_matches, sha256_file
 
 log = get_logger()
 
@@ -211,7 +211,7 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
     options = options or TransferOptions(connections=connections or settings.download_connections)
     if entry.backend == "openvino" or artifact.file is None:
         snap = await fetch_snapshot(entry, dest_dir, settings=settings, connections=connections,
-                                    progress=progress, wait=wait, options=options)
+                                    progress=progress, wait=wait, options=options, rehash_installed=rehash_installed)
         return FetchResult(entry=entry.name, backend=entry.backend, weights=None, projector=None, vision=False,
                            snapshot=snap)
     dest_dir.mkdir(parents=True, exist_ok=True)
@@ -247,6 +247,13 @@ def fetched_still_on_disk(fetched: FetchResult, *, rehash: bool = False) -> bool
                     return False
             elif not (snap_dir / sf.path).is_file() or (snap_dir / sf.path).stat().st_size != sf.size_bytes:
                 return False
+            elif rehash and (sf.lfs_sha256 or sf.blob_id):
+                placed = snap_dir / sf.path
+                actual = sha256_file(placed) if sf.lfs_sha256 else git_blob_sha1(placed)
+                if actual != (sf.lfs_sha256 or sf.blob_id):
+                    log.warning("fetch.installed_damaged", file=str(placed), expected_sha256=sf.lfs_sha256 or sf.blob_id,
+                                actual_sha256=actual, fetch_again=True)
+                    return False
         return snap_dir.is_dir() or bool(fetched.snapshot.listed)
     for f in fetched.files():
         partial = Path(f.partial_path) if f.partial_path else None
@@ -330,18 +337,26 @@ def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]
     return needed
 
 
-def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str) -> bool:
+def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str, *, rehash: bool = False) -> bool:
     final = dest_dir / SNAPSHOT_DIRNAME / rel
     r = read_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{rel}")
-    return (r is not None and final.is_file() and final.stat().st_size == f.size_bytes
-            and r.size_bytes == f.size_bytes
-            # unchanged content from an earlier commit is kept: the hash is what identifies it
-            and (r.sha256 == f.lfs_sha256 if f.lfs_sha256 else r.git_sha1 == f.blob_id))
+    vouched = (r is not None and final.is_file() and final.stat().st_size == f.size_bytes
+               and r.size_bytes == f.size_bytes
+               # unchanged content from an earlier commit is kept: the hash is what identifies it
+               and (r.sha256 == f.lfs_sha256 if f.lfs_sha256 else r.git_sha1 == f.blob_id))
+    if vouched and rehash:  # pull / auto --recheck: the bytes in place must still hash to the receipt
+        expected = f.lfs_sha256 or f.blob_id
+        actual = sha256_file(final) if f.lfs_sha256 else git_blob_sha1(final)
+        if actual != expected:
+            log.warning("fetch.installed_damaged", file=str(final), expected_sha256=expected, actual_sha256=actual,
+                        fetch_again=True)  # fetched again below; verify puts the good copy in its place
+            return False
+    return vouched
 
 
 async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
                          progress: bool = True, wait: bool = False,
-                         options: TransferOptions | None = None) -> SnapshotResult:
+                         options: TransferOptions | None = None, rehash_installed: bool = False) -> SnapshotResult:
     """Fetch the current snapshot of an OpenVINO repository into ``<dest>/snapshot/`` (see module doc)."""
     artifact = entry.artifact
     assert artifact is not None
@@ -363,7 +378,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
         if not listed:
             raise HubError(f"{artifact.repo}@{commit} lists no files",
                            hint="check the entry's repository (and HF_ENDPOINT)", repo=artifact.repo)
-        todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit)]
+        todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit, rehash=rehash_installed)]
         partial_dir.mkdir(parents=True, exist_ok=True)
         check_disk_space(partial_dir, _snapshot_needed_bytes(partial_dir, artifact.repo, todo),
                          f"{artifact.repo} snapshot")

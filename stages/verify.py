@@ -60,6 +60,7 @@ from state.receipts import (
     Receipt,
     drop_receipt,
     file_identity,
+    git_blob_sha1,
     read_receipt,
     receipt_matches,
     sha256_file,
@@ -372,14 +373,6 @@ class InstalledFile:
                 "actual": self.actual, "ok": self.ok}
 
 
-def _git_blob_sha1(path: Path) -> str:
-    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode(), usedforsecurity=False)
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def recheck_installed(model_dir: Path) -> list[InstalledFile]:
     """Re-hash every file a receipt in ``model_dir`` vouches for (weights, projector, template,
     snapshot files) and compare with the receipt. A file that no longer matches is damaged: its
@@ -399,7 +392,7 @@ def recheck_installed(model_dir: Path) -> list[InstalledFile]:
         path = model_dir / key
         actual = None
         if path.is_file():
-            actual = sha256_file(path) if algorithm == "sha256" else _git_blob_sha1(path)
+            actual = sha256_file(path) if algorithm == "sha256" else git_blob_sha1(path)
         checked = InstalledFile(model=model_dir.name, path=str(path), algorithm=algorithm, expected=expected,
                                 actual=actual)
         if not checked.ok:

@@ -31,7 +31,7 @@ from state.files import checked_write_path, write_text_atomic
 log = get_logger()
 
 __all__ = ["Receipt", "RECEIPT_SCHEMA", "receipt_path", "decode_receipt", "read_receipt", "write_receipt",
-           "drop_receipt", "receipt_matches", "file_identity", "sha256_file"]
+           "drop_receipt", "receipt_matches", "file_identity", "git_blob_sha1", "sha256_file"]
 
 RECEIPT_SCHEMA = 1
 RECEIPTS_DIRNAME = ".verified"
@@ -143,6 +143,15 @@ def file_identity(path: Path) -> FileIdentity:
     st = os.stat(path)
     return FileIdentity(device=st.st_dev, inode=st.st_ino, size_bytes=st.st_size, mtime_ns=st.st_mtime_ns,
                         ctime_ns=st.st_ctime_ns)
+
+
+def git_blob_sha1(path: Path) -> str:
+    """The git blob id of a file (what the Hub lists for a small non-LFS file)."""
+    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode(), usedforsecurity=False)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def sha256_file(path: Path) -> str:

@@ -461,7 +461,8 @@ def test_nothing_is_written_through_a_symlink_or_onto_the_wrong_type(kind: str, 
 def _flip_one_byte(path: Path) -> None:
     """One byte of the tensor data flipped in place: same size, same header, another sha256."""
     with open(path, "r+b") as fh:
-        fh.seek(path.stat().st_size - 1000)
+        size = path.stat().st_size
+        fh.seek(size - 1000 if size > 2000 else size // 2)  # a GGUF's tensor data, past its header
         b = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([b[0] ^ 0xFF]))
@@ -554,3 +555,26 @@ def test_auto_recheck_rehashes_what_its_records_trust(local_hub: LocalHub, small
     assert "fetch-weights" not in again.skipped
     assert again.results["fetch-weights"].weights.bytes_transferred == small_model["size"]
     assert final.read_bytes() == small_model["weights"].read_bytes()
+
+
+@pytest.mark.anyio
+async def test_pull_rehashes_an_installed_openvino_snapshot(local_hub: LocalHub, tmp_path: Path) -> None:
+    """The same for an OpenVINO snapshot: a flipped byte in a placed LFS file and in a small non-LFS
+    file (checked by git blob id) are fetched again; the intact ones are not."""
+    from tests.test_fetch_weights import _openvino_entry
+
+    files = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": os.urandom(1_200_000),
+             "config.json": json.dumps({"max_position_embeddings": 40960})}
+    local_hub.create_repo("OpenVINO/m-ov", files, lfs=["openvino_model.bin"])
+    entry = _openvino_entry("OpenVINO/m-ov")
+    settings = settings_for(local_hub, tmp_path / "home")
+    dest = settings.model_dir("ov")
+    await verify(entry, dest, fetched=await fetch_weights(entry, dest, settings=settings, options=FAST,
+                                                          progress=False))
+    for name in ("openvino_model.bin", "openvino_model.xml"):
+        _flip_one_byte(dest / "snapshot" / name)
+    again = await fetch_weights(entry, dest, settings=settings, options=FAST, progress=False, rehash_installed=True)
+    assert again.snapshot is not None and again.snapshot.files_already_present == 1  # config.json only
+    await verify(entry, dest, fetched=again)
+    for name, content in files.items():
+        assert (dest / "snapshot" / name).read_bytes() == (content.encode() if isinstance(content, str) else content)
