@@ -10,6 +10,7 @@ a log line.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import sys
@@ -73,7 +74,12 @@ def configure(
         line = json.dumps(event, default=str, sort_keys=False)
         if file_sink is not None and not sink_failed:
             try:
-                file_sink.write((line + "\n").encode("utf-8"))
+                data = memoryview((line + "\n").encode("utf-8"))
+                while data:  # unbuffered: a short write (a nearly full disk) returns a count, not an error
+                    written = file_sink.write(data)
+                    if not written:
+                        raise OSError(errno.ENOSPC, "no bytes written", str(log_file))
+                    data = data[written:]
             except OSError as exc:
                 # Once: the file stops taking events (unbuffered, so nothing retries the write), the
                 # stream still shows them, and a full disk is exit 4 naming the log.
