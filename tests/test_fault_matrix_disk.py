@@ -12,7 +12,6 @@ import dataclasses
 import errno
 import json
 import os
-import sqlite3
 import subprocess
 import threading
 import time
@@ -25,7 +24,7 @@ import pytest
 
 from core import log as core_log
 from core.entry import Artifact, TemplateSource
-from core.errors import DiskSpaceError, HotfitError, RegistryError, UsageError
+from core.errors import DiskSpaceError, HotfitError, RegistryError
 from core.settings import Settings
 from download import DISK_MARGIN_BYTES, check_disk, partial_paths
 from download.sidecar import read_sidecar
