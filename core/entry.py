@@ -23,6 +23,20 @@ PERMISSIVE_LICENSES: tuple[str, ...] = ("Apache-2.0", "MIT")
 # tests/test_registry_arch.py: an entry excluded for its architecture must be absent from it.
 IneligibleCause = Literal["architecture", "tool-parser", "license", "unverified", "vision-path"]
 INELIGIBLE_CAUSES: tuple[str, ...] = ("architecture", "tool-parser", "license", "unverified", "vision-path")
+MAX_REPO_PATH_CHARS = 4096
+
+
+def safe_relpath(path: str) -> str:
+    """The one check of a file name from the registry or the Hub (weights, projector, chat template,
+    snapshot listing): a relative path that stays inside its directory, or ``ValueError`` (absolute,
+    ``..``, ``.``, empty part, backslash, NUL, too long). The registry decoder and every stage that
+    builds a URL or a path from such a name call it before any request (docs/faults.md)."""
+    if (not isinstance(path, str) or not path or "\x00" in path or "\\" in path or path.startswith("/")
+            or len(path) > MAX_REPO_PATH_CHARS):
+        raise ValueError(f"unsafe path {path!r}")
+    if any(p in ("", ".", "..") for p in path.split("/")):
+        raise ValueError(f"unsafe path {path!r}")
+    return path
 
 
 @dataclass(frozen=True)

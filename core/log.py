@@ -9,19 +9,23 @@ a log line.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import structlog
+
+from core.diskspace import from_os_error, is_disk_full
 
 SECRET_KEYS = frozenset({"token", "hf_token", "api_key", "authorization", "password", "secret"})
 _VERBOSITY_LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
 _LEVEL_NUMBERS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
                   "error": logging.ERROR, "critical": logging.CRITICAL, "exception": logging.ERROR}
-_file_sink: TextIO | None = None  # the open log file of the last configure(), closed by the next one
+_file_sink: BinaryIO | None = None  # the open log file of the last configure(), closed by the next one
 
 
 def _scrub_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -44,12 +48,14 @@ def configure(
     stream_level = _VERBOSITY_LEVELS[max(-1, min(1, verbosity))]
     global _file_sink
     if _file_sink is not None:
-        _file_sink.close()
+        with contextlib.suppress(OSError):  # a full disk already said so when the write failed
+            _file_sink.close()
         _file_sink = None
-    file_sink: TextIO | None = None
+    file_sink: BinaryIO | None = None
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        file_sink = open(log_file, "a", buffering=1, encoding="utf-8")  # line-buffered: one event, one write
+        # unbuffered: one event, one write, and a failed write leaves nothing behind to retry
+        file_sink = open(log_file, "ab", buffering=0)
         _file_sink = file_sink
 
     shared = [
@@ -62,10 +68,25 @@ def configure(
         structlog.dev.ConsoleRenderer(colors=stream.isatty()) if log_format == "console" else None
     )
 
+    sink_failed: list[bool] = []
+
     def emit(_logger: Any, _name: str, event: dict[str, Any]) -> str:
         line = json.dumps(event, default=str, sort_keys=False)
-        if file_sink is not None:
-            file_sink.write(line + "\n")
+        if file_sink is not None and not sink_failed:
+            try:
+                data = memoryview((line + "\n").encode("utf-8"))
+                while data:  # unbuffered: a short write (a nearly full disk) returns a count, not an error
+                    written = file_sink.write(data)
+                    if not written:
+                        raise OSError(errno.ENOSPC, "no bytes written", str(log_file))
+                    data = data[written:]
+            except OSError as exc:
+                # Once: the file stops taking events (unbuffered, so nothing retries the write), the
+                # stream still shows them, and a full disk is exit 4 naming the log.
+                sink_failed.append(True)
+                if is_disk_full(exc):
+                    raise from_os_error(exc, log_file, needed_bytes=len(line) + 1, what="the event log") from None
+                raise
         if _LEVEL_NUMBERS.get(str(event.get("level")), logging.INFO) < stream_level:
             raise structlog.DropEvent  # kept in the file, not shown on the stream
         if console_renderer is not None:

@@ -5,26 +5,31 @@ before downloading, ../shared/reference/contenox-auto-facts.md): the download en
 only 64 MiB per file beside it. One margin, the spec's, is the larger and the one a user was already
 told about; a filesystem at 100 % misbehaves for everyone. Two callers check with it: the fetch
 stage for the whole entry before a byte is requested (:func:`check_disk`), and the engine for each
-file with what its partial already holds counted as held (:func:`check_disk_space`).
+file (:func:`check_disk_space`); both count what a partial already holds with :func:`bytes_held`.
 
 ENOSPC/EFBIG mid-write is :func:`disk_error` (the partial is kept). On Linux a partial's blocks are
 reserved up front (``fallocate`` KEEP_SIZE) and each written chunk's writeback is started at once
 (``sync_file_range``), so a checkpoint's ``fdatasync`` finds little left and never stalls the stream.
+The reservation is counted once (docs/faults.md): it is gone from the free space, so
+:func:`bytes_held` counts it as held, and a failed download gives back what it never claimed
+(:func:`release_unclaimed`); only a kill -9 leaves it whole, for the rerun to reuse.
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from core.entry import Entry
+from core.diskspace import DISK_FULL_ERRNOS, from_os_error
+from core.entry import Artifact, Entry
 from core.errors import DiskSpaceError
 from core.log import get_logger
-from download.sidecar import read_sidecar
+from core.model_files import PARTIAL_DIRNAME
+from download.options import partial_paths
+from download.sidecar import Block, read_sidecar
 
 log = get_logger()
 
@@ -67,21 +72,24 @@ def bytes_held(sidecar_path: Path, partial: Path) -> int:
     return max(claimed, allocated)
 
 
-def _present_bytes(directory: Path) -> int:
-    total = 0
-    if directory.is_dir():
-        for p in directory.rglob("*"):
-            try:
-                if p.is_file():
-                    total += p.stat().st_size
-            except OSError:
-                pass
-    return total
+def _file_held(dest: Path, artifact: Artifact | None) -> int:
+    """Bytes of one entry file the disk already holds for it: the file in place at its pinned size, or
+    what its partial holds (:func:`bytes_held`: its reservation included, counted once)."""
+    if artifact is None or not artifact.file:
+        return 0
+    size = artifact.size_bytes or 0
+    try:
+        if size and os.stat(dest / artifact.file).st_size == size:
+            return size
+    except OSError:
+        pass
+    partial, sidecar, _lock = partial_paths(dest / PARTIAL_DIRNAME, artifact.repo, artifact.file)
+    return min(size, bytes_held(sidecar, partial)) if size else bytes_held(sidecar, partial)
 
 
 def disk_needed_bytes(entry: Entry, present_bytes: int) -> int:
     """Pure: free disk the fetch still needs (spec: artifact + projector + the margin), less what a
-    previous attempt already left in the model directory."""
+    previous attempt already holds for them (``present_bytes``)."""
     size = (entry.artifact.size_bytes or 0) if entry.artifact else 0
     if entry.projector is not None:
         size += entry.projector.size_bytes or 0
@@ -89,24 +97,27 @@ def disk_needed_bytes(entry: Entry, present_bytes: int) -> int:
 
 
 def check_disk(entry: Entry, dest: Path) -> None:
-    """The entry-level check before fetch-weights: artifact + projector, less what ``dest`` holds."""
-    needed = disk_needed_bytes(entry, _present_bytes(dest))
-    log.info("fetch.disk_check", needed_bytes=needed, free_bytes=free_bytes(dest), directory=str(dest))
+    """The entry-level check before fetch-weights: artifact + projector, less what the disk already
+    holds for each (the same :func:`bytes_held` the engine's per-file check counts, so a partial's
+    up-front reservation — already gone from the free space — is never counted as needed again)."""
+    held = _file_held(dest, entry.artifact) + _file_held(dest, entry.projector)
+    needed = disk_needed_bytes(entry, held)
+    log.info("fetch.disk_check", needed_bytes=needed, held_bytes=held, free_bytes=free_bytes(dest),
+             directory=str(dest))
     check_disk_space(dest, needed - DISK_MARGIN_BYTES, f"{entry.name} (artifact + projector, less what is "
                                                        "already there)")
 
 
-def disk_error(exc: OSError, partial: Path, offset: int) -> DiskSpaceError:
-    reason = "file size limit reached" if exc.errno == errno.EFBIG else "disk full"
-    return DiskSpaceError(
-        f"{reason} writing {partial} at byte {offset} ({os.strerror(exc.errno or 0)})",
-        hint="free disk space (or raise the file-size limit), then rerun the same command: "
-             "the partial file is kept and the download resumes where it stopped",
-        partial=str(partial), offset_bytes=offset, errno=exc.errno)
+def disk_error(exc: OSError, partial: Path, offset: int, needed_bytes: int) -> DiskSpaceError:
+    """ENOSPC/EFBIG writing a partial: names the partial, the offset, the bytes it still needed and the
+    bytes free (core.diskspace); the partial is kept, so the rerun resumes."""
+    err = from_os_error(exc, partial, needed_bytes=needed_bytes, what="the partial download", offset_bytes=offset)
+    err.details["partial"] = str(partial)
+    return err
 
 
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _FALLOC_FL_KEEP_SIZE = 1
+_FALLOC_FL_PUNCH_HOLE = 2
 _SYNC_FILE_RANGE_WRITE = 2
 _libc_fns: dict[str, Any] | None = None
 
@@ -144,6 +155,27 @@ def preallocate(fd: int, size_bytes: int) -> None:
     fallocate = _libc_fn("fallocate")
     if fallocate is not None and size_bytes > 0 and fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size_bytes) != 0:
         log.debug("download.preallocate_skipped", errno=ctypes.get_errno())
+
+
+def release_unclaimed(fd: int, blocks: list[Block]) -> int:
+    """Give back the reservation :func:`preallocate` made for bytes a failed download never claimed,
+    so a ``.part`` left behind holds on disk what its sidecar claims, not the whole file: the blocks
+    reserved past the end of the file go with a truncate to its own size (ext4 and tmpfs drop them),
+    and each block's unclaimed range below it is punched out (Linux ``fallocate`` PUNCH_HOLE |
+    KEEP_SIZE; the size and the claimed bytes stay). Bytes written but not yet claimed go too: the
+    rerun fetches them again anyway. Returns the bytes released."""
+    try:
+        st = os.fstat(fd)
+        os.ftruncate(fd, st.st_size)
+    except OSError:
+        return 0
+    fallocate = _libc_fn("fallocate")
+    for b in blocks if fallocate is not None else ():
+        start, end = b.start + b.done, min(b.end, st.st_size)
+        if end > start and fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
+            log.debug("download.release_skipped", errno=ctypes.get_errno())
+            break
+    return max(0, st.st_blocks * 512 - os.fstat(fd).st_blocks * 512)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

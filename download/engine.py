@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 import anyio
 
-from core.errors import HubError, IntegrityError, PinMismatch, TransferError
+from core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError
 from core.lazy_import import lazy_module
 from core.log import get_logger
-from download.disk import bytes_held, check_disk_space, preallocate
+from download.disk import bytes_held, check_disk_space, preallocate, release_unclaimed
 from download.hashing import OrderedHasher
 from download.hub import HubSession, RemoteFile
 from download.hub_errors import Retryable
@@ -37,7 +37,7 @@ from download.progress import ProgressReporter
 from download.retry import gave_up, head_retrying, log_retry, retrying
 from download.sidecar import Block, Sidecar, encode_sidecar, read_sidecar, write_sidecar
 from download.stream import RangeIgnored, stream_block
-from state.files import fsync_dir
+from state.files import checked_write_path, fsync_dir
 
 httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
@@ -79,6 +79,7 @@ def plan_blocks(size: int, connections: int, options: TransferOptions, ranges: b
 
 def discard_partial(partial: Path, sidecar: Path) -> None:
     for p in (sidecar, partial):
+        checked_write_path(p)  # a directory there is a clear error, not IsADirectoryError
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
 
@@ -97,8 +98,10 @@ def adopt_as_partial(final: Path, partial_dir: Path, *, repo: str, revision: str
     except OSError:
         return False
     partial, sidecar, _lock = partial_paths(partial_dir, repo, path)
+    checked_write_path(final)
     if partial.exists():  # a download in progress: its bytes are not traded for an unknown file
         return False
+    checked_write_path(partial_dir, kind="directory")
     partial_dir.mkdir(parents=True, exist_ok=True)
     discard_partial(partial, sidecar)
     side = Sidecar(url="", repo=repo, revision=revision, file=path, size_bytes=size_bytes,
@@ -150,8 +153,10 @@ async def _download_to_partial(
                           hint="pin the entry to a commit (hotfit registry lock)", repo=repo, file=path)
     options = session.options
     conns = max(1, connections or options.connections)
-    partial_dir.mkdir(parents=True, exist_ok=True)
     partial, sidecar_path, _lock = partial_paths(partial_dir, repo, path)
+    for p, kind in ((partial_dir, "directory"), (partial, "file"), (sidecar_path, "file")):
+        checked_write_path(p, kind=kind)  # type: ignore[arg-type]
+    partial_dir.mkdir(parents=True, exist_ok=True)
     # One deadline for the whole file: retries of every block and HEAD share it.
     counters = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
 
@@ -196,7 +201,7 @@ async def _download_to_partial(
     if resumed:
         log.info("download.resume", file=path, done_bytes=resumed, size_bytes=size, blocks=len(blocks))
 
-    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     preallocate(fd, size)
     restarts = 0
     try:
@@ -232,6 +237,14 @@ async def _download_to_partial(
         os.fsync(fd)
         if os.fstat(fd).st_size != size:  # a wrong-size server cannot leave a longer file behind
             os.ftruncate(fd, size)
+    except BaseException:
+        # A failed or interrupted download keeps what its sidecar claims and gives back the rest of
+        # its reservation; only a kill -9 leaves it whole, and the rerun counts it once (bytes_held).
+        released = release_unclaimed(fd, blocks)
+        if released:
+            log.info("download.reservation_released", file=path, released_bytes=released,
+                     claimed_bytes=sum(b.done for b in blocks))
+        raise
     finally:
         os.close(fd)
     return DownloadOutcome(
@@ -300,7 +313,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
             tg.cancel_scope.cancel()
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, DiskSpaceError):  # the error being raised says more
                 checkpoint()
         raise _unwrap(exc) from None
     checkpoint()

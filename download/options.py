@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.entry import safe_relpath  # the one path check, re-exported for the stages
+
 MiB = 1024 * 1024
 MAX_BLOCKS = 1 << 16  # bounds the sidecar and the block plan whatever the size and block setting
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -41,16 +43,6 @@ class TransferOptions:
         if self.block_bytes:
             return self.block_bytes
         return max(1 * MiB, min(64 * MiB, size_bytes // max(1, connections * 4) or 1))
-
-
-def safe_relpath(path: str) -> str:
-    """A repository path that stays inside its directory, or ``ValueError`` (absolute, ``..``, NUL…)."""
-    if not path or "\x00" in path or "\\" in path or path.startswith("/") or len(path) > 4096:
-        raise ValueError(f"unsafe path {path!r}")
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"unsafe path {path!r}")
-    return path
 
 
 def _partial_stem(repo: str, path: str) -> str:

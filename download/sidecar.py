@@ -134,4 +134,4 @@ def encode_sidecar(side: Sidecar, blocks: list[Block]) -> str:
 def write_sidecar(path: Path, text: str, *, durable: bool = False) -> None:
     # Not fsynced by default: the sidecar only ever claims bytes already fdatasync'd, so losing its
     # newest version to a power cut costs redone bytes, never a wrong claim.
-    write_text_atomic(path, text, durable=durable)
+    write_text_atomic(path, text, durable=durable, what="the resume sidecar")

@@ -129,7 +129,8 @@ class _Writer:
         if self.hasher.write_error is not None:
             exc, at = self.hasher.write_error
             if exc.errno in DISK_FULL_ERRNOS:
-                raise disk_error(exc, self.partial, at) from exc
+                # what the file still lacks past its in-order prefix: at most this much more must fit
+                raise disk_error(exc, self.partial, at, self.hasher.size_bytes - self.hasher.frontier) from exc
             raise exc
 
 

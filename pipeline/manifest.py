@@ -161,7 +161,8 @@ def utc_now_iso() -> str:
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
     """Atomic, durable replace: a reader (or a power cut) sees the old file or the new one."""
-    write_text_atomic(path, json.dumps(manifest.to_json(), indent=2, sort_keys=True, default=str) + "\n")
+    write_text_atomic(path, json.dumps(manifest.to_json(), indent=2, sort_keys=True, default=str) + "\n",
+                      what="the manifest")
 
 
 def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:

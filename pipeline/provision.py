@@ -210,6 +210,9 @@ class FetchJob:
     # auto takes the model directory's lock per stage; pull holds it around all three itself
     lock_each_stage: bool = True
     check_disk: bool = True  # auto checks free disk before fetching (contenox `auto`)
+    # pull and `auto --recheck`: re-hash a file already in place before trusting its receipt (a
+    # byte flipped in place keeps the size; only its hash tells)
+    rehash_installed: bool = False
 
     def entry_of(self, ctx: StageContext) -> Entry:
         return self.entry if self.entry is not None else ctx.require_plan().entry
@@ -305,7 +308,8 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
         if job.check_disk:
             await anyio.to_thread.run_sync(check_disk, entry, dest)
         return await locked(ctx, lambda: fetch_weights(entry, dest, settings=ctx.settings, connections=job.connections,
-                                                       progress=job.progress, wait=job.wait))
+                                                       progress=job.progress, wait=job.wait,
+                                                       rehash_installed=job.rehash_installed))
 
     async def fetch_template_stage(ctx: StageContext) -> TemplateResult:
         entry = job.entry_of(ctx)
@@ -322,7 +326,8 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
 
     return [
         Stage("fetch-weights", fetch_weights_stage, inputs=pins, decode=FetchResult.decode,
-              still_valid=fetched_still_on_disk, fingerprint=_fetch_fingerprint, figures=_fetch_figures),
+              still_valid=functools.partial(fetched_still_on_disk, rehash=job.rehash_installed),
+              fingerprint=_fetch_fingerprint, figures=_fetch_figures),
         Stage("fetch-template", fetch_template_stage, deps=("fetch-weights",), inputs=template_pin,
               decode=TemplateResult.decode, still_valid=_template_still_there, fingerprint=_template_fingerprint),
         Stage("verify", verify_stage, deps=("fetch-weights", "fetch-template"), inputs=verify_inputs,
@@ -333,5 +338,6 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
 def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
                         on_plan: Callable[[PlanOutcome], None] | None = None) -> list[Stage[Any]]:
     """The pipeline of ``hotfit auto``, in order (issue 6); ``on_plan`` sees the plan stage's outcome."""
-    return [*planning_stages(opts, previous, on_plan=on_plan), *fetch_stages(FetchJob(wait=opts.wait)),
+    return [*planning_stages(opts, previous, on_plan=on_plan),
+            *fetch_stages(FetchJob(wait=opts.wait, rehash_installed=opts.recheck)),
             *session_stages()]

@@ -37,6 +37,7 @@ from core.entry import (
     LayerGroup,
     SourceConfig,
     TemplateSource,
+    safe_relpath,
 )
 from core.records import Fields
 
@@ -128,6 +129,19 @@ def _evidence(f: Fields, value: Any) -> tuple[Evidence, ...]:
     return tuple(out)
 
 
+def _repo_file(f: Fields, file: str | None, where: str) -> str | None:
+    """A file name inside a Hub repository, through the one path check (core.entry.safe_relpath):
+    refused here, at load, so no request is ever built from it."""
+    if file is None:
+        return None
+    try:
+        return safe_relpath(file)
+    except ValueError:
+        raise f.fail(where, f"is {file!r}, which would leave the model directory (absolute, '..', '.', an empty "
+                            "part, a backslash or NUL)",
+                     "write the file's path inside its repository, e.g. chat_template.jinja or sub/model.gguf") from None
+
+
 def _artifact(f: Fields, value: Any, where: str) -> Artifact | None:
     if value is None:
         return None
@@ -136,7 +150,7 @@ def _artifact(f: Fields, value: Any, where: str) -> Artifact | None:
         repo=f.matching(obj["repo"], f"{where}.repo", REPO_RE, "a Hub repository id", "write it as owner/name"),
         revision=f.matching(obj["revision"], f"{where}.revision", REVISION_RE, "a 40-hex commit id", _PIN_HINT,
                             nullable=True),
-        file=f.string(obj["file"], f"{where}.file", nullable=True),
+        file=_repo_file(f, f.string(obj["file"], f"{where}.file", nullable=True), f"{where}.file"),
         size_bytes=f.integer(obj["size_bytes"], f"{where}.size_bytes", nullable=True),
         sha256=f.matching(obj["sha256"], f"{where}.sha256", SHA256_RE, "64 lower-case hex digits",
                           "copy the Hub's LFS oid (sha256) exactly, or null if unknown", nullable=True),
@@ -150,7 +164,8 @@ def _template(f: Fields, value: Any) -> TemplateSource | None:
     repo = f.matching(obj["repo"], "chat_template.repo", REPO_RE, "a Hub repository id", "write it as owner/name")
     revision = f.matching(obj["revision"], "chat_template.revision", REVISION_RE, "a 40-hex commit id", _PIN_HINT,
                           nullable=True)
-    file = f.string(obj["file"], "chat_template.file")
+    file = _repo_file(f, f.string(obj["file"], "chat_template.file"), "chat_template.file")
+    assert file is not None
     if not (file.endswith(".jinja") or file.rsplit("/", 1)[-1] == "tokenizer_config.json"):
         raise f.fail("chat_template.file",
                      f"is {file!r}: a chat template comes from a .jinja file or tokenizer_config.json",

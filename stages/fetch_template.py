@@ -36,7 +36,7 @@ import re
 from pathlib import Path
 
 from core.entry import Entry, TemplateSource
-from core.errors import HubError, IntegrityError, TemplateError
+from core.errors import HubError, IntegrityError, RegistryError, TemplateError
 from core.log import get_logger
 from core.model_files import (
     SNAPSHOT_DIRNAME,
@@ -55,6 +55,7 @@ from download import (
     head_retrying,
     is_commit,
     partial_paths,
+    safe_relpath,
     write_text_atomic,
 )
 from state.locks import FileLock
@@ -242,7 +243,7 @@ def _write(entry: Entry, dest_dir: Path, src: TemplateSource, revision: str, dat
     text, variant = extract_template(src.file, data)
     markers = check_tool_capable(text, source=f"{src.repo}/{src.file}")
     final = dest_dir / TEMPLATE_FILENAME
-    write_text_atomic(final, text)
+    write_text_atomic(final, text, what="the chat template")
     digest = hashlib.sha256(text.encode()).hexdigest()
     # keyed by the file written (chat_template.jinja), recording the source file it came from (and,
     # for a file of the snapshot, the commit it was listed at: verify checks it is the snapshot's)
@@ -274,6 +275,12 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
         raise TemplateError(f"entry {entry.name}: chat template source {src.repo}/{src.file} names "
                             f"{src.revision!r}, not a 40-hex commit", hint="pin it (hotfit registry lock)",
                             entry=entry.name)
+    try:  # the one path check every file name from the registry or the Hub passes, before any request
+        safe_relpath(src.file)
+    except ValueError:
+        raise RegistryError(f"entry {entry.name}: chat template file {src.file!r} escapes the model directory",
+                            hint="use the file's path inside its repository (no '..', not absolute)",
+                            entry=entry.name, file=src.file) from None
     partial_dir = dest_dir / TEMPLATE_PARTIAL_DIRNAME
     _partial, sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
     own = in_snapshot(src, snapshot)

@@ -71,7 +71,7 @@ from download import (
     safe_relpath,
 )
 from state.locks import FileLock
-from state.receipts import file_identity, read_receipt, receipt_matches
+from state.receipts import drop_receipt, file_identity, git_blob_sha1, read_receipt, receipt_matches, sha256_file
 
 log = get_logger()
 
@@ -103,19 +103,47 @@ def _require_pinned(entry: Entry, artifact: Artifact, role: str) -> tuple[str, s
     return artifact.revision, artifact.file
 
 
+def _installed_damaged(entry_name: str, final: Path, dest_dir: Path, file: str, expected: str, actual: str, *,
+                       fetch_again: bool) -> None:
+    """An installed file no longer hashes to what its receipt vouched for (damaged in place, same
+    size): the receipt goes (it vouches for nothing now) and so do the bytes (worthless, and nothing
+    may serve them), to be fetched again; offline nothing can fetch them: IntegrityError naming both
+    hashes."""
+    log.warning("fetch.installed_damaged", entry=entry_name, file=str(final), expected_sha256=expected,
+                actual_sha256=actual, fetch_again=fetch_again)
+    drop_receipt(dest_dir, file)
+    final.unlink()
+    if not fetch_again:
+        raise IntegrityError(f"{final} was damaged in place: its sha256 was {actual}, its receipt and pin say "
+                             f"{expected}; it is removed",
+                             hint=f"unset HF_HUB_OFFLINE and rerun `hotfit pull {entry_name}` to fetch it again",
+                             field="sha256", file=str(final), expected_sha256=expected, actual_sha256=actual)
+
+
 async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, dest_dir: Path, *,
                          role: str = "weights", connections: int | None = None, progress: bool = True,
-                         wait: bool = False, integrity_retries: int = DEFAULT_INTEGRITY_RETRIES) -> FetchedFile:
-    """One pinned file as a complete, hashed partial (or already verified in place)."""
+                         wait: bool = False, integrity_retries: int = DEFAULT_INTEGRITY_RETRIES,
+                         rehash_installed: bool = False) -> FetchedFile:
+    """One pinned file as a complete, hashed partial (or already verified in place). With
+    ``rehash_installed`` (pull, ``auto --recheck``) a file in place is re-hashed before its receipt
+    is trusted; one damaged in place is fetched again."""
     revision, file = _require_pinned(entry, artifact, role)
     final = dest_dir / file
     partial_dir = dest_dir / PARTIAL_DIRNAME
     partial, sidecar, lock_path = partial_paths(partial_dir, artifact.repo, file)
     async with FileLock(lock_path, wait=wait, what=f"{role} of {entry.name} ({file})").async_held():
         receipt = read_receipt(dest_dir, file)
+        if receipt_matches(receipt, artifact, final) and rehash_installed:
+            assert receipt is not None and receipt.sha256 is not None
+            actual = await anyio.to_thread.run_sync(sha256_file, final)
+            if actual != receipt.sha256:
+                _installed_damaged(entry.name, final, dest_dir, file, receipt.sha256, actual,
+                                   fetch_again=not session.offline)
+                receipt = None
         if receipt_matches(receipt, artifact, final):
             assert receipt is not None and receipt.sha256 is not None and receipt.size_bytes is not None
-            log.info("fetch.already_present", entry=entry.name, file=file, size_bytes=receipt.size_bytes)
+            log.info("fetch.already_present", entry=entry.name, file=file, size_bytes=receipt.size_bytes,
+                     rehashed=rehash_installed)
             return FetchedFile(repo=artifact.repo, revision=revision, file=file, path=str(final), partial_path=None,
                                size_bytes=receipt.size_bytes, sha256=receipt.sha256,
                                hub_lfs_sha256=receipt.hub_lfs_sha256, identity=None, bytes_transferred=0,
@@ -172,7 +200,8 @@ async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, 
 async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
                         progress: bool = True, wait: bool = False,
                         options: TransferOptions | None = None,
-                        integrity_retries: int = DEFAULT_INTEGRITY_RETRIES) -> FetchResult:
+                        integrity_retries: int = DEFAULT_INTEGRITY_RETRIES,
+                        rehash_installed: bool = False) -> FetchResult:
     """The fetch-weights stage for one registry entry (see the module docstring)."""
     dest_dir = Path(dest_dir)
     artifact = entry.artifact
@@ -182,7 +211,7 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
     options = options or TransferOptions(connections=connections or settings.download_connections)
     if entry.backend == "openvino" or artifact.file is None:
         snap = await fetch_snapshot(entry, dest_dir, settings=settings, connections=connections,
-                                    progress=progress, wait=wait, options=options)
+                                    progress=progress, wait=wait, options=options, rehash_installed=rehash_installed)
         return FetchResult(entry=entry.name, backend=entry.backend, weights=None, projector=None, vision=False,
                            snapshot=snap)
     dest_dir.mkdir(parents=True, exist_ok=True)
@@ -190,13 +219,14 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
     async with HubSession(settings, options) as session:
         weights = await fetch_artifact(
             session, entry, artifact, dest_dir, role="weights", connections=connections, progress=progress,
-            wait=wait, integrity_retries=integrity_retries)
+            wait=wait, integrity_retries=integrity_retries, rehash_installed=rehash_installed)
         projector = None
         if entry.projector is not None:
             try:
                 projector = await fetch_artifact(
                     session, entry, entry.projector, dest_dir, role="projector", connections=connections,
-                    progress=progress, wait=wait, integrity_retries=integrity_retries)
+                    progress=progress, wait=wait, integrity_retries=integrity_retries,
+                    rehash_installed=rehash_installed)
             except HubError as exc:  # not found / gated: images lost, tool calls intact
                 warnings.append(f"projector unavailable: {exc.what}")
                 log.warning("fetch.projector_missing", entry=entry.name, reason=exc.what, vision=False)
@@ -204,10 +234,10 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
                        vision=projector is not None, warnings=tuple(warnings))
 
 
-def fetched_still_on_disk(fetched: FetchResult) -> bool:
+def fetched_still_on_disk(fetched: FetchResult, *, rehash: bool = False) -> bool:
     """May a recorded fetch-weights result (decoded by the engine, once) be reused? Each file's hashed
     partial is still there as it was hashed, or verify has since put it in place (its receipt vouches
-    for that sha256)."""
+    for that sha256 — and, with ``rehash`` (``auto --recheck``), the file still hashes to it)."""
     if fetched.snapshot is not None:
         snap_dir = Path(fetched.snapshot.directory)
         for sf in fetched.snapshot.listed:
@@ -217,6 +247,13 @@ def fetched_still_on_disk(fetched: FetchResult) -> bool:
                     return False
             elif not (snap_dir / sf.path).is_file() or (snap_dir / sf.path).stat().st_size != sf.size_bytes:
                 return False
+            elif rehash and (sf.lfs_sha256 or sf.blob_id):
+                placed = snap_dir / sf.path
+                actual = sha256_file(placed) if sf.lfs_sha256 else git_blob_sha1(placed)
+                if actual != (sf.lfs_sha256 or sf.blob_id):
+                    log.warning("fetch.installed_damaged", file=str(placed), expected_sha256=sf.lfs_sha256 or sf.blob_id,
+                                actual_sha256=actual, fetch_again=True)
+                    return False
         return snap_dir.is_dir() or bool(fetched.snapshot.listed)
     for f in fetched.files():
         partial = Path(f.partial_path) if f.partial_path else None
@@ -231,6 +268,10 @@ def fetched_still_on_disk(fetched: FetchResult) -> bool:
             return False
         if not final.is_file() or final.stat().st_size != f.size_bytes:
             return False
+        if rehash and (actual := sha256_file(final)) != f.sha256:
+            log.warning("fetch.installed_damaged", file=str(final), expected_sha256=f.sha256, actual_sha256=actual,
+                        fetch_again=True)
+            return False  # fetch-weights runs again: it re-hashes, drops the receipt and fetches the file
     return True
 
 
@@ -296,18 +337,26 @@ def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]
     return needed
 
 
-def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str) -> bool:
+def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str, *, rehash: bool = False) -> bool:
     final = dest_dir / SNAPSHOT_DIRNAME / rel
     r = read_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{rel}")
-    return (r is not None and final.is_file() and final.stat().st_size == f.size_bytes
-            and r.size_bytes == f.size_bytes
-            # unchanged content from an earlier commit is kept: the hash is what identifies it
-            and (r.sha256 == f.lfs_sha256 if f.lfs_sha256 else r.git_sha1 == f.blob_id))
+    vouched = (r is not None and final.is_file() and final.stat().st_size == f.size_bytes
+               and r.size_bytes == f.size_bytes
+               # unchanged content from an earlier commit is kept: the hash is what identifies it
+               and (r.sha256 == f.lfs_sha256 if f.lfs_sha256 else r.git_sha1 == f.blob_id))
+    if vouched and rehash:  # pull / auto --recheck: the bytes in place must still hash to the receipt
+        expected = f.lfs_sha256 or f.blob_id
+        actual = sha256_file(final) if f.lfs_sha256 else git_blob_sha1(final)
+        if actual != expected:
+            log.warning("fetch.installed_damaged", file=str(final), expected_sha256=expected, actual_sha256=actual,
+                        fetch_again=True)  # fetched again below; verify puts the good copy in its place
+            return False
+    return vouched
 
 
 async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
                          progress: bool = True, wait: bool = False,
-                         options: TransferOptions | None = None) -> SnapshotResult:
+                         options: TransferOptions | None = None, rehash_installed: bool = False) -> SnapshotResult:
     """Fetch the current snapshot of an OpenVINO repository into ``<dest>/snapshot/`` (see module doc)."""
     artifact = entry.artifact
     assert artifact is not None
@@ -329,7 +378,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
         if not listed:
             raise HubError(f"{artifact.repo}@{commit} lists no files",
                            hint="check the entry's repository (and HF_ENDPOINT)", repo=artifact.repo)
-        todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit)]
+        todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit, rehash=rehash_installed)]
         partial_dir.mkdir(parents=True, exist_ok=True)
         check_disk_space(partial_dir, _snapshot_needed_bytes(partial_dir, artifact.repo, todo),
                          f"{artifact.repo} snapshot")

@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 
 from core.entry import Artifact, Entry
-from core.errors import IntegrityError, TemplateError
+from core.errors import IntegrityError, TemplateError, UsageError
 from core.log import get_logger
 from core.model_files import (
     PARTIAL_DIRNAME,
@@ -55,7 +55,18 @@ from stages._gguf_header import GGUFHeader, gguf, read_gguf_header, whole_number
 from stages._snapshot_verify import place_snapshot, snapshot_commit, verify_snapshot_dir
 from download import discard_partial, partial_paths
 from state.files import finalize_file
-from state.receipts import Receipt, file_identity, read_receipt, receipt_matches, sha256_file, write_receipt
+from state.locks import FileLock
+from state.receipts import (
+    RECEIPTS_DIRNAME,
+    Receipt,
+    drop_receipt,
+    file_identity,
+    git_blob_sha1,
+    read_receipt,
+    receipt_matches,
+    sha256_file,
+    write_receipt,
+)
 
 log = get_logger()
 
@@ -70,6 +81,9 @@ __all__ = [
     "place_snapshot",
     "verify_snapshot_dir",
     "verify",
+    "InstalledFile",
+    "recheck_installed",
+    "recheck_models",
 ]
 
 
@@ -354,3 +368,77 @@ def _verify_sync(entry: Entry, dest_dir: Path, fetched: FetchResult | None, temp
                         gguf_embeds_chat_template=header.has_chat_template if header else None,
                         chat_template_path=template_path, vision=vision, notes=tuple(notes),
                         verified_against=weights.verified_against, gguf=header.facts() if header else None)
+
+
+# --------------------------------------------------------------------------- installed models, on demand
+
+
+@dataclass(frozen=True)
+class InstalledFile:
+    """One installed file re-hashed against its receipt (``hotfit verify``)."""
+
+    model: str
+    path: str
+    algorithm: str  # "sha256", or "git-sha1" for a small non-LFS snapshot file
+    expected: str
+    actual: str | None  # None: the file is missing
+
+    @property
+    def ok(self) -> bool:
+        return self.actual == self.expected
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "path": self.path, "algorithm": self.algorithm, "expected": self.expected,
+                "actual": self.actual, "ok": self.ok}
+
+
+def recheck_installed(model_dir: Path) -> list[InstalledFile]:
+    """Re-hash every file a receipt in ``model_dir`` vouches for (weights, projector, template,
+    snapshot files) and compare with the receipt. A file that no longer matches is damaged: its
+    receipt and its bytes are removed (logged as ``verify.installed_damaged``), so nothing serves or
+    trusts it and the next ``hotfit pull`` / ``auto`` fetches it again. The caller holds the model
+    directory's lock."""
+    out: list[InstalledFile] = []
+    receipts_dir = model_dir / RECEIPTS_DIRNAME
+    for receipt_file in sorted(receipts_dir.glob("*.json")) if receipts_dir.is_dir() else ():
+        key = receipt_file.name[:-len(".json")].replace("%2F", "/")
+        receipt = read_receipt(model_dir, key)
+        if receipt is None:
+            continue  # damaged receipt (logged): it vouches for nothing, the next fetch verifies again
+        algorithm, expected = ("sha256", receipt.sha256) if receipt.sha256 else ("git-sha1", receipt.git_sha1)
+        if expected is None:
+            continue
+        path = model_dir / key
+        actual = None
+        if path.is_file():
+            actual = sha256_file(path) if algorithm == "sha256" else git_blob_sha1(path)
+        checked = InstalledFile(model=model_dir.name, path=str(path), algorithm=algorithm, expected=expected,
+                                actual=actual)
+        if not checked.ok:
+            log.warning("verify.installed_damaged", model=model_dir.name, file=str(path), algorithm=algorithm,
+                        expected=expected, actual=actual)
+            drop_receipt(model_dir, key)
+            if path.is_file():
+                path.unlink()
+        out.append(checked)
+    return out
+
+
+def recheck_models(models_dir: Path, names: list[str] | None = None, *, wait: bool = False) -> list[InstalledFile]:
+    """:func:`recheck_installed` for each named model directory (all of them when ``names`` is
+    empty), each under the lock ``hotfit pull`` takes, so no download writes beside the check.
+    A name with no directory is UsageError (exit 2)."""
+    if names:
+        dirs = [models_dir / n for n in names]
+        missing = [d.name for d in dirs if not d.is_dir()]
+        if missing:
+            raise UsageError(f"no installed model named {', '.join(missing)} in {models_dir}",
+                             hint="name a model `hotfit pull` or `hotfit auto` installed (ls the models directory), "
+                                  "or give no name to verify them all", models=missing)
+    else:
+        dirs = sorted(d for d in models_dir.iterdir() if d.is_dir()) if models_dir.is_dir() else []
+    out: list[InstalledFile] = []
+    for d in dirs:
+        with FileLock(d / PARTIAL_DIRNAME / "pull.lock", wait=wait, what=f"model directory {d}"):
+            out.extend(recheck_installed(d))
+    return out

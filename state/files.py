@@ -15,8 +15,14 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Literal, overload
 
+from core.diskspace import from_os_error, is_disk_full
 from core.errors import UsageError
 from core.records import DocumentFail
+
+# The home every write is confined to (:func:`checked_write_path`); set by :func:`prepare_home`,
+# which every command runs first. The home itself may be a symlink (an operator's choice); nothing
+# below it may be.
+_confine_root: Path | None = None
 
 
 def unusable_home(home: Path, named: str, reason: str, **details: object) -> UsageError:
@@ -46,6 +52,59 @@ def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
     if not os.access(home, os.W_OK | os.X_OK) or not os.access(logs_dir, os.W_OK | os.X_OK):
         raise unusable_home(home, named, "this user cannot write there (read-only filesystem or permissions)",
                             errno=errno.EACCES)
+    confine_writes_to(home)
+    checked_write_path(logs_dir, kind="directory")
+
+
+def confine_writes_to(home: Path | None) -> None:
+    """Make :func:`checked_write_path` refuse symlinks anywhere below ``home`` (None: no home known,
+    only the path's own last component is checked)."""
+    global _confine_root
+    _confine_root = None if home is None else Path(os.path.abspath(home))
+
+
+def _unsafe(path: Path, problem: str, fix: str) -> UsageError:
+    return UsageError(f"{path} {problem}; hotfit writes nothing through a symlink or outside its home",
+                      hint=fix, path=str(path), field="path")
+
+
+def checked_write_path(path: Path, *, kind: Literal["file", "directory"] = "file") -> Path:
+    """The one check before hotfit writes, creates, renames onto or locks ``path`` (docs/faults.md):
+    no component from the home down to ``path`` is a symlink, each existing one is a directory, and
+    what is at ``path`` is a ``kind`` (a missing one is fine). A path outside the home (a registry file
+    an operator named) is only checked for its type; with no home known (a library caller), the last
+    component is checked. UsageError (exit 2) names the path.
+    Writes then open with O_NOFOLLOW where they can, so a symlink made after this check fails too."""
+    target = Path(os.path.abspath(path))
+    root = _confine_root
+    chain: list[Path] = [target]
+    follow = False
+    if root is not None and target != root and target.is_relative_to(root):
+        chain = [root / Path(*target.relative_to(root).parts[:i + 1])
+                 for i in range(len(target.relative_to(root).parts))]
+    elif root is not None:
+        follow = True  # outside the home: a file the operator named, wherever their symlink points
+    for i, p in enumerate(chain):
+        try:
+            st = os.stat(p) if follow else os.lstat(p)
+        except FileNotFoundError:
+            return target  # nothing below a missing component exists yet
+        except NotADirectoryError:
+            raise _unsafe(p, "is below a file, not a directory", f"remove {p.parent} (it is not hotfit's)") from None
+        last = i == len(chain) - 1
+        if stat.S_ISLNK(st.st_mode):
+            raise _unsafe(p, f"is a symlink (to {os.readlink(p)!r})",
+                          f"remove the symlink {p} and rerun; to keep models on another disk point --home "
+                          "(or HOTFIT_HOME) there instead")
+        if not last and not stat.S_ISDIR(st.st_mode):
+            raise _unsafe(p, "is not a directory", f"remove {p} (hotfit needs a directory there) and rerun")
+        if last and kind == "directory" and not stat.S_ISDIR(st.st_mode):
+            raise _unsafe(p, "is not a directory", f"remove {p} (hotfit needs a directory there) and rerun")
+        if last and kind == "file" and not stat.S_ISREG(st.st_mode):
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise _unsafe(p, f"is {what}, where hotfit keeps a file",
+                          f"remove {p} and rerun (a download resumes from what else is kept)")
+    return target
 
 
 @overload
@@ -81,27 +140,38 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
+def write_text_atomic(path: Path, text: str, *, durable: bool = True, what: str = "file") -> None:
     """Write ``text`` beside ``path`` and rename it over ``path``, keeping an existing file's mode.
 
     ``durable`` fsyncs the data and the directory, so the new content survives a power cut.
     Without it (frequent checkpoints whose loss only costs a little redone work) the rename is
-    still atomic, so a reader never sees half a file.
+    still atomic, so a reader never sees half a file. A full disk is DiskSpaceError naming ``what``
+    (e.g. "receipt"), ``path`` and the bytes; the old file stays as it was.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    checked_write_path(path)
+    data = text.encode("utf-8")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        checked_write_path(path.parent, kind="directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None
+        raise
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
             if durable:
-                handle.flush()
                 os.fsync(handle.fileno())
         os.chmod(tmp_name, mode)
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as exc:
         with suppress(FileNotFoundError):
             os.unlink(tmp_name)
+        if is_disk_full(exc):
+            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None  # type: ignore[arg-type]
         raise
     if durable:
         fsync_dir(path.parent)
@@ -109,8 +179,11 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
 
 def finalize_file(partial: Path, final: Path) -> None:
     """fsync a finished file, rename it into place atomically, fsync the directory."""
+    checked_write_path(partial)
+    checked_write_path(final)
+    checked_write_path(final.parent, kind="directory")
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(partial, os.O_RDONLY)
+    fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:

@@ -38,8 +38,10 @@ from typing import AsyncIterator, Iterator
 
 import anyio
 
+from core.diskspace import from_os_error, is_disk_full
 from core.errors import LockedError
 from core.log import get_logger
+from state.files import checked_write_path
 
 __all__ = ["FileLock", "LockHolder", "read_holder"]
 
@@ -94,8 +96,9 @@ class FileLock:
         return self._fd is not None
 
     def _open(self) -> int:
+        checked_write_path(self.path)  # never a lock through a symlink, nor a directory (docs/faults.md)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
     def _try_lock(self, fd: int) -> bool:
         try:
@@ -107,8 +110,15 @@ class FileLock:
         return True
 
     def _claim(self, fd: int) -> None:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {_current_command()}\n".encode(), 0)
+        holder = f"{os.getpid()} {_current_command()}\n".encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder, 0)
+        except OSError as exc:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if is_disk_full(exc):
+                raise from_os_error(exc, self.path, needed_bytes=len(holder), what="the lock file") from None
+            raise
         self._fd = fd
 
     def _locked_error(self) -> LockedError:

@@ -26,12 +26,12 @@ from core.errors import IntegrityError
 from core.log import get_logger
 from core.records import parse_own_file
 from core.model_files import FileIdentity
-from state.files import write_text_atomic
+from state.files import checked_write_path, write_text_atomic
 
 log = get_logger()
 
 __all__ = ["Receipt", "RECEIPT_SCHEMA", "receipt_path", "decode_receipt", "read_receipt", "write_receipt",
-           "receipt_matches", "file_identity", "sha256_file"]
+           "drop_receipt", "receipt_matches", "file_identity", "git_blob_sha1", "sha256_file"]
 
 RECEIPT_SCHEMA = 1
 RECEIPTS_DIRNAME = ".verified"
@@ -113,7 +113,15 @@ def read_receipt(dest_dir: Path, file: str) -> Receipt | None:
 def write_receipt(dest_dir: Path, receipt: Receipt, *, key: str | None = None) -> None:
     """Write ``receipt`` durably; ``key`` names it when it is not ``receipt.file`` (a snapshot file's
     receipt is kept under ``snapshot/<path>`` and records the path inside the repository)."""
-    write_text_atomic(receipt_path(dest_dir, key or receipt.file), json.dumps(receipt.to_json(), sort_keys=True))
+    write_text_atomic(receipt_path(dest_dir, key or receipt.file), json.dumps(receipt.to_json(), sort_keys=True),
+                      what="the receipt")
+
+
+def drop_receipt(dest_dir: Path, key: str) -> None:
+    """Remove the receipt of ``key`` (the file it vouched for no longer hashes to it)."""
+    path = receipt_path(dest_dir, key)
+    checked_write_path(path)
+    path.unlink(missing_ok=True)
 
 
 def receipt_matches(receipt: Receipt | None, artifact: Artifact, final: Path) -> bool:
@@ -135,6 +143,15 @@ def file_identity(path: Path) -> FileIdentity:
     st = os.stat(path)
     return FileIdentity(device=st.st_dev, inode=st.st_ino, size_bytes=st.st_size, mtime_ns=st.st_mtime_ns,
                         ctime_ns=st.st_ctime_ns)
+
+
+def git_blob_sha1(path: Path) -> str:
+    """The git blob id of a file (what the Hub lists for a small non-LFS file)."""
+    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode(), usedforsecurity=False)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def sha256_file(path: Path) -> str:

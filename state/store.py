@@ -32,7 +32,8 @@ from typing import Any, Iterator, Literal, Sequence
 
 import anyio.to_thread
 
-from core.errors import LockedError, UsageError
+from core.diskspace import disk_full_error, is_disk_full
+from core.errors import DiskSpaceError, LockedError, UsageError
 from core.records import field_dict
 from state.locks import read_holder
 
@@ -129,6 +130,12 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
 
 
+def _is_full(exc: BaseException) -> bool:
+    """SQLite's SQLITE_FULL ("database or disk is full"): the disk filled under a write."""
+    return isinstance(exc, sqlite3.OperationalError) and (
+        getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc))
+
+
 def _is_busy(exc: BaseException) -> bool:
     """SQLite's "database is locked" / "database is busy": another connection kept the write lock
     past the busy timeout."""
@@ -203,6 +210,8 @@ class SyncStateStore:
             # A damaged file or one from another hotfit version: say which file and what to do,
             # instead of a traceback (or a "no such column" half-way through a run).
             self._conn.close()
+            if _is_full(exc) or is_disk_full(exc.__cause__ or exc.__context__ or exc):
+                raise self._full_error(exc) from None
             if _is_busy(exc):
                 raise self._busy_error(exc, time.monotonic() - started) from None
             aside = self.path.parent / f"{self.path.stem}-unusable"
@@ -241,6 +250,20 @@ class SyncStateStore:
             state_db=str(self.path), holder_pid=holder_pid, open_by_pids=open_by, waited_s=round(waited_s, 3),
             sqlite_error=str(exc))
 
+    def _full_error(self, exc: BaseException) -> DiskSpaceError:
+        """The disk filled under a write: exit 4 naming the database and the bytes (nothing was
+        committed; the rerun resumes from the last committed stage)."""
+        page = 4096  # one page: the least a journal or a row needs
+        with contextlib.suppress(sqlite3.Error):
+            page = int(self._conn.execute("PRAGMA page_size").fetchone()[0])
+        return disk_full_error(self.path, needed_bytes=page, what="the state database", sqlite_error=str(exc))
+
+    def _rollback(self) -> None:
+        # SQLite has already rolled back after SQLITE_FULL (and some I/O errors): a second ROLLBACK
+        # would raise "no transaction is active" and hide the cause being raised.
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
+
     @contextlib.contextmanager
     def _busy_is_locked(self) -> Iterator[None]:
         started = time.monotonic()
@@ -249,6 +272,8 @@ class SyncStateStore:
         except sqlite3.OperationalError as exc:
             if _is_busy(exc):
                 raise self._busy_error(exc, time.monotonic() - started) from None
+            if _is_full(exc):
+                raise self._full_error(exc) from None
             raise
 
     def _init_schema(self) -> None:
@@ -274,7 +299,7 @@ class SyncStateStore:
                             f"table {table} lacks {', '.join(sorted(wanted - have))} (an older layout)")
                 self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def close(self) -> None:
@@ -291,7 +316,7 @@ class SyncStateStore:
                     self._conn.execute(sql, params)
                 self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
@@ -320,7 +345,7 @@ class SyncStateStore:
                     )
                 self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
         run = self.get_run(run_id)
         assert run is not None
@@ -363,7 +388,7 @@ class SyncStateStore:
                     "UPDATE runs SET status='interrupted', finished_at=? WHERE status='running'", (now,))
                 self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
         return count
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import DiskSpaceError
+
 from pipeline.registry_lock import write_atomic
 from state.files import finalize_file, write_text_atomic
 
@@ -34,8 +36,9 @@ def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.Mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(DiskSpaceError) as err:  # a full disk is exit 4 naming the file and the bytes
         write(target, "new")
+    assert err.value.details["path"] == str(target) and err.value.details["needed_bytes"] == 3
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
 

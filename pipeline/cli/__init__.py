@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from core import log
+from core.diskspace import from_os_error, is_disk_full
 from core.errors import HotfitError, Interrupted
 from core.settings import load_settings
-from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status
+from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
 from pipeline.cli.context import CliContext
-from state.files import prepare_home, unusable_home
+from state.files import checked_write_path, prepare_home, unusable_home
 
 EXIT_CODES_HELP = """exit codes:
   0    success
@@ -37,7 +39,7 @@ EXIT_CODES_HELP = """exit codes:
 
 
 def _commands() -> list[Any]:
-    return [probe, plan, registry, pull, auto, status, serve, grade]
+    return [probe, plan, registry, pull, auto, status, serve, grade, verify]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +79,9 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
         settings = load_settings(home=args.home, llama_server=args.llama_server)
         verbosity = args.verbose - args.quiet
         prepare_home(settings.home, settings.home_named, settings.log_path.parent)
+        for path, kind in ((settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
+                           (settings.manifest_path, "file"), (settings.models_dir, "directory")):
+            checked_write_path(path, kind=kind)  # type: ignore[arg-type]
         try:
             log.configure(args.log_format, verbosity, settings.log_path)
         except OSError as exc:
@@ -91,6 +96,13 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
         return _report(exc, want_json, out)
     except KeyboardInterrupt:
         return _report(Interrupted("interrupted; rerun the same command to resume"), want_json, out)
+    except OSError as exc:  # the writers map a full disk themselves; this is the net under them
+        if not is_disk_full(exc):
+            raise
+        home = args.home or os.environ.get("HOTFIT_HOME")
+        where = exc.filename or home or "?"
+        what = "a file" if exc.filename else "a file in the home"
+        return _report(from_os_error(exc, where, needed_bytes=None, what=what), want_json, out)
 
 
 def _report(exc: HotfitError, want_json: bool, out: TextIO) -> int:
