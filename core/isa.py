@@ -100,6 +100,7 @@ INTRINSIC_ONLY_CPUINFO = frozenset({
     "rdrand", "rdseed", "adx",
     "xsave", "xsaveopt", "xsavec", "xsaves",
     "clflushopt", "clwb",
+    "sse4a",  # EXTRQ/INSERTQ/MOVNTSS/MOVNTSD: builtins only
 })
 
 _MACRO_RE = re.compile(r"#define\s+(__[A-Z0-9_]+__)\s")

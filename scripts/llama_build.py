@@ -238,7 +238,7 @@ def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
         tail = (version.stderr or version.stdout).strip().splitlines()[-3:]
         raise BuildArchiveError(f"{server} --version failed here (exit {version.returncode}): {' | '.join(tail)} "
                                 "— a library it needs is missing on this machine, or the build is broken")
-    devices = _run(server, "--list-devices")
+    devices = _run(server, "-v", "--list-devices")  # -v: ggml logs the CPU variant it loads
     out = devices.stdout + devices.stderr
     if devices.returncode != 0:
         raise BuildArchiveError(f"{server} --list-devices failed here (exit {devices.returncode}): "

@@ -18,7 +18,7 @@ import pytest
 
 from backends.llama_server.discovery import BuildInfo, ServerBinary, check_cpu_features
 from core.errors import BackendError
-from core.isa import cpuinfo_flags, features_from_macros
+from core.isa import cpuinfo_flags, features_from_macros, ggml_cpu_variant
 from core.plan import ProbeResult
 from pipeline.cli import main
 from stages.probe import describe, probe_devices, save_probe
@@ -167,9 +167,15 @@ def test_plan_picks_a_model_and_a_device_the_backend_serves(row: Row, backend: s
         assert all(d["served"] is (d["kind"] == "cpu") for d in data["devices"])
 
 
-def test_the_lead_column_for_the_portable_builds_cpu_variant_is_reserved() -> None:
-    for row in ROWS:
-        assert "ggml_cpu_variant" in row.expected  # filled once core.isa names the variant ggml loads
+@pytest.mark.parametrize("row", [r for r in ROWS if r.file("proc-cpuinfo.txt")], ids=lambda r: r.machine)
+def test_the_portable_build_loads_the_expected_cpu_variant(row: Row) -> None:
+    """Which of the portable build's CPU variants ggml's scoring loads on this machine (core.isa),
+    from the variant table the real build recorded; None where no x86 variant applies (Arm64)."""
+    from tests.test_portable_build import _info, _require_build
+
+    variants = _info(_require_build("cpu"))["cpu_variants"]
+    flags = cpuinfo_flags(row.file("proc-cpuinfo.txt").read_text())  # type: ignore[union-attr]
+    assert ggml_cpu_variant(variants, flags) == row.expected["ggml_cpu_variant"]
 
 
 # ----------------------------------------------------------------------------- the captures, transcribed

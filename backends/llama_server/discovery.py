@@ -402,6 +402,17 @@ def _run_version(server: Path) -> str:
     return text
 
 
+def _run_list_devices(server: Path) -> str:
+    """``llama-server -v --list-devices`` (ggml logs which backend modules it loaded): its output,
+    empty when it cannot be run (the --version check before it already vouched for the binary)."""
+    try:
+        proc = subprocess.run([str(server), "-v", "--list-devices"], cwd=server.parent, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (proc.stdout or "") + (proc.stderr or "")
+
+
 def _read_build_info(server: Path, cpu_flags: frozenset[str]) -> BuildInfo:
     text = _run_version(server)  # always: a recorded build that no longer runs is caught here
     info_file = server.parent / BUILD_INFO_NAME
@@ -413,7 +424,7 @@ def _read_build_info(server: Path, cpu_flags: frozenset[str]) -> BuildInfo:
         if isinstance(data, dict):
             build = build_info_from_json(data)
             if build.cpu_variants:  # ask the binary which CPU variant ggml loads on this machine
-                build = with_loaded_variant(build, data, loaded_cpu_variant(text), cpu_flags)
+                build = with_loaded_variant(build, data, loaded_cpu_variant(_run_list_devices(server)), cpu_flags)
             return build
     parsed = parse_version_text(text)
     return dataclasses.replace(parsed, backend=_linked_backend(server))
