@@ -28,7 +28,7 @@ import pytest
 
 from core.plan import Device, ProbeResult
 from pipeline.cli import main
-from pipeline.cli.serve import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit
+from pipeline.cli.serve import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
 from pipeline.cli.status import label_value, nfd_labels
 from pipeline.manifest import Manifest, write_manifest
 from registry.kv import parse_kv_cache_type
@@ -172,6 +172,15 @@ def test_a_home_under_home_dirs_is_read_only_except_itself(tmp_path: Path) -> No
     assert unit_lines(unit, "ReadWritePaths") == ["/home/alice/.local/share/hotfit"]
     exposure, table = analyze_unit(unit, tmp_path)
     assert exposure <= EXPOSURE_MAX, table
+
+
+def test_unit_user_is_named_or_the_homes_owner_never_root(provisioned_home: dict, tmp_path: Path) -> None:
+    assert unit_user(tmp_path, "svc") == "svc"
+    owner = tmp_path.stat().st_uid
+    expected = "hotfit" if owner == 0 else __import__("pwd").getpwuid(owner).pw_name
+    assert unit_user(tmp_path, None) == expected != "root"
+    code, out = cli(provisioned_home["home"], "serve", "--json", "--print-command", "--unit-user", "svc")
+    assert code == 2 and "--print-systemd-unit" in json.loads(out)["error"]["hint"]
 
 
 # ----------------------------------------------------------------------------- NFD labels, Kubernetes

@@ -15,7 +15,10 @@ operator to run. Both commands come from the Backend boundary (``Backend.serve_c
 llama-server one carries the argv, environment and device pin the load stage opens the model with.
 
 ``--print-command`` and ``--print-systemd-unit`` hand the result to a service manager. The unit
-runs ``hotfit serve`` itself, so the memory check happens at every start. Plain ``serve``
+runs ``hotfit serve`` itself, so the memory check happens at every start, as an unprivileged
+account in a sandbox that still reaches the plan's GPU, and does not restart on hotfit's permanent
+exit codes (docs/recipes.md, "systemd"). llama-server is started with the registry name as its
+``--alias`` and ``--metrics`` on, for the clients and the Prometheus of a fleet. Plain ``serve``
 replaces itself with llama-server (exec), so a supervisor sees and signals llama-server directly.
 """
 
@@ -25,6 +28,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import pwd
 import shlex
 import shutil
 import sys
@@ -221,6 +225,8 @@ def systemd_unit(spec: UnitSpec) -> str:
         "SystemCallArchitectures=native",
         "SystemCallFilter=@system-service",
         "SystemCallFilter=~@privileged",
+        # a call outside the filter fails with EPERM instead of killing the server (SIGSYS)
+        "SystemCallErrorNumber=EPERM",
         "UMask=0027",
         # PrivateDevices= would hide the GPU: a closed policy with the accelerator's nodes instead
         "DevicePolicy=closed",
@@ -246,8 +252,6 @@ def unit_user(home: Path, named: str | None) -> str:
     if uid == 0:
         return DEFAULT_UNIT_USER
     try:
-        import pwd
-
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
@@ -340,6 +344,9 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     plan = plan_from_json(manifest.plan, source=f"manifest {settings.manifest_path}")  # UsageError naming the field
     if manifest.backend == "openvino":
         return _openvino_handler(args, ctx, manifest, plan)
+    if args.unit_user and not args.print_systemd_unit:
+        raise UsageError("--unit-user names the account of the printed systemd unit",
+                         hint="add --print-systemd-unit, or drop --unit-user")
     # What hotfit sets for the child beyond the inherited environment: the device pin, built by
     # the Backend that the load stage opens the model with.
     api_key_file = Path(args.api_key_file).resolve() if args.api_key_file else None
