@@ -145,6 +145,9 @@ def test_metrics_endpoint_is_on(served: dict) -> None:
     status, body = get(served, "/metrics")
     assert status == 200
     assert "# TYPE llamacpp:prompt_tokens_total counter" in body
+    with pytest.raises(urllib.error.HTTPError) as denied:  # behind the API key, like the API
+        urllib.request.urlopen(served["base"] + "/metrics", timeout=30)
+    assert denied.value.code == 401
 
 
 def _question() -> str:
