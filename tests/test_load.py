@@ -191,7 +191,7 @@ def wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
 
 FULL_FEATURES = ServerFeatures(
     log_jsonl=True, fit=True, ngl_all=True, api_key_env=True, api_key_file=True, cache_ram=True,
-    offline=True, verbosity=True, flash_attn_values=True,
+    offline=True, verbosity=True, flash_attn_values=True, alias=True, metrics=True,
 )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.cli.serve import decide_window, systemd_unit
+from pipeline.cli.serve import UnitSpec, decide_window, systemd_unit
 from core.errors import NoModelQualifies
 from pipeline.manifest import Manifest, read_manifest, write_manifest
 from core.plan import Device, ProbeResult
@@ -154,8 +154,9 @@ def test_systemd_unit_runs_hotfit_serve(provisioned: dict) -> None:
     exec_line = next(line for line in out.splitlines() if line.startswith("ExecStart="))
     assert " serve " in exec_line and "--port 8181" in exec_line and str(provisioned["home"]) in exec_line
     assert "Environment=CONTENOX_LLAMA_KV_CACHE_TYPE=f16" in out
-    assert "RestartPreventExitStatus=3" in out
-    unit = systemd_unit(["/usr/bin/hotfit", "serve"], {"A": "b c"}, "x")
+    assert "RestartPreventExitStatus=2 3 5" in out
+    unit = systemd_unit(UnitSpec(["/usr/bin/hotfit", "serve"], {"A": "b c"}, "x", user="hotfit",
+                                 home=Path("/var/lib/hotfit"), device_kind="cpu"))
     assert "Environment='A=b c'" in unit
 
 

@@ -55,7 +55,8 @@ class LlamaServerBackend:
         found = await self._binary(plan, settings, binary)
         features = await probe_server_features(found.server_path)
         argv = llama_server_argv(plan, files.weights, files.template, port, binary=found.server_path,
-                                 features=features, host=host, api_key_file=api_key_file)
+                                 features=features, host=host, api_key_file=api_key_file,
+                                 alias=model_name or None, metrics=True)
         # child_env with an empty base: exactly the variables hotfit sets (the device pin)
         return ServeCommand("llama-server", tuple(argv), child_env(plan, None, {}),
                             unset=("LLAMA_ARG_*", API_KEY_ENV))

@@ -91,6 +91,8 @@ class ServerFeatures:
     offline: bool  # --offline
     verbosity: bool  # -lv / --log-verbosity
     flash_attn_values: bool  # -fa takes on|off|auto (older builds: bare switch)
+    alias: bool = False  # -a / --alias: the model name /v1/models and responses carry
+    metrics: bool = False  # --metrics: Prometheus text on /metrics
 
 
 def parse_server_features(help_text: str) -> ServerFeatures:
@@ -111,6 +113,8 @@ def parse_server_features(help_text: str) -> ServerFeatures:
         offline=has("--offline"),
         verbosity=has("--log-verbosity"),
         flash_attn_values=re.search(r"--flash-attn \[on\|off\|auto\]", help_text) is not None,
+        alias=has("--alias"),
+        metrics=has("--metrics"),
     )
 
 
@@ -126,11 +130,15 @@ def llama_server_argv(
     api_key_file: Path | None = None,
     threads: int | None = None,
     warmup: bool = True,
+    alias: str | None = None,
+    metrics: bool = False,
 ) -> list[str]:
     """The full llama-server command line for ``plan`` (pure; ``hotfit serve`` reuses it).
 
     The API key is *not* in argv: pass it with :func:`server_env`, or name a key file
-    (``api_key_file``, for a long-running ``hotfit serve``)."""
+    (``api_key_file``, for a long-running ``hotfit serve``). ``alias`` names the model to clients
+    (``/v1/models``, ``model`` in answers) instead of the GGUF's path; ``metrics`` turns on
+    ``/metrics`` — both for ``hotfit serve``, where a fleet's clients and Prometheus read them."""
     kv = plan.kv_cache_type
     accelerator = plan.probe.device.kind != "cpu"
     argv = [
@@ -176,6 +184,10 @@ def llama_server_argv(
         argv += ["-t", str(threads)]
     if not warmup:
         argv += ["--no-warmup"]
+    if alias and features.alias:
+        argv += ["--alias", alias]
+    if metrics and features.metrics:
+        argv += ["--metrics"]
     return argv
 
 

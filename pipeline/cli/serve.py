@@ -15,7 +15,10 @@ operator to run. Both commands come from the Backend boundary (``Backend.serve_c
 llama-server one carries the argv, environment and device pin the load stage opens the model with.
 
 ``--print-command`` and ``--print-systemd-unit`` hand the result to a service manager. The unit
-runs ``hotfit serve`` itself, so the memory check happens at every start. Plain ``serve``
+runs ``hotfit serve`` itself, so the memory check happens at every start, as an unprivileged
+account in a sandbox that still reaches the plan's GPU, and does not restart on hotfit's permanent
+exit codes (docs/recipes.md, "systemd"). llama-server is started with the registry name as its
+``--alias`` and ``--metrics`` on, for the clients and the Prometheus of a fleet. Plain ``serve``
 replaces itself with llama-server (exec), so a supervisor sees and signals llama-server directly.
 """
 
@@ -25,6 +28,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import pwd
 import shlex
 import shutil
 import sys
@@ -35,9 +39,9 @@ from typing import Any
 import anyio
 
 from backends.base import ModelFiles, ServeCommand
-from backends.llama_server.discovery import gpu_listing_binaries
+from backends.llama_server.discovery import find_llama_server, gpu_listing_binaries
 from backends.select import backend_for
-from core.errors import NoModelQualifies, UsageError
+from core.errors import HotfitError, NoModelQualifies, UsageError
 from core.log import get_logger
 from pipeline.cli.context import CliContext
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
@@ -57,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
     p.add_argument("--print-command", action="store_true", help="print the llama-server command line and exit")
     p.add_argument("--print-systemd-unit", action="store_true", help="print a systemd unit and exit")
+    p.add_argument("--unit-user", metavar="USER",
+                   help="with --print-systemd-unit: the account the service runs as "
+                        "(default: the home's owner, or `hotfit` when root owns it)")
     p.add_argument("--probe-file", metavar="FILE",
                    help="check against a saved probe (hotfit probe --json) instead of probing now")
     p.add_argument("--api-key-file", metavar="FILE", help="require the API key in FILE (passed to llama-server)")
@@ -123,22 +130,109 @@ def _probe_now(args: argparse.Namespace, settings: Any) -> Any:
     return probe_stage.probe_devices(ggml_binaries=gpu_listing_binaries(settings))
 
 
-def systemd_unit(hotfit_argv: list[str], env: dict[str, str], description: str) -> str:
-    """Pure: a unit that runs `hotfit serve` (the memory check repeats at every start)."""
+# Exit codes of `hotfit serve` that a restart cannot change (core/errors.py): 2 nothing provisioned
+# or a bad setting, 3 the device no longer holds the floor (or is gone), 5 no usable llama-server.
+# 7 (the hardware probe failed) stays restartable: at boot the GPU driver may come up late.
+PERMANENT_EXIT_CODES = (2, 3, 5)
+# Past this many starts in this interval systemd stops trying (a crash loop of llama-server itself).
+START_LIMIT_BURST = 5
+START_LIMIT_INTERVAL_S = 600
+RESTART_SEC = 10
+# Device-node groups (/proc/devices) a plan's accelerator is opened through; DevicePolicy=closed
+# allows nothing else. NVIDIA: the cards, nvidiactl and modeset share "nvidia-frontend", UVM is
+# CUDA's memory manager, "nvidia-caps" the MIG capabilities. AMD/Vulkan: DRM render nodes
+# (/dev/dri), and /dev/kfd for ROCm builds.
+GPU_DEVICE_ALLOW: dict[str, tuple[str, ...]] = {
+    "nvidia": ("char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps rw"),
+    "amd": ("char-drm rw", "/dev/kfd rw"),
+    "vulkan": ("char-drm rw", "/dev/kfd rw"),
+    "cpu": (),
+}
+# Home directories ProtectHome= hides; a path under them needs ProtectHome=read-only.
+_HOME_ROOTS = (Path("/home"), Path("/root"), Path("/run/user"))
+_STATE_ROOT = Path("/var/lib")
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What the printed unit depends on (built from the provisioned home; rendered purely)."""
+
+    hotfit_argv: list[str]
+    env: dict[str, str]
+    description: str
+    user: str
+    home: Path
+    device_kind: str
+    paths: tuple[Path, ...] = ()  # files the service reads outside the home: hotfit, llama-server
+
+
+def under_home_dirs(path: Path) -> bool:
+    return any(path == root or root in path.parents for root in _HOME_ROOTS)
+
+
+def systemd_unit(spec: UnitSpec) -> str:
+    """Pure: a hardened unit that runs `hotfit serve` (the memory check repeats at every start).
+
+    The service runs as ``spec.user`` (not root) with no capabilities, a read-only system, a
+    system-call filter and a closed device policy that still admits the plan's accelerator
+    (docs/recipes.md, "systemd"). A home under /var/lib is the unit's StateDirectory (systemd
+    creates it and hands it to the user); elsewhere it is the one writable path."""
+    home = spec.home
+    state_dir = str(home.relative_to(_STATE_ROOT)) if _STATE_ROOT in home.parents else None
+    hidden = any(under_home_dirs(p) for p in (home, *spec.paths))
+    kind = spec.device_kind
+    devices = GPU_DEVICE_ALLOW.get(kind, GPU_DEVICE_ALLOW["vulkan"])
     lines = [
         "[Unit]",
-        f"Description={description}",
+        f"Description={spec.description}",
+        "Wants=network-online.target",
         "After=network-online.target",
+        # a crash loop ends: after START_LIMIT_BURST starts in the interval the unit stays failed
+        f"StartLimitIntervalSec={START_LIMIT_INTERVAL_S}",
+        f"StartLimitBurst={START_LIMIT_BURST}",
         "",
         "[Service]",
         "Type=exec",
-        *(f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(env.items())),
-        f"ExecStart={shlex.join(hotfit_argv)}",
+        f"User={spec.user}",
+        *(f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(spec.env.items())),
+        f"ExecStart={shlex.join(spec.hotfit_argv)}",
         "Restart=on-failure",
-        "RestartSec=5",
-        # exit 3: the device no longer holds the floor; restarting would not change that
-        "RestartPreventExitStatus=3",
+        f"RestartSec={RESTART_SEC}",
+        f"RestartPreventExitStatus={' '.join(map(str, PERMANENT_EXIT_CODES))}",
         "KillSignal=SIGTERM",
+        *([f"StateDirectory={state_dir}", "StateDirectoryMode=0750"] if state_dir else [f"ReadWritePaths={home}"]),
+        "ProtectSystem=strict",
+        # hotfit, llama-server or the home under /home or /root: readable, not writable (but the home)
+        "ProtectHome=read-only" if hidden else "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+        "CapabilityBoundingSet=",
+        "AmbientCapabilities=",
+        "PrivateUsers=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectProc=invisible",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "LockPersonality=yes",
+        "RemoveIPC=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallFilter=~@privileged",
+        # a call outside the filter fails with EPERM instead of killing the server (SIGSYS)
+        "SystemCallErrorNumber=EPERM",
+        "UMask=0027",
+        # PrivateDevices= would hide the GPU: a closed policy with the accelerator's nodes instead
+        "DevicePolicy=closed",
+        *(f"DeviceAllow={d}" for d in devices),
+        # render nodes are group-owned (render, video on older systems)
+        *(["SupplementaryGroups=render video"] if any("drm" in d for d in devices) else []),
         "",
         "[Install]",
         "WantedBy=multi-user.target",
@@ -147,16 +241,59 @@ def systemd_unit(hotfit_argv: list[str], env: dict[str, str], description: str) 
     return "\n".join(lines)
 
 
-def _hotfit_command(ctx: CliContext, args: argparse.Namespace) -> list[str]:
+def unit_user(home: Path, named: str | None) -> str:
+    """``--unit-user``, else the owner of the home when that is not root, else ``hotfit``."""
+    if named:
+        return named
+    try:
+        uid = home.stat().st_uid
+    except OSError:
+        return DEFAULT_UNIT_USER
+    if uid == 0:
+        return DEFAULT_UNIT_USER
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+DEFAULT_UNIT_USER = "hotfit"
+
+
+def _hotfit_command(ctx: CliContext, args: argparse.Namespace, server: Path | None) -> list[str]:
     exe = shutil.which("hotfit")
     base = [exe] if exe else [sys.executable, "-m", "pipeline"]
     cmd = base + ["--home", str(ctx.settings.home)]
-    if ctx.settings.llama_server is not None:
-        cmd += ["--llama-server", str(ctx.settings.llama_server)]
+    if server is not None:
+        cmd += ["--llama-server", str(server)]
     cmd += ["--log-format", "json", "serve", "--host", args.host, "--port", str(args.port)]
     if args.api_key_file:
         cmd += ["--api-key-file", str(Path(args.api_key_file).resolve())]
     return cmd
+
+
+def _unit_server(settings: Any, plan: Any) -> Path | None:
+    """The llama-server the unit pins: the one named, else the one found now (the service user's
+    own build cache may hold none); None when none is found — the unit then searches at start."""
+    if settings.llama_server is not None:
+        return Path(settings.llama_server).absolute()
+    try:
+        return find_llama_server(settings, device_kind=plan.probe.device.kind).server_path
+    except HotfitError:
+        return None
+
+
+def _unit_spec(ctx: CliContext, args: argparse.Namespace, manifest: Manifest, plan: Any) -> UnitSpec:
+    settings = ctx.settings
+    server = _unit_server(settings, plan)
+    argv = _hotfit_command(ctx, args, server)
+    env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type} | backend_for("llama").device_env(plan)
+    home = Path(settings.home).absolute()
+    paths = tuple(Path(p) for p in (argv[0], os.path.realpath(argv[0]), sys.prefix) if p) + (
+        (server, server.resolve()) if server is not None else ())
+    return UnitSpec(hotfit_argv=argv, env=env, description=f"hotfit: llama-server serving {manifest.entry_name}",
+                    user=unit_user(home, args.unit_user), home=home, device_kind=plan.probe.device.kind,
+                    paths=paths)
 
 
 def _files(manifest: Manifest) -> ModelFiles:
@@ -207,14 +344,14 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     plan = plan_from_json(manifest.plan, source=f"manifest {settings.manifest_path}")  # UsageError naming the field
     if manifest.backend == "openvino":
         return _openvino_handler(args, ctx, manifest, plan)
+    if args.unit_user and not args.print_systemd_unit:
+        raise UsageError("--unit-user names the account of the printed systemd unit",
+                         hint="add --print-systemd-unit, or drop --unit-user")
     # What hotfit sets for the child beyond the inherited environment: the device pin, built by
     # the Backend that the load stage opens the model with.
     api_key_file = Path(args.api_key_file).resolve() if args.api_key_file else None
     if args.print_systemd_unit:
-        pin_env = backend_for("llama").device_env(plan)
-        env = {"CONTENOX_LLAMA_KV_CACHE_TYPE": manifest.kv_cache_type} | pin_env
-        unit = systemd_unit(_hotfit_command(ctx, args), env,
-                            f"hotfit: llama-server serving {manifest.entry_name}")
+        unit = systemd_unit(_unit_spec(ctx, args, manifest, plan))
         ctx.emit({"unit": unit}, unit)
         return 0
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from pipeline.cli.context import CliContext
@@ -15,6 +17,7 @@ from core.errors import UsageError
 from pipeline.evidence import evidence_status
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.registry_file import load_registry
+from state.files import write_text_atomic
 from state.locks import read_holder
 from state.store import RunRecord, StageRecord, SyncStateStore
 
@@ -25,7 +28,57 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                                    "and what a rerun of `hotfit auto` would do.")
     p.add_argument("--registry", metavar="FILE",
                    help="registry whose tool-chat models' grade evidence is shown (default: the bundled one)")
+    p.add_argument("--nfd-features", metavar="FILE",
+                   help="also write the provisioned model as Node Feature Discovery labels to FILE "
+                        "(e.g. /etc/kubernetes/node-feature-discovery/features.d/hotfit), atomically")
     p.set_defaults(handler=handler)
+
+
+# Node Feature Discovery's local source reads `name=value` lines from features.d files; a
+# namespaced name is published as is (docs/recipes.md, "Kubernetes").
+NFD_PREFIX = "hotfit.io/"
+_LABEL_VALUE_MAX = 63  # a Kubernetes label value: at most 63 characters,
+_LABEL_BAD = re.compile(r"[^A-Za-z0-9._-]+")  # of these, starting and ending alphanumeric
+
+
+def label_value(text: str) -> str:
+    """Pure: ``text`` as a valid Kubernetes label value (other characters become '-')."""
+    value = _LABEL_BAD.sub("-", text)[:_LABEL_VALUE_MAX]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+
+
+def nfd_labels(manifest: Manifest | None, problems: list[str]) -> dict[str, str]:
+    """Pure: the node labels for what is provisioned. Nothing usable → only ``provisioned=false``,
+    so NFD drops the model labels a previous write published."""
+    if manifest is None or problems:
+        return {f"{NFD_PREFIX}provisioned": "false"}
+    context = manifest.opened_context_tokens or manifest.planned_hot_context_tokens
+    labels = {
+        "provisioned": "true",
+        "model": label_value(manifest.entry_name),
+        "context": str(context),
+        "kv-type": label_value(manifest.kv_cache_type),
+        "backend": label_value(manifest.backend),
+    }
+    kind = manifest.device.get("kind")
+    if kind:
+        labels["device"] = label_value(str(kind))
+    return {NFD_PREFIX + k: v for k, v in labels.items()}
+
+
+def nfd_features_text(labels: dict[str, str]) -> str:
+    return "# written by `hotfit status --nfd-features` (docs/recipes.md)\n" + "".join(
+        f"{k}={v}\n" for k, v in labels.items())
+
+
+def write_nfd_features(path: Path, labels: dict[str, str]) -> None:
+    """Atomically (NFD's worker may read the file at any moment), naming the file on failure."""
+    try:
+        write_text_atomic(path, nfd_features_text(labels))
+    except OSError as exc:
+        raise UsageError(f"cannot write the NFD features file {path}: {exc.strerror or exc}",
+                         hint="point --nfd-features at a writable file, e.g. under "
+                              "/etc/kubernetes/node-feature-discovery/features.d/") from None
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -169,5 +222,11 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         lines += [f"  problem: {p}" for p in problems]
     lines += evidence_lines(evidence)
     lines.append(f"a rerun would: {rerun}")
+    if args.nfd_features:
+        labels = nfd_labels(manifest, problems)
+        write_nfd_features(Path(args.nfd_features), labels)
+        data["nfd_features"] = {"path": str(Path(args.nfd_features).absolute()), "labels": labels}
+        lines.append(f"NFD labels written to {args.nfd_features}: "
+                     + " ".join(f"{k}={v}" for k, v in labels.items()))
     ctx.emit(data, "\n".join(lines))
     return 0

@@ -1,0 +1,177 @@
+"""`hotfit serve` as a fleet's clients meet it (docs/recipes.md, "Clients"): the model is listed
+under its registry name (llama-server ``--alias``), ``/metrics`` is on, and the openai SDK and
+LangChain's ``ChatOpenAI(...).bind_tools`` get a parsed tool call from the served tool-call
+fixture — with the real llama-server, behind the API key from ``--api-key-file``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.llama_server.flags import ServerFeatures, llama_server_argv, parse_server_features
+from pipeline.manifest import Manifest, write_manifest
+from registry.kv import parse_kv_cache_type
+from stages.plan import build_plan
+from core.plan import Device, ProbeResult
+from tests.e2e_support import HOST_TOTAL_BYTES, GiB, fixture_entry, sha256_of, write_probe
+from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server, write_tool_call_model
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "fx-agent"
+FEATURES = ServerFeatures(log_jsonl=True, fit=True, ngl_all=True, api_key_env=True, api_key_file=True,
+                          cache_ram=True, offline=True, verbosity=True, flash_attn_values=True,
+                          alias=True, metrics=True)
+
+
+# ----------------------------------------------------------------------------- flags (pure)
+
+
+def test_alias_and_metrics_are_read_from_help() -> None:
+    help_text = ("-a,    --alias STRING                   set model name aliases, comma-separated\n"
+                 "--metrics                               enable prometheus compatible metrics endpoint\n")
+    features = parse_server_features(help_text)
+    assert features.alias and features.metrics
+    older = parse_server_features("--port PORT   port to listen\n--metrics-port N\n")
+    assert not older.alias and not older.metrics  # --metrics-port is not --metrics
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A home as `hotfit auto` leaves it, for the tool-call fixture on the host (CPU)."""
+    root = tmp_path_factory.mktemp("serve-clients")
+    home = root / "home"
+    model_dir = home / "models" / MODEL
+    model_dir.mkdir(parents=True)
+    info = write_tool_call_model(model_dir / f"{MODEL}.gguf")
+    entry = fixture_entry(MODEL, info, repo=f"hotfit-fixtures/{MODEL}-GGUF", revision="a" * 40,
+                          sha256=sha256_of(info.path), params_b=0.02, template=None)
+    probe = ProbeResult(devices=(Device(0, "cpu", "fixture host", HOST_TOTAL_BYTES, 8 * GiB),), selected=0)
+    plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
+    assert plan is not None
+    template = model_dir / "chat_template.jinja"
+    manifest = Manifest(
+        run_id="r1", plan_id=plan.plan_id, written_at="2026-11-29T00:00:00Z", entry_name=MODEL,
+        model_path=str(info.path), model_size_bytes=info.size_bytes, model_sha256=sha256_of(info.path),
+        template_path=str(template), projector_path=None, kv_cache_type="f16",
+        planned_hot_context_tokens=plan.hot_context_tokens,
+        measured={"opened_context_tokens": plan.hot_context_tokens}, probe_verdict={"passed": True},
+        llama_cpp={}, device={}, plan=plan.to_json(),
+    )
+    write_manifest(home / "manifest.json", manifest)
+    return {"home": home, "root": root, "plan": plan, "model": info.path, "template": template}
+
+
+def test_argv_names_the_model_and_turns_metrics_on(home: dict) -> None:
+    argv = llama_server_argv(home["plan"], home["model"], None, 8080, binary=Path("/bin/llama-server"),
+                             features=FEATURES, alias=MODEL, metrics=True)
+    assert argv[argv.index("--alias") + 1] == MODEL and argv.count("--metrics") == 1
+    # the load stage's probe session passes neither; a build without the flags gets neither
+    plain = llama_server_argv(home["plan"], home["model"], None, 8080, binary=Path("/bin/llama-server"),
+                              features=FEATURES)
+    assert "--alias" not in plain and "--metrics" not in plain
+    old = ServerFeatures(**{**FEATURES.__dict__, "alias": False, "metrics": False})
+    bare = llama_server_argv(home["plan"], home["model"], None, 8080, binary=Path("/bin/llama-server"),
+                             features=old, alias=MODEL, metrics=True)
+    assert "--alias" not in bare and "--metrics" not in bare
+
+
+# ----------------------------------------------------------------------------- the real server
+
+
+@pytest.fixture(scope="module")
+def served(home: dict) -> Iterator[dict[str, Any]]:
+    """`hotfit serve` on the fixture with an API key file; yields its base URL and key."""
+    require_llama_server()
+    home["template"].write_text(pinned_template().read_text(encoding="utf-8"))  # makes tool calls parse
+    key = "test-key-" + os.urandom(8).hex()
+    key_file = home["root"] / "api-key"
+    key_file.write_text(key + "\n")
+    port = free_port()
+    probe = write_probe(home["root"] / "probe.json", 8 * GiB)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "--home", str(home["home"]), "--log-format", "json",
+                             "serve", "--port", str(port), "--probe-file", str(probe), "--api-key-file",
+                             str(key_file)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (OSError, urllib.error.HTTPError):
+                pass
+            assert time.monotonic() < deadline, "hotfit serve did not come up"
+            time.sleep(0.2)
+        yield {"base": base, "key": key}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def get(served: dict, path: str) -> tuple[int, str]:
+    req = urllib.request.Request(served["base"] + path, headers={"Authorization": f"Bearer {served['key']}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.status, resp.read().decode()
+
+
+@pytest.mark.llama
+def test_models_lists_the_registry_name(served: dict) -> None:
+    status, body = get(served, "/v1/models")
+    assert status == 200
+    ids = [m["id"] for m in json.loads(body)["data"]]
+    assert ids == [MODEL]  # not the GGUF's path
+
+
+@pytest.mark.llama
+def test_metrics_endpoint_is_on(served: dict) -> None:
+    status, body = get(served, "/metrics")
+    assert status == 200
+    assert "# TYPE llamacpp:prompt_tokens_total counter" in body
+    with pytest.raises(urllib.error.HTTPError) as denied:  # behind the API key, like the API
+        urllib.request.urlopen(served["base"] + "/metrics", timeout=30)
+    assert denied.value.code == 401
+
+
+def _question() -> str:
+    return "Echo the word hello with the tool."
+
+
+@pytest.mark.llama
+def test_openai_sdk_gets_a_parsed_tool_call(served: dict) -> None:
+    import openai
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key=served["key"], max_retries=0, timeout=120)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": _question()}],
+                                            tools=[PROBE_TOOL], tool_choice="required", temperature=0)
+    assert answer.model == MODEL
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "hotfit_probe" and json.loads(call.function.arguments) == {"text": ""}
+
+
+@pytest.mark.llama
+def test_langchain_bind_tools_gets_a_parsed_tool_call(served: dict) -> None:
+    import langchain_openai
+    chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=served["base"] + "/v1", api_key=served["key"],
+                                       temperature=0, max_retries=0, timeout=120)
+    message = chat.bind_tools([PROBE_TOOL], tool_choice="required").invoke(_question())
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("hotfit_probe", {"text": ""})]
+    assert message.invalid_tool_calls == []
