@@ -14,6 +14,8 @@ Environment variables (all optional):
 ``HF_ENDPOINT``                 Hub (or mirror) base URL (default https://huggingface.co)
 ``HF_TOKEN``                    Hub token; else huggingface_hub's token store
 ``HF_HUB_OFFLINE``              1 = never touch the network
+``HTTP_PROXY`` ``HTTPS_PROXY``   proxies for every request, either case (download.proxy reads
+``ALL_PROXY`` ``NO_PROXY``       them with httpx's rules; docs/network.md)
 ==============================  ===============================================================
 
 On-disk layout under the home directory (the one place it is written down)::
@@ -45,6 +47,7 @@ from core.errors import UsageError
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_DOWNLOAD_CONNECTIONS = 4
 KV_CACHE_ENV = "CONTENOX_LLAMA_KV_CACHE_TYPE"
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")  # either case
 LLAMA_SDIST_VERSION = "0.3.36"  # keep in step with scripts/install-llama-server
 
 
@@ -90,6 +93,8 @@ class Settings:
     llama_server_source: str | None = None
     # where home came from: "flag" (--home), "env" (HOTFIT_HOME) or "default" (XDG/HOME)
     home_source: str = "default"
+    # the proxy variables as set (name as spelled, value); parsed where a request is made (download.proxy)
+    proxy_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def home_named(self) -> str:
@@ -142,4 +147,5 @@ def load_settings(
         download_connections=connections,
         llama_server_source=("flag" if llama_server else "env") if server else None,
         home_source="flag" if home else ("env" if env.get("HOTFIT_HOME") else "default"),
+        proxy_env=tuple(sorted((k, v) for k, v in env.items() if k.upper() in PROXY_VARIABLES)),
     )

@@ -67,6 +67,7 @@ from download import (
     hub_error_from_hf_exception,
     is_commit,
     partial_paths,
+    proxy_config,
     resolve_token,
     safe_relpath,
 )
@@ -270,6 +271,9 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str,
         raise HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
                        hint="unset HF_HUB_OFFLINE to download", repo=repo)
     check_endpoint(settings.hf_endpoint)
+    # huggingface_hub's client reads the proxy variables itself, with the rules download.proxy
+    # checks here (a malformed one is exit 2 before a request) and names in errors
+    proxy = proxy_config(dict(settings.proxy_env)).for_url(settings.hf_endpoint)
     token = resolve_token()
     listing_url = f"{settings.hf_endpoint}/api/models/{repo}/tree/{revision}"
     try:
@@ -279,7 +283,7 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str,
         raise
     except Exception as exc:
         mapped = hub_error_from_hf_exception(exc, repo=repo, revision=revision, endpoint=settings.hf_endpoint,
-                                             url=listing_url)
+                                             url=listing_url, proxy=proxy)
         if mapped is None:
             raise HubError(f"listing {repo}@{revision} failed: {exc}", hint="check HF_ENDPOINT and rerun",
                            repo=repo, revision=revision) from exc

@@ -20,6 +20,10 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ.pop("HF_TOKEN", None)
 os.environ.pop("CONTENOX_LLAMA_KV_CACHE_TYPE", None)
+# hotfit honours proxies (docs/network.md): one inherited from the machine would route the loopback
+# Hub of every test through it. The proxy tests set them per subprocess / settings.
+for _name in [k for k in os.environ if k.lower() in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")]:
+    os.environ.pop(_name)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
