@@ -16,6 +16,7 @@ Environment variables (all optional):
 ``HF_HUB_OFFLINE``              1 = never touch the network
 ``HTTP_PROXY`` ``HTTPS_PROXY``   proxies for every request, either case (download.proxy reads
 ``ALL_PROXY`` ``NO_PROXY``       them with httpx's rules; docs/network.md)
+``HF_HUB_CACHE`` / ``HF_HOME``  the Hugging Face cache pinned files are taken from (docs/network.md)
 ==============================  ===============================================================
 
 On-disk layout under the home directory (the one place it is written down)::
@@ -71,6 +72,15 @@ def default_llama_cache(env: Mapping[str, str]) -> Path:
     return _xdg_dir(env, "HOTFIT_LLAMA_CACHE", "XDG_CACHE_HOME", ".cache", "hotfit", "llama.cpp")
 
 
+def default_hf_hub_cache(env: Mapping[str, str]) -> Path:
+    """huggingface_hub's cache directory (its constants.py): ``HF_HUB_CACHE`` (or the legacy
+    ``HUGGINGFACE_HUB_CACHE``), else ``HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return Path(os.path.expandvars(env[name])).expanduser()
+    return _xdg_dir(env, "HF_HOME", "XDG_CACHE_HOME", ".cache", "huggingface") / "hub"
+
+
 def _in_home(*parts: str) -> property:
     """A path of the home's layout (the module docstring's table), as a read-only property."""
 
@@ -95,6 +105,8 @@ class Settings:
     home_source: str = "default"
     # the proxy variables as set (name as spelled, value); parsed where a request is made (download.proxy)
     proxy_env: tuple[tuple[str, str], ...] = ()
+    # the Hugging Face cache's hub directory (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)
+    hf_hub_cache: Path | None = None
 
     @property
     def home_named(self) -> str:
@@ -148,4 +160,5 @@ def load_settings(
         llama_server_source=("flag" if llama_server else "env") if server else None,
         home_source="flag" if home else ("env" if env.get("HOTFIT_HOME") else "default"),
         proxy_env=tuple(sorted((k, v) for k, v in env.items() if k.upper() in PROXY_VARIABLES)),
+        hf_hub_cache=default_hf_hub_cache(env),
     )

@@ -3,7 +3,7 @@
 Modules, leaves first: ``options`` (knobs, pin and path rules), ``progress``, ``proxy`` (the proxy
 variables: one routing decision per URL), ``hub_errors`` (the one mapping of Hub answers to errors),
 ``sidecar`` (the resume file: one schema, one decoder), ``disk`` (the one free-space check and margin,
-the write-path hints), ``wire`` (a
+the write-path hints), ``hf_cache`` (pinned files taken from the Hugging Face cache), ``wire`` (a
 body's GET on a blocking socket into pooled buffers), ``hashing`` (the write-behind threads: writes
 in 64 KiB pieces, in-order sha256), ``hub`` (the session and the pinned HEAD), ``retry`` (the one
 retry policy), ``stream`` (one ranged GET into the file), ``engine`` (the block scheduler). Imports
@@ -15,6 +15,7 @@ from __future__ import annotations
 from download.disk import DISK_MARGIN_BYTES, bytes_held, check_disk, check_disk_space, disk_needed_bytes
 from download.engine import DownloadOutcome, adopt_as_partial, discard_partial, download_to_partial, plan_blocks
 from download.hashing import OrderedHasher
+from download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache
 from download.hub import HubSession, RemoteFile, check_endpoint, resolve_token
 from download.hub_errors import (
     NOT_A_HUB,
@@ -31,11 +32,11 @@ from download.retry import head_retrying, hub_call_retrying, log_retry
 from state.files import finalize_file, write_text_atomic
 
 __all__ = [
-    "DISK_MARGIN_BYTES", "DownloadOutcome", "HubSession", "NOT_A_HUB", "OrderedHasher",
+    "CacheHit", "CacheMiss", "DISK_MARGIN_BYTES", "DownloadOutcome", "HubSession", "NOT_A_HUB", "OrderedHasher",
     "ProgressReporter", "Proxy", "ProxyConfig", "RemoteFile", "TransferOptions", "adopt_as_partial",
     "bytes_held", "check_disk", "check_disk_space", "check_endpoint", "discard_partial", "disk_needed_bytes",
     "download_to_partial", "finalize_file", "head_retrying", "hf_exception_not_a_hub", "hub_call_retrying",
     "hub_error_from_hf_exception", "is_commit", "is_not_a_hub", "log_retry", "not_a_hub_error", "partial_paths",
-    "plan_blocks", "proxy_config", "redact_url", "resolve_token", "safe_relpath",
-    "write_text_atomic",
+    "plan_blocks", "proxy_config", "redact_url", "resolve_token", "safe_relpath", "snapshot_path",
+    "take_from_cache", "write_text_atomic",
 ]

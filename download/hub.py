@@ -104,6 +104,7 @@ class HubSession:
         self.endpoint = (settings.hf_endpoint.rstrip("/") if settings.hf_offline
                          else check_endpoint(settings.hf_endpoint))
         self.offline = settings.hf_offline
+        self.hf_hub_cache = settings.hf_hub_cache  # read by fetch-weights before it downloads (download.hf_cache)
         # Proxies (download.proxy): checked here, before any request; offline none is needed.
         self.proxies = ProxyConfig() if settings.hf_offline else proxy_config(dict(settings.proxy_env))
         self.options = options or TransferOptions(connections=settings.download_connections)
