@@ -19,7 +19,7 @@ from core.lazy_import import lazy_module
 from core.settings import Settings
 from download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
 from download.options import TransferOptions
-from download.proxy import Proxy, ProxyConfig, proxy_config
+from download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
 from download.wire import ConnectionPool
 
 httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
@@ -167,12 +167,16 @@ class HubSession:
         size: int | None = None
         accept_ranges = False
         for _hop in range(10):
+            proxy = self.proxy_for(url)
             try:
                 resp = await self.client.head(url, headers=self.headers_for(url))
             except httpx.TransportError as exc:
-                proxy = self.proxy_for(url)
+                if proxy is not None and is_proxy_auth_failure(exc):
+                    raise proxy_refused(proxy, f"HEAD {repo}/{path}") from exc
                 via = f" (through proxy {proxy.named})" if proxy else ""
-                raise Retryable(f"HEAD {repo}/{path}: {exc.__class__.__name__}: {exc}{via}") from exc
+                raise Retryable(f"HEAD {repo}/{path}: {exc.__class__.__name__}: {exc}{via}", proxy=proxy) from exc
+            if resp.status_code == 407 and proxy is not None:
+                raise proxy_refused(proxy, f"HEAD {repo}/{path}")
             commit = resp.headers.get("x-repo-commit") or commit
             linked_etag = resp.headers.get("x-linked-etag") or linked_etag
             etag = resp.headers.get("etag") or etag

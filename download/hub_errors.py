@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from core.errors import HubError
 from core.lazy_import import lazy_module
-from download.proxy import Proxy
+from download.proxy import Proxy, proxy_refused
 
 httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
@@ -25,11 +25,13 @@ NOT_A_HUB = "HF_ENDPOINT does not answer like a Hugging Face Hub"
 
 
 class Retryable(Exception):
-    """A failure worth another attempt; ``retry_after_s`` from the server when it said so."""
+    """A failure worth another attempt; ``retry_after_s`` from the server when it said so; ``proxy``
+    when the connection went through one (the final error then points at it)."""
 
-    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, retry_after_s: float | None = None, *, proxy: Proxy | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.proxy = proxy
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -162,6 +164,10 @@ def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str 
     (named when it could not be reached)."""
     from huggingface_hub import errors as hf
 
+    response = getattr(exc, "response", None)
+    if proxy is not None and getattr(response, "status_code", None) == 407:
+        refused = proxy_refused(proxy, f"{repo}@{revision or 'main'}")
+        return HubError(refused.what, hint=refused.hint, repo=repo, revision=revision, **refused.details)
     not_a_hub = hf_exception_not_a_hub(exc, endpoint, url)
     if not_a_hub is not None:
         return not_a_hub

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 from urllib.parse import unquote, urlsplit
 
-from core.errors import UsageError
+from core.errors import TransferError, UsageError
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -90,6 +91,22 @@ class ProxyConfig:
         if any(b.matches(scheme, host, port) for b in self.bypass):
             return None
         return proxy
+
+
+def proxy_refused(proxy: Proxy, what: str) -> TransferError:
+    """The proxy asked for credentials (HTTP 407), or others than it was given: not worth a retry."""
+    given = "were refused" if proxy.authorization else "are required"
+    return TransferError(f"{what}: proxy {proxy.named} answered 407 Proxy Authentication Required "
+                         f"(credentials {given})",
+                         hint=f"put the proxy's user:password@ in {proxy.variable} "
+                              f"(http://USER:PASSWORD@HOST:PORT, percent-encoded), or bypass it with NO_PROXY",
+                         proxy=proxy.url, variable=proxy.variable)
+
+
+def is_proxy_auth_failure(exc: BaseException) -> bool:
+    """A refused CONNECT that said 407 (httpx's ProxyError "407 Proxy Authentication Required",
+    http.client's "Tunnel connection failed: 407 ...")."""
+    return re.search(r"(^|: )407\b", str(exc)) is not None
 
 
 def _pick(env: Mapping[str, str], name: str) -> tuple[str, str] | None:

@@ -35,7 +35,7 @@ from urllib.parse import urljoin, urlsplit
 from core.errors import HubError
 from core.lazy_import import lazy_module
 from download.hub_errors import Retryable
-from download.proxy import Proxy
+from download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
 
 httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
@@ -68,7 +68,7 @@ def transport_error(what: str, exc: BaseException, *, connecting: bool = False,
     else:
         name = "ReadError"
     via = f" (through proxy {proxy.named})" if proxy else ""
-    return Retryable(f"{what}: {name}: {exc.__class__.__name__}: {exc}{via}")
+    return Retryable(f"{what}: {name}: {exc.__class__.__name__}: {exc}{via}", proxy=proxy)
 
 
 class ConnectionPool:
@@ -158,7 +158,10 @@ def _connect(conn: http.client.HTTPConnection, pool: ConnectionPool, url: str, w
         conn.connect()
     except OSError as exc:  # refused, timed out, or the proxy refused the CONNECT ("Tunnel connection failed")
         conn.close()
-        raise transport_error(what, exc, connecting=True, proxy=pool.proxy_for(url)) from exc
+        proxy = pool.proxy_for(url)
+        if proxy is not None and is_proxy_auth_failure(exc):
+            raise proxy_refused(proxy, what) from exc
+        raise transport_error(what, exc, connecting=True, proxy=proxy) from exc
     if conn.sock is not None:
         conn.sock.settimeout(pool.read_timeout_s)  # the connect timeout was for connecting only
 

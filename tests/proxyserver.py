@@ -38,7 +38,7 @@ class ProxiedRequest:
 
 
 class TinyProxy:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, basic_auth: tuple[str, str] | None = None) -> None:
         exe = shutil.which("tinyproxy")
         if exe is None:
             raise RuntimeError("tinyproxy is not installed: apt-get install tinyproxy (scripts/bootstrap --test does)")
@@ -47,6 +47,7 @@ class TinyProxy:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.dir / "tinyproxy.log"
         self.port = 0
+        self.basic_auth = basic_auth  # (user, password): 407 to requests without them
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,7 +59,8 @@ class TinyProxy:
         conf = self.dir / "tinyproxy.conf"
         # No ConnectPort line: CONNECT to any port (the default config allows 443 and 563 only).
         conf.write_text(f'Port {self.port}\nListen 127.0.0.1\nTimeout 60\nLogFile "{self.log_path}"\n'
-                        "LogLevel Connect\nMaxClients 64\nAllow 127.0.0.1\n")
+                        "LogLevel Connect\nMaxClients 64\nAllow 127.0.0.1\n"
+                        + (f"BasicAuth {self.basic_auth[0]} {self.basic_auth[1]}\n" if self.basic_auth else ""))
         self._proc = subprocess.Popen([self.exe, "-d", "-c", str(conf)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10  # a start-up guard, not a timing assertion

@@ -144,9 +144,10 @@ def _hub_requests(hub: LocalHub) -> Counter[tuple[str, str, str]]:
     return Counter((r.method, r.where, r.url_path) for r in hub.requests)
 
 
-def _proxied(hub: LocalHub, proxy: TinyProxy) -> Counter[tuple[str, str, str]]:
+def _proxied(hub: LocalHub, proxy: TinyProxy, since: int = 0) -> Counter[tuple[str, str, str]]:
+    """What the proxy's log shows (from its ``since``-th request on), keyed like ``_hub_requests``."""
     where = {f"{hub.host}:{hub.port}": "hub", f"{hub.cdn_host}:{hub.port}": "cdn"}
-    return Counter((r.method, where[r.host_port], r.path) for r in proxy.requests())
+    return Counter((r.method, where[r.host_port], r.path) for r in proxy.requests()[since:])
 
 
 def test_every_hub_and_cdn_request_of_a_pull_goes_through_the_proxy(local_hub: LocalHub, model: dict[str, Any],
@@ -204,6 +205,8 @@ async def test_an_unreachable_proxy_is_named_in_the_error(local_hub: LocalHub, t
         await fetch_m(entry, settings)
     assert exc.value.exit_code == 4
     assert f"through proxy {dead} (HTTP_PROXY)" in exc.value.what
+    assert exc.value.details["proxy"] == dead and exc.value.details["variable"] == "HTTP_PROXY"
+    assert exc.value.hint is not None and f"check the proxy {dead} (HTTP_PROXY" in exc.value.hint
     assert local_hub.requests == []  # nothing went around the proxy
 
 
@@ -282,3 +285,55 @@ async def test_https_goes_through_connect_tunnels(tls_hub: LocalHub, tinyproxy: 
         # the HEAD (httpx) and the ranged GETs (download.wire) both tunnel; the proxy saw no request inside
         assert set(tunnels) == {f"127.0.0.1:{tls_hub.port}", f"localhost:{tls_hub.port}"}
         assert all(r.method == "CONNECT" for r in tinyproxy.requests())
+
+
+# --------------------------------------------------------------------------- a proxy that wants credentials
+
+
+@pytest.fixture
+def auth_proxy(tmp_path: Path) -> Iterator[TinyProxy]:
+    with TinyProxy(tmp_path / "authproxy", basic_auth=("alice", "s3cret")) as proxy:
+        yield proxy
+
+
+def test_proxy_credentials_from_the_url_are_sent_and_a_407_is_named(local_hub: LocalHub, model: dict[str, Any],
+                                                                    auth_proxy: TinyProxy) -> None:
+    refused = _pull(model, _env(local_hub, HTTP_PROXY=auth_proxy.url))
+    assert refused.returncode == 4, refused.stderr.decode()[-3000:]
+    err = json.loads(refused.stdout)["error"]
+    assert "407" in err["message"] and auth_proxy.url in err["message"] and "HTTP_PROXY" in err["hint"]
+    assert "download.retry" not in refused.stderr.decode()  # wrong credentials are not retried
+    assert local_hub.requests == []
+    refused_at_the_proxy = len(auth_proxy.requests())
+    with_user = auth_proxy.url.replace("http://", "http://alice:s3cret@")
+    out = _pull(model, _env(local_hub, HTTP_PROXY=with_user))
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    assert _proxied(local_hub, auth_proxy, since=refused_at_the_proxy) == _hub_requests(local_hub)
+    assert "s3cret" not in out.stdout.decode() + out.stderr.decode()
+
+
+@pytest.mark.anyio
+async def test_connect_tunnels_carry_the_proxy_credentials(tls_hub: LocalHub, auth_proxy: TinyProxy,
+                                                           tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    data = make_gguf(tmp_path / "src" / "model.gguf").read_bytes()
+    commit = tls_hub.create_repo("org/m", {"model.gguf": data}, lfs=["model.gguf"])
+    entry = make_entry("m", "org/m", commit, "model.gguf", len(data), hashlib.sha256(data).hexdigest())
+    env = {"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": tls_hub.endpoint}
+    with pytest.raises(TransferError, match="407 Proxy Authentication Required"):
+        await fetch_m(entry, load_settings({**env, "HTTPS_PROXY": auth_proxy.url}))
+    with_user = auth_proxy.url.replace("http://", "http://alice:s3cret@")
+    await fetch_m(entry, load_settings({**env, "HTTPS_PROXY": with_user}))
+    assert (tmp_path / "home" / "models" / "m" / "model.gguf").read_bytes() == data
+    assert {r.where for r in tls_hub.requests} == {"hub", "cdn"}
+
+
+def test_registry_lock_names_a_proxy_that_wants_credentials(model: dict[str, Any], local_hub: LocalHub,
+                                                            auth_proxy: TinyProxy) -> None:
+    cmd = [sys.executable, "-m", "pipeline", "--home", str(model["home"]), "registry", "lock",
+           "--registry", str(model["registry"]), "--verify", "--json"]
+    out = subprocess.run(cmd, env=_env(local_hub, HTTP_PROXY=auth_proxy.url), cwd=REPO_ROOT,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 4, out.stderr.decode()[-3000:]
+    problems = json.loads(out.stdout)["problems"]
+    assert problems and all("407" in p["message"] and auth_proxy.url in p["message"] for p in problems)
