@@ -15,7 +15,7 @@ from __future__ import annotations
 from download.disk import DISK_MARGIN_BYTES, bytes_held, check_disk, check_disk_space, disk_needed_bytes
 from download.engine import DownloadOutcome, adopt_as_partial, discard_partial, download_to_partial, plan_blocks
 from download.hashing import OrderedHasher
-from download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache
+from download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache, take_into_partial
 from download.hub import HubSession, RemoteFile, check_endpoint, resolve_token
 from download.hub_errors import (
     NOT_A_HUB,
@@ -38,5 +38,5 @@ __all__ = [
     "download_to_partial", "finalize_file", "head_retrying", "hf_exception_not_a_hub", "hub_call_retrying",
     "hub_error_from_hf_exception", "is_commit", "is_not_a_hub", "log_retry", "not_a_hub_error", "partial_paths",
     "plan_blocks", "proxy_config", "redact_url", "resolve_token", "safe_relpath", "snapshot_path",
-    "take_from_cache", "write_text_atomic",
+    "take_from_cache", "take_into_partial", "write_text_atomic",
 ]

@@ -25,7 +25,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from download.options import safe_relpath
 
@@ -156,3 +156,15 @@ def take_from_cache(cache_dir: Path | None, *, repo: str, commit: str, file: str
         dest.unlink(missing_ok=True)
         return CacheMiss(shown, "git_sha1", f"git blob id {got_git}, expected {git_sha1}")
     return CacheHit(source=shown, how=how, size_bytes=size, sha256=got_sha, git_sha1=got_git)
+
+
+def take_into_partial(cache_dir: Path | None, *, partial: Path, sidecar: Path, **checks: Any) -> CacheHit | CacheMiss:
+    """:func:`take_from_cache` into the partial slot: staged beside it first, so a partial download
+    in progress there (and its sidecar) gives way only to a complete file that passed the checks."""
+    staged = partial.with_name(partial.name + ".hf-cache")
+    staged.unlink(missing_ok=True)
+    found = take_from_cache(cache_dir, dest=staged, **checks)
+    if isinstance(found, CacheHit):
+        sidecar.unlink(missing_ok=True)  # the sidecar first: a kill between leaves no claim on the bytes
+        os.replace(staged, partial)
+    return found

@@ -72,7 +72,7 @@ from download import (
     resolve_token,
     safe_relpath,
     snapshot_path,
-    take_from_cache,
+    take_into_partial,
 )
 from state.locks import FileLock
 from state.receipts import file_identity, read_receipt, receipt_matches
@@ -188,10 +188,9 @@ async def _from_hf_cache(session: HubSession, entry: Entry, artifact: Artifact, 
     partial, sidecar, _lock = partial_paths(partial_dir, repo, file)
     if not snapshot_path(session.hf_hub_cache, repo, revision, file).exists():
         return None
-    discard_partial(partial, sidecar)  # whatever was there (a resume) is replaced by the complete file
-    found = await anyio.to_thread.run_sync(lambda: take_from_cache(
-        session.hf_hub_cache, repo=repo, commit=revision, file=file, dest=partial,
-        size_bytes=artifact.size_bytes or 0, sha256=artifact.sha256))
+    found = await anyio.to_thread.run_sync(lambda: take_into_partial(
+        session.hf_hub_cache, partial=partial, sidecar=sidecar, repo=repo, commit=revision, file=file,
+        size_bytes=artifact.size_bytes, sha256=artifact.sha256))
     if isinstance(found, CacheMiss):
         if found.damaged:
             log.warning("fetch.hf_cache_rejected", entry=entry.name, file=file, path=found.source,
@@ -354,10 +353,9 @@ async def _snapshot_file_from_hf_cache(settings: Settings, entry: Entry, repo: s
     if settings.hf_hub_cache is None or not snapshot_path(settings.hf_hub_cache, repo, commit, f.path).exists():
         return None
     partial, sidecar, _lock = partial_paths(partial_dir, repo, f.path)
-    discard_partial(partial, sidecar)
-    found = await anyio.to_thread.run_sync(lambda: take_from_cache(
-        settings.hf_hub_cache, repo=repo, commit=commit, file=f.path, dest=partial, size_bytes=f.size_bytes,
-        sha256=f.lfs_sha256, git_sha1=None if f.lfs_sha256 else f.blob_id))
+    found = await anyio.to_thread.run_sync(lambda: take_into_partial(
+        settings.hf_hub_cache, partial=partial, sidecar=sidecar, repo=repo, commit=commit, file=f.path,
+        size_bytes=f.size_bytes, sha256=f.lfs_sha256, git_sha1=None if f.lfs_sha256 else f.blob_id))
     if isinstance(found, CacheMiss):
         if found.damaged:
             log.warning("fetch.hf_cache_rejected", entry=entry.name, file=f.path, path=found.source,

@@ -15,7 +15,7 @@ import structlog
 from huggingface_hub import hf_hub_download
 
 from core.settings import default_hf_hub_cache, load_settings
-from download import CacheHit, CacheMiss, take_from_cache
+from download import CacheHit, CacheMiss, take_from_cache, take_into_partial
 from tests.conftest import REPO_ROOT
 from tests.e2e_support import SMALL, World, write_probe
 from tests.hubserver import LocalHub
@@ -98,6 +98,21 @@ def test_a_file_that_fails_a_check_is_refused_and_nothing_is_left(cached: dict[s
     assert isinstance(miss, CacheMiss) and miss.reason == reason and miss.damaged
     assert not dest.exists()
     assert sha256_of_bytes(Path(miss.source).read_bytes()) == cached["sha"]  # the cache is left alone
+
+
+def test_a_download_in_progress_gives_way_only_to_a_checked_file(cached: dict[str, Any], tmp_path: Path) -> None:
+    partial, sidecar = tmp_path / "w.part", tmp_path / "w.json"
+    partial.write_bytes(b"resumable bytes")
+    sidecar.write_text('{"done_bytes": 15}')
+    bad = take_into_partial(cached["cache"], partial=partial, sidecar=sidecar, repo="org/m", commit=cached["commit"],
+                            file="w.bin", size_bytes=len(cached["data"]), sha256="0" * 64)
+    assert isinstance(bad, CacheMiss)
+    assert partial.read_bytes() == b"resumable bytes" and sidecar.exists()  # the resume is not lost
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("w.")) == ["w.json", "w.part"]
+    good = take_into_partial(cached["cache"], partial=partial, sidecar=sidecar, repo="org/m",
+                             commit=cached["commit"], file="w.bin", size_bytes=len(cached["data"]),
+                             sha256=cached["sha"])
+    assert isinstance(good, CacheHit) and partial.read_bytes() == cached["data"] and not sidecar.exists()
 
 
 def test_only_the_pinned_commit_is_looked_at(cached: dict[str, Any], tmp_path: Path) -> None:
