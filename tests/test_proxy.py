@@ -337,3 +337,30 @@ def test_registry_lock_names_a_proxy_that_wants_credentials(model: dict[str, Any
     assert out.returncode == 4, out.stderr.decode()[-3000:]
     problems = json.loads(out.stdout)["problems"]
     assert problems and all("407" in p["message"] and auth_proxy.url in p["message"] for p in problems)
+
+
+@pytest.mark.anyio
+async def test_the_snapshot_listing_goes_through_the_proxy_too(local_hub: LocalHub, tmp_path: Path,
+                                                               tinyproxy: TinyProxy,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The OpenVINO listing is a huggingface_hub call: its client reads the same variables from the
+    # process environment (once per client, so the shared client is rebuilt around the test).
+    from huggingface_hub import close_session
+
+    from stages.fetch_weights import fetch_weights
+    from tests.test_fetch_weights import FAST, _openvino_entry
+
+    files = {"openvino_model.xml": "<net/>", "openvino_model.bin": b"\0" * 300_000, "config.json": "{}"}
+    local_hub.create_repo("OpenVINO/m-ov", files, lfs=["openvino_model.bin"])
+    monkeypatch.setenv("HTTP_PROXY", tinyproxy.url)
+    close_session()
+    try:
+        settings = load_settings({"HOTFIT_HOME": str(tmp_path / "home"), "HF_ENDPOINT": local_hub.endpoint,
+                                  "HTTP_PROXY": tinyproxy.url})
+        await fetch_weights(_openvino_entry("OpenVINO/m-ov"), settings.model_dir("ov"), settings=settings,
+                            options=FAST, progress=False)
+    finally:
+        monkeypatch.delenv("HTTP_PROXY")
+        close_session()
+    assert any(path.startswith("/api/models/OpenVINO/m-ov/tree/") for _m, _w, path in _hub_requests(local_hub))
+    assert _proxied(local_hub, tinyproxy) == _hub_requests(local_hub)
