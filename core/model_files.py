@@ -81,6 +81,7 @@ class FetchedFile(JsonRecord):
     already_present: bool
     integrity_retries: int = 0
     verified_against: tuple[str, ...] = ()  # from the receipt when already present
+    hf_cache: str | None = None  # "hardlink" | "copy": taken from the Hugging Face cache (docs/network.md)
 
 
 

@@ -14,6 +14,9 @@ Environment variables (all optional):
 ``HF_ENDPOINT``                 Hub (or mirror) base URL (default https://huggingface.co)
 ``HF_TOKEN``                    Hub token; else huggingface_hub's token store
 ``HF_HUB_OFFLINE``              1 = never touch the network
+``HTTP_PROXY`` ``HTTPS_PROXY``   proxies for every request, either case (download.proxy reads
+``ALL_PROXY`` ``NO_PROXY``       them with httpx's rules; docs/network.md)
+``HF_HUB_CACHE`` / ``HF_HOME``  the Hugging Face cache pinned files are taken from (docs/network.md)
 ==============================  ===============================================================
 
 On-disk layout under the home directory (the one place it is written down)::
@@ -46,6 +49,7 @@ from core.errors import UsageError
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_DOWNLOAD_CONNECTIONS = 4
 KV_CACHE_ENV = "CONTENOX_LLAMA_KV_CACHE_TYPE"
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")  # either case
 LLAMA_SDIST_VERSION = "0.3.36"  # keep in step with scripts/install-llama-server
 
 
@@ -67,6 +71,15 @@ def default_home(env: Mapping[str, str]) -> Path:
 
 def default_llama_cache(env: Mapping[str, str]) -> Path:
     return _xdg_dir(env, "HOTFIT_LLAMA_CACHE", "XDG_CACHE_HOME", ".cache", "hotfit", "llama.cpp")
+
+
+def default_hf_hub_cache(env: Mapping[str, str]) -> Path:
+    """huggingface_hub's cache directory (its constants.py): ``HF_HUB_CACHE`` (or the legacy
+    ``HUGGINGFACE_HUB_CACHE``), else ``HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return Path(os.path.expandvars(env[name])).expanduser()
+    return _xdg_dir(env, "HF_HOME", "XDG_CACHE_HOME", ".cache", "huggingface") / "hub"
 
 
 def _in_home(*parts: str) -> property:
@@ -91,6 +104,10 @@ class Settings:
     llama_server_source: str | None = None
     # where home came from: "flag" (--home), "env" (HOTFIT_HOME) or "default" (XDG/HOME)
     home_source: str = "default"
+    # the proxy variables as set (name as spelled, value); parsed where a request is made (download.proxy)
+    proxy_env: tuple[tuple[str, str], ...] = ()
+    # the Hugging Face cache's hub directory (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)
+    hf_hub_cache: Path | None = None
 
     @property
     def home_named(self) -> str:
@@ -143,4 +160,6 @@ def load_settings(
         download_connections=connections,
         llama_server_source=("flag" if llama_server else "env") if server else None,
         home_source="flag" if home else ("env" if env.get("HOTFIT_HOME") else "default"),
+        proxy_env=tuple(sorted((k, v) for k, v in env.items() if k.upper() in PROXY_VARIABLES)),
+        hf_hub_cache=default_hf_hub_cache(env),
     )

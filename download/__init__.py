@@ -1,12 +1,13 @@
 """The Hub download engine: one pinned Hub file into a complete, sha256-hashed partial, resumably.
 
-Modules, leaves first: ``options`` (knobs, pin and path rules), ``progress``, ``hub_errors`` (the one
-mapping of Hub answers to errors), ``sidecar`` (the resume file: one schema, one decoder), ``disk``
-(the one free-space check and margin, the write-path hints), ``wire`` (a body's GET on a blocking
-socket into pooled buffers), ``hashing`` (the write-behind threads: writes in 64 KiB pieces, in-order
-sha256), ``hub`` (the session and the pinned HEAD), ``retry`` (the one retry policy), ``stream``
-(one ranged GET into the file), ``engine`` (the block scheduler). Imports only ``core`` and
-``state``; stages use the names re-exported here.
+Modules, leaves first: ``options`` (knobs, pin and path rules), ``progress``, ``proxy`` (the proxy
+variables: one routing decision per URL), ``hub_errors`` (the one mapping of Hub answers to errors),
+``sidecar`` (the resume file: one schema, one decoder), ``disk`` (the one free-space check and margin,
+the write-path hints), ``hf_cache`` (pinned files taken from the Hugging Face cache), ``wire`` (a
+body's GET on a blocking socket into pooled buffers), ``hashing`` (the write-behind threads: writes
+in 64 KiB pieces, in-order sha256), ``hub`` (the session and the pinned HEAD), ``retry`` (the one
+retry policy), ``stream`` (one ranged GET into the file), ``engine`` (the block scheduler). Imports
+only ``core`` and ``state``; stages use the names re-exported here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from download.disk import DISK_MARGIN_BYTES, bytes_held, check_disk, check_disk_space, disk_needed_bytes
 from download.engine import DownloadOutcome, adopt_as_partial, discard_partial, download_to_partial, plan_blocks
 from download.hashing import OrderedHasher
+from download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache, take_into_partial
 from download.hub import HubSession, RemoteFile, check_endpoint, resolve_token
 from download.hub_errors import (
     NOT_A_HUB,
@@ -25,14 +27,16 @@ from download.hub_errors import (
 )
 from download.options import TransferOptions, is_commit, partial_paths, safe_relpath
 from download.progress import ProgressReporter
+from download.proxy import Proxy, ProxyConfig, proxy_config
 from download.retry import head_retrying, hub_call_retrying, log_retry
 from state.files import finalize_file, write_text_atomic
 
 __all__ = [
-    "DISK_MARGIN_BYTES", "NOT_A_HUB", "DownloadOutcome", "HubSession", "OrderedHasher", "ProgressReporter",
-    "RemoteFile", "TransferOptions", "adopt_as_partial", "bytes_held", "check_disk", "check_disk_space",
-    "check_endpoint", "discard_partial", "disk_needed_bytes", "download_to_partial", "finalize_file",
-    "head_retrying", "hf_exception_not_a_hub", "hub_call_retrying", "hub_error_from_hf_exception", "is_commit",
-    "is_not_a_hub", "log_retry", "not_a_hub_error", "partial_paths", "plan_blocks", "redact_url", "resolve_token",
-    "safe_relpath", "write_text_atomic",
+    "CacheHit", "CacheMiss", "DISK_MARGIN_BYTES", "DownloadOutcome", "HubSession", "NOT_A_HUB", "OrderedHasher",
+    "ProgressReporter", "Proxy", "ProxyConfig", "RemoteFile", "TransferOptions", "adopt_as_partial",
+    "bytes_held", "check_disk", "check_disk_space", "check_endpoint", "discard_partial", "disk_needed_bytes",
+    "download_to_partial", "finalize_file", "head_retrying", "hf_exception_not_a_hub", "hub_call_retrying",
+    "hub_error_from_hf_exception", "is_commit", "is_not_a_hub", "log_retry", "not_a_hub_error", "partial_paths",
+    "plan_blocks", "proxy_config", "redact_url", "resolve_token", "safe_relpath", "snapshot_path",
+    "take_from_cache", "take_into_partial", "write_text_atomic",
 ]

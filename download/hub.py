@@ -19,6 +19,7 @@ from core.lazy_import import lazy_module
 from core.settings import Settings
 from download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
 from download.options import TransferOptions
+from download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
 from download.wire import ConnectionPool
 
 httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
@@ -103,6 +104,9 @@ class HubSession:
         self.endpoint = (settings.hf_endpoint.rstrip("/") if settings.hf_offline
                          else check_endpoint(settings.hf_endpoint))
         self.offline = settings.hf_offline
+        self.hf_hub_cache = settings.hf_hub_cache  # read by fetch-weights before it downloads (download.hf_cache)
+        # Proxies (download.proxy): checked here, before any request; offline none is needed.
+        self.proxies = ProxyConfig() if settings.hf_offline else proxy_config(dict(settings.proxy_env))
         self.options = options or TransferOptions(connections=settings.download_connections)
         self._token = resolve_token() if token is None else (token or None)
         self._origin = origin(self.endpoint)
@@ -110,11 +114,20 @@ class HubSession:
                               max_keepalive_connections=max(8, self.options.connections * 2))
         timeout = httpx.Timeout(self.options.read_timeout_s, connect=self.options.connect_timeout_s)
         _raise_httpcore_read_size()
+        # This client only ever asks the endpoint's origin (HEADs follow same-origin redirects only),
+        # so the endpoint's proxy is its proxy; trust_env stays off so nothing else of the
+        # environment (.netrc, certificate variables) changes what it sends.
+        proxy = self.proxies.for_url(self.endpoint)
+        # One TLS context for the HEADs and the byte-range engine: SSL_CERT_FILE / SSL_CERT_DIR when
+        # set (a mirror behind a private CA), else certifi — huggingface_hub's reading (httpx trust_env).
+        tls = httpx.create_ssl_context()
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=False,
-                                        headers={"user-agent": USER_AGENT}, trust_env=False)
+                                        headers={"user-agent": USER_AGENT}, trust_env=False, verify=tls,
+                                        proxy=proxy.httpx_url if proxy else None)
         # Ranged GETs of file bodies (download.wire): blocking sockets read in worker threads.
         self.wire = ConnectionPool(connect_timeout_s=self.options.connect_timeout_s,
-                                   read_timeout_s=self.options.read_timeout_s, user_agent=USER_AGENT)
+                                   read_timeout_s=self.options.read_timeout_s, user_agent=USER_AGENT,
+                                   proxy_for=self.proxies.for_url, ssl_context=tls)
 
     async def __aenter__(self) -> "HubSession":
         return self
@@ -125,6 +138,9 @@ class HubSession:
 
     def resolve_url(self, repo: str, revision: str, path: str) -> str:
         return f"{self.endpoint}/{repo}/resolve/{quote(revision, safe='')}/{quote(path)}"
+
+    def proxy_for(self, url: str) -> Proxy | None:
+        return self.proxies.for_url(url)
 
     def is_own_origin(self, url: str) -> bool:
         return origin(url) == self._origin
@@ -151,10 +167,16 @@ class HubSession:
         size: int | None = None
         accept_ranges = False
         for _hop in range(10):
+            proxy = self.proxy_for(url)
             try:
                 resp = await self.client.head(url, headers=self.headers_for(url))
             except httpx.TransportError as exc:
-                raise Retryable(f"HEAD {repo}/{path}: {exc.__class__.__name__}: {exc}") from exc
+                if proxy is not None and is_proxy_auth_failure(exc):
+                    raise proxy_refused(proxy, f"HEAD {repo}/{path}") from exc
+                via = f" (through proxy {proxy.named})" if proxy else ""
+                raise Retryable(f"HEAD {repo}/{path}: {exc.__class__.__name__}: {exc}{via}", proxy=proxy) from exc
+            if resp.status_code == 407 and proxy is not None:
+                raise proxy_refused(proxy, f"HEAD {repo}/{path}")
             commit = resp.headers.get("x-repo-commit") or commit
             linked_etag = resp.headers.get("x-linked-etag") or linked_etag
             etag = resp.headers.get("etag") or etag

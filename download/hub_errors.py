@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from core.errors import HubError
 from core.lazy_import import lazy_module
+from download.proxy import Proxy, proxy_refused
 
 httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
@@ -24,11 +25,13 @@ NOT_A_HUB = "HF_ENDPOINT does not answer like a Hugging Face Hub"
 
 
 class Retryable(Exception):
-    """A failure worth another attempt; ``retry_after_s`` from the server when it said so."""
+    """A failure worth another attempt; ``retry_after_s`` from the server when it said so; ``proxy``
+    when the connection went through one (the final error then points at it)."""
 
-    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, retry_after_s: float | None = None, *, proxy: Proxy | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.proxy = proxy
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -155,11 +158,16 @@ def _is_transport_error(exc: BaseException) -> bool:
 
 
 def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str | None, endpoint: str,
-                                url: str) -> HubError | None:
+                                url: str, proxy: Proxy | None = None) -> HubError | None:
     """The typed error for a failed ``huggingface_hub`` metadata call, or None for an exception that is
-    no Hub answer at all (a bug: the caller re-raises it)."""
+    no Hub answer at all (a bug: the caller re-raises it). ``proxy``: the one the call went through
+    (named when it could not be reached)."""
     from huggingface_hub import errors as hf
 
+    response = getattr(exc, "response", None)
+    if proxy is not None and getattr(response, "status_code", None) == 407:
+        refused = proxy_refused(proxy, f"{repo}@{revision or 'main'}")
+        return HubError(refused.what, hint=refused.hint, repo=repo, revision=revision, **refused.details)
     not_a_hub = hf_exception_not_a_hub(exc, endpoint, url)
     if not_a_hub is not None:
         return not_a_hub
@@ -177,6 +185,10 @@ def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str 
         return HubError(f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}",
                         hint="check HF_ENDPOINT and the network, then rerun", **details)
     if _is_transport_error(exc):
+        if proxy is not None:
+            return HubError(f"cannot reach the Hub for {repo} through proxy {proxy.named}: {exc}",
+                            hint=f"check the proxy ({proxy.variable}, NO_PROXY), the network and HF_ENDPOINT, "
+                                 "then rerun", proxy=proxy.url, variable=proxy.variable, **details)
         return HubError(f"cannot reach the Hub for {repo}: {exc}",
                         hint="check the network / HF_ENDPOINT and rerun", **details)
     return None

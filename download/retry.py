@@ -113,11 +113,15 @@ def retrying(options: TransferOptions, *, progress_fn: Callable[[], int] = lambd
 
 
 def gave_up(repo: str, path: str | None, exc: BaseException, done_bytes: int) -> TransferError:
+    proxy = getattr(exc, "proxy", None)  # the last attempt went through a proxy (download.proxy)
+    check = (f"check the proxy {proxy.url} ({proxy.variable}; NO_PROXY bypasses it), the network and HF_ENDPOINT"
+             if proxy is not None else "check the network / HF_ENDPOINT")
+    extra = {"proxy": proxy.url, "variable": proxy.variable} if proxy is not None else {}
     return TransferError(
         f"{repo}/{path}: gave up after repeated failures: {exc}",
-        hint="check the network / HF_ENDPOINT and rerun the same command"
+        hint=f"{check} and rerun the same command"
              + (f"; the {done_bytes} bytes already on disk are kept and resumed" if done_bytes else ""),
-        repo=repo, file=path, done_bytes=done_bytes)
+        repo=repo, file=path, done_bytes=done_bytes, **extra)
 
 
 async def head_retrying(session: HubSession, repo: str, revision: str, path: str, *,

@@ -31,6 +31,7 @@ from download.hashing import WRITE_QUEUE_BYTES, OrderedHasher
 from download.hub import HubSession
 from download.hub_errors import Retryable, hub_error_from_response
 from download.progress import ProgressReporter
+from download.proxy import proxy_refused
 from download.sidecar import Block, Sidecar
 from download.wire import Opened, finish, open_get, read_some, transport_error
 
@@ -53,6 +54,9 @@ def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None
 
 def _check_answer(resp: Any, session: HubSession, side: Sidecar, block: Block, offset: int, whole: bool) -> None:
     """Raise unless ``resp`` carries exactly the bytes asked for of the pinned file."""
+    proxy = session.proxy_for(str(resp.url))
+    if resp.status_code == 407 and proxy is not None:
+        raise proxy_refused(proxy, f"{side.file}: GET")
     if resp.status_code == 206:
         cr = parse_content_range(resp.headers.get("content-range"))
         if cr is None or cr[0] != offset or cr[1] >= block.end or (cr[2] is not None and cr[2] != side.size_bytes):

@@ -8,11 +8,17 @@ write-behind thread, with no copy in Python; ``http.client`` only parses the sta
 (chunked or close-delimited bodies are read by it too, with its own copies: they do not occur for
 ranged Hub/CDN answers). HEADs and Hub metadata calls stay on httpx.
 
+Proxies (``download.proxy``, the same decision the HEADs' httpx client makes): an ``http://`` target
+is asked of the proxy in absolute form, an ``https://`` one through a ``CONNECT`` tunnel
+(``http.client``'s ``set_tunnel``), with ``Proxy-Authorization`` when the proxy URL has credentials;
+a failure to reach the proxy names it.
+
 Kept from the httpx path: redirects followed (at most 20, like httpx), the Authorization header only
 to the endpoint's origin on every hop (``HubSession.headers_for``), the connect and read timeouts,
-keep-alive connections reused between blocks, the same certificate store (``httpx.create_ssl_context``,
-certifi), and transport failures as :class:`Retryable` named like httpx's (``ConnectError``,
-``ReadTimeout``, ``ReadError``, ``RemoteProtocolError``) for the ``download.retry`` events.
+keep-alive connections reused between blocks, the same TLS context (``HubSession``'s:
+``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else certifi, as httpx and huggingface_hub read them),
+and transport failures as :class:`Retryable` named like httpx's (``ConnectError``, ``ReadTimeout``,
+``ReadError``, ``RemoteProtocolError``) for the ``download.retry`` events.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from urllib.parse import urljoin, urlsplit
 from core.errors import HubError
 from core.lazy_import import lazy_module
 from download.hub_errors import Retryable
+from download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
 
 httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
@@ -48,8 +55,10 @@ def _target(url: str) -> str:
     return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
-def transport_error(what: str, exc: BaseException, *, connecting: bool = False) -> Retryable:
-    """A socket or protocol failure as a Retryable whose text names it the way httpx did."""
+def transport_error(what: str, exc: BaseException, *, connecting: bool = False,
+                    proxy: Proxy | None = None) -> Retryable:
+    """A socket or protocol failure as a Retryable whose text names it the way httpx did (and the
+    proxy the connection went through)."""
     if connecting:
         name = "ConnectTimeout" if isinstance(exc, TimeoutError) else "ConnectError"
     elif isinstance(exc, TimeoutError):
@@ -58,36 +67,64 @@ def transport_error(what: str, exc: BaseException, *, connecting: bool = False) 
         name = "RemoteProtocolError"
     else:
         name = "ReadError"
-    return Retryable(f"{what}: {name}: {exc.__class__.__name__}: {exc}")
+    via = f" (through proxy {proxy.named})" if proxy else ""
+    return Retryable(f"{what}: {name}: {exc.__class__.__name__}: {exc}{via}", proxy=proxy)
 
 
 class ConnectionPool:
-    """Idle keep-alive ``http.client`` connections per (scheme, host, port); thread-safe."""
+    """Idle keep-alive ``http.client`` connections per (scheme, host, port); thread-safe. ``proxy_for``
+    routes a URL (the route depends on the origin only, so the key stays the origin)."""
 
-    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, user_agent: str) -> None:
+    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, user_agent: str,
+                 proxy_for: Callable[[str], Proxy | None] = lambda _url: None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s, self.read_timeout_s, self.user_agent = connect_timeout_s, read_timeout_s, user_agent
+        self.proxy_for = proxy_for
         self._idle: dict[_Key, list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._closed = False
 
-    def take(self, url: str) -> tuple[http.client.HTTPConnection, bool]:
-        """(a connection to ``url``'s origin, whether it was reused)."""
+    def take(self, url: str, *, reuse: bool = True) -> tuple[http.client.HTTPConnection, bool]:
+        """(a connection to ``url``'s origin — an idle one when ``reuse`` and there is one, whether it
+        was reused)."""
         key = _key(url)
         with self._lock:
             idle = self._idle.get(key)
-            if idle:
+            if idle and reuse:
                 return idle.pop(), True
         scheme, host, port = key
+        proxy = self.proxy_for(url)
         if scheme == "https":
             if self._ssl is None:
-                # the store httpx verifies the HEADs with (certifi)
                 make = getattr(httpx, "create_ssl_context", None)
                 self._ssl = make() if make is not None else ssl.create_default_context()
-            return http.client.HTTPSConnection(host, port, timeout=self.connect_timeout_s, context=self._ssl), False
+            if proxy is None:
+                return http.client.HTTPSConnection(host, port, timeout=self.connect_timeout_s, context=self._ssl), False
+            # TCP to the proxy, CONNECT host:port, then TLS with the target's name (end to end)
+            conn = http.client.HTTPSConnection(proxy.host, proxy.port, timeout=self.connect_timeout_s,
+                                               context=self._ssl)
+            conn.set_tunnel(host, port, headers=self._proxy_headers(proxy))
+            return conn, False
         if scheme != "http":
             raise HubError(f"cannot download from {scheme!r} URL", hint="HF_ENDPOINT and the CDN must be http(s)")
+        if proxy is not None:  # the request goes to the proxy in absolute form (request_line)
+            return http.client.HTTPConnection(proxy.host, proxy.port, timeout=self.connect_timeout_s), False
         return http.client.HTTPConnection(host, port, timeout=self.connect_timeout_s), False
+
+    @staticmethod
+    def _proxy_headers(proxy: Proxy) -> dict[str, str]:
+        return {"proxy-authorization": proxy.authorization} if proxy.authorization else {}
+
+    def request_line(self, url: str) -> tuple[str, dict[str, str]]:
+        """(request target, extra headers) for a GET of ``url``: absolute form and the proxy's
+        credentials for an ``http://`` target through a proxy, else origin form (a tunnel's CONNECT
+        carried the credentials)."""
+        proxy = self.proxy_for(url)
+        if proxy is not None and urlsplit(url).scheme.lower() == "http":
+            parts = urlsplit(url)
+            return f"http://{parts.netloc.rpartition('@')[2]}{_target(url)}", self._proxy_headers(proxy)
+        return _target(url), {}
 
     def give_back(self, url: str, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -116,12 +153,15 @@ class Opened:
     sock: socket.socket | None
 
 
-def _connect(conn: http.client.HTTPConnection, pool: ConnectionPool, what: str) -> None:
+def _connect(conn: http.client.HTTPConnection, pool: ConnectionPool, url: str, what: str) -> None:
     try:
         conn.connect()
-    except OSError as exc:
+    except OSError as exc:  # refused, timed out, or the proxy refused the CONNECT ("Tunnel connection failed")
         conn.close()
-        raise transport_error(what, exc, connecting=True) from exc
+        proxy = pool.proxy_for(url)
+        if proxy is not None and is_proxy_auth_failure(exc):
+            raise proxy_refused(proxy, what) from exc
+        raise transport_error(what, exc, connecting=True, proxy=proxy) from exc
     if conn.sock is not None:
         conn.sock.settimeout(pool.read_timeout_s)  # the connect timeout was for connecting only
 
@@ -129,20 +169,22 @@ def _connect(conn: http.client.HTTPConnection, pool: ConnectionPool, what: str) 
 def _send(pool: ConnectionPool, url: str, headers: dict[str, str], what: str,
           on_socket: Callable[[socket.socket | None], None]) -> tuple[http.client.HTTPConnection,
                                                                        http.client.HTTPResponse]:
-    for _try in range(2):
-        conn, reused = pool.take(url)
+    for fresh in (False, True):
+        conn, reused = pool.take(url, reuse=not fresh)
         if conn.sock is None:
-            _connect(conn, pool, what)
+            _connect(conn, pool, url, what)
         on_socket(conn.sock)
+        target, proxy_headers = pool.request_line(url)
         try:
-            conn.request("GET", _target(url), headers={"user-agent": pool.user_agent, **headers})
+            conn.request("GET", target, headers={"user-agent": pool.user_agent, **headers, **proxy_headers})
             return conn, conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            # A kept-alive connection the server has since closed: one fresh try, as httpcore does.
+            # A kept-alive connection the server has since closed: one try on a new connection, as
+            # httpcore does (another idle one may be just as stale: a proxy that closes after each answer).
             if reused and isinstance(exc, (http.client.RemoteDisconnected, ConnectionError)):
                 continue
-            raise transport_error(what, exc) from exc
+            raise transport_error(what, exc, proxy=pool.proxy_for(url)) from exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -234,7 +234,7 @@ def _fetch_figures(result: FetchResult) -> dict[str, Any]:
         return {"vision": result.vision}
     return {"file": w.file, "size_bytes": w.size_bytes, "bytes_transferred": w.bytes_transferred,
             "resumed_from_bytes": w.resumed_from_bytes, "already_present": w.already_present,
-            "sha256": w.sha256, "vision": result.vision}
+            "hf_cache": w.hf_cache, "sha256": w.sha256, "vision": result.vision}
 
 
 def _template_fingerprint(out: Mapping[str, Any]) -> Any:

@@ -33,7 +33,7 @@ from core.log import get_logger
 from core.records import JsonRecord
 from pipeline.registry_file import bundled_registry_path
 from registry.catalog import parse_registry, parse_registry_text
-from download import hub_error_from_hf_exception, is_not_a_hub
+from download import Proxy, hub_error_from_hf_exception, is_not_a_hub, proxy_config
 from state.files import write_text_atomic
 
 log = get_logger()
@@ -226,7 +226,7 @@ def render_registry(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
-def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
+def hub_facts(api: Any, repo: str, revision: str | None, proxy: Proxy | None = None) -> HubFacts | str:
     """Ask the Hub for one repository at one revision (None = main); an error comes back as text.
     An endpoint that is not a Hub raises HubError (see the module doc)."""
     endpoint = str(getattr(api, "endpoint", "") or "")
@@ -234,7 +234,8 @@ def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except Exception as exc:
         url = f"{endpoint}/api/models/{repo}" + (f"/revision/{revision}" if revision else "")
-        mapped = hub_error_from_hf_exception(exc, repo=repo, revision=revision, endpoint=endpoint, url=url)
+        mapped = hub_error_from_hf_exception(exc, repo=repo, revision=revision, endpoint=endpoint, url=url,
+                                             proxy=proxy)
         if mapped is None:  # no Hub answer at all: a bug, not a lock problem
             raise
         if is_not_a_hub(mapped):
@@ -253,13 +254,14 @@ def hub_facts(api: Any, repo: str, revision: str | None) -> HubFacts | str:
 @dataclass
 class _Cache:
     api: Any
+    proxy: Proxy | None = None
     seen: dict[tuple[str, str | None], HubFacts | str] = field(default_factory=dict)
 
     def __call__(self, repo: str, revision: str | None) -> HubFacts | str:
         key = (repo, revision)
         if key not in self.seen:
             log.info("registry.lock.query", repo=repo, revision=revision or "main")
-            self.seen[key] = hub_facts(self.api, repo, revision)
+            self.seen[key] = hub_facts(self.api, repo, revision, self.proxy)
         return self.seen[key]
 
 
@@ -271,9 +273,13 @@ def lock_registry(
     offline: bool = False,
     verify_pinned: bool = False,
     api: Any = None,
+    proxy_env: Mapping[str, str] | None = None,
 ) -> LockReport:
     """Resolve open revisions/sizes/sha256 of ``source`` (None = bundled) and write ``output``
-    (None = in place). Writes only when something changed or ``output`` differs from ``source``."""
+    (None = in place). Writes only when something changed or ``output`` differs from ``source``.
+    ``proxy_env``: the proxy variables (download.proxy); huggingface_hub's client reads the same
+    variables with the same rules, so this checks them (exit 2 when malformed) and names the proxy
+    in errors."""
     if offline:
         raise UsageError("'hotfit registry lock' asks the Hub and HF_HUB_OFFLINE is set",
                          hint="unset HF_HUB_OFFLINE (or set HF_ENDPOINT to a reachable mirror) and rerun")
@@ -290,11 +296,12 @@ def lock_registry(
         doc = None
     parse_registry_text(text, label)  # a broken file fails here, before any request
     assert isinstance(doc, dict)
+    proxy = proxy_config(proxy_env or {}).for_url(endpoint)
     if api is None:
         from huggingface_hub import HfApi
 
         api = HfApi(endpoint=endpoint)
-    lookup = _Cache(api)
+    lookup = _Cache(api, proxy)
 
     new_doc = copy.deepcopy(doc)
     changes: list[LockChange] = []

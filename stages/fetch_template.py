@@ -35,6 +35,8 @@ import json
 import re
 from pathlib import Path
 
+import anyio
+
 from core.entry import Entry, TemplateSource
 from core.errors import HubError, IntegrityError, RegistryError, TemplateError
 from core.log import get_logger
@@ -48,6 +50,7 @@ from core.model_files import (
 )
 from core.settings import Settings
 from download import (
+    CacheMiss,
     HubSession,
     TransferOptions,
     discard_partial,
@@ -56,6 +59,8 @@ from download import (
     is_commit,
     partial_paths,
     safe_relpath,
+    snapshot_path,
+    take_from_cache,
     write_text_atomic,
 )
 from state.locks import FileLock
@@ -257,6 +262,70 @@ def _write(entry: Entry, dest_dir: Path, src: TemplateSource, revision: str, dat
                           variant=variant, sha256=digest, tool_markers=markers, size_bytes=len(text.encode()))
 
 
+async def _from_hf_cache(entry: Entry, settings: Settings, partial_dir: Path) -> bytes | None:
+    """The pinned template source from the Hugging Face cache (download.hf_cache): the file at the
+    pinned commit whose bytes hash to the id the cache names its blob by (the Hub's ETag: git blob id,
+    or sha256 for an LFS file). None when absent or damaged (then it is downloaded)."""
+    src = entry.chat_template
+    assert src is not None
+    if src.revision is None or settings.hf_hub_cache is None:
+        return None
+    if not snapshot_path(settings.hf_hub_cache, src.repo, src.revision, src.file).exists():
+        return None
+    partial, sidecar, _lock = partial_paths(partial_dir, src.repo, src.file)
+    discard_partial(partial, sidecar)
+    found = await anyio.to_thread.run_sync(lambda: take_from_cache(
+        settings.hf_hub_cache, repo=src.repo, commit=src.revision or "", file=src.file, dest=partial,
+        size_bytes=None, max_size_bytes=MAX_TEMPLATE_SOURCE_BYTES))
+    if isinstance(found, CacheMiss):
+        if found.damaged:
+            log.warning("fetch.hf_cache_rejected", entry=entry.name, file=src.file, path=found.source,
+                        reason=found.reason, detail=found.detail,
+                        action="ignored" if settings.hf_offline else "ignored; downloading")
+        return None
+    try:
+        data = partial.read_bytes()
+    finally:
+        discard_partial(partial, sidecar)
+    log.info("fetch.hf_cache_used", entry=entry.name, role="template", file=src.file, path=found.source,
+             how=found.how, size_bytes=found.size_bytes)
+    return data
+
+
+async def _download(entry: Entry, settings: Settings, options: TransferOptions | None,
+                    partial_dir: Path) -> tuple[bytes, str]:
+    """The pinned template source from the Hub: (its bytes, the commit)."""
+    src = entry.chat_template
+    assert src is not None
+    _partial, sidecar, _lock = partial_paths(partial_dir, src.repo, src.file)
+    async with HubSession(settings, options) as session:
+        try:
+            revision = src.revision
+            if revision is None:  # not yet pinned: take main's current commit, and record it
+                revision = (await head_retrying(session, src.repo, "main", src.file)).commit
+                log.warning("template.unpinned", entry=entry.name, repo=src.repo, commit=revision,
+                            hint="pin it with `hotfit registry lock`")
+            outcome = await download_to_partial(
+                session, repo=src.repo, revision=revision, path=src.file, expected_size=None,
+                expected_sha256=None, partial_dir=partial_dir, connections=1, git_sha1=True,
+                max_size_bytes=MAX_TEMPLATE_SOURCE_BYTES)
+        except (HubError, IntegrityError) as exc:
+            raise TemplateError(f"entry {entry.name}: chat template {src.repo}/{src.file} could not be "
+                                f"fetched: {exc.what}", hint=exc.hint or "rerun; the weights are kept",
+                                entry=entry.name, **exc.details) from exc
+    try:
+        if outcome.etag and outcome.git_sha1 and outcome.hub_lfs_sha256 is None and outcome.etag != outcome.git_sha1:
+            raise TemplateError(f"{src.file}: git blob id {outcome.git_sha1} differs from the Hub's {outcome.etag}",
+                                hint="the download is corrupt; rerun", entry=entry.name)
+        if outcome.hub_lfs_sha256 and outcome.sha256 != outcome.hub_lfs_sha256:
+            raise TemplateError(f"{src.file}: sha256 differs from the Hub's LFS sha256",
+                                hint="the download is corrupt; rerun", entry=entry.name)
+        data = outcome.partial_path.read_bytes()
+    finally:
+        discard_partial(outcome.partial_path, sidecar)
+    return data, revision
+
+
 async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wait: bool = False,
                          options: TransferOptions | None = None,
                          snapshot: SnapshotResult | None = None) -> TemplateResult:
@@ -282,7 +351,7 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
                             hint="use the file's path inside its repository (no '..', not absolute)",
                             entry=entry.name, file=src.file) from None
     partial_dir = dest_dir / TEMPLATE_PARTIAL_DIRNAME
-    _partial, sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
+    _partial, _sidecar, lock_path = partial_paths(partial_dir, src.repo, src.file)
     own = in_snapshot(src, snapshot)
     async with FileLock(lock_path, wait=wait, what=f"chat template of {entry.name}").async_held():
         if own is not None:
@@ -295,29 +364,9 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
         present = _present(entry, dest_dir, settings)
         if present is not None:
             return present
-        async with HubSession(settings, options) as session:
-            try:
-                revision = src.revision
-                if revision is None:  # not yet pinned: take main's current commit, and record it
-                    revision = (await head_retrying(session, src.repo, "main", src.file)).commit
-                    log.warning("template.unpinned", entry=entry.name, repo=src.repo, commit=revision,
-                                hint="pin it with `hotfit registry lock`")
-                outcome = await download_to_partial(
-                    session, repo=src.repo, revision=revision, path=src.file, expected_size=None,
-                    expected_sha256=None, partial_dir=partial_dir, connections=1, git_sha1=True,
-                    max_size_bytes=MAX_TEMPLATE_SOURCE_BYTES)
-            except (HubError, IntegrityError) as exc:
-                raise TemplateError(f"entry {entry.name}: chat template {src.repo}/{src.file} could not be "
-                                    f"fetched: {exc.what}", hint=exc.hint or "rerun; the weights are kept",
-                                    entry=entry.name, **exc.details) from exc
-        try:
-            if outcome.etag and outcome.git_sha1 and outcome.hub_lfs_sha256 is None and outcome.etag != outcome.git_sha1:
-                raise TemplateError(f"{src.file}: git blob id {outcome.git_sha1} differs from the Hub's {outcome.etag}",
-                                    hint="the download is corrupt; rerun", entry=entry.name)
-            if outcome.hub_lfs_sha256 and outcome.sha256 != outcome.hub_lfs_sha256:
-                raise TemplateError(f"{src.file}: sha256 differs from the Hub's LFS sha256",
-                                    hint="the download is corrupt; rerun", entry=entry.name)
-            data = outcome.partial_path.read_bytes()
-        finally:
-            discard_partial(outcome.partial_path, sidecar)  # fetch-template's own partial, read in full
+        data = await _from_hf_cache(entry, settings, partial_dir)
+        revision = src.revision
+        if data is None:
+            data, revision = await _download(entry, settings, options, partial_dir)
+        assert revision is not None
         return _write(entry, dest_dir, src, revision, data, commit_listed=None)

@@ -53,6 +53,7 @@ from core.model_files import (
 )
 from core.settings import Settings
 from download import (
+    CacheMiss,
     DownloadOutcome,
     HubSession,
     ProgressReporter,
@@ -67,8 +68,11 @@ from download import (
     hub_error_from_hf_exception,
     is_commit,
     partial_paths,
+    proxy_config,
     resolve_token,
     safe_relpath,
+    snapshot_path,
+    take_into_partial,
 )
 from state.locks import FileLock
 from state.receipts import drop_receipt, file_identity, git_blob_sha1, read_receipt, receipt_matches, sha256_file
@@ -149,6 +153,9 @@ async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, 
                                hub_lfs_sha256=receipt.hub_lfs_sha256, identity=None, bytes_transferred=0,
                                bytes_reread=0, resumed_from_bytes=0, connections=0, attempts=0,
                                already_present=True, verified_against=receipt.verified_against)
+        cached = await _from_hf_cache(session, entry, artifact, partial_dir, role=role)
+        if cached is not None:
+            return cached
         if final.exists():
             # offline nothing can verify it (no Hub sha256): leave it where the operator put it
             adopted = not session.offline and adopt_as_partial(final, partial_dir, repo=artifact.repo, revision=revision, path=file,
@@ -195,6 +202,37 @@ async def fetch_artifact(session: HubSession, entry: Entry, artifact: Artifact, 
                            bytes_transferred=total_transferred, bytes_reread=total_reread,
                            resumed_from_bytes=outcome.resumed_from_bytes, connections=outcome.connections,
                            attempts=outcome.attempts, already_present=False, integrity_retries=retry)
+
+
+async def _from_hf_cache(session: HubSession, entry: Entry, artifact: Artifact, partial_dir: Path, *,
+                         role: str) -> FetchedFile | None:
+    """The pinned file from the Hugging Face cache (download.hf_cache), as a hashed partial for verify;
+    None when the cache lacks it or it fails a check (then it is downloaded; a damaged one is warned
+    about). Only with the size and sha256 pinned: the cache is trusted for nothing hotfit cannot check."""
+    if session.hf_hub_cache is None or artifact.size_bytes is None or artifact.sha256 is None:
+        return None
+    assert artifact.revision is not None and artifact.file is not None
+    repo, revision, file = artifact.repo, artifact.revision, artifact.file
+    partial, sidecar, _lock = partial_paths(partial_dir, repo, file)
+    if not snapshot_path(session.hf_hub_cache, repo, revision, file).exists():
+        return None
+    found = await anyio.to_thread.run_sync(lambda: take_into_partial(
+        session.hf_hub_cache, partial=partial, sidecar=sidecar, repo=repo, commit=revision, file=file,
+        size_bytes=artifact.size_bytes, sha256=artifact.sha256))
+    if isinstance(found, CacheMiss):
+        if found.damaged:
+            log.warning("fetch.hf_cache_rejected", entry=entry.name, file=file, path=found.source,
+                        reason=found.reason, detail=found.detail,
+                        action="ignored; downloading" if not session.offline else "ignored")
+        return None
+    identity = await anyio.to_thread.run_sync(file_identity, partial)
+    log.info("fetch.hf_cache_used", entry=entry.name, role=role, file=file, path=found.source, how=found.how,
+             size_bytes=found.size_bytes)
+    return FetchedFile(repo=repo, revision=revision, file=file, path=str(partial_dir.parent / file),
+                       partial_path=str(partial), size_bytes=found.size_bytes, sha256=found.sha256,
+                       hub_lfs_sha256=None, identity=identity, bytes_transferred=0, bytes_reread=0,
+                       resumed_from_bytes=0, connections=0, attempts=0, already_present=False,
+                       hf_cache=found.how)
 
 
 async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
@@ -311,6 +349,9 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str,
         raise HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
                        hint="unset HF_HUB_OFFLINE to download", repo=repo)
     check_endpoint(settings.hf_endpoint)
+    # huggingface_hub's client reads the proxy variables itself, with the rules download.proxy
+    # checks here (a malformed one is exit 2 before a request) and names in errors
+    proxy = proxy_config(dict(settings.proxy_env)).for_url(settings.hf_endpoint)
     token = resolve_token()
     listing_url = f"{settings.hf_endpoint}/api/models/{repo}/tree/{revision}"
     try:
@@ -320,7 +361,7 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str,
         raise
     except Exception as exc:
         mapped = hub_error_from_hf_exception(exc, repo=repo, revision=revision, endpoint=settings.hf_endpoint,
-                                             url=listing_url)
+                                             url=listing_url, proxy=proxy)
         if mapped is None:
             raise HubError(f"listing {repo}@{revision} failed: {exc}", hint="check HF_ENDPOINT and rerun",
                            repo=repo, revision=revision) from exc
@@ -352,6 +393,28 @@ def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str, 
                         fetch_again=True)  # fetched again below; verify puts the good copy in its place
             return False
     return vouched
+
+
+async def _snapshot_file_from_hf_cache(settings: Settings, entry: Entry, repo: str, commit: str, f: _ListedFile,
+                                       partial_dir: Path) -> SnapshotFile | None:
+    """One listed file from the Hugging Face cache at the listed commit, checked against the listing's
+    LFS sha256 or git blob id (download.hf_cache); None to download it."""
+    if settings.hf_hub_cache is None or not snapshot_path(settings.hf_hub_cache, repo, commit, f.path).exists():
+        return None
+    partial, sidecar, _lock = partial_paths(partial_dir, repo, f.path)
+    found = await anyio.to_thread.run_sync(lambda: take_into_partial(
+        settings.hf_hub_cache, partial=partial, sidecar=sidecar, repo=repo, commit=commit, file=f.path,
+        size_bytes=f.size_bytes, sha256=f.lfs_sha256, git_sha1=None if f.lfs_sha256 else f.blob_id))
+    if isinstance(found, CacheMiss):
+        if found.damaged:
+            log.warning("fetch.hf_cache_rejected", entry=entry.name, file=f.path, path=found.source,
+                        reason=found.reason, detail=found.detail, action="ignored; downloading")
+        return None
+    log.info("fetch.hf_cache_used", entry=entry.name, role="snapshot", file=f.path, path=found.source,
+             how=found.how, size_bytes=found.size_bytes)
+    return SnapshotFile(path=f.path, size_bytes=f.size_bytes, lfs_sha256=f.lfs_sha256, blob_id=f.blob_id,
+                        partial_path=str(partial), sha256=found.sha256, git_sha1=found.git_sha1,
+                        identity=await anyio.to_thread.run_sync(file_identity, partial))
 
 
 async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, connections: int | None = None,
@@ -386,6 +449,10 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
         hashed: dict[str, SnapshotFile] = {}
         async with HubSession(settings, options) as session:
             for f in todo:
+                from_cache = await _snapshot_file_from_hf_cache(settings, entry, artifact.repo, commit, f, partial_dir)
+                if from_cache is not None:
+                    hashed[f.path] = from_cache
+                    continue
                 outcome: DownloadOutcome | None = None
                 for retry in range(DEFAULT_INTEGRITY_RETRIES + 1):
                     outcome = await download_to_partial(

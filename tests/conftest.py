@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -20,6 +21,15 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ.pop("HF_TOKEN", None)
 os.environ.pop("CONTENOX_LLAMA_KV_CACHE_TYPE", None)
+# hotfit honours proxies (docs/network.md): one inherited from the machine would route the loopback
+# Hub of every test through it. The proxy tests set them per subprocess / settings.
+for _name in [k for k in os.environ if k.lower() in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")]:
+    os.environ.pop(_name)
+# The Hugging Face cache is read by fetch-weights (docs/network.md): never the developer's own (a real
+# model cached there would be taken instead of the local Hub's bytes). An empty one per session.
+os.environ.pop("HF_HOME", None)
+os.environ.pop("HUGGINGFACE_HUB_CACHE", None)
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="hotfit-tests-hf-cache-")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

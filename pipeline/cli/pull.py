@@ -33,6 +33,7 @@ def _human(result: PullResult) -> str:
     if f.weights is not None:
         w = f.weights
         how = "already present" if w.already_present else (
+            f"from the Hugging Face cache ({w.hf_cache})" if w.hf_cache else
             f"{w.bytes_transferred} bytes over {w.connections} connection(s)"
             + (f", resumed from {w.resumed_from_bytes}" if w.resumed_from_bytes else ""))
         against = result.verify.verified_against

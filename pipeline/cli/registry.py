@@ -81,6 +81,7 @@ def run_lock(args: argparse.Namespace, ctx: CliContext) -> int:
         endpoint=ctx.settings.hf_endpoint,
         offline=ctx.settings.hf_offline,
         verify_pinned=args.verify,
+        proxy_env=dict(ctx.settings.proxy_env),
     )
     lines = [f"checked {len(report.checked)} entr{'y' if len(report.checked) == 1 else 'ies'} "
              f"against {ctx.settings.hf_endpoint}: {', '.join(report.checked) or 'none needed it'}"]
