@@ -214,9 +214,8 @@ def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("endpoint", ["localhost:8080", "ftp://mirror.example", "http://", "hf-mirror.com/hf"])
 def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoint: str, tmp_path: Path) -> None:
-    settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
-    with pytest.raises(UsageError) as exc:
-        HubSession(settings, token=False)
+    with pytest.raises(UsageError) as exc:  # where the settings are read, before any session
+        load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
     assert "HF_ENDPOINT" in str(exc.value) and exc.value.exit_code == 2 and exc.value.hint
 
 
