@@ -34,7 +34,7 @@ import anyio.to_thread
 
 from core.errors import LockedError, UsageError
 from core.records import field_dict
-from state.locks import read_holder
+from state.locks import current_holder
 
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
 RunStatus = Literal["running", "done", "failed", "interrupted"]
@@ -135,16 +135,6 @@ def _is_busy(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and any(w in str(exc) for w in ("locked", "busy"))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
 def _cmdline(pid: int) -> str:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -219,10 +209,8 @@ class SyncStateStore:
 
     def _busy_error(self, exc: BaseException, waited_s: float) -> LockedError:
         """What a person needs when the database stayed busy: who holds it, and what to do."""
-        me = os.getpid()
-        holder = read_holder(self.lock_path) if self.lock_path is not None else None
-        pipeline_pid = (holder.pid if holder is not None and holder.pid is not None and holder.pid != me
-                        and _pid_alive(holder.pid) else None)
+        holder = current_holder(self.lock_path) if self.lock_path is not None else None
+        pipeline_pid = holder.pid if holder is not None else None
         open_by = [p for p in processes_with_open([self.path, self.path.with_name(self.path.name + "-wal"),
                                                    self.path.with_name(self.path.name + "-shm")])
                    if p != pipeline_pid]
