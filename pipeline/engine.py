@@ -386,6 +386,12 @@ class Runner:
         if stage.always_run or stage.name in self.force or not self.recorded:
             return None
         record = await store.find_done(stage.name, digest)
+        if record is not None and "outputs_json" in record.damaged:  # not JSON, or not an object
+            err = damaged_record(stage.name, store.sync.path, record.run_id, StageRecordError(
+                "its outputs are not a JSON object", field="outputs_json"))
+            log.warning("stage.stale", reason="recorded outputs do not decode", from_run=record.run_id,
+                        error=err.to_json())
+            return None
         if record is None or record.outputs is None:
             return None
         try:

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import random
+import shutil
+import sqlite3
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,9 @@ import pytest
 from pipeline.cli import main
 from state.store import SyncStateStore
 from tests.conftest import REPO_ROOT
+from tests.e2e_support import GiB, World, write_probe
+from tests.gguf_fixtures import write_standin_llama_server
+from tests.hubserver import LocalHub
 
 
 def log_events(home: Path) -> list[dict]:
@@ -114,3 +122,146 @@ def test_a_recorded_pid_now_used_by_another_process_is_not_the_holder(tmp_path: 
     finally:
         other.kill()
         other.wait()
+
+
+# --------------------------------------------------------------------------- damaged state.db
+# A real state.db from a real run: `hotfit auto` on the local Hub with the stand-in llama-server runs
+# probe → verify and fails at load (exit 5), leaving done, failed and run records to damage. Each row
+# damages one table's field (or a whole data page) of a copy of that home, then `status` and a rerun
+# of `auto` are run: exit codes, what is said, what the rerun runs again.
+
+BAD_JSON = "{not json"
+
+
+@dataclass(frozen=True)
+class Damage:
+    name: str
+    sql: str | None  # an UPDATE on the real records; None: garble a page (``page_of``)
+    status_rc: int
+    auto_rc: int  # 5: the rerun went past the damage to the stand-in's load failure
+    damaged: tuple[str, str, str] | None = None  # (table, stage or "", column) `status --json` flags
+    reruns: str | None = None  # a stage the rerun runs again instead of reusing its record
+    page_of: str | None = None  # the table whose first page gets random bytes
+
+
+DAMAGES = [
+    Damage("stages.outputs_json not JSON",
+           f"UPDATE stages SET outputs_json='{BAD_JSON}' WHERE stage='fetch-template'", 0, 5,
+           damaged=("stages", "fetch-template", "outputs_json"), reruns="fetch-template"),
+    Damage("stages.outputs_json a list", "UPDATE stages SET outputs_json='[1, 2]' WHERE stage='verify'", 0, 5,
+           damaged=("stages", "verify", "outputs_json"), reruns="verify"),
+    Damage("stages.error_json not JSON", f"UPDATE stages SET error_json='{BAD_JSON}' WHERE stage='load'", 0, 5,
+           damaged=("stages", "load", "error_json")),
+    Damage("stages.error_json a string", "UPDATE stages SET error_json='\"boom\"' WHERE stage='load'", 0, 5,
+           damaged=("stages", "load", "error_json")),
+    Damage("stages.status unknown", "UPDATE stages SET status='exploded' WHERE stage='verify'", 0, 5,
+           damaged=("stages", "verify", "status"), reruns="verify"),
+    Damage("stages.attempts text", "UPDATE stages SET attempts='many' WHERE stage='load'", 0, 5,
+           damaged=("stages", "load", "attempts")),
+    Damage("stages.started_at text", "UPDATE stages SET started_at='noon' WHERE stage='probe'", 0, 5,
+           damaged=("stages", "probe", "started_at")),
+    Damage("stages.inputs_hash a blob", "UPDATE stages SET inputs_hash=X'00ff' WHERE stage='fetch-weights'", 0, 5,
+           damaged=("stages", "fetch-weights", "inputs_hash"), reruns="fetch-weights"),
+    Damage("runs.args_json not JSON", f"UPDATE runs SET args_json='{BAD_JSON}'", 0, 5,
+           damaged=("runs", "", "args_json")),
+    Damage("runs.error_json not JSON", f"UPDATE runs SET error_json='{BAD_JSON}'", 0, 5,
+           damaged=("runs", "", "error_json")),
+    Damage("runs.status unknown", "UPDATE runs SET status='exploded'", 0, 5, damaged=("runs", "", "status")),
+    Damage("runs.started_at text", "UPDATE runs SET started_at='noon'", 0, 5, damaged=("runs", "", "started_at")),
+    Damage("meta.schema garbled", "UPDATE meta SET value='zz' WHERE key='schema'", 2, 2),
+    Damage("stages data page random bytes", None, 2, 2, page_of="stages"),
+    Damage("runs data page random bytes", None, 2, 2, page_of="runs"),
+]
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_standin_llama_server(tmp_path_factory.mktemp("standin") / "llama-server")
+
+
+@pytest.fixture(scope="module")
+def real_home(hub: LocalHub, plain_world: World, standin: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A home after a real `hotfit auto` that ran probe → verify and failed at load."""
+    root = tmp_path_factory.mktemp("real-run")
+    hub.clear_faults()
+    done = run_auto(hub, root / "home", plain_world, write_probe(root / "probe.json", 8 * GiB), standin)
+    assert done.returncode == 5, done.stderr[-3000:]
+    return root / "home"
+
+
+def run_auto(hub: LocalHub, home: Path, world: World, probe: Path, server: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "CONTENOX_LLAMA_KV_CACHE_TYPE")}
+    env.update(hub.env(), HOTFIT_LLAMA_SERVER=str(server))
+    return subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "auto",
+                           "--registry", str(world.registry_path), "--probe-file", str(probe), "--json"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def garble_page(db: Path, table: str) -> None:
+    """Random bytes (seeded) over the cell area of ``table``'s root page, the header left whole."""
+    with sqlite3.connect(db) as conn:
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name=?", (table,)).fetchone()
+    rnd = random.Random(table)
+    with open(db, "r+b") as fh:
+        fh.seek((root - 1) * page_size + 8)  # past the 8-byte b-tree leaf header
+        fh.write(bytes(rnd.randrange(256) for _ in range(page_size - 8)))
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.name)
+def test_damaged_state_db_is_exit_2_naming_the_file_or_the_unreadable_stage_reruns(
+        damage: Damage, real_home: Path, hub: LocalHub, plain_world: World, standin: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(real_home, home)
+    db = home / "state.db"
+    assert not db.with_name("state.db-wal").exists() or db.with_name("state.db-wal").stat().st_size == 0
+    if damage.sql is not None:
+        with sqlite3.connect(db) as conn:
+            conn.execute(damage.sql)
+    else:
+        assert damage.page_of is not None
+        garble_page(db, damage.page_of)
+
+    out = io.StringIO()
+    rc = main(["--home", str(home), "--log-format", "json", "status", "--json"], out=out)
+    assert rc == damage.status_rc, out.getvalue()[-2000:]
+    answer = json.loads(out.getvalue())
+    if rc == 2:
+        err = answer["error"]
+        assert str(db) in err["message"] and f"mv {db}*" in err["hint"]
+        assert err["details"]["state_db"] == str(db)
+    else:
+        flagged = {(t, s, c) for t, s, c in _damaged(answer)}
+        assert damage.damaged in flagged
+        status_text = io.StringIO()
+        assert main(["--home", str(home), "status"], out=status_text) == 0
+        assert f"[damaged record: {damage.damaged[2]}" in status_text.getvalue()
+
+    lines_before = len(log_events(home))
+    rerun = run_auto(hub, home, plain_world, write_probe(tmp_path / "probe.json", 8 * GiB), standin)
+    assert rerun.returncode == damage.auto_rc, rerun.stderr[-3000:]
+    assert "Traceback" not in rerun.stderr
+    if rerun.returncode == 2:
+        err = json.loads(rerun.stdout)["error"]
+        assert str(db) in err["message"] and f"mv {db}*" in err["hint"]
+        # the fix the message names, then a rerun: the downloads on disk are reused
+        aside = home / "state-unusable"
+        aside.mkdir()
+        for p in home.glob("state.db*"):
+            p.rename(aside / p.name)
+        hub.reset_counters()
+        again = run_auto(hub, home, plain_world, write_probe(tmp_path / "probe.json", 8 * GiB), standin)
+        assert again.returncode == 5, again.stderr[-3000:]
+        assert hub.bytes_sent() == 0
+    events = log_events(home)[lines_before:]
+    if damage.reruns:
+        story = [(e["event"], e.get("stage")) for e in events if e["event"].startswith("stage.")]
+        assert ("stage.start", damage.reruns) in story and ("stage.skip", damage.reruns) not in story
+    assert any(e["event"] == "state.record_damaged" for e in events) or damage.auto_rc == 2 or not damage.damaged
+
+
+def _damaged(status: dict) -> list[tuple[str, str, str]]:
+    found = [("runs", "", c) for c in (status["run"] or {}).get("damaged", [])]
+    for s in status["stages"]:
+        found += [("stages", s["stage"], c) for c in s.get("damaged", [])]
+    return found

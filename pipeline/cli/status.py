@@ -47,6 +47,11 @@ def effective_stages(stages: list[StageRecord], lock: dict[str, Any]) -> list[St
     return [replace(s, status="interrupted") if s.status == "running" else s for s in stages]
 
 
+def damaged_note(columns: tuple[str, ...]) -> str:
+    """What a record that did not read back says in the human view (a rerun redoes such a stage)."""
+    return f" [damaged record: {', '.join(columns)} unreadable]" if columns else ""
+
+
 def rerun_would(run: RunRecord | None, stages: list[StageRecord], manifest_ok: bool,
                 lock: dict[str, Any]) -> str:
     """Pure: one sentence on what `hotfit auto` would do now."""
@@ -141,13 +146,14 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     if run is None:
         lines.append("no run yet")
     else:
-        lines.append(f"run {run.run_id}: {effective_status}" + (f" (plan {run.plan_id})" if run.plan_id else ""))
+        lines.append(f"run {run.run_id}: {effective_status}" + (f" (plan {run.plan_id})" if run.plan_id else "")
+                     + damaged_note(run.damaged))
         for s in shown:
             detail = ""
             if s.error and s.status in ("failed", "interrupted"):
                 detail = f" — {s.error.get('message', '')}".splitlines()[0]
             attempts = f" ×{s.attempts}" if s.attempts > 1 else ""
-            lines.append(f"  {s.stage:<16} {s.status}{attempts}{detail}")
+            lines.append(f"  {s.stage:<16} {s.status}{attempts}{detail}{damaged_note(s.damaged)}")
     if manifest:
         opened = manifest.opened_context_tokens
         lines.append(
