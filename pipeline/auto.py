@@ -362,7 +362,7 @@ async def held_interruptibly(lock: FileLock) -> AsyncIterator[FileLock]:
         name = signal.Signals(received[0]).name
         log.warning("lock.wait_interrupted", signal=name, lock=str(lock.path))
         raise Interrupted(f"interrupted by {name} while waiting for {lock.what}; nothing was changed",
-                          hint="rerun the same command to queue again")
+                          hint="rerun the same command to queue again", signal=name)
     try:
         yield lock
     finally:

@@ -244,11 +244,9 @@ class Runner:
                 await self._finish(store, run_id, "failed", exc.to_json(), started)
                 raise
             if self.signal_received is not None:  # whatever the stage raised on its way out
-                err = Interrupted(
-                    f"interrupted by {signal.Signals(self.signal_received).name}; "
-                    "rerun the same command to resume",
-                    hint="completed stages and downloaded bytes are kept",
-                )
+                name = signal.Signals(self.signal_received).name
+                err = Interrupted(f"interrupted by {name}; rerun the same command to resume",
+                                  hint="completed stages and downloaded bytes are kept", signal=name)
                 await self._finish(store, run_id, "interrupted", err.to_json(), started)
                 raise err from None
             status = "interrupted" if isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class())) \
@@ -256,7 +254,9 @@ class Runner:
             await self._finish(store, run_id, status, {"code": "internal", "message": repr(exc)}, started)
             raise
         if self.signal_received is not None:  # signal arrived after the last await
-            err = Interrupted("interrupted; rerun the same command to resume")
+            name = signal.Signals(self.signal_received).name
+            err = Interrupted(f"interrupted by {name}; rerun the same command to resume",
+                              hint="completed stages and downloaded bytes are kept", signal=name)
             await self._finish(store, run_id, "interrupted", err.to_json(), started)
             raise err
         assert outcome is not None

@@ -12,10 +12,13 @@ import json
 import os
 import random
 import shutil
+import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,3 +268,167 @@ def _damaged(status: dict) -> list[tuple[str, str, str]]:
     for s in status["stages"]:
         found += [("stages", s["stage"], c) for c in s.get("damaged", [])]
     return found
+
+
+# --------------------------------------------------------------------------- SIGTERM to every command
+# Each command is held at a real blocking point (a throttled download, a llama-server that never
+# answers --list-devices, a Hub API answer paced to a trickle, a grade endpoint that never answers),
+# then its process group gets SIGTERM as a supervisor (systemd's control group) sends it.
+
+MiB = 1 << 20
+
+
+def hotfit_env(hub: LocalHub, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "CONTENOX_LLAMA_KV_CACHE_TYPE")}
+    env.update(hub.env(), **extra)
+    return env
+
+
+def silent_server() -> tuple[socket.socket, str]:
+    """A TCP listener that accepts connections and never answers: a hung endpoint."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def sleeping_server(path: Path, started: Path) -> Path:
+    """A llama-server stand-in whose `--list-devices` never returns (a wedged driver call); it
+    creates ``started`` when called."""
+    path.write_text(f"#!/bin/sh\ntouch '{started}'\nexec sleep 600\n")
+    path.chmod(0o755)
+    return path
+
+
+def _wait_until(predicate, proc: subprocess.Popen[str], what: str, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s  # a hang guard, not a timing assertion
+    while not predicate():
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def _log_has(home: Path, event: str) -> bool:
+    try:
+        return any(e.get("event") == event for e in log_events(home))
+    except ValueError:  # a line being written
+        return False
+
+
+SIGTERM_CASES = ["pull", "auto", "probe", "plan", "registry lock", "grade"]
+
+
+@pytest.mark.parametrize("command", SIGTERM_CASES)
+def test_sigterm_is_exit_130_with_a_message_and_a_logged_failure_for_every_command(
+        command: str, hub: LocalHub, plain_world: World, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    hub.clear_faults()
+    base = [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json"]
+    env = hotfit_env(hub)
+    listener = None
+    large = plain_world.entry("fx-agent-large")
+    if command in ("pull", "auto"):
+        (tmp_path / "standin").mkdir()
+        env["HOTFIT_LLAMA_SERVER"] = str(write_standin_llama_server(tmp_path / "standin" / "llama-server"))
+        hub.inject(file="*.gguf", throughput_bps=200_000, times=None)
+        argv = (["pull", large.name] if command == "pull" else ["auto", "--probe-file",
+                str(write_probe(tmp_path / "probe.json", 8 * GiB))]) + ["--registry", str(plain_world.registry_path)]
+        ready = lambda: any((home / "models" / large.name / ".partial").glob("*.json"))  # noqa: E731
+    elif command in ("probe", "plan"):
+        started = tmp_path / "list-devices-called"
+        env["HOTFIT_LLAMA_SERVER"] = str(sleeping_server(tmp_path / "llama-server", started))
+        argv = [command]
+        ready = started.exists
+    elif command == "registry lock":
+        hub.inject(url="/api/models/*", throughput_bps=1, times=None)
+        unpinned = tmp_path / "unpinned.json"
+        data = json.loads(plain_world.registry_path.read_text())
+        entry = data["entries"][0]
+        entry["artifact"]["revision"] = None  # not yet pinned: lock asks the Hub
+        entry.update(auto_eligible=False, ineligible_reason="not yet pinned", ineligible_cause="unverified")
+        unpinned.write_text(json.dumps(data))
+        argv = ["registry", "lock", "--registry", str(unpinned)]
+        ready = lambda: _log_has(home, "registry.lock.query")  # noqa: E731
+    else:
+        listener, url = silent_server()
+        argv = ["grade", "--endpoint", url, "--tier", "quick"]
+        ready = lambda: _log_has(home, "grade.start")  # noqa: E731
+    proc = subprocess.Popen([*base, *argv, "--json"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_until(ready, proc, f"{command} to reach its blocking point")
+        time.sleep(0.3)  # into the blocking call itself (either side of it must give 130 too)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if listener is not None:
+            listener.close()
+        hub.clear_faults()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert json.loads(out)["error"]["code"] == "interrupted"
+    failed = [e for e in log_events(home) if e["event"] == "command.fail"]
+    assert len(failed) == 1 and failed[0]["exit_code"] == 130 and failed[0]["signal"] == "SIGTERM"
+    assert failed[0]["command"] == command and failed[0]["error"]["code"] == "interrupted"
+
+
+# --------------------------------------------------------------------------- every failure is logged
+
+def _missing_repo_registry(world: World, path: Path) -> Path:
+    data = json.loads(world.registry_path.read_text())
+    data["entries"][0]["artifact"]["repo"] = "hotfit-fixtures/no-such-repo"
+    path.write_text(json.dumps(data))
+    return path
+
+
+FAILURES = [  # (argv, exit code, error code): each must leave one command.fail in the home's log
+    (["pull", "no-such-model"], 2, "usage"),
+    (["pull", "fx-agent-large", "--registry", "{missing_repo}"], 4, "hub"),
+    (["plan", "--probe-file", "{tmp}/absent.json"], 2, "usage"),
+    (["auto", "--grade-tier", "quick"], 2, "usage"),
+    (["grade", "--endpoint", "localhost:8080"], 2, "usage"),
+    (["registry", "lock", "--registry", "{tmp}/absent.json"], 2, "usage"),
+    (["status"], 2, "usage"),  # with a state.db that is not a database
+    (["serve"], None, None),  # nothing provisioned: whatever code, it is logged
+]
+
+
+@pytest.mark.parametrize("argv, exit_code, code", FAILURES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_every_failing_command_leaves_command_fail_with_its_exit_code_in_the_log(
+        argv: list[str], exit_code: int | None, code: str | None, hub: LocalHub, plain_world: World,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    hub.clear_faults()
+    if argv == ["status"]:
+        home.mkdir()
+        (home / "state.db").write_bytes(b"not a database" * 100)
+    fill = {"tmp": str(tmp_path), "missing_repo": str(_missing_repo_registry(plain_world, tmp_path / "r.json"))}
+    argv = [a.format(**fill) for a in argv]
+    if argv[0] == "pull" and "--registry" not in argv:
+        argv += ["--registry", str(plain_world.registry_path)]
+    out = io.StringIO()
+    rc = main(["--home", str(home), "--log-format", "json", *argv, "--json"], out=out)
+    assert rc != 0
+    if exit_code is not None:
+        assert rc == exit_code and json.loads(out.getvalue())["error"]["code"] == code
+    failed = [e for e in log_events(home) if e["event"] == "command.fail"]
+    assert len(failed) == 1, log_events(home)[-5:]
+    assert failed[0]["exit_code"] == rc and failed[0]["command"] == " ".join(argv[:2] if argv[0] == "registry"
+                                                                             else argv[:1])
+    assert failed[0]["error"]["exit_code"] == rc and failed[0]["level"] == "error"
+
+
+def test_a_bad_setting_is_logged_in_an_existing_home_and_creates_no_home(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://[::1")
+    existing = tmp_path / "existing"
+    (existing / "logs").mkdir(parents=True)
+    assert main(["--home", str(existing), "status"], out=io.StringIO()) == 2
+    (failed,) = [e for e in log_events(existing) if e["event"] == "command.fail"]
+    assert failed["exit_code"] == 2 and "HF_ENDPOINT" in failed["error"]["message"]
+    fresh = tmp_path / "fresh"
+    assert main(["--home", str(fresh), "status"], out=io.StringIO()) == 2
+    assert not fresh.exists()
