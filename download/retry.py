@@ -58,16 +58,24 @@ class StopPolicy:
         self._cap = options.retry_after_cap_s
         self._progress_fn = progress_fn
         self._mark = progress_fn()  # bytes on disk at the last progress
+        self._observed = 0  # the attempt number last counted
         self.without_progress = 0  # failed attempts since the last progress (0: the last one made some)
         self.reason: str | None = None  # why it stopped, for the error
 
-    def __call__(self, state: RetryCallState) -> bool:
+    def observe(self, state: RetryCallState) -> None:
+        """Count a failed attempt once, whichever of the wait and the stop tenacity asks first."""
+        if state.attempt_number == self._observed:
+            return
+        self._observed = state.attempt_number
         done = self._progress_fn()
         if done - self._mark >= self._min_bytes:
             self.without_progress, self._mark = 0, done
             self._deadline = max(self._deadline, time.monotonic() + self._window_s)
         else:
             self.without_progress += 1
+
+    def __call__(self, state: RetryCallState) -> bool:
+        self.observe(state)
         exc = state.outcome.exception() if state.outcome else None
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after is not None and retry_after > self._cap:
@@ -92,6 +100,8 @@ def wait_policy(options: TransferOptions, stop: StopPolicy | None = None) -> Cal
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after is not None:
             return min(retry_after, options.retry_after_cap_s)
+        if stop is not None:
+            stop.observe(state)
         n = stop.without_progress if stop is not None else state.attempt_number
         if n <= 0:
             return 0.0

@@ -170,15 +170,16 @@ def test_bytes_reset_the_backoff_and_a_trickle_is_no_progress() -> None:
     done = [0]
     stop = StopPolicy(opts, lambda: done[0], deadline=time.monotonic() + 900)
     wait = wait_policy(opts, stop)
+    # (tenacity asks the wait before the stop after each failed attempt; both see the same count)
     # a link cut every 2 MiB: each attempt brought bytes, so the next one goes at once, forever
     for n in range(1, 50):
         done[0] += 2 << 20
-        assert stop(_failed_attempt(n)) is False and wait(_failed_attempt(n)) == 0
+        assert wait(_failed_attempt(n)) == 0 and stop(_failed_attempt(n)) is False
     # then nothing: the backoff starts again from its first step, and grows
     waits = []
     for n in range(50, 55):
-        assert stop(_failed_attempt(n)) is False
         waits.append(wait(_failed_attempt(n)))
+        assert stop(_failed_attempt(n)) is False
     assert 0.5 <= waits[0] <= 1.0 and all(b > a for a, b in zip(waits, waits[1:]))
     # one byte per connection is no progress: given up after the bounded attempts, the bound named
     trickle = StopPolicy(opts, lambda: done[0], deadline=time.monotonic() + 900)
@@ -556,7 +557,9 @@ async def test_a_link_cut_every_2_mib_on_one_connection_is_retried_at_once_each_
             async with HubSession(settings, opts, token=False) as s:
                 with anyio.fail_after(60):
                     out = await _download_model(s, commit, data, tmp_path / ".partial")
+        heads = [r for r in hub.requests if r.method == "HEAD" and r.file == "model.gguf"]
     assert out.sha256 == hashlib.sha256(data).hexdigest() and out.bytes_transferred == len(data)
+    assert len(heads) == 1  # a cut that followed progress is resumed on the same link, without a re-HEAD
     retries = [e for e in events if e["event"] == "download.retry"]
     assert len(retries) == 4  # cut at 2, 4, 6 and 8 MiB
     assert [e["wait_s"] for e in retries] == [0] * 4  # before: 0.5, 1, 2, 4 s (+ jitter), growing with each cut

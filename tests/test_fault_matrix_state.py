@@ -432,3 +432,32 @@ def test_a_bad_setting_is_logged_in_an_existing_home_and_creates_no_home(
     fresh = tmp_path / "fresh"
     assert main(["--home", str(fresh), "status"], out=io.StringIO()) == 2
     assert not fresh.exists()
+
+
+# --------------------------------------------------------------------------- a server that makes no progress
+
+def test_pull_from_a_server_sending_one_byte_per_connection_gives_up_with_exit_4_and_the_rerun_resumes(
+        hub: LocalHub, plain_world: World, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    large = plain_world.entry("fx-agent-large")
+    argv = [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "pull", large.name,
+            "--registry", str(plain_world.registry_path), "--json"]
+    hub.clear_faults()
+    hub.inject(method="GET", file="*.gguf", close_after_bytes=1, times=None)
+    try:
+        # the default policy: 6 attempts, waits 0.5 + 1 + 2 + 4 + 8 s (+ jitter); before: never ended
+        failed = subprocess.run(argv, cwd=REPO_ROOT, env=hotfit_env(hub), capture_output=True, text=True, timeout=120)
+    finally:
+        hub.clear_faults()
+    assert failed.returncode == 4, failed.stderr[-3000:]
+    err = json.loads(failed.stdout)["error"]
+    assert "gave up (6 attempts in a row brought less than 1048576 bytes)" in err["message"]
+    assert err["details"]["gave_up"].startswith("6 attempts") and "rerun" in err["hint"]
+    (logged,) = [e for e in log_events(home) if e["event"] == "command.fail"]
+    assert logged["exit_code"] == 4 and logged["command"] == "pull"
+    hub.reset_counters()
+    again = subprocess.run(argv, cwd=REPO_ROOT, env=hotfit_env(hub), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    weights = json.loads(again.stdout)["fetch"]["weights"]
+    assert weights["resumed_from_bytes"] == err["details"]["done_bytes"] > 0  # the bytes that trickled in are kept
+    assert hub.bytes_sent(large.artifact.file) == large.artifact.size_bytes - weights["resumed_from_bytes"]
