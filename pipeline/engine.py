@@ -35,10 +35,11 @@ Just over 400 lines: sequencing, reuse, sessions, signals and events are the eng
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -62,6 +63,22 @@ log = get_logger()
 CLEANUP_TIMEOUT_S = 30.0
 # sqlite's name for a private in-memory database: an ephemeral run's store
 IN_MEMORY = Path(":memory:")
+
+
+@contextlib.contextmanager
+def signal_receiver(*signums: int) -> Iterator[Any]:
+    """``anyio.open_signal_receiver`` that puts back the handlers it found. asyncio's removal sets
+    SIGTERM to its default (exit 143, no message) and SIGINT to Python's (KeyboardInterrupt wherever
+    the code is), which would undo the command line's handlers for the rest of the command."""
+    saved = {s: signal.getsignal(s) for s in signums}
+    try:
+        with anyio.open_signal_receiver(*signums) as received:
+            yield received
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: not installed from Python, nothing to put back
+                with contextlib.suppress(ValueError):  # not the main thread
+                    signal.signal(signum, handler)
 
 
 class EnterContext(Protocol):
@@ -273,7 +290,7 @@ class Runner:
             unbind("run_id", "stage", "plan_id")
 
     async def _watch_signals(self, scope: anyio.CancelScope, *, task_status: Any) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             async for signum in signals:
                 self.signal_received = signum

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
+from pipeline.manifest import Manifest, write_manifest
 from state.store import SyncStateStore
 from tests.conftest import REPO_ROOT
 from tests.e2e_support import GiB, World, write_probe
@@ -314,7 +315,17 @@ def _log_has(home: Path, event: str) -> bool:
         return False
 
 
-SIGTERM_CASES = ["pull", "auto", "probe", "plan", "registry lock", "grade"]
+SIGTERM_CASES = ["pull", "auto", "auto on a provisioned home", "probe", "plan", "registry lock", "grade"]
+
+
+def provisioned(home: Path, entry: str) -> None:
+    """A manifest as a finished run leaves it: `auto` then checks it still holds (probe, plan) first."""
+    write_manifest(home / "manifest.json", Manifest(
+        run_id="r1", plan_id="p1", written_at="2026-11-29T00:00:00Z", entry_name=entry,
+        model_path=str(home / "models" / entry / "m.gguf"), model_size_bytes=10, model_sha256=None,
+        template_path=None, projector_path=None, kv_cache_type="f16", planned_hot_context_tokens=40000,
+        measured={"opened_context_tokens": 40192}, probe_verdict={"passed": True}, llama_cpp={}, device={},
+        plan={}))
 
 
 @pytest.mark.parametrize("command", SIGTERM_CASES)
@@ -333,10 +344,13 @@ def test_sigterm_is_exit_130_with_a_message_and_a_logged_failure_for_every_comma
         argv = (["pull", large.name] if command == "pull" else ["auto", "--probe-file",
                 str(write_probe(tmp_path / "probe.json", 8 * GiB))]) + ["--registry", str(plain_world.registry_path)]
         ready = lambda: any((home / "models" / large.name / ".partial").glob("*.json"))  # noqa: E731
-    elif command in ("probe", "plan"):
+    elif command in ("probe", "plan", "auto on a provisioned home"):
         started = tmp_path / "list-devices-called"
         env["HOTFIT_LLAMA_SERVER"] = str(sleeping_server(tmp_path / "llama-server", started))
         argv = [command]
+        if command.startswith("auto"):  # the probe of the check that the provisioning still holds
+            provisioned(home, large.name)
+            argv = ["auto", "--registry", str(plain_world.registry_path)]
         ready = started.exists
     elif command == "registry lock":
         hub.inject(url="/api/models/*", throughput_bps=1, times=None)
@@ -370,7 +384,8 @@ def test_sigterm_is_exit_130_with_a_message_and_a_logged_failure_for_every_comma
     assert json.loads(out)["error"]["code"] == "interrupted"
     failed = [e for e in log_events(home) if e["event"] == "command.fail"]
     assert len(failed) == 1 and failed[0]["exit_code"] == 130 and failed[0]["signal"] == "SIGTERM"
-    assert failed[0]["command"] == command and failed[0]["error"]["code"] == "interrupted"
+    assert failed[0]["command"] == " ".join(argv[:2] if argv[0] == "registry" else argv[:1])
+    assert failed[0]["error"]["code"] == "interrupted"
 
 
 # --------------------------------------------------------------------------- every failure is logged
