@@ -10,6 +10,11 @@ a stage done after the stage function has returned).
 The stdlib ``sqlite3`` module blocks, so the async API runs every call in a worker thread
 (``anyio.to_thread``); one connection, serialised by a lock, is shared by those threads.
 
+Damage (docs/faults-state.md): a field that does not read back is flagged on its record
+(``damaged``) and logged, never trusted, so the engine runs that stage again; a garbled page, found
+by ``quick_check`` at open or by any later statement, is a UsageError (exit 2) naming the file and
+how to move it aside.
+
 Nothing secret is stored: outputs and errors are the stages' ``to_json()`` dictionaries, which
 carry paths, sizes, hashes and verdicts, never tokens or API keys.
 
@@ -100,7 +105,7 @@ class StageRecord:
     started_at: float | None
     finished_at: float | None
     attempts: int
-    damaged: tuple[str, ...] = ()  # columns that did not read back (see _decode_row); their values are defaults
+    damaged: tuple[str, ...] = ()  # columns that did not read back (_Fields); their values are defaults
 
     def to_json(self) -> dict[str, Any]:
         # listed under its run, in stage order; "damaged" only when something is
@@ -117,7 +122,7 @@ class RunRecord:
     plan_id: str | None
     args: dict[str, Any]
     error: dict[str, Any] | None
-    damaged: tuple[str, ...] = ()  # columns that did not read back (see _decode_row)
+    damaged: tuple[str, ...] = ()  # columns that did not read back (_Fields)
 
     def to_json(self) -> dict[str, Any]:
         # seq: the store's row order, not a fact of the run; "damaged" only when something is
@@ -126,7 +131,6 @@ class RunRecord:
 
 def _dumps(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, default=str)
-
 
 
 def new_run_id() -> str:
