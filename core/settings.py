@@ -11,7 +11,8 @@ Environment variables (all optional):
 ``HOTFIT_DOWNLOAD_CONNECTIONS``  parallel byte ranges per large file (default 4)
 ``CONTENOX_LLAMA_KV_CACHE_TYPE``  KV cache type the worker runs (unset = f16); the same
                                 variable contenox's modeld reads, so plan and worker agree
-``HF_ENDPOINT``                 Hub (or mirror) base URL (default https://huggingface.co)
+``HF_ENDPOINT``                 Hub (or mirror) base URL (default https://huggingface.co); a
+                                malformed one is exit 2 naming it (not checked offline)
 ``HF_TOKEN``                    Hub token; else huggingface_hub's token store
 ``HF_HUB_OFFLINE``              1 = never touch the network
 ``HTTP_PROXY`` ``HTTPS_PROXY``   proxies for every request, either case (download.proxy reads
@@ -43,6 +44,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
+from urllib.parse import urlsplit
 
 from core.errors import UsageError
 
@@ -80,6 +82,34 @@ def default_hf_hub_cache(env: Mapping[str, str]) -> Path:
         if env.get(name):
             return Path(os.path.expandvars(env[name])).expanduser()
     return _xdg_dir(env, "HF_HOME", "XDG_CACHE_HOME", ".cache", "huggingface") / "hub"
+
+
+def endpoint_url(raw: str, variable: str = "HF_ENDPOINT") -> str:
+    """``raw`` as an http(s) base URL without the trailing slash, or a UsageError naming ``variable``
+    (exit 2) — never a ValueError or OverflowError from deep in a connect. A path after the host (a
+    mirror under a prefix) is fine; a query or fragment is not (the Hub's paths are appended)."""
+    problem = None
+    try:
+        parts = urlsplit(raw)
+        port = parts.port  # ValueError when not a number from 0 to 65535
+    except ValueError as exc:
+        parts, port, problem = None, None, str(exc)
+    if parts is not None:
+        if parts.scheme.lower() not in ("http", "https"):
+            problem = "not an http(s) URL"
+        elif not parts.hostname:
+            problem = "no host"
+        elif any(c.isspace() for c in raw) or not raw.isprintable():
+            problem = "it contains a space or control character"
+        elif parts.query or parts.fragment or raw.rstrip("/").endswith(("?", "#")):
+            problem = "a base URL takes no query or fragment"
+        elif port == 0:
+            problem = "port 0"
+    if problem is not None:
+        raise UsageError(f"{variable}={raw!r} is not an http(s) URL ({problem})",
+                         hint=f"set {variable} to the Hub or mirror base URL, e.g. {DEFAULT_HF_ENDPOINT} "
+                              "(or unset it)", variable=variable, value=raw)
+    return raw.rstrip("/")
 
 
 def _in_home(*parts: str) -> property:
@@ -150,12 +180,15 @@ def load_settings(
         ) from None
     server = llama_server or env.get("HOTFIT_LLAMA_SERVER") or None
     kv_raw = env.get(KV_CACHE_ENV)
+    offline = _truthy(env.get("HF_HUB_OFFLINE"))
+    raw_endpoint = env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT
+    # Offline nothing is requested, so a stale value must not break a rerun from disk.
     return Settings(
         home=Path(home).expanduser() if home else default_home(env),
         llama_server=Path(server).expanduser() if server else None,
         llama_cache=default_llama_cache(env),
-        hf_endpoint=(env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/"),
-        hf_offline=_truthy(env.get("HF_HUB_OFFLINE")),
+        hf_endpoint=raw_endpoint.rstrip("/") if offline else endpoint_url(raw_endpoint),
+        hf_offline=offline,
         kv_cache_type_raw=kv_raw if kv_raw not in (None, "") else None,
         download_connections=connections,
         llama_server_source=("flag" if llama_server else "env") if server else None,

@@ -6,8 +6,9 @@
   (``download.sidecar``) is rewritten atomically every ``checkpoint_interval_s``, claiming only bytes
   written before an ``fdatasync`` that completed; each connection re-sends at most what it received
   since the last checkpoint (< one block). Should a disk lie anyway, the sha256 check catches it.
-- **Fresh links.** A HEAD before the run and before every retry re-checks the pin (real CDN links are
-  signed and expire).
+- **Fresh links.** A HEAD before the run and before every retry that follows an attempt without
+  progress (``download.retry``) re-checks the pin (real CDN links are signed and expire); a cut
+  stream that was delivering is resumed at once on the same link, its range checked as always.
 - **Range-ignoring servers** (200 to a ranged GET) restart the file as one stream from byte 0.
 - **Disk.** Free space is checked before anything is allocated (``download.disk``; what the partial
   already holds counts as held); ENOSPC/EFBIG mid-write stops every connection, checkpoints the
@@ -281,11 +282,14 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
 
     async def fetch_block(block: Block) -> None:
         first = True
-        async for attempt in retrying(session.options, progress_fn=lambda: block.done, deadline=counters["deadline"],
-                                      before_sleep=log_retry(side.repo, side.file, lambda: state["url"])):
+        attempts = retrying(session.options, progress_fn=lambda: block.done, deadline=counters["deadline"],
+                            before_sleep=log_retry(side.repo, side.file, lambda: state["url"]))
+        async for attempt in attempts:
             with attempt:
                 counters["attempts"] += 1
-                url = state["url"] if first else await fresh_url()
+                # Right after an attempt that made progress the link and its URL were working: resume at
+                # once (a cut costs one GET). Otherwise re-HEAD first: the signed link may have expired.
+                url = state["url"] if first or attempts.stop.without_progress == 0 else await fresh_url()
                 first = False
                 await stream_block(session, side, block, url, whole=whole, partial=partial, hasher=hasher,
                                    reporter=reporter, counters=counters)

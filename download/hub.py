@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from urllib.parse import quote, urljoin, urlsplit
 
-from core.errors import HubError, PinMismatch, UsageError
+from core.errors import HubError, PinMismatch
 from core.lazy_import import lazy_module
-from core.settings import Settings
+from core.settings import Settings, endpoint_url
 from download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
 from download.options import TransferOptions
 from download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
@@ -59,13 +59,8 @@ def resolve_token() -> str | None:
 
 def check_endpoint(endpoint: str) -> str:
     """``HF_ENDPOINT`` as a base URL, or a UsageError (exit 2) at once — not minutes of retries
-    ending in a transfer error. A path after the host (a mirror under a prefix) is fine."""
-    parts = urlsplit(endpoint)
-    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-        raise UsageError(f"HF_ENDPOINT={endpoint!r} is not an http(s) URL",
-                         hint="set HF_ENDPOINT to the Hub or mirror base URL, e.g. https://huggingface.co "
-                              "(or unset it)", variable="HF_ENDPOINT", value=endpoint)
-    return endpoint.rstrip("/")
+    ending in a transfer error (the one rule, :func:`core.settings.endpoint_url`)."""
+    return endpoint_url(endpoint)
 
 
 def origin(url: str) -> tuple[str, str]:

@@ -27,6 +27,10 @@ class TransferOptions:
     min_parallel_bytes: int = 2 * MiB  # below this one stream beats the per-request overhead
     max_attempts_without_progress: int = 6
     max_total_retry_s: float = 900.0  # one file gives up after this much time spent failing
+    # Less than this since the last progress is none (download.retry): a server that sends a trickle
+    # per connection is given up on, not retried forever; while failing, the floor is this much per
+    # max_total_retry_s.
+    min_progress_bytes: int = 1 * MiB
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     retry_after_cap_s: float = 120.0  # a Retry-After beyond this is treated as "give up"

@@ -1,13 +1,26 @@
 """The one retry policy: every HEAD, ranged GET and Hub metadata call retries the same way.
 
-Exponential backoff with jitter, ``Retry-After`` honoured on 429/503 (capped; beyond the cap it is a
-"give up"), the attempt counter reset whenever bytes arrived, and a bounded time spent failing (new
-bytes restart it). Every wait is announced as a ``download.retry`` event (attempt, cause, wait_s, the
-URL without credentials or signed query), so an unreachable mirror is never minutes of silence.
+Progress is bytes: an attempt that left at least ``min_progress_bytes`` more on disk than there were
+at the last progress (an attempt cut after a stretch of bytes, or several short ones together) made
+progress. Progress resets the backoff — the next attempt goes at once, since the link was working
+(a link cut every few MiB on one connection keeps close to its speed) — and restarts the bounds:
+
+- ``max_attempts_without_progress`` attempts in a row without progress give up;
+- so does ``max_total_retry_s`` spent failing without progress (new progress pushes the deadline
+  out again: a cut hours into a long download is retried like one in its first minute).
+
+Between attempts without progress the wait grows exponentially (with jitter) from
+``backoff_initial_s`` to ``backoff_max_s``; ``Retry-After`` is honoured on 429/503 (capped; beyond
+the cap it is a "give up"). A server that sends a trickle per connection (1 byte, then a close)
+makes no progress and is given up on after those attempts, with exit 4 naming the bound and the
+last failure. Every wait is announced as a ``download.retry`` event (attempt, attempts without
+progress, cause, wait_s, the URL without credentials or signed query), so an unreachable mirror is
+never minutes of silence.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any, Callable, TypeVar
 
@@ -17,7 +30,6 @@ from tenacity import (
     RetryCallState,
     retry_if_exception,
     retry_if_exception_type,
-    wait_exponential_jitter,
 )
 
 from core.errors import TransferError
@@ -34,44 +46,67 @@ T = TypeVar("T")
 
 
 class StopPolicy:
-    """Stop after N consecutive attempts without new bytes, or once ``max_total_retry_s`` has passed
-    without any: the deadline bounds time spent failing, so new bytes push it out (a cut hours into
-    a long download is retried like one in its first minute)."""
+    """The stop half of the policy (see the module docstring), and the count of attempts without
+    progress the wait half reads. Called by tenacity once per failed attempt, before the wait."""
 
     def __init__(self, options: TransferOptions, progress_fn: Callable[[], int], deadline: float) -> None:
         self._max = options.max_attempts_without_progress
         self._window_s = options.max_total_retry_s
+        self._min_bytes = max(1, options.min_progress_bytes)
         # a retry loop that starts late (a block handed out an hour in) still gets its own window
         self._deadline = max(deadline, time.monotonic() + self._window_s)
         self._cap = options.retry_after_cap_s
         self._progress_fn = progress_fn
-        self._last = progress_fn()
-        self._fails = 0
+        self._mark = progress_fn()  # bytes on disk at the last progress
+        self._observed = 0  # the attempt number last counted
+        self.without_progress = 0  # failed attempts since the last progress (0: the last one made some)
+        self.reason: str | None = None  # why it stopped, for the error
 
-    def __call__(self, state: RetryCallState) -> bool:
-        now_done = self._progress_fn()
-        if now_done > self._last:
-            self._fails, self._last = 1, now_done
+    def observe(self, state: RetryCallState) -> None:
+        """Count a failed attempt once, whichever of the wait and the stop tenacity asks first."""
+        if state.attempt_number == self._observed:
+            return
+        self._observed = state.attempt_number
+        done = self._progress_fn()
+        if done - self._mark >= self._min_bytes:
+            self.without_progress, self._mark = 0, done
             self._deadline = max(self._deadline, time.monotonic() + self._window_s)
         else:
-            self._fails += 1
+            self.without_progress += 1
+
+    def __call__(self, state: RetryCallState) -> bool:
+        self.observe(state)
         exc = state.outcome.exception() if state.outcome else None
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after is not None and retry_after > self._cap:
-            return True
-        return self._fails >= self._max or time.monotonic() >= self._deadline
+            self.reason = f"the server asked to retry after {retry_after:g} s (more than {self._cap:g} s)"
+        elif self.without_progress >= self._max:
+            self.reason = (f"{self.without_progress} attempts in a row brought less than {self._min_bytes} "
+                           "bytes")
+        elif time.monotonic() >= self._deadline:
+            self.reason = (f"less than {self._min_bytes} bytes arrived in {self._window_s:g} s of retrying")
+        if self.reason is not None and exc is not None:
+            exc.hotfit_gave_up = self.reason  # type: ignore[attr-defined] - read by gave_up()
+        return self.reason is not None
 
 
-def wait_policy(options: TransferOptions) -> Callable[[RetryCallState], float]:
-    backoff = wait_exponential_jitter(multiplier=options.backoff_initial_s, max=options.backoff_max_s,
-                                      jitter=options.backoff_initial_s)
+def wait_policy(options: TransferOptions, stop: StopPolicy | None = None) -> Callable[[RetryCallState], float]:
+    """Retry-After when the server gave one (capped); else none after an attempt that made progress,
+    and ``backoff_initial_s × 2^(n-1)`` plus jitter (at most ``backoff_max_s``) after the n-th attempt
+    in a row without (``stop`` counts them; without it every attempt counts)."""
 
     def wait(state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after is not None:
             return min(retry_after, options.retry_after_cap_s)
-        return backoff(state)
+        if stop is not None:
+            stop.observe(state)
+        n = stop.without_progress if stop is not None else state.attempt_number
+        if n <= 0:
+            return 0.0
+        exp = options.backoff_initial_s * 2 ** min(n - 1, 32)
+        return min(options.backoff_max_s, exp + random.uniform(0, options.backoff_initial_s))
 
     return wait
 
@@ -92,6 +127,7 @@ def log_retry(repo: str, path: str | None, url_fn: Callable[[], str]) -> Callabl
         exc = state.outcome.exception() if state.outcome else None
         wait_s = state.next_action.sleep if state.next_action is not None else 0.0
         log.warning("download.retry", repo=repo, file=path, attempt=state.attempt_number,
+                    attempts_without_progress=getattr(state.retry_object.stop, "without_progress", None),
                     cause=_retry_cause(exc), wait_s=round(wait_s, 3), url=redact_url(url_fn()))
 
     return before_sleep
@@ -102,26 +138,28 @@ def retrying(options: TransferOptions, *, progress_fn: Callable[[], int] = lambd
              retry_on: Callable[[BaseException], bool] | None = None) -> AsyncRetrying:
     """The policy as a tenacity loop. Retried by default: :class:`Retryable` and httpx transport errors;
     ``retry_on`` replaces that test (a ``huggingface_hub`` call raises its own exception types)."""
+    stop = StopPolicy(options, progress_fn, time.monotonic() + options.max_total_retry_s if deadline is None
+                      else deadline)
     return AsyncRetrying(
         retry=retry_if_exception(retry_on) if retry_on else retry_if_exception_type((Retryable, httpx.TransportError)),
-        stop=StopPolicy(options, progress_fn, time.monotonic() + options.max_total_retry_s if deadline is None
-                        else deadline),
-        wait=wait_policy(options),
+        stop=stop,
+        wait=wait_policy(options, stop),
         before_sleep=before_sleep,
         reraise=True,
     )
 
 
 def gave_up(repo: str, path: str | None, exc: BaseException, done_bytes: int) -> TransferError:
+    why = getattr(exc, "hotfit_gave_up", None) or "repeated failures"
     proxy = getattr(exc, "proxy", None)  # the last attempt went through a proxy (download.proxy)
     check = (f"check the proxy {proxy.url} ({proxy.variable}; NO_PROXY bypasses it), the network and HF_ENDPOINT"
              if proxy is not None else "check the network / HF_ENDPOINT")
     extra = {"proxy": proxy.url, "variable": proxy.variable} if proxy is not None else {}
     return TransferError(
-        f"{repo}/{path}: gave up after repeated failures: {exc}",
+        f"{repo}/{path}: gave up ({why}); the last failure: {exc}",
         hint=f"{check} and rerun the same command"
              + (f"; the {done_bytes} bytes already on disk are kept and resumed" if done_bytes else ""),
-        repo=repo, file=path, done_bytes=done_bytes, **extra)
+        repo=repo, file=path, done_bytes=done_bytes, gave_up=why, **extra)
 
 
 async def head_retrying(session: HubSession, repo: str, revision: str, path: str, *,

@@ -30,7 +30,7 @@ from core.errors import Interrupted, UsageError
 from core.log import get_logger
 from core.plan import Device, Plan, ProbeResult
 from core.settings import Settings
-from pipeline.engine import PipelineOutcome, Runner
+from pipeline.engine import PipelineOutcome, Runner, signal_receiver
 from pipeline.evidence import record_grade
 from pipeline.manifest import (
     Manifest,
@@ -340,7 +340,7 @@ async def held_interruptibly(lock: FileLock) -> AsyncIterator[FileLock]:
     state belongs to the lock holder. (Once held, the runner handles signals itself.)"""
     received: list[int] = []
     failure: Exception | None = None
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
                 async for signum in signals:
@@ -362,7 +362,7 @@ async def held_interruptibly(lock: FileLock) -> AsyncIterator[FileLock]:
         name = signal.Signals(received[0]).name
         log.warning("lock.wait_interrupted", signal=name, lock=str(lock.path))
         raise Interrupted(f"interrupted by {name} while waiting for {lock.what}; nothing was changed",
-                          hint="rerun the same command to queue again")
+                          hint="rerun the same command to queue again", signal=name)
     try:
         yield lock
     finally:

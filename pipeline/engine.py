@@ -35,10 +35,11 @@ Just over 400 lines: sequencing, reuse, sessions, signals and events are the eng
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -62,6 +63,22 @@ log = get_logger()
 CLEANUP_TIMEOUT_S = 30.0
 # sqlite's name for a private in-memory database: an ephemeral run's store
 IN_MEMORY = Path(":memory:")
+
+
+@contextlib.contextmanager
+def signal_receiver(*signums: int) -> Iterator[Any]:
+    """``anyio.open_signal_receiver`` that puts back the handlers it found. asyncio's removal sets
+    SIGTERM to its default (exit 143, no message) and SIGINT to Python's (KeyboardInterrupt wherever
+    the code is), which would undo the command line's handlers for the rest of the command."""
+    saved = {s: signal.getsignal(s) for s in signums}
+    try:
+        with anyio.open_signal_receiver(*signums) as received:
+            yield received
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: not installed from Python, nothing to put back
+                with contextlib.suppress(ValueError):  # not the main thread
+                    signal.signal(signum, handler)
 
 
 class EnterContext(Protocol):
@@ -244,11 +261,9 @@ class Runner:
                 await self._finish(store, run_id, "failed", exc.to_json(), started)
                 raise
             if self.signal_received is not None:  # whatever the stage raised on its way out
-                err = Interrupted(
-                    f"interrupted by {signal.Signals(self.signal_received).name}; "
-                    "rerun the same command to resume",
-                    hint="completed stages and downloaded bytes are kept",
-                )
+                name = signal.Signals(self.signal_received).name
+                err = Interrupted(f"interrupted by {name}; rerun the same command to resume",
+                                  hint="completed stages and downloaded bytes are kept", signal=name)
                 await self._finish(store, run_id, "interrupted", err.to_json(), started)
                 raise err from None
             status = "interrupted" if isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class())) \
@@ -256,7 +271,9 @@ class Runner:
             await self._finish(store, run_id, status, {"code": "internal", "message": repr(exc)}, started)
             raise
         if self.signal_received is not None:  # signal arrived after the last await
-            err = Interrupted("interrupted; rerun the same command to resume")
+            name = signal.Signals(self.signal_received).name
+            err = Interrupted(f"interrupted by {name}; rerun the same command to resume",
+                              hint="completed stages and downloaded bytes are kept", signal=name)
             await self._finish(store, run_id, "interrupted", err.to_json(), started)
             raise err
         assert outcome is not None
@@ -273,7 +290,7 @@ class Runner:
             unbind("run_id", "stage", "plan_id")
 
     async def _watch_signals(self, scope: anyio.CancelScope, *, task_status: Any) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             async for signum in signals:
                 self.signal_received = signum
@@ -386,6 +403,12 @@ class Runner:
         if stage.always_run or stage.name in self.force or not self.recorded:
             return None
         record = await store.find_done(stage.name, digest)
+        if record is not None and "outputs_json" in record.damaged:  # not JSON, or not an object
+            err = damaged_record(stage.name, store.sync.path, record.run_id, StageRecordError(
+                "its outputs are not a JSON object", field="outputs_json"))
+            log.warning("stage.stale", reason="recorded outputs do not decode", from_run=record.run_id,
+                        error=err.to_json())
+            return None
         if record is None or record.outputs is None:
             return None
         try:

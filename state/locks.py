@@ -43,7 +43,7 @@ from core.errors import LockedError
 from core.log import get_logger
 from state.files import checked_write_path
 
-__all__ = ["FileLock", "LockHolder", "read_holder"]
+__all__ = ["FileLock", "LockHolder", "current_holder", "read_holder"]
 
 log = get_logger()
 
@@ -74,6 +74,47 @@ def read_holder(path: Path) -> LockHolder:
         return LockHolder(int(pid_text), command)
     except ValueError:
         return LockHolder(None, text)
+
+
+def _flock_owners(path: Path) -> list[int] | None:
+    """PIDs holding a ``flock`` on ``path``'s inode, from ``/proc/locks`` (None: it cannot be read)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    owners = []
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:5343811 0 EOF"
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode and fields[4].lstrip("-").isdigit():
+            owners.append(int(fields[4]))
+    return owners
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def current_holder(path: Path) -> LockHolder | None:
+    """Who holds the lock at ``path`` now, without taking it (a reader must never make a writer fail),
+    or None. The PID a lock file names is trusted only while the kernel says that process holds the
+    lock: after a ``kill -9`` the file still names the dead holder, whose PID may since be another
+    process's. Where ``/proc/locks`` cannot be read, a live PID is taken at its word."""
+    holder = read_holder(path)
+    if holder.pid is None or holder.pid == os.getpid():
+        return None
+    owners = _flock_owners(path)
+    if owners is None:
+        return holder if _pid_alive(holder.pid) else None
+    return holder if holder.pid in owners else None
 
 
 def _current_command() -> str:

@@ -10,6 +10,11 @@ a stage done after the stage function has returned).
 The stdlib ``sqlite3`` module blocks, so the async API runs every call in a worker thread
 (``anyio.to_thread``); one connection, serialised by a lock, is shared by those threads.
 
+Damage (docs/faults-state.md): a field that does not read back is flagged on its record
+(``damaged``) and logged, never trusted, so the engine runs that stage again; a garbled page, found
+by ``quick_check`` at open or by any later statement, is a UsageError (exit 2) naming the file and
+how to move it aside.
+
 Nothing secret is stored: outputs and errors are the stages' ``to_json()`` dictionaries, which
 carry paths, sizes, hashes and verdicts, never tokens or API keys.
 
@@ -34,12 +39,16 @@ import anyio.to_thread
 
 from core.diskspace import disk_full_error, is_disk_full
 from core.errors import DiskSpaceError, LockedError, UsageError
+from core.log import get_logger
 from core.records import field_dict
-from state.locks import read_holder
+from state.locks import current_holder
+
+log = get_logger()
 
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
 RunStatus = Literal["running", "done", "failed", "interrupted"]
 STAGE_STATUSES: tuple[str, ...] = ("pending", "running", "done", "failed", "skipped", "interrupted")
+RUN_STATUSES: tuple[str, ...] = ("running", "done", "failed", "interrupted")
 
 SCHEMA_VERSION = 1
 # How long a writer waits for another process's transaction before giving up (the pipeline lock
@@ -97,9 +106,11 @@ class StageRecord:
     started_at: float | None
     finished_at: float | None
     attempts: int
+    damaged: tuple[str, ...] = ()  # columns that did not read back (_Fields); their values are defaults
 
     def to_json(self) -> dict[str, Any]:
-        return field_dict(self, omit=("run_id", "position"))  # listed under its run, in stage order
+        # listed under its run, in stage order; "damaged" only when something is
+        return field_dict(self, omit=("run_id", "position") + (() if self.damaged else ("damaged",)))
 
 
 @dataclass(frozen=True)
@@ -107,22 +118,20 @@ class RunRecord:
     run_id: str
     seq: int
     status: RunStatus
-    started_at: float
+    started_at: float | None  # None only when the stored value is damaged
     finished_at: float | None
     plan_id: str | None
     args: dict[str, Any]
     error: dict[str, Any] | None
+    damaged: tuple[str, ...] = ()  # columns that did not read back (_Fields)
 
     def to_json(self) -> dict[str, Any]:
-        return field_dict(self, omit=("seq",))  # the store's row order, not a fact of the run
+        # seq: the store's row order, not a fact of the run; "damaged" only when something is
+        return field_dict(self, omit=("seq",) + (() if self.damaged else ("damaged",)))
 
 
 def _dumps(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, default=str)
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
 
 
 def new_run_id() -> str:
@@ -136,20 +145,16 @@ def _is_full(exc: BaseException) -> bool:
         getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc))
 
 
+def _is_damage(exc: BaseException) -> bool:
+    """SQLite's "database disk image is malformed" / "file is not a database" (a garbled page)."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    return name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")) or "malformed" in str(exc)
+
+
 def _is_busy(exc: BaseException) -> bool:
     """SQLite's "database is locked" / "database is busy": another connection kept the write lock
     past the busy timeout."""
     return isinstance(exc, sqlite3.OperationalError) and any(w in str(exc) for w in ("locked", "busy"))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def _cmdline(pid: int) -> str:
@@ -214,24 +219,26 @@ class SyncStateStore:
                 raise self._full_error(exc) from None
             if _is_busy(exc):
                 raise self._busy_error(exc, time.monotonic() - started) from None
-            aside = self.path.parent / f"{self.path.stem}-unusable"
-            raise UsageError(
-                f"state database {self.path} cannot be used: {exc}",
-                # with its -wal/-shm: a stale WAL left beside a fresh database would be replayed into it
-                hint=f"move it and its -wal/-shm files aside (mkdir {aside} && mv {self.path}* {aside}/) and "
-                     "rerun; stage records are rebuilt and completed downloads on disk are reused",
-                state_db=str(self.path),
-            ) from None
+            raise self._unusable(exc) from None
         except BaseException:
             self._conn.close()
             raise
 
+    def _unusable(self, exc: BaseException) -> UsageError:
+        """Exit 2 naming the file and the fix (move it aside), for a database that cannot be read."""
+        aside = self.path.parent / f"{self.path.stem}-unusable"
+        return UsageError(
+            f"state database {self.path} cannot be used: {exc}",
+            # with its -wal/-shm: a stale WAL left beside a fresh database would be replayed into it
+            hint=f"move it and its -wal/-shm files aside (mkdir {aside} && mv {self.path}* {aside}/) and "
+                 "rerun; stage records are rebuilt and completed downloads on disk are reused",
+            state_db=str(self.path),
+        )
+
     def _busy_error(self, exc: BaseException, waited_s: float) -> LockedError:
         """What a person needs when the database stayed busy: who holds it, and what to do."""
-        me = os.getpid()
-        holder = read_holder(self.lock_path) if self.lock_path is not None else None
-        pipeline_pid = (holder.pid if holder is not None and holder.pid is not None and holder.pid != me
-                        and _pid_alive(holder.pid) else None)
+        holder = current_holder(self.lock_path) if self.lock_path is not None else None
+        pipeline_pid = holder.pid if holder is not None else None
         open_by = [p for p in processes_with_open([self.path, self.path.with_name(self.path.name + "-wal"),
                                                    self.path.with_name(self.path.name + "-shm")])
                    if p != pipeline_pid]
@@ -258,23 +265,27 @@ class SyncStateStore:
             page = int(self._conn.execute("PRAGMA page_size").fetchone()[0])
         return disk_full_error(self.path, needed_bytes=page, what="the state database", sqlite_error=str(exc))
 
-    def _rollback(self) -> None:
-        # SQLite has already rolled back after SQLITE_FULL (and some I/O errors): a second ROLLBACK
-        # would raise "no transaction is active" and hide the cause being raised.
-        if self._conn.in_transaction:
-            self._conn.execute("ROLLBACK")
-
     @contextlib.contextmanager
-    def _busy_is_locked(self) -> Iterator[None]:
+    def _mapped_errors(self) -> Iterator[None]:
+        """A busy database is LockedError (exit 6, naming the holder); a damaged one (a garbled page
+        met by this statement) is the exit-2 error naming the file and the fix, not a traceback."""
         started = time.monotonic()
         try:
             yield
-        except sqlite3.OperationalError as exc:
+        except sqlite3.DatabaseError as exc:
             if _is_busy(exc):
                 raise self._busy_error(exc, time.monotonic() - started) from None
             if _is_full(exc):
                 raise self._full_error(exc) from None
+            if _is_damage(exc):
+                raise self._unusable(exc) from None
             raise
+
+    def _rollback(self) -> None:
+        # SQLite rolls back by itself on some errors (a corrupt page, a full disk): a ROLLBACK then
+        # raises "no transaction is active" and would hide the error that caused it.
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
 
     def _init_schema(self) -> None:
         with self._lock:
@@ -301,6 +312,11 @@ class SyncStateStore:
             except BaseException:
                 self._rollback()
                 raise
+            # A garbled page is found here, before a run starts, not by a write half-way through it
+            # (milliseconds: the database holds a few rows per run).
+            problems = [r[0] for r in self._conn.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError("damaged: " + "; ".join(str(p) for p in problems))
 
     def close(self) -> None:
         with self._lock:
@@ -309,7 +325,7 @@ class SyncStateStore:
     # -- transactions ---------------------------------------------------------------------------
 
     def _write(self, statements: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
-        with self._lock, self._busy_is_locked():
+        with self._lock, self._mapped_errors():
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 for sql, params in statements:
@@ -320,7 +336,7 @@ class SyncStateStore:
                 raise
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        with self._lock, self._busy_is_locked():
+        with self._lock, self._mapped_errors():
             return list(self._conn.execute(sql, params))
 
     # -- runs -----------------------------------------------------------------------------------
@@ -330,7 +346,7 @@ class SyncStateStore:
         """A new run with every stage pending, in one transaction."""
         run_id = run_id or new_run_id()
         now = time.time()
-        with self._lock, self._busy_is_locked():
+        with self._lock, self._mapped_errors():
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 seq = self._conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM runs").fetchone()[0]
@@ -363,21 +379,37 @@ class SyncStateStore:
     def set_run_plan(self, run_id: str, plan_id: str) -> None:
         self._write([("UPDATE runs SET plan_id=? WHERE run_id=?", (plan_id, run_id))])
 
+    def _runs(self, rows: Sequence[sqlite3.Row]) -> list[RunRecord]:
+        runs = [_run(r) for r in rows]
+        for r in runs:
+            if r.damaged:
+                log.warning("state.record_damaged", state_db=str(self.path), table="runs", run_id=r.run_id,
+                            stage=None, columns=list(r.damaged))
+        return runs
+
+    def _stages(self, rows: Sequence[sqlite3.Row]) -> list[StageRecord]:
+        stages = [_stage(r) for r in rows]
+        for s in stages:
+            if s.damaged:
+                log.warning("state.record_damaged", state_db=str(self.path), table="stages", run_id=s.run_id,
+                            stage=s.stage, columns=list(s.damaged))
+        return stages
+
     def get_run(self, run_id: str) -> RunRecord | None:
         rows = self._read("SELECT * FROM runs WHERE run_id=?", (run_id,))
-        return _run(rows[0]) if rows else None
+        return self._runs(rows)[0] if rows else None
 
     def latest_run(self) -> RunRecord | None:
         rows = self._read("SELECT * FROM runs ORDER BY seq DESC LIMIT 1")
-        return _run(rows[0]) if rows else None
+        return self._runs(rows)[0] if rows else None
 
     def latest_done_run(self) -> RunRecord | None:
         rows = self._read("SELECT * FROM runs WHERE status='done' ORDER BY seq DESC LIMIT 1")
-        return _run(rows[0]) if rows else None
+        return self._runs(rows)[0] if rows else None
 
     def mark_stale_runs_interrupted(self) -> int:
         """A run still 'running' when the pipeline lock is free was killed (kill -9, power cut)."""
-        with self._lock, self._busy_is_locked():
+        with self._lock, self._mapped_errors():
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 now = time.time()
@@ -434,11 +466,11 @@ class SyncStateStore:
 
     def stages(self, run_id: str) -> list[StageRecord]:
         rows = self._read("SELECT * FROM stages WHERE run_id=? ORDER BY position", (run_id,))
-        return [_stage(r) for r in rows]
+        return self._stages(rows)
 
     def get_stage(self, run_id: str, stage: str) -> StageRecord | None:
         rows = self._read("SELECT * FROM stages WHERE run_id=? AND stage=?", (run_id, stage))
-        return _stage(rows[0]) if rows else None
+        return self._stages(rows)[0] if rows else None
 
     def find_done(self, stage: str, inputs_hash: str) -> StageRecord | None:
         """The newest completed record of ``stage`` with these inputs, in any run.
@@ -450,24 +482,67 @@ class SyncStateStore:
             "AND s.outputs_json IS NOT NULL ORDER BY r.seq DESC, s.finished_at DESC LIMIT 1",
             (stage, inputs_hash),
         )
-        return _stage(rows[0]) if rows else None
+        return self._stages(rows)[0] if rows else None
+
+
+class _Fields:
+    """One row's columns read back with their expected kinds. A value of the wrong kind (text that is
+    not JSON, JSON that is not an object, a number stored as words, an unknown status) is replaced by
+    a safe default and its column noted, so a damaged record is shown as damaged and never trusted
+    (its stage runs again) instead of crashing ``status`` or ``auto``."""
+
+    def __init__(self, row: sqlite3.Row) -> None:
+        self.row = row
+        self.damaged: list[str] = []
+
+    def _bad(self, column: str, default: Any) -> Any:
+        self.damaged.append(column)
+        return default
+
+    def json_object(self, column: str, *, empty: Any = None) -> Any:
+        text = self.row[column]
+        if text is None:
+            return empty
+        try:
+            value = json.loads(text) if isinstance(text, str) else None
+        except ValueError:
+            value = None
+        return value if isinstance(value, dict) else self._bad(column, empty)
+
+    def number(self, column: str, kind: type, default: Any) -> Any:
+        value = self.row[column]
+        if value is None and default is None:
+            return None
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            kind is float or isinstance(value, int)) else self._bad(column, default)
+
+    def text(self, column: str) -> str | None:
+        value = self.row[column]
+        return value if value is None or isinstance(value, str) else self._bad(column, None)
+
+    def status(self, allowed: Sequence[str]) -> Any:
+        # unknown: the record cannot say how it ended, so it counts as interrupted (the rerun redoes it)
+        value = self.row["status"]
+        return value if value in allowed else self._bad("status", "interrupted")
 
 
 def _run(row: sqlite3.Row) -> RunRecord:
+    f = _Fields(row)
     return RunRecord(
-        run_id=row["run_id"], seq=row["seq"], status=row["status"], started_at=row["started_at"],
-        finished_at=row["finished_at"], plan_id=row["plan_id"], args=_loads(row["args_json"]) or {},
-        error=_loads(row["error_json"]),
-    )
+        run_id=row["run_id"], seq=f.number("seq", int, 0), status=f.status(RUN_STATUSES),
+        started_at=f.number("started_at", float, None), finished_at=f.number("finished_at", float, None),
+        plan_id=f.text("plan_id"), args=f.json_object("args_json", empty={}),
+        error=f.json_object("error_json"), damaged=tuple(f.damaged))
 
 
 def _stage(row: sqlite3.Row) -> StageRecord:
+    f = _Fields(row)
     return StageRecord(
-        run_id=row["run_id"], stage=row["stage"], position=row["position"], status=row["status"],
-        inputs_hash=row["inputs_hash"], plan_id=row["plan_id"], outputs=_loads(row["outputs_json"]),
-        error=_loads(row["error_json"]), started_at=row["started_at"], finished_at=row["finished_at"],
-        attempts=row["attempts"],
-    )
+        run_id=row["run_id"], stage=row["stage"], position=f.number("position", int, 0),
+        status=f.status(STAGE_STATUSES), inputs_hash=f.text("inputs_hash"), plan_id=f.text("plan_id"),
+        outputs=f.json_object("outputs_json"), error=f.json_object("error_json"),
+        started_at=f.number("started_at", float, None), finished_at=f.number("finished_at", float, None),
+        attempts=f.number("attempts", int, 0), damaged=tuple(f.damaged))
 
 
 class StateStore:

@@ -426,7 +426,8 @@ class Fault(_EffectFields):
 
     - ``status`` (+ ``retry_after``): answer that status instead (e.g. 429, 500, 503), JSON error body.
     - ``close_after_bytes``: send the headers for the full body, then close the connection after N body
-      bytes (GET only).
+      bytes (GET only). With ``times=None`` every answer is cut: a link cut every N bytes (each resumed
+      range is cut N bytes further on), or with N = 1 a server that sends one byte per connection.
     - ``throughput_bps``: pace this response's body to at most N bytes/s (GET only). Responses on one
       keep-alive connection are sequential, so this caps each connection.
     - ``ignore_range``: answer 200 with the whole body whatever ``Range`` says (file requests).

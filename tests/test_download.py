@@ -8,13 +8,16 @@ import io
 import json
 import os
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+import structlog
 from tenacity import RetryCallState
 
 from core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError, UsageError
@@ -141,7 +144,7 @@ def test_a_retry_loop_started_late_still_gets_its_window_and_progress_extends_it
         rs.set_exception((Retryable, Retryable("503"), None))
         return rs
 
-    opts = TransferOptions(max_attempts_without_progress=100, max_total_retry_s=3600)
+    opts = TransferOptions(max_attempts_without_progress=100, max_total_retry_s=3600, min_progress_bytes=10)
     # a block whose first request fails long after the file's own deadline passed: retried
     stop = StopPolicy(opts, lambda: 0, deadline=time.monotonic() - 1)
     assert stop(failed()) is False
@@ -152,6 +155,47 @@ def test_a_retry_loop_started_late_still_gets_its_window_and_progress_extends_it
     stop = StopPolicy(opts, lambda: done[0], deadline=time.monotonic() - 1)
     done[0] = 10
     assert stop(failed()) is False
+
+
+def _failed_attempt(n: int) -> RetryCallState:
+    rs = RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+    rs.attempt_number = n
+    rs.set_exception((Retryable, Retryable("connection closed"), None))
+    return rs
+
+
+def test_bytes_reset_the_backoff_and_a_trickle_is_no_progress() -> None:
+    opts = TransferOptions(backoff_initial_s=0.5, backoff_max_s=30, max_attempts_without_progress=6,
+                           min_progress_bytes=1 << 20)
+    done = [0]
+    stop = StopPolicy(opts, lambda: done[0], deadline=time.monotonic() + 900)
+    wait = wait_policy(opts, stop)
+    # (tenacity asks the wait before the stop after each failed attempt; both see the same count)
+    # a link cut every 2 MiB: each attempt brought bytes, so the next one goes at once, forever
+    for n in range(1, 50):
+        done[0] += 2 << 20
+        assert wait(_failed_attempt(n)) == 0 and stop(_failed_attempt(n)) is False
+    # then nothing: the backoff starts again from its first step, and grows
+    waits = []
+    for n in range(50, 55):
+        waits.append(wait(_failed_attempt(n)))
+        assert stop(_failed_attempt(n)) is False
+    assert 0.5 <= waits[0] <= 1.0 and all(b > a for a, b in zip(waits, waits[1:]))
+    # one byte per connection is no progress: given up after the bounded attempts, the bound named
+    trickle = StopPolicy(opts, lambda: done[0], deadline=time.monotonic() + 900)
+    stops = []
+    for n in range(1, 7):
+        done[0] += 1
+        stops.append(trickle(_failed_attempt(n)))
+    assert stops == [False] * 5 + [True]
+    assert trickle.reason == f"6 attempts in a row brought less than {1 << 20} bytes"
+    # several short attempts that add up to the threshold are progress
+    short = StopPolicy(opts, lambda: done[0], deadline=time.monotonic() + 900)
+    results = []
+    for n in range(1, 9):
+        done[0] += 512 << 10
+        results.append((short(_failed_attempt(n)), short.without_progress))
+    assert results == [(False, 1), (False, 0)] * 4
 
 
 def test_sidecar_that_does_not_tile_the_file_is_not_trusted(tmp_path: Path) -> None:
@@ -214,9 +258,8 @@ def test_reserved_blocks_of_a_partial_count_as_already_held(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("endpoint", ["localhost:8080", "ftp://mirror.example", "http://", "hf-mirror.com/hf"])
 def test_an_hf_endpoint_that_is_not_an_http_url_is_a_usage_error_at_once(endpoint: str, tmp_path: Path) -> None:
-    settings = load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
-    with pytest.raises(UsageError) as exc:
-        HubSession(settings, token=False)
+    with pytest.raises(UsageError) as exc:  # where the settings are read, before any session
+        load_settings({"HOTFIT_HOME": str(tmp_path), "HF_ENDPOINT": endpoint})
     assert "HF_ENDPOINT" in str(exc.value) and exc.value.exit_code == 2 and exc.value.hint
 
 
@@ -379,7 +422,7 @@ async def test_one_retry_policy_for_heads_and_hub_api_calls(tmp_path: Path) -> N
             with pytest.raises(PinMismatch):  # not retried: a wrong size is no passing fault
                 await head_retrying(session, "o/r", commit, "f.bin", expected_size=99, pinned=True)
             hub.inject(method="HEAD", file="f.bin", status=503, retry_after=0, times=None)
-            with pytest.raises(TransferError, match="gave up after repeated failures") as exc:
+            with pytest.raises(TransferError, match="gave up .3 attempts in a row brought less than") as exc:
                 await head_retrying(session, "o/r", commit, "f.bin", done_bytes=lambda: 42)
             assert "42 bytes already on disk" in (exc.value.hint or "")
     calls: list[int] = []
@@ -502,3 +545,38 @@ async def test_ranged_gets_reuse_their_keep_alive_connections_between_blocks(tmp
     assert out.sha256 == hashlib.sha256(data).hexdigest()
     assert len(gets) == 6 and all(r.status == 206 for r in gets)
     assert len({r.client_port for r in gets}) <= 2  # six blocks, two connections opened
+
+
+@pytest.mark.anyio
+async def test_a_link_cut_every_2_mib_on_one_connection_is_retried_at_once_each_time(tmp_path: Path) -> None:
+    data = random.Random(5).randbytes(9 << 20)
+    with _hub_with(tmp_path, "model.gguf", data, lfs=["model.gguf"]) as (hub, commit, settings):
+        hub.inject(method="GET", file="model.gguf", close_after_bytes=2 << 20, times=None)
+        opts = TransferOptions(connections=1)  # the default backoff: 0.5 s, doubling
+        with structlog.testing.capture_logs() as events:
+            async with HubSession(settings, opts, token=False) as s:
+                with anyio.fail_after(60):
+                    out = await _download_model(s, commit, data, tmp_path / ".partial")
+        heads = [r for r in hub.requests if r.method == "HEAD" and r.file == "model.gguf"]
+    assert out.sha256 == hashlib.sha256(data).hexdigest() and out.bytes_transferred == len(data)
+    assert len(heads) == 1  # a cut that followed progress is resumed on the same link, without a re-HEAD
+    retries = [e for e in events if e["event"] == "download.retry"]
+    assert len(retries) == 4  # cut at 2, 4, 6 and 8 MiB
+    assert [e["wait_s"] for e in retries] == [0] * 4  # before: 0.5, 1, 2, 4 s (+ jitter), growing with each cut
+    assert [e["attempts_without_progress"] for e in retries] == [0] * 4
+
+
+@pytest.mark.anyio
+async def test_a_server_sending_one_byte_per_connection_is_given_up_on_with_exit_4(tmp_path: Path) -> None:
+    data = random.Random(6).randbytes(3 << 20)
+    with _hub_with(tmp_path, "model.gguf", data, lfs=["model.gguf"]) as (hub, commit, settings):
+        hub.inject(method="GET", file="model.gguf", close_after_bytes=1, times=None)
+        opts = TransferOptions(connections=1, backoff_initial_s=0.001, backoff_max_s=0.002)
+        async with HubSession(settings, opts, token=False) as s:
+            with anyio.fail_after(60), pytest.raises(TransferError) as exc:  # before: retried forever
+                await _download_model(s, commit, data, tmp_path / ".partial")
+        gets = [r for r in hub.requests if r.method == "GET" and r.file == "model.gguf"]
+    assert exc.value.exit_code == 4
+    assert f"gave up ({opts.max_attempts_without_progress} attempts in a row brought less than" in exc.value.what
+    assert exc.value.details["gave_up"].startswith(f"{opts.max_attempts_without_progress} attempts")
+    assert len(gets) == opts.max_attempts_without_progress and exc.value.details["done_bytes"] <= len(gets)

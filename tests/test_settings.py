@@ -40,3 +40,39 @@ def test_empty_kv_type_means_unset() -> None:
 def test_bad_connection_count_names_the_variable(raw: str) -> None:
     with pytest.raises(UsageError, match="HOTFIT_DOWNLOAD_CONNECTIONS"):
         load_settings({"HOME": "/h", "HOTFIT_DOWNLOAD_CONNECTIONS": raw})
+
+
+@pytest.mark.parametrize("raw", [
+    "http://[::1",  # an unclosed IPv6 bracket: urlsplit raises ValueError
+    "http://127.0.0.1:99999",  # a port past 65535: connect() raised OverflowError
+    "http://127.0.0.1:port",
+    "127.0.0.1:8080",  # no scheme
+    "huggingface.co",
+    "ftp://mirror.example",
+    "http://",
+    "http://:8080",
+    "https://hf.example/?x=1",  # a query: the Hub's paths would be appended after it
+    "https://hf.example/#frag",
+    "https://hf example.org",
+])
+def test_malformed_hf_endpoint_is_a_usage_error_naming_the_variable(raw: str) -> None:
+    with pytest.raises(UsageError, match="HF_ENDPOINT") as caught:
+        load_settings({"HOME": "/h", "HF_ENDPOINT": raw})
+    assert caught.value.details["variable"] == "HF_ENDPOINT" and caught.value.details["value"] == raw
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("https://huggingface.co/", "https://huggingface.co"),
+    ("http://127.0.0.1:8080", "http://127.0.0.1:8080"),
+    ("http://[::1]:8080/", "http://[::1]:8080"),
+    ("https://mirror.example/hf/", "https://mirror.example/hf"),  # a mirror under a prefix
+    ("HTTPS://HF.Example", "HTTPS://HF.Example"),
+])
+def test_well_formed_hf_endpoints_are_kept(raw: str, expected: str) -> None:
+    assert load_settings({"HOME": "/h", "HF_ENDPOINT": raw}).hf_endpoint == expected
+
+
+def test_offline_a_stale_hf_endpoint_is_not_read() -> None:
+    # Offline nothing is requested: a stale variable must not break a rerun from disk.
+    s = load_settings({"HOME": "/h", "HF_ENDPOINT": "http://[::1", "HF_HUB_OFFLINE": "1"})
+    assert s.hf_offline and s.hf_endpoint == "http://[::1"

@@ -7,8 +7,8 @@ while ``hotfit auto`` may be writing it.
 from __future__ import annotations
 
 import argparse
-import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from pipeline.evidence import evidence_status
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.registry_file import load_registry
 from state.files import write_text_atomic
-from state.locks import read_holder
+from state.locks import current_holder
 from state.store import RunRecord, StageRecord, SyncStateStore
 
 
@@ -81,26 +81,28 @@ def write_nfd_features(path: Path, labels: dict[str, str]) -> None:
                               "/etc/kubernetes/node-feature-discovery/features.d/") from None
 
 
-def _pid_alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def lock_state(ctx: CliContext) -> dict[str, Any]:
     path = ctx.settings.lock_path
     if not path.exists():
         return {"held": False}
-    holder = read_holder(path)  # the file is emptied on release; a dead PID is a kill -9 leftover
-    if holder.pid is not None and holder.pid != os.getpid() and _pid_alive(holder.pid):
+    # The file is emptied on release; after a kill -9 it names a PID that no longer holds the lock.
+    holder = current_holder(path)
+    if holder is not None:
         return {"held": True, "holder_pid": holder.pid, "holder_command": holder.command}
     return {"held": False}
+
+
+def effective_stages(stages: list[StageRecord], lock: dict[str, Any]) -> list[StageRecord]:
+    """A 'running' record with no live pipeline behind it was killed (kill -9, power cut): it is
+    interrupted, as the next run will record it."""
+    if lock.get("held"):
+        return stages
+    return [replace(s, status="interrupted") if s.status == "running" else s for s in stages]
+
+
+def damaged_note(columns: tuple[str, ...]) -> str:
+    """What a record that did not read back says in the human view (a rerun redoes such a stage)."""
+    return f" [damaged record: {', '.join(columns)} unreadable]" if columns else ""
 
 
 def rerun_would(run: RunRecord | None, stages: list[StageRecord], manifest_ok: bool,
@@ -175,7 +177,8 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     effective_status = run.status if run else None
     if run and run.status == "running" and not lock.get("held"):
         effective_status = "interrupted"
-    rerun = rerun_would(run, stages, manifest is not None and not problems, lock)
+    shown = effective_stages(stages, lock)  # the JSON keeps the raw records; the run's status is effective
+    rerun = rerun_would(run, shown, manifest is not None and not problems, lock)
     grade = last_grade(manifest)
     kinds = [str(manifest.device.get("kind"))] if manifest is not None and manifest.device.get("kind") else []
     evidence = evidence_status(settings, load_registry(args.registry).entries, kinds)
@@ -196,14 +199,14 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     if run is None:
         lines.append("no run yet")
     else:
-        lines.append(f"run {run.run_id}: {effective_status}" + (f" (plan {run.plan_id})" if run.plan_id else ""))
-        for s in stages:
-            status = "interrupted" if s.status == "running" and not lock.get("held") else s.status
+        lines.append(f"run {run.run_id}: {effective_status}" + (f" (plan {run.plan_id})" if run.plan_id else "")
+                     + damaged_note(run.damaged))
+        for s in shown:
             detail = ""
             if s.error and s.status in ("failed", "interrupted"):
                 detail = f" — {s.error.get('message', '')}".splitlines()[0]
             attempts = f" ×{s.attempts}" if s.attempts > 1 else ""
-            lines.append(f"  {s.stage:<16} {status}{attempts}{detail}")
+            lines.append(f"  {s.stage:<16} {s.status}{attempts}{detail}{damaged_note(s.damaged)}")
     if manifest:
         opened = manifest.opened_context_tokens
         lines.append(
