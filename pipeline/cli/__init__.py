@@ -177,7 +177,9 @@ def _log_failure(args: argparse.Namespace, logging_to: list[Path], exit_code: in
     fields: dict[str, Any] = {"command": command, "exit_code": exit_code, "error": error}
     if signal_name:
         fields["signal"] = signal_name
-    with contextlib.suppress(OSError):  # the log cannot make a failure worse
+    # The log cannot make a failure worse: a full disk under the log (DiskSpaceError) leaves the
+    # failure being reported as it is.
+    with contextlib.suppress(OSError, HotfitError):
         log.get_logger().error("command.fail", **fields)
 
 
