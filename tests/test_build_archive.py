@@ -186,3 +186,23 @@ def test_export_without_a_build_says_how_to_make_one(tmp_path: Path) -> None:
     proc = _script("--backend", "cpu", "--export", str(tmp_path / "x.tar.gz"), cache=tmp_path / "empty")
     assert proc.returncode == 1 and "no finished cpu build" in proc.stderr
     assert not (tmp_path / "x.tar.gz").exists()
+
+
+def test_a_real_vulkan_build_round_trips_and_is_refused_without_a_vulkan_driver(tmp_path: Path) -> None:
+    """The Vulkan build (its CPU modules are the portable build's) exported and installed into a
+    fresh cache where Mesa's lavapipe is the device; the same archive on a machine whose Vulkan
+    loader finds no driver is refused before anything is installed."""
+    _require_build("vulkan")
+    archive = tmp_path / "llama-server-vulkan.tar.gz"
+    proc = _script("--backend", "vulkan", "--export", str(archive))
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert "vulkan/bin/libggml-vulkan.so" in names and "vulkan/bin/libggml-cpu-x64.so" in names
+    # lavapipe is a CPU-type Vulkan device ggml hides unless GGML_VK_VISIBLE_DEVICES names it
+    lavapipe = {"GGML_VK_VISIBLE_DEVICES": "0"}
+    ok = _script("--from", str(archive), cache=tmp_path / "with-driver", extra_env=lavapipe)
+    assert ok.returncode == 0, ok.stderr
+    assert "vulkan build runs here" in ok.stderr
+    no_driver = {**lavapipe, "VK_DRIVER_FILES": str(tmp_path / "none.json"), "VK_ICD_FILENAMES": str(tmp_path / "none.json")}
+    _refused(archive, tmp_path, "sees no Vulkan device here", extra_env=no_driver)
