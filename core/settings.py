@@ -14,6 +14,11 @@ Environment variables (all optional):
 ``HF_ENDPOINT``                 Hub (or mirror) base URL (default https://huggingface.co)
 ``HF_TOKEN``                    Hub token; else huggingface_hub's token store
 ``HF_HUB_OFFLINE``              1 = never touch the network
+``HOTFIT_TEXTFILE_DIR``         node_exporter's textfile directory: ``hotfit auto`` also writes
+                                ``hotfit.prom`` there (docs/operations.md)
+``HOTFIT_LOG_MAX_BYTES``        rotate ``logs/hotfit.jsonl`` at this size (default 10 MiB)
+``HOTFIT_LOG_KEEP``             rotated log files kept (default 5)
+``HOTFIT_KEEP_RUNS``            runs kept in state.db and runs/ (default 20; older ones pruned)
 ==============================  ===============================================================
 
 On-disk layout under the home directory (the one place it is written down)::
@@ -21,7 +26,9 @@ On-disk layout under the home directory (the one place it is written down)::
     <home>/
       state.db                 SQLite (WAL) stage state, one row per (run, stage)
       pipeline.lock            flock held by the running pipeline (holder PID inside)
-      logs/hotfit.jsonl        JSON event log, appended by every command
+      logs/hotfit.jsonl        JSON event log, appended by every command (+ .1 … .N, rotated by size)
+      metrics/hotfit.prom      Prometheus textfile of the last `hotfit auto` (docs/operations.md)
+      metrics/last-run.json    the last `hotfit auto`: exit code, error, when (read by `hotfit status`)
       models/<entry>/          verified weights, projector, chat_template.jinja
       models/<entry>/.partial/ partial downloads + JSON sidecars (resume state), per-target locks
       models/<entry>/.verified/ receipts of verified files (size, sha256, pinned commit)
@@ -41,9 +48,11 @@ from pathlib import Path
 from typing import Mapping
 
 from core.errors import UsageError
+from core.log import DEFAULT_LOG_KEEP, DEFAULT_LOG_MAX_BYTES
 
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_DOWNLOAD_CONNECTIONS = 4
+DEFAULT_KEEP_RUNS = 20  # runs kept in state.db: a resume needs only the last, reuse the recent ones
 KV_CACHE_ENV = "CONTENOX_LLAMA_KV_CACHE_TYPE"
 LLAMA_SDIST_VERSION = "0.3.36"  # keep in step with scripts/install-llama-server
 
@@ -90,6 +99,10 @@ class Settings:
     llama_server_source: str | None = None
     # where home came from: "flag" (--home), "env" (HOTFIT_HOME) or "default" (XDG/HOME)
     home_source: str = "default"
+    textfile_dir: Path | None = None  # node_exporter's textfile collector directory
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    log_keep: int = DEFAULT_LOG_KEEP
+    keep_runs: int = DEFAULT_KEEP_RUNS
 
     @property
     def home_named(self) -> str:
@@ -106,10 +119,26 @@ class Settings:
     models_dir = _in_home("models")
     runs_dir = _in_home("runs")
     manifest_path = _in_home("manifest.json")
+    metrics_dir = _in_home("metrics")
     serve_pid_path = _in_home("serve.pid")
 
     def model_dir(self, entry_name: str) -> Path:
         return self.models_dir / entry_name
+
+
+def _whole(env: Mapping[str, str], name: str, default: int, low: int, example: str) -> int:
+    """``$name`` as a whole number >= ``low`` (``default`` when unset); else a UsageError naming it."""
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+        if value < low:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a whole number >= {low}",
+                         hint=f"unset it (default {default}) or set e.g. {name}={example}") from None
+    return value
 
 
 def load_settings(
@@ -132,6 +161,7 @@ def load_settings(
         ) from None
     server = llama_server or env.get("HOTFIT_LLAMA_SERVER") or None
     kv_raw = env.get(KV_CACHE_ENV)
+    textfile = env.get("HOTFIT_TEXTFILE_DIR")
     return Settings(
         home=Path(home).expanduser() if home else default_home(env),
         llama_server=Path(server).expanduser() if server else None,
@@ -142,4 +172,8 @@ def load_settings(
         download_connections=connections,
         llama_server_source=("flag" if llama_server else "env") if server else None,
         home_source="flag" if home else ("env" if env.get("HOTFIT_HOME") else "default"),
+        textfile_dir=Path(textfile).expanduser() if textfile else None,
+        log_max_bytes=_whole(env, "HOTFIT_LOG_MAX_BYTES", DEFAULT_LOG_MAX_BYTES, 4096, "10485760"),
+        log_keep=_whole(env, "HOTFIT_LOG_KEEP", DEFAULT_LOG_KEEP, 0, "5"),
+        keep_runs=_whole(env, "HOTFIT_KEEP_RUNS", DEFAULT_KEEP_RUNS, 1, "20"),
     )
