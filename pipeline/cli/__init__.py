@@ -211,12 +211,12 @@ def _open_log_late(settings: Settings | None, home: str | None, log_format: str 
 
 def _record(command: str | None, code: int, error: dict[str, Any] | None, started: float) -> None:
     """The invocation's own event, kept in the file only (the person already saw its outcome)."""
-    facts: dict[str, Any] = {"command": command, "exit_code": code, "duration_s": round(time.monotonic() - started, 3),
-                             log.FILE_ONLY: True}
+    duration_s = round(time.monotonic() - started, 3)
     if code == 0:
-        _log.info("command.done", **facts)
+        _log.info("command.done", command=command, exit_code=code, duration_s=duration_s, **{log.FILE_ONLY: True})
     else:
-        _log.error("command.failed", **facts, error=error)
+        _log.error("command.failed", command=command, exit_code=code, duration_s=duration_s, error=error,
+                   **{log.FILE_ONLY: True})
 
 
 def _report(exc: HotfitError, want_json: bool, out: TextIO, prefix: str = "hotfit: error: ") -> int:
