@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="print hotfit's version and exit")
     parser.add_argument("--home", metavar="DIR",
                         help="state and model directory (default: $HOTFIT_HOME or ~/.local/share/hotfit)")
     parser.add_argument("--llama-server", metavar="PATH",
@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     for module in _commands():
         module.add_parser(sub, [common])
     return parser
+
+
+class _VersionAction(argparse.Action):
+    """argparse's "version" action, with the version looked up only when asked (a few ms of
+    importlib.metadata every command would otherwise pay)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
+        sys.stdout.write(f"{parser.prog} {version()}\n")
+        parser.exit()
 
 
 def version() -> str:
