@@ -212,7 +212,8 @@ def _open_log_late(settings: Settings | None, home: str | None, log_format: str 
     if not settings.home.is_dir() or not os.access(settings.home, os.W_OK | os.X_OK):
         return False
     try:
-        log.configure(log_format, verbosity, settings.log_path)
+        log.configure(log_format, verbosity, settings.log_path, max_bytes=settings.log_max_bytes,
+                      keep=settings.log_keep)
     except OSError:
         return False
     return True
