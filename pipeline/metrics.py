@@ -109,8 +109,9 @@ class _Exposition:
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def gauge(self, name: str, help_text: str, samples: Sequence[tuple[Mapping[str, Any], float | int | None]]) -> None:
-        shown = [(labels, value) for labels, value in samples if value is not None]
+    def gauge(self, name: str, help_text: str, samples: Sequence[tuple[Mapping[str, Any], Any]]) -> None:
+        # a figure the manifest lacks (or holds as something else) is left out, not written as 0
+        shown = [(labels, value) for labels, value in samples if isinstance(value, (int, float))]
         if not shown:
             return
         self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]

@@ -151,5 +151,6 @@ def json_text(data: Any) -> str:
 def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     opts = options_from_args(args)
     outcome = anyio.run(provision, opts, ctx.settings, grade_from_args(args))
-    ctx.report(outcome.data, render(outcome))
+    hint = kv_hint(outcome.plan)
+    ctx.report(outcome.data | ({"kv_cache_type_hint": hint} if hint else {}), render(outcome))
     return 0
