@@ -152,5 +152,6 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     opts = options_from_args(args)
     outcome = anyio.run(provision, opts, ctx.settings, grade_from_args(args))
     hint = kv_hint(outcome.plan)
-    ctx.report(outcome.data | ({"kv_cache_type_hint": hint} if hint else {}), render(outcome))
+    show = ctx.emit if outcome.kind == "dry_run" else ctx.report  # a dry run's output is what was asked for
+    show(outcome.data | ({"kv_cache_type_hint": hint} if hint else {}), render(outcome))
     return 0
