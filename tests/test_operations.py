@@ -352,3 +352,15 @@ def _provisioned_home(tmp_path: Path) -> Path:
         measured={"opened_context_tokens": plan.hot_context_tokens}, probe_verdict={"passed": True},
         llama_cpp={}, device={}, plan=plan.to_json()))
     return home
+
+
+def test_quiet_keeps_what_was_asked_for(tmp_path: Path) -> None:
+    """-q silences the report of an action, not a query's answer (scripts/provision-demo reads the dry run)."""
+    probe = str(write_probe(tmp_path / "p.json"))
+    for argv in (["auto", "--dry-run", "--probe-file", probe], ["plan", "--probe-file", probe], ["status"]):
+        out = io.StringIO()
+        assert main(["--home", str(tmp_path / "home"), "-q", *argv], out=out) == 0
+        assert out.getvalue().strip(), argv
+    out = io.StringIO()
+    main(["--home", str(tmp_path / "home"), "-q", "auto", "--dry-run", "--probe-file", probe], out=out)
+    assert json.loads(out.getvalue())["dry_run"] is True
