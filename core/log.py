@@ -5,14 +5,21 @@ a TTY). Every event, whatever ``-q``/``-v`` say, is appended as JSON to ``<home>
 the verbosity filters only what the stream shows, so the file is the complete record an operator
 reads after an unattended run. Secrets are scrubbed by a processor so no token or API key reaches
 a log line.
+
+The file stays bounded: when it has reached ``max_bytes`` at start-up it is rotated
+(``hotfit.jsonl`` → ``hotfit.jsonl.1`` → … → ``.<keep>``, the oldest dropped), so the log takes at
+most about ``(keep + 1) × max_bytes`` plus one command's events. Every event name and its fields
+are catalogued in docs/events.md (tests/test_event_catalogue.py holds the code to it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
@@ -26,6 +33,12 @@ _VERBOSITY_LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
 _LEVEL_NUMBERS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
                   "error": logging.ERROR, "critical": logging.CRITICAL, "exception": logging.ERROR}
 _file_sink: BinaryIO | None = None  # the open log file of the last configure(), closed by the next one
+# Events are "file only" with this key set (a command's own outcome, which it already printed for
+# a person): the key is dropped and the event kept from the stream.
+FILE_ONLY = "_file_only"
+DEFAULT_LOG_MAX_BYTES = 10 << 20  # rotate at 10 MiB: weeks of hourly no-op runs, quick to ship
+DEFAULT_LOG_KEEP = 5  # rotated files kept beside the live one
+_seen: list[dict[str, Any]] = []  # this process's events since configure() (pipeline/metrics.py reads them)
 
 
 def _scrub_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -35,13 +48,52 @@ def _scrub_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str,
     return event
 
 
+def rotate_if_full(log_file: Path, max_bytes: int, keep: int) -> bool:
+    """Rotate ``log_file`` when it has reached ``max_bytes`` (True if this call rotated it).
+
+    One ``stat`` when there is nothing to do. The renames happen under an flock beside the log, and
+    the size is looked at again once it is held, so two commands starting together rotate once. A
+    process that still has the old file open (a long ``auto``) finishes its events into ``.1``.
+    """
+    try:
+        if os.stat(log_file).st_size < max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    with open(log_file.parent / ".rotate.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            if os.stat(log_file).st_size < max_bytes:
+                return False  # another command rotated it while this one waited
+        except FileNotFoundError:
+            return False
+        for index in range(keep - 1, 0, -1):
+            older = log_file.with_name(f"{log_file.name}.{index}")
+            if older.exists():
+                os.replace(older, log_file.with_name(f"{log_file.name}.{index + 1}"))
+        if keep > 0:
+            os.replace(log_file, log_file.with_name(f"{log_file.name}.1"))
+        else:
+            os.unlink(log_file)
+    return True
+
+
+def events_seen() -> list[dict[str, Any]]:
+    """The events this process emitted since the last :func:`configure` (as written to the file)."""
+    return list(_seen)
+
+
 def configure(
     log_format: str | None = None,
     verbosity: int = 0,
     log_file: Path | None = None,
     stream: TextIO | None = None,
+    *,
+    max_bytes: int = DEFAULT_LOG_MAX_BYTES,
+    keep: int = DEFAULT_LOG_KEEP,
 ) -> None:
-    """Configure structlog once per process. ``log_format`` None = console on a TTY, else json."""
+    """Configure structlog once per process. ``log_format`` None = console on a TTY, else json.
+    ``max_bytes``/``keep``: rotate ``log_file`` first if it is full (:func:`rotate_if_full`)."""
     stream = stream or sys.stderr
     if log_format is None:
         log_format = "console" if stream.isatty() else "json"
@@ -51,9 +103,11 @@ def configure(
         with contextlib.suppress(OSError):  # a full disk already said so when the write failed
             _file_sink.close()
         _file_sink = None
+    _seen.clear()
     file_sink: BinaryIO | None = None
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
+        rotate_if_full(log_file, max_bytes, keep)
         # unbuffered: one event, one write, and a failed write leaves nothing behind to retry
         file_sink = open(log_file, "ab", buffering=0)
         _file_sink = file_sink
@@ -71,6 +125,7 @@ def configure(
     sink_failed: list[bool] = []
 
     def emit(_logger: Any, _name: str, event: dict[str, Any]) -> str:
+        file_only = event.pop(FILE_ONLY, False)
         line = json.dumps(event, default=str, sort_keys=False)
         if file_sink is not None and not sink_failed:
             try:
@@ -87,7 +142,8 @@ def configure(
                 if is_disk_full(exc):
                     raise from_os_error(exc, log_file, needed_bytes=len(line) + 1, what="the event log") from None
                 raise
-        if _LEVEL_NUMBERS.get(str(event.get("level")), logging.INFO) < stream_level:
+        _seen.append(event)
+        if file_only or _LEVEL_NUMBERS.get(str(event.get("level")), logging.INFO) < stream_level:
             raise structlog.DropEvent  # kept in the file, not shown on the stream
         if console_renderer is not None:
             return console_renderer(_logger, _name, dict(event))

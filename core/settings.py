@@ -18,6 +18,11 @@ Environment variables (all optional):
 ``HTTP_PROXY`` ``HTTPS_PROXY``   proxies for every request, either case (download.proxy reads
 ``ALL_PROXY`` ``NO_PROXY``       them with httpx's rules; docs/network.md)
 ``HF_HUB_CACHE`` / ``HF_HOME``  the Hugging Face cache pinned files are taken from (docs/network.md)
+``HOTFIT_TEXTFILE_DIR``         node_exporter's textfile directory: ``hotfit auto`` also writes
+                                ``hotfit.prom`` there (docs/operations.md)
+``HOTFIT_LOG_MAX_BYTES``        rotate ``logs/hotfit.jsonl`` at this size (default 10 MiB)
+``HOTFIT_LOG_KEEP``             rotated log files kept (default 5)
+``HOTFIT_KEEP_RUNS``            runs kept in state.db and runs/ (default 20; older ones pruned)
 ==============================  ===============================================================
 
 On-disk layout under the home directory (the one place it is written down)::
@@ -25,7 +30,9 @@ On-disk layout under the home directory (the one place it is written down)::
     <home>/
       state.db                 SQLite (WAL) stage state, one row per (run, stage)
       pipeline.lock            flock held by the running pipeline (holder PID inside)
-      logs/hotfit.jsonl        JSON event log, appended by every command
+      logs/hotfit.jsonl        JSON event log, appended by every command (+ .1 … .N, rotated by size)
+      metrics/hotfit.prom      Prometheus textfile of the last `hotfit auto` (docs/operations.md)
+      metrics/last-run.json    the last `hotfit auto`: exit code, error, when (read by `hotfit status`)
       models/<entry>/          verified weights, projector, chat_template.jinja
       models/<entry>/.partial/ partial downloads + JSON sidecars (resume state), per-target locks
       models/<entry>/.partial/template/  fetch-template's own (a template source from outside the snapshot)
@@ -47,9 +54,11 @@ from typing import Mapping
 from urllib.parse import urlsplit
 
 from core.errors import UsageError
+from core.log import DEFAULT_LOG_KEEP, DEFAULT_LOG_MAX_BYTES
 
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_DOWNLOAD_CONNECTIONS = 4
+DEFAULT_KEEP_RUNS = 20  # runs kept in state.db: a resume needs only the last, reuse the recent ones
 KV_CACHE_ENV = "CONTENOX_LLAMA_KV_CACHE_TYPE"
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")  # either case
 LLAMA_SDIST_VERSION = "0.3.36"  # keep in step with scripts/install-llama-server
@@ -138,6 +147,10 @@ class Settings:
     proxy_env: tuple[tuple[str, str], ...] = ()
     # the Hugging Face cache's hub directory (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)
     hf_hub_cache: Path | None = None
+    textfile_dir: Path | None = None  # node_exporter's textfile collector directory
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    log_keep: int = DEFAULT_LOG_KEEP
+    keep_runs: int = DEFAULT_KEEP_RUNS
 
     @property
     def home_named(self) -> str:
@@ -154,10 +167,26 @@ class Settings:
     models_dir = _in_home("models")
     runs_dir = _in_home("runs")
     manifest_path = _in_home("manifest.json")
+    metrics_dir = _in_home("metrics")
     serve_pid_path = _in_home("serve.pid")
 
     def model_dir(self, entry_name: str) -> Path:
         return self.models_dir / entry_name
+
+
+def _whole(env: Mapping[str, str], name: str, default: int, low: int, example: str) -> int:
+    """``$name`` as a whole number >= ``low`` (``default`` when unset); else a UsageError naming it."""
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+        if value < low:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a whole number >= {low}",
+                         hint=f"unset it (default {default}) or set e.g. {name}={example}") from None
+    return value
 
 
 def load_settings(
@@ -183,6 +212,7 @@ def load_settings(
     offline = _truthy(env.get("HF_HUB_OFFLINE"))
     raw_endpoint = env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT
     # Offline nothing is requested, so a stale value must not break a rerun from disk.
+    textfile = env.get("HOTFIT_TEXTFILE_DIR")
     return Settings(
         home=Path(home).expanduser() if home else default_home(env),
         llama_server=Path(server).expanduser() if server else None,
@@ -195,4 +225,8 @@ def load_settings(
         home_source="flag" if home else ("env" if env.get("HOTFIT_HOME") else "default"),
         proxy_env=tuple(sorted((k, v) for k, v in env.items() if k.upper() in PROXY_VARIABLES)),
         hf_hub_cache=default_hf_hub_cache(env),
+        textfile_dir=Path(textfile).expanduser() if textfile else None,
+        log_max_bytes=_whole(env, "HOTFIT_LOG_MAX_BYTES", DEFAULT_LOG_MAX_BYTES, 4096, "10485760"),
+        log_keep=_whole(env, "HOTFIT_LOG_KEEP", DEFAULT_LOG_KEEP, 0, "5"),
+        keep_runs=_whole(env, "HOTFIT_KEEP_RUNS", DEFAULT_KEEP_RUNS, 1, "20"),
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -305,7 +306,10 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             outcome = await runner.run()
         finally:
             with anyio.CancelScope(shield=True):
-                await store.aclose()
+                try:
+                    await prune_runs(store, settings, protect=(manifest.run_id,) if manifest else ())
+                finally:
+                    await store.aclose()
         new_manifest = build_manifest(outcome)
         admitted = _admitted_json(opts, planned_now[-1]) if planned_now else {}
         if admitted.get("admitted_by_grade"):  # what the pick rests on, kept with the provisioning
@@ -322,6 +326,23 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
                                      grade_record=str(graded.get("path"))))
         return AutoOutcome("provisioned", data, outcome.plan, new_manifest,
                            resumed=outcome.resumed, skipped=outcome.skipped)
+
+
+async def prune_runs(store: StateStore, settings: Settings, protect: tuple[str, ...] = ()) -> list[str]:
+    """Keep state.db and runs/ bounded: drop the runs older than the newest ``settings.keep_runs``
+    (never the standing manifest's) with their ``runs/<run_id>/`` directories. Only after a run that
+    used the store, so a no-op pays nothing for it. A failure to prune is a warning, not the run's
+    outcome."""
+    try:
+        pruned = await store.prune_runs(settings.keep_runs, protect)
+    except Exception as exc:  # LockedError (busy), OSError: the next run prunes instead
+        log.warning("state.prune_failed", error=str(exc))
+        return []
+    if pruned:
+        await anyio.to_thread.run_sync(lambda: [shutil.rmtree(settings.runs_dir / r, ignore_errors=True)
+                                                for r in pruned])
+        log.info("state.pruned", runs=len(pruned), oldest=pruned[0], newest=pruned[-1], kept=settings.keep_runs)
+    return pruned
 
 
 def _admitted_json(opts: AutoOptions, planned: PlanOutcome) -> dict[str, Any]:

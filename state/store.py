@@ -407,6 +407,32 @@ class SyncStateStore:
         rows = self._read("SELECT * FROM runs WHERE status='done' ORDER BY seq DESC LIMIT 1")
         return self._runs(rows)[0] if rows else None
 
+    def prune_runs(self, keep: int, protect: Sequence[str] = ()) -> list[str]:
+        """Delete every run (and its stage records) older than the newest ``keep``, except those in
+        ``protect`` and any still 'running'; the run ids deleted, oldest first. One transaction.
+
+        The newest runs are the ones a rerun resumes or reuses stages from (a reused stage is copied
+        into the run that reuses it), so an old record is never needed; SQLite reuses the freed pages,
+        so the file stops growing instead of shrinking (no VACUUM: it would rewrite the whole file)."""
+        with self._lock, self._busy_is_locked():
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                marks = ",".join("?" * len(protect))
+                rows = self._conn.execute(
+                    "SELECT run_id FROM runs WHERE status != 'running' AND seq <= "
+                    "(SELECT COALESCE(MAX(seq), 0) FROM runs) - ?"
+                    + (f" AND run_id NOT IN ({marks})" if protect else "") + " ORDER BY seq",
+                    (keep, *protect)).fetchall()
+                doomed = [r[0] for r in rows]
+                for run_id in doomed:
+                    self._conn.execute("DELETE FROM stages WHERE run_id=?", (run_id,))
+                    self._conn.execute("DELETE FROM runs WHERE run_id=?", (run_id,))
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        return doomed
+
     def mark_stale_runs_interrupted(self) -> int:
         """A run still 'running' when the pipeline lock is free was killed (kill -9, power cut)."""
         with self._lock, self._mapped_errors():
@@ -583,6 +609,9 @@ class StateStore:
 
     async def mark_stale_runs_interrupted(self) -> int:
         return await self._call(self.sync.mark_stale_runs_interrupted)
+
+    async def prune_runs(self, keep: int, protect: Sequence[str] = ()) -> list[str]:
+        return await self._call(self.sync.prune_runs, keep, protect)
 
     async def stage_running(self, run_id: str, stage: str, inputs_hash: str | None, plan_id: str | None) -> None:
         await self._call(self.sync.stage_running, run_id, stage, inputs_hash, plan_id)

@@ -138,7 +138,7 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
     done = auto(hub, home, world, probe, "--json")
     assert done.returncode == 0, done.stderr[-3000:]
-    manifest = json.loads(done.stdout)  # not auto_json: the hint on stderr is checked below
+    manifest = json.loads(done.stdout)  # not auto_json: stderr is checked below
     large = world.entry(LARGE)
     # the automatic pick: both fit, the larger model wins
     assert manifest["entry_name"] == LARGE and manifest["kv_cache_type"] == "f16"
@@ -150,8 +150,9 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     assert manifest["measured"]["opened_context_tokens"] >= manifest["planned_hot_context_tokens"] >= 32768
     assert manifest["measured"]["actual_kv_bytes"] > 0
     assert manifest["llama_cpp"]["commit"]
-    # the KV hint: the type was left unset
-    assert "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0 halves what the window costs" in done.stderr
+    # the KV hint: the type was left unset; part of the output, never a message on stderr (cron)
+    assert "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0 halves what the window costs" in manifest["kv_cache_type_hint"]
+    assert "halves what the window costs" not in done.stderr
     assert json.loads((home / "manifest.json").read_text())["run_id"] == manifest["run_id"]
 
     # the JSON log parses line by line and tells the whole story, every stage event bound
@@ -185,6 +186,12 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     assert auto_json(hub, home, world, probe)["noop"] is True
     assert hub.bytes_sent() == 0
     assert "run.noop" in [e["event"] for e in events(home)]
+    # what cron runs: with -q a no-op prints nothing at all, and the metrics say it was one
+    quiet = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "-q", *cmd(home, world, probe)[5:]],
+                           cwd=REPO, env=env_for(hub), capture_output=True, text=True, timeout=240)
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
+    assert 'hotfit_last_run_info{outcome="noop",error_code="",model="' + LARGE + '"} 1' in (
+        home / "metrics" / "hotfit.prom").read_text()
 
     # --recheck re-opens the session; downloads are reused (stage.skip), not repeated
     hub.reset_counters()
@@ -480,7 +487,7 @@ def test_new_kv_type_replans_and_reopens_without_downloading_again(hub: LocalHub
     assert second.returncode == 0, second.stderr[-2000:]
     q8 = json.loads(second.stdout)
     assert q8["kv_cache_type"] == "q8_0" and q8["plan_id"] != f16["plan_id"]
-    assert "halves what the window costs" not in second.stderr  # the type was set: no hint
+    assert "kv_cache_type_hint" not in q8  # the type was set: no hint
     assert hub.bytes_sent() == 0  # the weights did not change
     story = dict((s, ev) for ev, s in stage_story(events(home), q8["run_id"]) if ev != "stage.start")
     assert story["fetch-weights"] == "stage.skip" and story["verify"] == "stage.skip"

@@ -391,7 +391,7 @@ def test_sigterm_is_exit_130_with_a_message_and_a_logged_failure_for_every_comma
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted by SIGTERM" in err and "Traceback" not in err
     assert json.loads(out)["error"]["code"] == "interrupted"
-    failed = [e for e in log_events(home) if e["event"] == "command.fail"]
+    failed = [e for e in log_events(home) if e["event"] == "command.failed"]
     assert len(failed) == 1 and failed[0]["exit_code"] == 130 and failed[0]["signal"] == "SIGTERM"
     assert failed[0]["command"] == " ".join(argv[:2] if argv[0] == "registry" else argv[:1])
     assert failed[0]["error"]["code"] == "interrupted"
@@ -406,7 +406,7 @@ def _missing_repo_registry(world: World, path: Path) -> Path:
     return path
 
 
-FAILURES = [  # (argv, exit code, error code): each must leave one command.fail in the home's log
+FAILURES = [  # (argv, exit code, error code): each must leave one command.failed in the home's log
     (["pull", "no-such-model"], 2, "usage"),
     (["pull", "fx-agent-large", "--registry", "{missing_repo}"], 4, "hub"),
     (["plan", "--probe-file", "{tmp}/absent.json"], 2, "usage"),
@@ -438,7 +438,7 @@ def test_every_failing_command_leaves_command_fail_with_its_exit_code_in_the_log
     assert rc != 0
     if exit_code is not None:
         assert rc == exit_code and json.loads(out.getvalue())["error"]["code"] == code
-    failed = [e for e in log_events(home) if e["event"] == "command.fail"]
+    failed = [e for e in log_events(home) if e["event"] == "command.failed"]
     assert len(failed) == 1, log_events(home)[-5:]
     assert failed[0]["exit_code"] == rc and failed[0]["command"] == " ".join(argv[:2] if argv[0] == "registry"
                                                                              else argv[:1])
@@ -451,7 +451,7 @@ def test_a_bad_setting_is_logged_in_an_existing_home_and_creates_no_home(
     existing = tmp_path / "existing"
     (existing / "logs").mkdir(parents=True)
     assert main(["--home", str(existing), "status"], out=io.StringIO()) == 2
-    (failed,) = [e for e in log_events(existing) if e["event"] == "command.fail"]
+    (failed,) = [e for e in log_events(existing) if e["event"] == "command.failed"]
     assert failed["exit_code"] == 2 and "HF_ENDPOINT" in failed["error"]["message"]
     fresh = tmp_path / "fresh"
     assert main(["--home", str(fresh), "status"], out=io.StringIO()) == 2
@@ -477,7 +477,7 @@ def test_pull_from_a_server_sending_one_byte_per_connection_gives_up_with_exit_4
     err = json.loads(failed.stdout)["error"]
     assert "gave up (6 attempts in a row brought less than 1048576 bytes)" in err["message"]
     assert err["details"]["gave_up"].startswith("6 attempts") and "rerun" in err["hint"]
-    (logged,) = [e for e in log_events(home) if e["event"] == "command.fail"]
+    (logged,) = [e for e in log_events(home) if e["event"] == "command.failed"]
     assert logged["exit_code"] == 4 and logged["command"] == "pull"
     hub.reset_counters()
     again = subprocess.run(argv, cwd=REPO_ROOT, env=hotfit_env(hub), capture_output=True, text=True, timeout=120)

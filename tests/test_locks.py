@@ -133,7 +133,7 @@ def test_signal_while_auto_waits_for_the_home_lock_is_a_clean_interrupt(tmp_path
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "interrupted" in err
     events = [json.loads(line)["event"] for line in log_file.read_text().splitlines()]
-    assert events[-3:] == ["lock.wait", "lock.wait_interrupted", "command.fail"]  # every failure is logged
+    assert events[-3:] == ["lock.wait", "lock.wait_interrupted", "command.failed"]  # every failure is logged
     assert not (home / "state.db").exists()
 
 

@@ -74,3 +74,19 @@ def test_cli_quiet_run_still_appends_its_info_events_to_the_home_log(tmp_path: P
     assert rc == 0
     kept = [json.loads(x)["event"] for x in (home / "logs" / "hotfit.jsonl").read_text().splitlines()]
     assert "plan.selected" in kept
+
+
+def test_rotation_happens_only_at_the_size_and_keep_zero_deletes(tmp_path: Path) -> None:
+    log_file = tmp_path / "hotfit.jsonl"
+    assert log.rotate_if_full(log_file, 100, 2) is False  # no file yet
+    log_file.write_text("x" * 99)
+    assert log.rotate_if_full(log_file, 100, 2) is False and log_file.read_text() == "x" * 99
+    for marker in "abc":
+        log_file.write_text(marker * 100)
+        assert log.rotate_if_full(log_file, 100, 2) is True and not log_file.exists()
+    assert (tmp_path / "hotfit.jsonl.1").read_text() == "c" * 100
+    assert (tmp_path / "hotfit.jsonl.2").read_text() == "b" * 100  # "a" fell off the end
+    assert not (tmp_path / "hotfit.jsonl.3").exists()
+    log_file.write_text("d" * 100)
+    assert log.rotate_if_full(log_file, 100, 0) is True and not log_file.exists()
+    assert (tmp_path / "hotfit.jsonl.1").read_text() == "c" * 100  # keep 0: the full file is dropped

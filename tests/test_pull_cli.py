@@ -216,7 +216,7 @@ def test_human_output(local_hub: LocalHub, model: dict[str, Any], monkeypatch: p
 
     monkeypatch.setenv("HF_ENDPOINT", local_hub.endpoint)
     out = io.StringIO()
-    rc = main(["--home", str(model["home"]), "--log-format", "json", "-q", "pull", "test-model",
+    rc = main(["--home", str(model["home"]), "--log-format", "json", "pull", "test-model",
                "--registry", str(model["registry"])], out=out)
     text = out.getvalue()
     assert rc == 0, text

@@ -76,3 +76,18 @@ def test_offline_a_stale_hf_endpoint_is_not_read() -> None:
     # Offline nothing is requested: a stale variable must not break a rerun from disk.
     s = load_settings({"HOME": "/h", "HF_ENDPOINT": "http://[::1", "HF_HUB_OFFLINE": "1"})
     assert s.hf_offline and s.hf_endpoint == "http://[::1"
+
+
+@pytest.mark.parametrize("name, raw", [("HOTFIT_LOG_MAX_BYTES", "10M"), ("HOTFIT_LOG_MAX_BYTES", "100"),
+                                       ("HOTFIT_LOG_KEEP", "-1"), ("HOTFIT_KEEP_RUNS", "0")])
+def test_operations_variables_are_checked(name: str, raw: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        load_settings({name: raw})
+    assert name in caught.value.what and caught.value.hint
+
+
+def test_operations_variables_are_read() -> None:
+    s = load_settings({"HOTFIT_TEXTFILE_DIR": "/var/lib/node_exporter", "HOTFIT_LOG_MAX_BYTES": "65536",
+                       "HOTFIT_LOG_KEEP": "0", "HOTFIT_KEEP_RUNS": "3", "HOME": "/home/x"})
+    assert (s.textfile_dir, s.log_max_bytes, s.log_keep, s.keep_runs) == (Path("/var/lib/node_exporter"), 65536, 0, 3)
+    assert s.metrics_dir == Path("/home/x/.local/share/hotfit/metrics")

@@ -43,7 +43,8 @@ def test_killed_run_shows_interrupted_and_where_a_rerun_resumes(tmp_path: Path) 
 
     code, text = status(home, "--json")
     data = json.loads(text)
-    assert code == 0
+    assert code == 10  # a killed run is a failed last run, for an alerting check (docs/operations.md)
+    assert data["last_auto_failed"] is True
     assert data["run"]["run_id"] == run.run_id and data["run"]["status"] == "interrupted"
     by_stage = {s["stage"]: s for s in data["stages"]}
     assert by_stage["fetch-weights"]["status"] == "done"
@@ -64,7 +65,8 @@ def test_failed_stage_shows_its_error(tmp_path: Path) -> None:
     store.stage_failed(run.run_id, "probe", {"code": "hardware_probe", "message": "NVML failed: driver gone"})
     store.finish_run(run.run_id, "failed", {"code": "hardware_probe"})
     store.close()
-    _code, human = status(home)
+    code, human = status(home)
+    assert code == 10
     assert "probe            failed — NVML failed: driver gone" in human
 
 

@@ -291,3 +291,24 @@ def test_status_on_a_busy_database_exits_6_naming_the_holder(busy_home: Any) -> 
     assert main(["--home", str(home), "--json", "status"], out=out) == 6
     err = json.loads(out.getvalue())["error"]
     assert err["code"] == "locked" and f"PID {holder_pid}" in err["message"]
+
+
+def test_prune_keeps_the_newest_runs_the_protected_and_the_running(tmp_path: Path) -> None:
+    store = SyncStateStore(tmp_path / "state.db")
+    runs = []
+    for i in range(30):
+        run = store.create_run(["probe", "plan"])
+        store.stage_running(run.run_id, "probe", f"h{i}", None)
+        store.stage_done(run.run_id, "probe", {"i": i})
+        store.finish_run(run.run_id, "done")
+        runs.append(run.run_id)
+    running = runs[1]
+    store.reopen_run(running)  # a run another process is still in (never pruned)
+    pruned = store.prune_runs(20, protect=[runs[0]])
+    assert pruned == runs[2:10]
+    left = {r["run_id"] for r in store._read("SELECT run_id FROM runs")}
+    assert left == {runs[0], running, *runs[10:]}
+    assert not store._read("SELECT 1 FROM stages WHERE run_id IN (%s)" % ",".join("?" * len(pruned)), tuple(pruned))
+    assert store.find_done("probe", "h29") is not None
+    assert store.prune_runs(20, protect=[runs[0]]) == []  # nothing more to do
+    store.close()

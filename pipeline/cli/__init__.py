@@ -3,30 +3,36 @@
 Each sub-command lives in its own module here with ``add_parser(subparsers, parents)`` and
 ``run(args, ctx) -> int``; it parses arguments, calls into ``pipeline`` and renders the result
 (:class:`~pipeline.cli.context.CliContext`), nothing else. Errors from ``core.errors`` become
-their exit code; with ``--json`` the error is printed as ``{"error": {...}}`` on stdout so
-scripts can read it.
+their exit code; with ``--json`` the error — a usage error too — is printed as ``{"error": {...}}``
+on stdout so scripts can read it. Every invocation ends in :func:`main`, which logs its outcome
+(``command.done`` / ``command.failed`` with the exit code, docs/events.md) and, for ``auto``,
+writes the metrics (pipeline/metrics.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from core import log
 from core.diskspace import from_os_error, is_disk_full
-from core.errors import HotfitError, Interrupted
-from core.settings import default_home, load_settings
+from core.errors import HotfitError, Interrupted, UsageError
+from core.settings import Settings, load_settings
 from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
 from pipeline.cli.context import CliContext
+from pipeline.metrics import last_run, record_run
 from state.files import checked_write_path, prepare_home, unusable_home
+
+_log = log.get_logger()
 
 EXIT_CODES_HELP = """exit codes:
   0    success
@@ -38,6 +44,7 @@ EXIT_CODES_HELP = """exit codes:
   7    hardware probe failure (NVML present but failing)
   8    grade: the model failed the multi-turn tool-use grade
   9    grade: inconclusive (a stack problem, named, or --budget-s ran out)
+  10   status: the last `hotfit auto` failed or was interrupted (for alerting checks)
   130  interrupted (SIGINT/SIGTERM); a rerun resumes
 """
 
@@ -46,16 +53,31 @@ def _commands() -> list[Any]:
     return [probe, plan, registry, pull, auto, status, serve, grade, verify]
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises its usage errors instead of printing and exiting, so they take the one
+    failure path of :func:`main` (logged, ``--json`` honoured) like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _ParseError(message, self)
+
+
+class _ParseError(Exception):
+    def __init__(self, message: str, parser: argparse.ArgumentParser) -> None:
+        super().__init__(message)
+        self.message, self.parser = message, parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="machine-readable JSON on stdout")
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="hotfit",
         description="Provision, unattended, the best local LLM this machine can run as a tool-calling agent.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="print hotfit's version and exit")
     parser.add_argument("--home", metavar="DIR",
                         help="state and model directory (default: $HOTFIT_HOME or ~/.local/share/hotfit)")
     parser.add_argument("--llama-server", metavar="PATH",
@@ -63,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", choices=("json", "console"), default=None,
                         help="log renderer on stderr (default: console on a TTY, json otherwise)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log detail")
-    parser.add_argument("-q", "--quiet", action="count", default=0, help="warnings and errors only")
+    parser.add_argument("-q", "--quiet", action="count", default=0,
+                        help="warnings and errors only; nothing on stdout after a successful auto, pull or grade")
     parser.add_argument("--json", action="store_true", default=False, help="machine-readable JSON on stdout")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _commands():
@@ -71,68 +94,123 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _VersionAction(argparse.Action):
+    """argparse's "version" action, with the version looked up only when asked (a few ms of
+    importlib.metadata every command would otherwise pay)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
+        sys.stdout.write(f"{parser.prog} {version()}\n")
+        parser.exit()
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's pyproject.toml when not installed)."""
+    try:
+        return importlib.metadata.version("hotfit")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a bare checkout
+        return "unknown"
+
+
+def _lenient(argv: Sequence[str]) -> argparse.Namespace:
+    """--home/--json/-q/-v/--log-format as far as they can be read from an argv that did not parse,
+    so a usage error is reported the way the operator asked and logged in the right home."""
+    loose = argparse.ArgumentParser(add_help=False)
+    loose.add_argument("--home")
+    loose.add_argument("--json", action="store_true")
+    loose.add_argument("--log-format", choices=("json", "console"))
+    loose.add_argument("-v", "--verbose", action="count", default=0)
+    loose.add_argument("-q", "--quiet", action="count", default=0)
+    try:
+        known, rest = loose.parse_known_args(list(argv))
+    except SystemExit:  # e.g. --home without a value
+        known, rest = argparse.Namespace(home=None, json="--json" in argv, log_format=None, verbose=0,
+                                         quiet=0), list(argv)
+    names = {m.__name__.rsplit(".", 1)[-1] for m in _commands()}
+    known.command = next((a for a in rest if a in names), None)
+    return known
+
+
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
+    """Parse, dispatch, map errors to exit codes, and record the outcome — the one place every
+    command ends: each invocation leaves one ``command.done`` or ``command.failed`` event (with its
+    exit code) in the home's log, and ``hotfit auto`` its metrics (pipeline/metrics.py)."""
     out = out or sys.stdout
     with _sigterm_is_an_interrupt() as received:
         return _main(argv, out, received)
 
 
 def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    started, started_wall = time.monotonic(), time.time()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help (0) or usage error (2)
+    except SystemExit as exc:  # --help, --version (0)
         return int(exc.code or 0)
     except KeyboardInterrupt:
         return _report(_interrupted(received), False, out)
+    except _ParseError as exc:
+        loose = _lenient(argv)
+        helped = exc.parser.prog if exc.parser is not parser or loose.command is None else f"hotfit {loose.command}"
+        error = UsageError(exc.message, hint=f"see `{helped} --help`")
+        sys.stderr.write(exc.parser.format_usage())
+        return _finish(loose.command, error, error.exit_code, bool(loose.json), out, started, started_wall,
+                       home=loose.home, log_format=loose.log_format, verbosity=loose.verbose - loose.quiet,
+                       prefix=f"{exc.parser.prog}: error: ")
     want_json = bool(getattr(args, "json", False))
-    logging_to: list[Path] = []  # the log file once configured: failures are recorded there
+    verbosity = args.verbose - args.quiet
+    settings = None
+    logged = False
     try:
         settings = load_settings(home=args.home, llama_server=args.llama_server)
-        verbosity = args.verbose - args.quiet
         prepare_home(settings.home, settings.home_named, settings.log_path.parent)
         for path, kind in ((settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
                            (settings.manifest_path, "file"), (settings.models_dir, "directory")):
             checked_write_path(path, kind=kind)  # type: ignore[arg-type]
         try:
-            log.configure(args.log_format, verbosity, settings.log_path)
+            log.configure(args.log_format, verbosity, settings.log_path, max_bytes=settings.log_max_bytes,
+                          keep=settings.log_keep)
+            logged = True
         except OSError as exc:
             raise unusable_home(settings.home, settings.home_named,
                                 f"cannot append to {settings.log_path}: {exc.strerror or exc}",
                                 errno=exc.errno) from None
-        logging_to.append(settings.log_path)
         ctx = CliContext(settings=settings, json=want_json, log_format=args.log_format,
                          verbosity=verbosity, out=out)
         handler: Callable[[argparse.Namespace, CliContext], int] = args.handler
-        return handler(args, ctx)
+        code = handler(args, ctx)
+        error: HotfitError | None = None
     except HotfitError as exc:
-        err = exc
+        code, error = exc.exit_code, exc
     except KeyboardInterrupt:
-        err = _interrupted(received)
+        error = _interrupted(received)
+        code = error.exit_code
     except OSError as exc:  # the writers map a full disk themselves; this is the net under them
         if not is_disk_full(exc):
-            _log_failure(args, logging_to, 1, {"code": "internal", "message": repr(exc)}, None)
+            if logged:
+                _record(args.command, 1, {"code": "internal", "message": repr(exc)}, started)
             raise
         home = args.home or os.environ.get("HOTFIT_HOME")
         where = exc.filename or home or "?"
         what = "a file" if exc.filename else "a file in the home"
-        err = from_os_error(exc, where, needed_bytes=None, what=what)
-    except Exception as exc:  # a bug: recorded with exit 1, then the traceback
-        _log_failure(args, logging_to, 1, {"code": "internal", "message": repr(exc)}, None)
+        error = from_os_error(exc, where, needed_bytes=None, what=what)
+        code = error.exit_code
+    except Exception as exc:  # a bug: logged with exit 1, then Python's traceback
+        if logged:
+            _record(args.command, 1, {"code": "internal", "message": repr(exc)}, started)
         raise
-    signal_name = (err.details.get("signal") or (signal.Signals(received[0]).name if received else None)
-                   if isinstance(err, Interrupted) else None)
-    _log_failure(args, logging_to, err.exit_code, err.to_json(), signal_name)
-    return _report(err, want_json, out)
+    return _finish(args.command, error, code, want_json, out, started, started_wall, settings=settings,
+                   logged=logged, home=args.home, log_format=args.log_format, verbosity=verbosity,
+                   metrics=args.command == "auto" and not getattr(args, "dry_run", False))
 
 
 @contextlib.contextmanager
 def _sigterm_is_an_interrupt() -> Iterator[list[int]]:
     """SIGTERM (a supervisor stopping hotfit) ends a command as Ctrl-C does: what runs is cancelled
-    and cleaned up, and the command exits 130 with a message (the README's promise), not the default
-    143 with none. The SIGINT handler in force is called, so inside ``anyio.run`` asyncio cancels the
-    main task and the command unwinds through its ``finally`` blocks. (The stage runner and the lock
-    wait catch both signals themselves while they run, and say which one came.)"""
+    and cleaned up, and the command exits 130 with a message, not the default 143 with none. The
+    SIGINT handler in force is called, so inside ``anyio.run`` asyncio cancels the main task and the
+    command unwinds through its ``finally`` blocks. (The stage runner and the lock wait catch both
+    signals themselves while they run, and say which one came.)"""
     received: list[int] = []
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -160,34 +238,66 @@ def _interrupted(received: list[int]) -> Interrupted:
                        hint="completed work and downloaded bytes are kept", signal=name)
 
 
-def _log_failure(args: argparse.Namespace, logging_to: list[Path], exit_code: int, error: dict[str, Any],
-                 signal_name: str | None) -> None:
-    """``command.fail``: every failing command leaves its exit code and error in the home's log. Before
-    the log is configured (a bad setting), only a home whose log directory exists already is written."""
-    if not logging_to:
+def _finish(command: str | None, error: HotfitError | None, code: int, want_json: bool, out: TextIO,
+            started: float, started_wall: float, *, settings: Settings | None = None, logged: bool = False,
+            home: str | None = None, log_format: str | None = None, verbosity: int = 0, metrics: bool = False,
+            prefix: str = "hotfit: error: ") -> int:
+    if error is not None:
+        _report(error, want_json, out, prefix)
+    if not logged:  # failed before the log was open (argv, environment, home): open it if the home exists
+        logged = _open_log_late(settings, home, log_format, verbosity)
+    if logged:
+        _record(command, code, error.to_json() if error is not None else None, started)
+    if metrics and settings is not None and logged:
+        run = last_run(code, error.to_json() if error is not None else None, log.events_seen(),
+                       started_at=started_wall, finished_at=time.time())
+        for path, exc in record_run(settings, run):
+            _log.warning("metrics.unwritable", path=str(path), error=exc.strerror or str(exc))
+    return code
+
+
+def _open_log_late(settings: Settings | None, home: str | None, log_format: str | None, verbosity: int) -> bool:
+    """Open the home's log for a failure that came before it was opened; only an existing, usable
+    home (a typo must not create one)."""
+    try:
+        settings = settings or load_settings(home=home)
+    except HotfitError:
         try:
-            home = Path(args.home).expanduser() if args.home else default_home(os.environ)
-            log_path = home / "logs" / "hotfit.jsonl"
-            if not log_path.parent.is_dir():
-                return
-            log.configure(args.log_format, args.verbose - args.quiet, log_path)
-        except OSError:
-            return
-    command = " ".join(filter(None, (args.command, getattr(args, "registry_command", None))))
-    fields: dict[str, Any] = {"command": command, "exit_code": exit_code, "error": error}
-    if signal_name:
-        fields["signal"] = signal_name
-    # The log cannot make a failure worse: a full disk under the log (DiskSpaceError) leaves the
-    # failure being reported as it is.
+            settings = load_settings({k: v for k, v in os.environ.items() if not k.startswith("HOTFIT_")
+                                      or k == "HOTFIT_HOME"}, home=home)
+        except HotfitError:
+            return False
+    if not settings.home.is_dir() or not os.access(settings.home, os.W_OK | os.X_OK):
+        return False
+    try:
+        log.configure(log_format, verbosity, settings.log_path, max_bytes=settings.log_max_bytes,
+                      keep=settings.log_keep)
+    except OSError:
+        return False
+    return True
+
+
+def _record(command: str | None, code: int, error: dict[str, Any] | None, started: float) -> None:
+    """The invocation's own event, kept in the file only (the person already saw its outcome)."""
+    duration_s = round(time.monotonic() - started, 3)
+    # The log cannot make a failure worse: a full disk under it (DiskSpaceError) leaves the outcome
+    # being reported as it is.
     with contextlib.suppress(OSError, HotfitError):
-        log.get_logger().error("command.fail", **fields)
+        if code == 0:
+            _log.info("command.done", command=command, exit_code=code, duration_s=duration_s,
+                      **{log.FILE_ONLY: True})
+            return
+        signal_name = ((error or {}).get("details") or {}).get("signal")  # an Interrupted names its signal
+        extra = {"signal": signal_name} if signal_name else {}
+        _log.error("command.failed", command=command, exit_code=code, duration_s=duration_s, error=error,
+                   **extra, **{log.FILE_ONLY: True})
 
 
-def _report(exc: HotfitError, want_json: bool, out: TextIO) -> int:
+def _report(exc: HotfitError, want_json: bool, out: TextIO, prefix: str = "hotfit: error: ") -> int:
     if want_json:
         out.write(json.dumps({"error": exc.to_json()}, indent=2, default=str) + "\n")
         out.flush()
-    sys.stderr.write(f"hotfit: error: {exc}\n")
+    sys.stderr.write(f"{prefix}{exc}\n")
     return exc.exit_code
 
 

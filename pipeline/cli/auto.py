@@ -4,7 +4,7 @@ The operator surface follows contenox's own ``auto`` (contenox-auto-facts.md, "T
 command"): origin as a positional argument or ``--origin``; ``--dry-run`` prints the probe, the
 plan and whether the previous model is reused, as JSON, and changes nothing; ``--refresh``
 selects afresh instead of keeping the previous model; the KV type it planned with is printed,
-with a hint when it is unset; the disk is checked before download (artifact + projector +
+with a hint in the summary when it is unset (``-q`` prints no summary: nothing on success); the disk is checked before download (artifact + projector +
 512 MiB). ``--model NAME`` runs the same pipeline for one named entry (tool-chat allowed, no
 fallback). A completed provisioning that still holds makes ``auto`` a fast no-op (exit 0)
 unless ``--recheck``. ``--grade`` adds the multi-turn tool-use grade after the re-check; its verdict
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +138,9 @@ def render(outcome: AutoOutcome) -> str:
     evidence = outcome.data.get("grade_evidence")
     if evidence:
         text += f"\n  grade evidence  {evidence_change(evidence)}: {evidence['why']}"
+    hint = kv_hint(outcome.plan)
+    if hint:  # part of the summary on stdout, so -q (and a no-op under cron) prints nothing
+        text += f"\n  hint: {hint}"
     return text
 
 
@@ -150,7 +152,6 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     opts = options_from_args(args)
     outcome = anyio.run(provision, opts, ctx.settings, grade_from_args(args))
     hint = kv_hint(outcome.plan)
-    if hint:
-        sys.stderr.write(f"hotfit: hint: {hint}\n")
-    ctx.emit(outcome.data, render(outcome))
+    show = ctx.emit if outcome.kind == "dry_run" else ctx.report  # a dry run's output is what was asked for
+    show(outcome.data | ({"kv_cache_type_hint": hint} if hint else {}), render(outcome))
     return 0

@@ -24,3 +24,10 @@ class CliContext:
         else:
             self.out.write(text.rstrip("\n") + "\n")
         self.out.flush()
+
+    def report(self, data: Any, text: str) -> None:
+        """The outcome of a command that changes things (auto, pull, grade): like :meth:`emit`, but
+        ``-q`` prints nothing (cron mails only a failure); ``--json`` still prints the JSON asked for."""
+        if self.verbosity < 0 and not self.json:
+            return
+        self.emit(data, text)

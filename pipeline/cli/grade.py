@@ -110,8 +110,9 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
                                                tier=args.tier, budget_s=args.budget_s,
                                                output=Path(args.output) if args.output else None))
         shown = brief(report)
-        ctx.emit(shown, summary_text(shown) + evidence_text(report.get("evidence")))
-        return _EXIT[report["verdict"]["verdict"]]
+        code = _EXIT[report["verdict"]["verdict"]]
+        (ctx.report if code == 0 else ctx.emit)(shown, summary_text(shown) + evidence_text(report.get("evidence")))
+        return code
     api_key = _api_key(args.api_key_file)
     output = Path(args.output) if args.output else default_output_path(ctx.settings.home, args.tier)
 
@@ -127,5 +128,6 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         raise UsageError(f"cannot write the grade record to {output}: {exc.strerror}",
                          hint="pass a writable --output FILE") from None
     shown = brief({**report, "output": str(output)})
-    ctx.emit(shown, summary_text(shown))
-    return _EXIT[report["verdict"]["verdict"]]
+    code = _EXIT[report["verdict"]["verdict"]]
+    (ctx.report if code == 0 else ctx.emit)(shown, summary_text(shown))
+    return code

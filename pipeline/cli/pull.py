@@ -62,5 +62,5 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
         raise UsageError(f"--connections {args.connections} is not from 1 to 32", hint="e.g. --connections 4")
     entry = find_entry(args.name, args.registry)
     result = anyio.run(lambda: pull_entry(entry, ctx.settings, connections=args.connections, wait=args.wait))
-    ctx.emit(result.to_json(), _human(result))
+    ctx.report(result.to_json(), _human(result))
     return 0

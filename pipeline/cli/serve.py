@@ -41,7 +41,7 @@ import anyio
 from backends.base import ModelFiles, ServeCommand
 from backends.llama_server.discovery import find_llama_server, gpu_listing_binaries
 from backends.select import backend_for
-from core.errors import HotfitError, NoModelQualifies, UsageError
+from core.errors import HotfitError, LoadError, NoModelQualifies, UsageError
 from core.log import get_logger
 from pipeline.cli.context import CliContext
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
@@ -395,5 +395,10 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         sys.stderr.write(f"hotfit: {decision.message}\nhotfit: exec {shlex.join(argv)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, command.environment(os.environ))
+    try:
+        os.execve(argv[0], argv, command.environment(os.environ))
+    except OSError as exc:  # gone or not executable since it was checked: exit 5, logged like any failure
+        raise LoadError(f"cannot start {argv[0]}: {exc.strerror or exc}",
+                        hint="run `hotfit auto --recheck` to find and check the llama-server binary again",
+                        argv=argv, errno=exc.errno) from None
     return 0  # pragma: no cover - execve does not return

@@ -2,11 +2,16 @@
 
 Read-only: it never takes the pipeline lock (it reads who holds it) and reads the WAL database
 while ``hotfit auto`` may be writing it.
+
+Its exit code is an alerting check's answer: 0, or :data:`LAST_RUN_FAILED` (10) when the last
+``hotfit auto`` failed or was interrupted — as ``<home>/metrics/last-run.json`` records it, or as
+``state.db`` shows a run killed before it could record itself (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +21,7 @@ from pipeline.cli.context import CliContext
 from core.errors import UsageError
 from pipeline.evidence import evidence_status
 from pipeline.manifest import Manifest, read_manifest
+from pipeline.metrics import read_last_run
 from pipeline.registry_file import load_registry
 from state.files import write_text_atomic
 from state.locks import current_holder
@@ -32,6 +38,20 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                    help="also write the provisioned model as Node Feature Discovery labels to FILE "
                         "(e.g. /etc/kubernetes/node-feature-discovery/features.d/hotfit), atomically")
     p.set_defaults(handler=handler)
+
+
+LAST_RUN_FAILED = 10  # status: the last `hotfit auto` did not succeed (README exit codes)
+
+
+def last_run_failed(last: dict[str, Any] | None, run: RunRecord | None, effective_status: str | None) -> bool:
+    """Pure: did the last ``hotfit auto`` fail? Its own record says so; a state.db run that started
+    after that record and ended failed or interrupted (killed before it could record) says so too."""
+    failed = last is not None and last.get("exit_code") != 0
+    if run is not None and effective_status in ("failed", "interrupted"):
+        recorded_at = last.get("finished_at") if last is not None else None
+        if not isinstance(recorded_at, (int, float)) or run.started_at > recorded_at:
+            failed = True
+    return failed
 
 
 # Node Feature Discovery's local source reads `name=value` lines from features.d files; a
@@ -180,6 +200,8 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
     shown = effective_stages(stages, lock)  # the JSON keeps the raw records; the run's status is effective
     rerun = rerun_would(run, shown, manifest is not None and not problems, lock)
     grade = last_grade(manifest)
+    last = read_last_run(settings)
+    failed = last_run_failed(last, run, effective_status)
     kinds = [str(manifest.device.get("kind"))] if manifest is not None and manifest.device.get("kind") else []
     evidence = evidence_status(settings, load_registry(args.registry).entries, kinds)
     data = {
@@ -192,6 +214,8 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         "rerun": rerun,
         "last_grade": grade,
         "grade_evidence": evidence,
+        "last_auto": last,
+        "last_auto_failed": failed,
     }
     lines = [f"home: {settings.home}"]
     if lock.get("held"):
@@ -224,6 +248,11 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         lines.append("provisioned: nothing yet")
         lines += [f"  problem: {p}" for p in problems]
     lines += evidence_lines(evidence)
+    if last is not None:
+        error = last.get("error") or {}
+        lines.append(f"last auto: {last.get('outcome')} (exit {last.get('exit_code')}) at "
+                     f"{_when(last.get('finished_at'))}" + (f": {str(error.get('message', '')).splitlines()[0]}"
+                                                            if error.get("message") else ""))
     lines.append(f"a rerun would: {rerun}")
     if args.nfd_features:
         labels = nfd_labels(manifest, problems)
@@ -232,4 +261,10 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         lines.append(f"NFD labels written to {args.nfd_features}: "
                      + " ".join(f"{k}={v}" for k, v in labels.items()))
     ctx.emit(data, "\n".join(lines))
-    return 0
+    return LAST_RUN_FAILED if failed else 0
+
+
+def _when(timestamp: Any) -> str:
+    if not isinstance(timestamp, (int, float)):
+        return "?"
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
