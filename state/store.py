@@ -414,7 +414,7 @@ class SyncStateStore:
         The newest runs are the ones a rerun resumes or reuses stages from (a reused stage is copied
         into the run that reuses it), so an old record is never needed; SQLite reuses the freed pages,
         so the file stops growing instead of shrinking (no VACUUM: it would rewrite the whole file)."""
-        with self._lock, self._busy_is_locked():
+        with self._lock, self._mapped_errors():
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 marks = ",".join("?" * len(protect))
