@@ -188,7 +188,7 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
     except OSError as exc:  # the writers map a full disk themselves; this is the net under them
         if not is_disk_full(exc):
             if logged:
-                _record(args.command, 1, {"code": "internal", "message": repr(exc)}, started)
+                _record(_command_name(args), 1, {"code": "internal", "message": repr(exc)}, started)
             raise
         home = args.home or os.environ.get("HOTFIT_HOME")
         where = exc.filename or home or "?"
@@ -197,9 +197,9 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
         code = error.exit_code
     except Exception as exc:  # a bug: logged with exit 1, then Python's traceback
         if logged:
-            _record(args.command, 1, {"code": "internal", "message": repr(exc)}, started)
+            _record(_command_name(args), 1, {"code": "internal", "message": repr(exc)}, started)
         raise
-    return _finish(args.command, error, code, want_json, out, started, started_wall, settings=settings,
+    return _finish(_command_name(args), error, code, want_json, out, started, started_wall, settings=settings,
                    logged=logged, home=args.home, log_format=args.log_format, verbosity=verbosity,
                    metrics=args.command == "auto" and not getattr(args, "dry_run", False))
 
@@ -263,8 +263,9 @@ def _open_log_late(settings: Settings | None, home: str | None, log_format: str 
         settings = settings or load_settings(home=home)
     except HotfitError:
         try:
-            settings = load_settings({k: v for k, v in os.environ.items() if not k.startswith("HOTFIT_")
-                                      or k == "HOTFIT_HOME"}, home=home)
+            # only what locates the home: the setting that failed (HF_ENDPOINT, a proxy, ...) is left out
+            settings = load_settings({k: v for k, v in os.environ.items()
+                                      if k in ("HOME", "XDG_DATA_HOME", "HOTFIT_HOME")}, home=home)
         except HotfitError:
             return False
     if not settings.home.is_dir() or not os.access(settings.home, os.W_OK | os.X_OK):
@@ -275,6 +276,11 @@ def _open_log_late(settings: Settings | None, home: str | None, log_format: str 
     except OSError:
         return False
     return True
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    """The command as the log names it: ``auto``, ``registry lock``, ..."""
+    return " ".join(filter(None, (args.command, getattr(args, "registry_command", None))))
 
 
 def _record(command: str | None, code: int, error: dict[str, Any] | None, started: float) -> None:

@@ -49,7 +49,8 @@ def last_run_failed(last: dict[str, Any] | None, run: RunRecord | None, effectiv
     failed = last is not None and last.get("exit_code") != 0
     if run is not None and effective_status in ("failed", "interrupted"):
         recorded_at = last.get("finished_at") if last is not None else None
-        if not isinstance(recorded_at, (int, float)) or run.started_at > recorded_at:
+        # a start time that did not read back (a damaged record) cannot clear the failure
+        if not isinstance(recorded_at, (int, float)) or run.started_at is None or run.started_at > recorded_at:
             failed = True
     return failed
 
