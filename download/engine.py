@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 
@@ -40,7 +40,10 @@ from download.sidecar import Block, Sidecar, encode_sidecar, read_sidecar, write
 from download.stream import RangeIgnored, stream_block
 from state.files import checked_write_path, fsync_dir
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 

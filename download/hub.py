@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import quote, urljoin, urlsplit
 
 from core.errors import HubError, PinMismatch
@@ -22,7 +23,10 @@ from download.options import TransferOptions
 from download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
 from download.wire import ConnectionPool
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 # httpcore reads at most 64 KiB per recv(); at local/LAN speeds the per-read overhead of the HTTP/1.1
 # parser then caps one Python stream well below curl. 256 KiB measured ~35 % faster than 64 KiB, 1 MiB

@@ -26,7 +26,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from core.errors import IntegrityError
 from core.lazy_import import lazy_module
@@ -39,7 +39,10 @@ from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import available_with_worker, same_device
 from state.files import write_text_atomic
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 
