@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor
 
 from core.diskspace import from_os_error, is_disk_full
 
@@ -28,7 +29,7 @@ _LEVEL_NUMBERS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": loggi
 _file_sink: BinaryIO | None = None  # the open log file of the last configure(), closed by the next one
 
 
-def _scrub_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def _scrub_secrets(_logger: Any, _name: str, event: EventDict) -> EventDict:
     for key in list(event):
         if key.lower() in SECRET_KEYS and event[key] is not None:
             event[key] = "***"
@@ -58,7 +59,7 @@ def configure(
         file_sink = open(log_file, "ab", buffering=0)
         _file_sink = file_sink
 
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -70,7 +71,7 @@ def configure(
 
     sink_failed: list[bool] = []
 
-    def emit(_logger: Any, _name: str, event: dict[str, Any]) -> str:
+    def emit(_logger: Any, _name: str, event: EventDict) -> str:
         line = json.dumps(event, default=str, sort_keys=False)
         if file_sink is not None and not sink_failed:
             try:

@@ -48,7 +48,7 @@ T = TypeVar("T")
 class FieldFail(Protocol):
     """Builds the format's error for one bad field: ``field`` is the full path ('devices[0].kind')."""
 
-    def __call__(self, field: str, problem: str, hint: str) -> HotfitError: ...
+    def __call__(self, field: str, problem: str, hint: str, /) -> HotfitError: ...
 
 
 class DocumentFail(Protocol):
@@ -338,8 +338,11 @@ class JsonRecord:
     ``dataclasses.asdict`` and ``decode`` is :func:`decode_record`, so a record written by one reads
     back through the other (a stage reused from ``state.db`` hands on the type a fresh one does)."""
 
+    if typing.TYPE_CHECKING:  # what @dataclass adds to each subclass: asdict(self) then type-checks
+        __dataclass_fields__: typing.ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)
 
     @classmethod
     def decode(cls, data: Mapping[str, Any]) -> Self:

@@ -35,7 +35,7 @@ from download.hub import HubSession, RemoteFile
 from download.hub_errors import Retryable
 from download.options import MAX_BLOCKS, TransferOptions, is_commit, partial_paths
 from download.progress import ProgressReporter
-from download.retry import gave_up, head_retrying, log_retry, retrying
+from download.retry import StopPolicy, gave_up, head_retrying, log_retry, retrying
 from download.sidecar import Block, Sidecar, encode_sidecar, read_sidecar, write_sidecar
 from download.stream import RangeIgnored, stream_block
 from state.files import checked_write_path, fsync_dir
@@ -162,7 +162,7 @@ async def _download_to_partial(
         checked_write_path(p, kind=kind)  # type: ignore[arg-type]
     partial_dir.mkdir(parents=True, exist_ok=True)
     # One deadline for the whole file: retries of every block and HEAD share it.
-    counters = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
+    counters: dict[str, Any] = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
 
     remote = await head_retrying(session, repo, revision, path, expected_size=expected_size, pinned=True,
                                  deadline=counters["deadline"], counters=counters,
@@ -287,12 +287,14 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
         first = True
         attempts = retrying(session.options, progress_fn=lambda: block.done, deadline=counters["deadline"],
                             before_sleep=log_retry(side.repo, side.file, lambda: state["url"]))
+        stop = attempts.stop
+        assert isinstance(stop, StopPolicy)  # retrying() sets it; its count of attempts without progress is read below
         async for attempt in attempts:
             with attempt:
                 counters["attempts"] += 1
                 # Right after an attempt that made progress the link and its URL were working: resume at
                 # once (a cut costs one GET). Otherwise re-HEAD first: the signed link may have expired.
-                url = state["url"] if first or attempts.stop.without_progress == 0 else await fresh_url()
+                url = state["url"] if first or stop.without_progress == 0 else await fresh_url()
                 first = False
                 await stream_block(session, side, block, url, whole=whole, partial=partial, hasher=hasher,
                                    reporter=reporter, counters=counters)

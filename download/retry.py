@@ -89,7 +89,8 @@ class StopPolicy:
         elif time.monotonic() >= self._deadline:
             self.reason = (f"less than {self._min_bytes} bytes arrived in {self._window_s:g} s of retrying")
         if self.reason is not None and exc is not None:
-            exc.hotfit_gave_up = self.reason  # type: ignore[attr-defined] - read by gave_up()
+            # an attribute of our own on the library's exception, read by gave_up()
+            exc.hotfit_gave_up = self.reason  # type: ignore[attr-defined]
         return self.reason is not None
 
 

@@ -108,7 +108,7 @@ class Turn:
                 raise ValueError(f"turn {self.user[:40]!r}: pinned arguments of {name!r}: {problem}")
 
     def to_json(self) -> dict[str, Any]:
-        out = {"user": self.user, "steps": [[c.to_json() for c in s] for s in self.steps], "reply": self.reply,
+        out: dict[str, Any] = {"user": self.user, "steps": [[c.to_json() for c in s] for s in self.steps], "reply": self.reply,
                "forbid": self.forbid, "add_tools": list(self.add_tools),
                "required_reads": [c.to_json() for c in self.required_reads], "must_say": list(self.must_say)}
         # only when set: the real packs' JSON, hence their pack hash, stays what it was
@@ -132,8 +132,9 @@ class Scenario:
     tiers: frozenset[str]
 
     def tools_at(self, turn_index: int) -> tuple[str, ...]:
-        if self.turns[turn_index].only_tools is not None:
-            return self.turns[turn_index].only_tools
+        only = self.turns[turn_index].only_tools
+        if only is not None:
+            return only
         added = [t for turn in self.turns[: turn_index + 1] for t in turn.add_tools]
         return (*self.tools, *added)
 

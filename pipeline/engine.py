@@ -66,7 +66,7 @@ IN_MEMORY = Path(":memory:")
 
 
 @contextlib.contextmanager
-def signal_receiver(*signums: int) -> Iterator[Any]:
+def signal_receiver(*signums: signal.Signals) -> Iterator[Any]:
     """``anyio.open_signal_receiver`` that puts back the handlers it found. asyncio's removal sets
     SIGTERM to its default (exit 143, no message) and SIGINT to Python's (KeyboardInterrupt wherever
     the code is), which would undo the command line's handlers for the rest of the command."""

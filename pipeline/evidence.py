@@ -224,7 +224,7 @@ def evidence_status(settings: Settings, entries: Iterable[Entry], device_kinds: 
     except UsageError as exc:
         return {"path": str(path), "problem": exc.what, "models": []}
     builds: dict[tuple[str, str], Any] = {}
-    models = []
+    models: list[dict[str, Any]] = []
     for entry in (e for e in entries if e.agentic_tier == "tool-chat"):
         kinds = sorted({*device_kinds, *(x.device_kind for x in evidence.for_model(entry.name))})
         if not kinds:  # nothing provisioned, nothing graded: no device to name

@@ -176,8 +176,9 @@ def _opened_window(client: httpx.Client, record: WorkerRecord) -> tuple[int, Lit
         resp = client.get("/slots")
         if resp.status_code == 200 and isinstance(resp.json(), list) and resp.json():
             slots = [s.get("n_ctx") for s in resp.json() if isinstance(s, dict)]
-            if slots and all(isinstance(n, int) and n > 0 for n in slots):
-                return sum(slots), "slots"
+            n_ctxs = [n for n in slots if isinstance(n, int) and n > 0]
+            if slots and len(n_ctxs) == len(slots):
+                return sum(n_ctxs), "slots"
     except (httpx.HTTPError, ValueError):
         pass
     return record.context_tokens, "record"

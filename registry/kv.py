@@ -231,7 +231,7 @@ def context_for_budget(profile: LayerKVProfile, budget_bytes: int, cache_type: K
 
 
 def _is_gemma(architecture: str | None) -> bool:
-    return bool(architecture) and architecture.lower().startswith("gemma")
+    return architecture is not None and architecture.lower().startswith("gemma")
 
 
 def layer_profile(entry: Entry, max_context_tokens: int | None = None) -> LayerKVProfile | UnknownKV:

@@ -364,9 +364,11 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
         present = _present(entry, dest_dir, settings)
         if present is not None:
             return present
-        data = await _from_hf_cache(entry, settings, partial_dir)
+        cached = await _from_hf_cache(entry, settings, partial_dir)
         revision = src.revision
-        if data is None:
+        if cached is None:
             data, revision = await _download(entry, settings, options, partial_dir)
+        else:
+            data = cached
         assert revision is not None
         return _write(entry, dest_dir, src, revision, data, commit_listed=None)

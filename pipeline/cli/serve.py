@@ -46,8 +46,8 @@ from core.log import get_logger
 from pipeline.cli.context import CliContext
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
 from pipeline.worker import record_for_self, write_worker_record
-from registry.kv import parse_kv_cache_type
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, UnknownKV, device_budget, fmt_bytes, model_fit
+from registry.kv import UnknownKV, parse_kv_cache_type
+from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, fmt_bytes, model_fit
 from stages import probe as probe_stage
 
 log = get_logger()
