@@ -21,7 +21,7 @@ The way back is shared too: a result whose JSON is its fields is a :class:`JsonR
 (``to_json`` = ``dataclasses.asdict``, ``decode`` = :func:`decode_record`), and a record whose
 JSON renames or drops a field builds it from :func:`field_dict`.
 
-Why hand-written and not msgspec/pydantic (issue 11, item 6): the checks that matter here are
+Why hand-written and not msgspec/pydantic: the checks that matter here are
 cross-field rules (an auto-eligible entry needs a pinned revision, free ≤ total) that a schema
 library leaves to hand-written code anyway, and msgspec's own messages ("Expected `int | null`,
 got `float` - at `$.entries[0].artifact.size_bytes`") drop the value, the entry's name and the fix,

@@ -1,9 +1,9 @@
 """The Hub session: one ``httpx.AsyncClient`` bound to one endpoint and token, the pinned HEAD.
 
 Ours, on ``httpx``: ``huggingface_hub`` ≥ 1.18 no longer resumes across processes and never hashes
-(``../shared/reference/hf-protocol.md`` §1.5, anchors.md §5), so it serves only for the token store
+(huggingface_hub's file_download.py), so it serves only for the token store
 and metadata calls. URLs name the 40-hex commit; a HEAD must answer ``X-Repo-Commit`` == the pin and
-the registry's size, else :class:`PinMismatch` before a byte is written (issue 4 §1). The token goes
+the registry's size, else :class:`PinMismatch` before a byte is written. The token goes
 only to the endpoint's own origin, never to a CDN.
 """
 
@@ -210,7 +210,7 @@ class HubSession:
                           accept_ranges=accept_ranges)
 
     async def head_pinned(self, repo: str, revision: str, path: str, expected_size: int | None) -> RemoteFile:
-        """HEAD and fail closed unless the commit is the pin and the size the registry's (issue 4 §1)."""
+        """HEAD and fail closed unless the commit is the pin and the size the registry's."""
         remote = await self.head(repo, revision, path)
         if remote.commit != revision:
             raise PinMismatch(

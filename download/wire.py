@@ -1,6 +1,6 @@
 """One GET on a blocking socket in a worker thread: the body read straight into reused buffers.
 
-Why: on one stream the event loop was the bound (scripts/bench-download, issue 11: ~1.5 s of loop
+Why: on one stream the event loop was the bound (scripts/bench-download: ~1.5 s of loop
 CPU per GiB in httpx/httpcore/h11 — each body byte copied by the asyncio transport, by h11's
 receive buffer and again into a ``Data`` event — against curl's 1.3 s for everything). Here a
 ``Content-Length`` body goes ``recv_into`` → a pooled 1 MiB buffer → ``pwrite`` + sha256 in the

@@ -2,7 +2,7 @@
 
 Task ideas are modelled on the categories of public evaluations (BFCL multi-turn base /
 miss_param / miss_func / long_context, When2Call's call / ask / cannot-answer split, ToolSandbox's
-distraction tools); no task text or data is copied (design note §4.12).
+distraction tools); no task text or data is copied.
 
 Each scenario carries a **reference solution**: per user turn, the model steps (each a tuple of
 calls, more than one = parallel) and a final reply. The expected end state is never written by
@@ -61,7 +61,7 @@ FORBID_WRITES = "writes"  # a value is missing, or the needed tool is not offere
 TOOL_CHOICES = ("auto", "required", "none")
 
 # Says what the assistant is and what "today" is; deliberately nothing like "ask when a value is
-# missing", which would hand out the answer (design note §4.4).
+# missing", which would hand out the answer.
 SYSTEM_PROMPT = (
     "You are an assistant that operates tools on the user's behalf: a workspace of folders and text "
     "files, a calendar, and an online shop. Today is Monday " + TODAY + ". Paths are relative to the "

@@ -219,7 +219,7 @@ async def _standing(opts: AutoOptions, settings: Settings, *,
     if not keeps_previous:
         return manifest, None, worker
     # Kept while it qualifies on the device it was provisioned on; a worker of this home
-    # serving it right now holds memory that is the previous model's own (issue 10 item 1).
+    # serving it right now holds memory that is the previous model's own.
     held = 0
     if worker is not None:
         try:

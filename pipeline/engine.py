@@ -3,7 +3,7 @@
 It knows nothing of hotfit's stages (those are :mod:`pipeline.provision`). A :class:`Stage` is a
 name plus one async function taking a frozen :class:`StageContext` (run id, settings, the frozen
 plan once the plan stage has run, the frozen results of earlier stages) and returning a frozen
-result with ``to_json()``. The engine owns everything effectful around it (issue 6, items 2-6):
+result with ``to_json()``. The engine owns everything effectful around it:
 
 * state: one record per (run, stage) in :mod:`state.store`; a stage is marked done only after
   its function returned, i.e. after its files are in place;

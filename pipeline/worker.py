@@ -1,4 +1,4 @@
-"""The worker of this home: the llama-server ``hotfit serve`` is running (issue 10 item 1).
+"""The worker of this home: the llama-server ``hotfit serve`` is running.
 
 While it serves the provisioned model its weights and KV occupy the device, so a probe taken then
 sees that memory as used, and a planner judging the previous model against it would decide the

@@ -5,7 +5,7 @@ template llama.cpp falls back to ChatML, which declares no tool-call markers, an
 come back as prose. So where the registry entry names a template source it is mandatory:
 
 - a ``.jinja`` file is taken as is; a ``tokenizer_config.json`` gives ``chat_template`` as a string,
-  or as a list of ``{"name", "template"}`` — ``tool_use`` when present, else ``default`` (issue 4 §3);
+  or as a list of ``{"name", "template"}`` — ``tool_use`` when present, else ``default``;
 - the template must be able to express tool calls: it references the ``tools`` variable or a
   tool-call marker (:func:`check_tool_capable`), else :class:`TemplateError`;
 - the file is written atomically (temp + fsync + rename), with a receipt (``state.receipts``) holding

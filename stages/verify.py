@@ -103,7 +103,7 @@ def _as_values(value: Any) -> set[int] | None:
 
 
 def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldCheck, ...]:
-    """Compare the registry's architecture facts with the GGUF header (issue 4 §2)."""
+    """Compare the registry's architecture facts with the GGUF header."""
     checks: list[FieldCheck] = []
     arch = header.architecture
     if entry.architecture is not None:

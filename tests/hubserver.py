@@ -1,7 +1,7 @@
 """A local Hugging Face Hub on 127.0.0.1 for tests and benchmarks.
 
-It speaks the part of the Hub protocol hotfit and ``huggingface_hub`` use (facts:
-``../shared/reference/hf-protocol.md``), so the real client code runs unchanged against it through
+It speaks the part of the Hub protocol hotfit and ``huggingface_hub`` use (as
+huggingface_hub's file_download.py and hf_api.py call it), so the real client code runs unchanged against it through
 ``HF_ENDPOINT`` or ``endpoint=``:
 
 - ``HEAD/GET /{repo_id}/resolve/{revision}/{path}``: ``X-Repo-Commit``, ``ETag`` (git blob sha1, or the

@@ -1,4 +1,4 @@
-"""End-to-end: `hotfit auto --backend openvino` as an operator runs it (issue 13 items 4 and 6).
+"""End-to-end: `hotfit auto --backend openvino` as an operator runs it.
 
 Real parts only: fixture IR models made at test time by GenAI's own GGUF reader
 (tests/openvino_fixtures.py), uploaded to the local Hub (tests/hubserver.py) as OpenVINO snapshot

@@ -1,5 +1,5 @@
 """backends.llama_server finds llama-server in the documented order (flag > env > cache > PATH), says
-which one it used, and refuses clearly when none is usable (issue 2 item 4). The binaries here are
+which one it used, and refuses clearly when none is usable. The binaries here are
 real executables written to temporary directories; one test runs the real pinned build."""
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def test_real_pinned_build_version_agrees_with_its_build_info(tmp_path: Path) ->
     assert recorded.server_path.stat().st_mode & stat.S_IXUSR
 
 
-# ---------------------------------------------------------------- issue 9: this machine, this plan
+# ---------------------------------------------------------------- this machine, this plan
 
 
 def _with_build_info(server: Path, **fields) -> Path:  # type: ignore[no-untyped-def]

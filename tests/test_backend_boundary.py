@@ -1,4 +1,4 @@
-"""The Backend boundary (issue 11 item 5): the stages drive any Backend, and serve pins like load.
+"""The Backend boundary: the stages drive any Backend, and serve pins like load.
 
 A fake Backend (no process, no HTTP, no llama-server names) drives load, probe-tool-call and
 re-check: what they write and raise comes from the stage logic over the boundary's types only.

@@ -1,4 +1,4 @@
-"""fetch-weights against the local Hub: pinning, resume, parallel ranges, faults, integrity (issue 4 §1, §2, §8).
+"""fetch-weights against the local Hub: pinning, resume, parallel ranges, faults, integrity.
 
 The weights are real GGUF files (a header the verify stage parses plus a random-filled tensor so that
 ranges, hashes and corruption mean something), a few MiB each so the suite stays fast.

@@ -1,7 +1,7 @@
 """The GGUF fixtures are real: gguf reads back what the writers promise, and the pinned
 llama-server loads each kind, opens the context asked for, budgets KV per layer type, refuses the
 broken ones with a log line that says why, and answers the deterministic model the same way
-every time (issue 2 item 7, issue 5 item 4)."""
+every time."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Earning a place by grade, opt-in (issue 12 item 7): the evidence file, ``--admit-graded`` on
+"""Earning a place by grade, opt-in: the evidence file, ``--admit-graded`` on
 ``plan``/``auto``, invalidation by fingerprint, and ``hotfit status``.
 
 What is real and what is a stand-in:

@@ -1,4 +1,4 @@
-"""Grading a model of this home through the Backend boundary (issue 12 item 1): `hotfit grade`
+"""Grading a model of this home through the Backend boundary: `hotfit grade`
 without --endpoint, `hotfit grade --model NAME`, and `hotfit auto --grade`.
 
 Fake-backend tests: a session of tests/test_backend_boundary.py's fake Backend whose

@@ -1,5 +1,5 @@
 """The local Hub speaks the protocol the real huggingface_hub client and plain httpx expect
-(facts: ../shared/reference/hf-protocol.md), and its faults and counters are observable."""
+(as huggingface_hub's file_download.py calls it), and its faults and counters are observable."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """scripts/install-llama-server: built once per backend from the pinned sdist, a second run is a
 no-op, the CPU build never takes ggml's AMX path and records the ISA features it uses, and the
-backend is picked from the hardware (issue 9 items 1 and 2)."""
+backend is picked from the hardware."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The planner prices OpenVINO entries as GenAI's paged cache allocates (issue 13 item 3).
+"""The planner prices OpenVINO entries as GenAI's paged cache allocates.
 
-The per-token figures are the ones measured on the CPU plugin (``../shared/design/openvino.md`` §4
-and its addendum) and by tests/test_openvino.py on real fixture IRs; a q8_0 OpenVINO plan priced as
+The per-token figures are the ones measured on the CPU plugin (scripts/bench-estimate's
+OpenVINO rows, docs/benchmarks.md) and by tests/test_openvino.py on real fixture IRs; a q8_0 OpenVINO plan priced as
 llama.cpp's q8_0 would under-estimate and fail its re-check by design.
 """
 
@@ -37,7 +37,7 @@ def ov(groups: tuple[LayerGroup, ...], **kw: object) -> object:
 
 
 @pytest.mark.parametrize(("what", "groups", "kv", "per_token"), [
-    # Qwen3-8B: 36 layers x 8 KV heads x 128 (design note §4): f16 147456, u8 85248 B/token
+    # Qwen3-8B: 36 layers x 8 KV heads x 128: f16 147456, u8 85248 B/token
     ("qwen3-8b f16", (LayerGroup(36, 8, 128, 128),), "f16", 147_456),
     ("qwen3-8b q8_0 as u8", (LayerGroup(36, 8, 128, 128),), "q8_0", 85_248),
     ("qwen3-8b bf16", (LayerGroup(36, 8, 128, 128),), "bf16", 147_456),

@@ -1,4 +1,4 @@
-"""The OpenVINO backend against real IR models made at test time (issue 13 item 6).
+"""The OpenVINO backend against real IR models made at test time.
 
 Fixtures: a GGUF written with ``gguf`` and converted to IR by GenAI's own reader
 (:mod:`tests.openvino_fixtures`), once per test session. Skipped without openvino-genai unless

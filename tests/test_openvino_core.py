@@ -1,4 +1,4 @@
-"""The OpenVINO backend's pure core (issue 13): parsers, settings, IR checks, KV arithmetic and the
+"""The OpenVINO backend's pure core: parsers, settings, IR checks, KV arithmetic and the
 re-check's judgement. No openvino-genai needed: these run everywhere."""
 
 from __future__ import annotations
@@ -273,10 +273,10 @@ _XML = """<layers>
 def test_kv_geometry_from_the_ir_and_bytes_per_token() -> None:
     shape = parse_ir_kv_shape(_XML)
     assert shape.n_layers == 1 and [(h, d) for _, h, d in shape.states] == [(8, 128), (8, 128)]
-    # f16: K+V 2 x 8 heads x 128 x 2 B; u8 (design note): K 128+32, V 128+8 per head
+    # f16: K+V 2 x 8 heads x 128 x 2 B; u8 (the CPU plugin's scales): K 128+32, V 128+8 per head
     assert kv_bytes_per_token(shape, "f16") == 4096
     assert kv_bytes_per_token(shape, "u8") == 8 * (160 + 136)
-    # Qwen3-8B (36 layers, 8 KV heads, 128): the design note's 147456 B/token f16, 85248 B/token u8
+    # Qwen3-8B (36 layers, 8 KV heads, 128): 147456 B/token f16, 85248 B/token u8
     assert kv_bytes_per_token_for_entry([(36, 8, 128, 128)], "f16") == 147456
     assert kv_bytes_per_token_for_entry([(36, 8, 128, 128)], "u8") == 85248
 

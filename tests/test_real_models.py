@@ -1,4 +1,4 @@
-"""Real GGUF models from PyPI through hotfit's own stages (issue 9 item 5).
+"""Real GGUF models from PyPI through hotfit's own stages.
 
 The models (tests/real_models.py) are fetched once by scripts/fetch-test-models; every fact a
 test compares with llama-server comes from the file's header or from hotfit's planner, never
@@ -319,10 +319,9 @@ async def test_tool_probe_fails_because_the_template_cannot_express_tools(
 @pytest.mark.anyio
 async def test_tool_probe_names_a_call_written_without_the_templates_markers(tmp_path: Path) -> None:
     """Qwen2.5-Coder-0.5B's template expresses tools (``<tool_call>``, supports_tools true), but the
-    model writes the call as bare JSON: issue 9 item 6 says this must be reported as "the model
-    wrote its call without the template's tool-call markers", not as a template that cannot express
-    tools. FAILS until stages/probe_tool_call.py implements item 6 (today: cause "prose" with a
-    hint blaming the template)."""
+    model writes the call as bare JSON: this must be reported as "the model wrote its call without
+    the template's tool-call markers", not as a template that cannot express tools (nor as cause
+    "prose" with a hint blaming the template)."""
     m = require_model(QWEN_CODER)
     async with _open(m, "f16", tmp_path, tokens=2048) as srv:
         assert srv.template.kind == "embedded"

@@ -1,4 +1,4 @@
-"""End to end: `hotfit auto` rerun while `hotfit serve` serves the provisioned model (issue 10 item 1).
+"""End to end: `hotfit auto` rerun while `hotfit serve` serves the provisioned model.
 
 Real parts: the local Hub with the fixture models, the real llama-server started by `hotfit serve`,
 `hotfit auto` as a subprocess. The saved probe given to the rerun shows the memory the worker

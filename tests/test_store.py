@@ -1,4 +1,4 @@
-"""state.store: durable, transactional stage records (issue 6, item 2)."""
+"""state.store: durable, transactional stage records."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The accelerator path for real (issue 9 item 3): the Vulkan llama-server built by
+"""The accelerator path for real: the Vulkan llama-server built by
 scripts/install-llama-server, on Mesa's lavapipe (Debian's mesa-vulkan-drivers), a software Vulkan
 device that ggml offloads to exactly as to a GPU.
 
-Facts this relies on (../shared/reference/gpu-builds.md): ggml skips CPU-type Vulkan devices unless
+Facts this relies on (ggml's ggml-vulkan.cpp and Mesa's lavapipe): ggml skips CPU-type Vulkan devices unless
 ``GGML_VK_VISIBLE_DEVICES`` names them; lavapipe reports one fixed 2 GiB heap (its free figure never
 changes); the load lines appear at ``-lv 4``; it generates about 1 token/s, so requests stay tiny.
 What lavapipe cannot show: real VRAM pressure, a driver's memory-budget extension, GPU speed.

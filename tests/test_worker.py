@@ -1,4 +1,4 @@
-"""pipeline.worker: the served model is judged with its own worker's memory (issue 10 item 1).
+"""pipeline.worker: the served model is judged with its own worker's memory.
 
 Pure tables for the judgement; the record checks run against real processes (this one, a dead
 one). The end-to-end run with the real llama-server is in tests/test_serve_worker_e2e.py.

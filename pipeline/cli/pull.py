@@ -1,6 +1,6 @@
 """hotfit pull NAME: fetch-weights -> fetch-template -> verify for one named entry (pipeline.pull).
 
-The name is explicit: no fallback to another model or origin (issue 4 §7). Files go to
+The name is explicit: no fallback to another model or origin. Files go to
 ``Settings.model_dir(NAME)``; a rerun resumes an interrupted download and skips verified files.
 One pull per model directory at a time: a second one exits 6 naming the holder's PID, or queues
 behind it with ``--wait``.
