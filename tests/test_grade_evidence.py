@@ -179,6 +179,7 @@ class ScriptedLlama:
     the preflight is the real binary search, so the grade's flags and build are what load would use."""
 
     name = "llama"
+    device_kinds = backends.select.backend_for("llama").device_kinds  # the planner asks it (stages/plan.py)
 
     def __init__(self, agent: gs.Agent) -> None:
         self.agent = agent
