@@ -310,6 +310,7 @@ def decode_record(cls: type[T], data: Any, *, extra_keys: frozenset[str] = froze
     when it does not fit. ``extra_keys``: keys a record may carry that are not fields (ignored)."""
     if isinstance(data, Mapping) and not isinstance(data, dict):
         data = dict(data)
+    # T is any record dataclass (unbounded: a bound would not admit the frozen results' own types)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING]

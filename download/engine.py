@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import anyio
 
@@ -158,8 +158,10 @@ async def _download_to_partial(
     options = session.options
     conns = max(1, connections or options.connections)
     partial, sidecar_path, _lock = partial_paths(partial_dir, repo, path)
-    for p, kind in ((partial_dir, "directory"), (partial, "file"), (sidecar_path, "file")):
-        checked_write_path(p, kind=kind)  # type: ignore[arg-type]
+    targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
+        (partial_dir, "directory"), (partial, "file"), (sidecar_path, "file"))
+    for p, kind in targets:
+        checked_write_path(p, kind=kind)
     partial_dir.mkdir(parents=True, exist_ok=True)
     # One deadline for the whole file: retries of every block and HEAD share it.
     counters: dict[str, Any] = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}

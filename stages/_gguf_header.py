@@ -80,7 +80,8 @@ class GGUFHeader:
             value = self.arch_key(key)
             if isinstance(value, tuple):
                 items = tuple(whole_number(v) for v in value)
-                return None if any(v is None for v in items) else items  # type: ignore[return-value]
+                whole = tuple(v for v in items if v is not None)
+                return whole if len(whole) == len(items) else None
             return whole_number(value)
 
         def one(key: str) -> int | None:

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 from core import log
 from core.diskspace import from_os_error, is_disk_full
@@ -91,9 +91,11 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
         settings = load_settings(home=args.home, llama_server=args.llama_server)
         verbosity = args.verbose - args.quiet
         prepare_home(settings.home, settings.home_named, settings.log_path.parent)
-        for path, kind in ((settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
-                           (settings.manifest_path, "file"), (settings.models_dir, "directory")):
-            checked_write_path(path, kind=kind)  # type: ignore[arg-type]
+        targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
+            (settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
+            (settings.manifest_path, "file"), (settings.models_dir, "directory"))
+        for path, kind in targets:
+            checked_write_path(path, kind=kind)
         try:
             log.configure(args.log_format, verbosity, settings.log_path)
         except OSError as exc:
