@@ -122,7 +122,7 @@ class RealModel:
     @property
     def quantization(self) -> str:
         """general.file_type as llama.cpp names it (Q4_K_M, Q4_1, ...)."""
-        raw = self.header.metadata.get(Keys.General.FILE_TYPE)
+        raw: Any = self.header.metadata.get(Keys.General.FILE_TYPE)  # an int, or absent: ValueError below
         try:
             return gguf.LlamaFileType(raw).name.removeprefix("MOSTLY_")
         except ValueError:

@@ -49,7 +49,7 @@ class ScriptedSession(FakeSession):
         return {"pid": self.pid, "argv": ["/opt/fake-server", "-c", "32768", "--port", "4711", "-np", "1"]}
 
     @contextlib.asynccontextmanager
-    async def chat_endpoint(self) -> AsyncIterator[HttpChatEndpoint]:  # type: ignore[override]
+    async def chat_endpoint(self) -> AsyncIterator[HttpChatEndpoint]:
         async with HttpChatEndpoint("http://fake.invalid", transport=self.server.transport()) as endpoint:
             yield endpoint
 

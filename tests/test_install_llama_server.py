@@ -115,7 +115,7 @@ def _detect(tmp_path: Path, *, driver: str | None = None, vendors: tuple[str, ..
         (None, ("0x1a03",), "cpu", "no GPU"),  # a BMC's display controller is no accelerator
     ],
 )
-def test_backend_is_picked_from_the_hardware(tmp_path: Path, driver, vendors, expected, why_part) -> None:  # type: ignore[no-untyped-def]
+def test_backend_is_picked_from_the_hardware(tmp_path: Path, driver, vendors, expected, why_part) -> None:
     backend, why = _detect(tmp_path, driver=driver, vendors=vendors)
     assert backend == expected
     assert why_part in why

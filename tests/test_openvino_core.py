@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,7 @@ ARGS = {"text": "ping"}
 
 # ---------------------------------------------------------------- parsers
 
-_HERMES_CASES = [
+_HERMES_CASES: list[tuple[str, Any]] = [
     ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}\n</tool_call>', [("hotfit_probe", ARGS)]),
     ('<think>\nok\n</think>\n\n<tool_call>\n{"name":"hotfit_probe","arguments":{"text":"ping"}}\n</tool_call><|im_end|>',
      [("hotfit_probe", ARGS)]),
@@ -55,7 +56,7 @@ _HERMES_CASES = [
     ("<tool_call>not json</tool_call>", []),
 ]
 
-_HARMONY_CASES = [
+_HARMONY_CASES: list[tuple[str, Any]] = [
     ('<|channel|>commentary to=functions.hotfit_probe <|constrain|>json<|message|>{"text": "ping"}<|call|>',
      [("hotfit_probe", ARGS)]),
     (('<|channel|>analysis<|message|>Need to call.<|end|><|start|>assistant<|channel|>commentary '
@@ -66,7 +67,7 @@ _HARMONY_CASES = [
     ("<|channel|>final<|message|>Hello there.<|return|>", []),
 ]
 
-_PHI4_CASES = [
+_PHI4_CASES: list[tuple[str, Any]] = [
     ('functools[{"name": "hotfit_probe", "arguments": {"text": "ping"}}]', [("hotfit_probe", ARGS)]),
     ('functools[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"y": true}}]',
      [("a", {}), ("b", {"y": True})]),
@@ -76,7 +77,7 @@ _PHI4_CASES = [
     ("functools[oops", []),
 ]
 
-_QWEN3_CODER_CASES = [
+_QWEN3_CODER_CASES: list[tuple[str, Any]] = [
     ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n</function>\n</tool_call>",
      [("hotfit_probe", ARGS)]),
     (("Let me call it.\n<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n"
