@@ -144,11 +144,21 @@ class AllocationVerdict(JsonRecord):
 class AllocationReport(Protocol):
     """A backend's verified allocation beside the plan's estimate (never merged)."""
 
-    verdict: str  # "pass" | "fail"
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-    planned_hot_context_tokens: int
-    estimated_kv_bytes: int
+    # Read-only members (properties): the backends' reports are frozen dataclasses.
+    @property
+    def verdict(self) -> str: ...  # "pass" | "fail"
+
+    @property
+    def problems(self) -> tuple[str, ...]: ...
+
+    @property
+    def warnings(self) -> tuple[str, ...]: ...
+
+    @property
+    def planned_hot_context_tokens(self) -> int: ...
+
+    @property
+    def estimated_kv_bytes(self) -> int: ...
 
     @property
     def actual_kv_bytes(self) -> int | None: ...
@@ -170,8 +180,13 @@ class AllocationReport(Protocol):
 class Session(Protocol):
     """An opened model server (valid inside :meth:`Backend.open`'s ``async with``)."""
 
-    backend: BackendName
-    server_name: str  # "llama-server", "OpenVINO": how messages name the server
+    # Read-only (properties), so each backend's narrower Literal and class attributes satisfy them.
+    @property
+    def backend(self) -> BackendName: ...
+
+    @property
+    def server_name(self) -> str: ...  # "llama-server", "OpenVINO": how messages name the server
+
     plan: Plan
     run_dir: Path
     log_path: Path
@@ -215,7 +230,9 @@ class Session(Protocol):
 class Backend(Protocol):
     """One kind of model server."""
 
-    name: BackendName
+    @property
+    def name(self) -> BackendName: ...  # read-only: each backend's narrower Literal satisfies it
+
     # The probe's device kinds (registry.select.DEVICE_KINDS) this backend can run a model on; the
     # planner plans no other device for it (stages/plan.py).
     device_kinds: frozenset[str]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from core.lazy_import import lazy_module
 from grading.protocol import (
@@ -24,7 +24,10 @@ from grading.protocol import (
     parse_chat_body,
 )
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 __all__ = ["REQUEST_TIMEOUT_S", "HttpChatEndpoint", "facts_from"]
 
@@ -120,7 +123,8 @@ def facts_from(props: Mapping[str, Any], models: Mapping[str, Any]) -> ServerFac
     settings = props.get("default_generation_settings")
     settings = settings if isinstance(settings, dict) else {}
     template = props.get("chat_template")
-    entries = models.get("data") if isinstance(models.get("data"), list) else []
+    data = models.get("data")
+    entries: list[Any] = data if isinstance(data, list) else []
     first = entries[0] if entries and isinstance(entries[0], dict) else {}
     supports = caps.get("supports_tools") if isinstance(caps, dict) else None
     chat_format = props.get("chat_format") or (settings.get("chat_format") if settings else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import TypeGuard
 
 from core.errors import DiskSpaceError
 
@@ -19,7 +20,7 @@ RERUN_HINT = ("free space on that filesystem (or point --home / HOTFIT_HOME at a
               "same command: partial downloads are kept and resume where they stopped")
 
 
-def is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException) -> TypeGuard[OSError]:
     """An OSError that says the disk (or quota, or file-size limit) is full."""
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 

@@ -1,4 +1,4 @@
-"""Which x86 ISA features a binary was compiled for, and whether this CPU has them (issue 9 item 1).
+"""Which x86 ISA features a binary was compiled for, and whether this CPU has them.
 
 scripts/install-llama-server asks the compiler, with the exact flags ggml-cpu was compiled with,
 which feature macros it defines (``c++ <flags> -dM -E``); this module maps those macros to the

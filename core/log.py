@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor
 
 from core.diskspace import from_os_error, is_disk_full
 
@@ -41,7 +42,7 @@ DEFAULT_LOG_KEEP = 5  # rotated files kept beside the live one
 _seen: list[dict[str, Any]] = []  # this process's events since configure() (pipeline/metrics.py reads them)
 
 
-def _scrub_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def _scrub_secrets(_logger: Any, _name: str, event: EventDict) -> EventDict:
     for key in list(event):
         if key.lower() in SECRET_KEYS and event[key] is not None:
             event[key] = "***"
@@ -112,7 +113,7 @@ def configure(
         file_sink = open(log_file, "ab", buffering=0)
         _file_sink = file_sink
 
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -124,7 +125,7 @@ def configure(
 
     sink_failed: list[bool] = []
 
-    def emit(_logger: Any, _name: str, event: dict[str, Any]) -> str:
+    def emit(_logger: Any, _name: str, event: EventDict) -> str:
         file_only = event.pop(FILE_ONLY, False)
         line = json.dumps(event, default=str, sort_keys=False)
         if file_sink is not None and not sink_failed:

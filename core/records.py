@@ -21,7 +21,7 @@ The way back is shared too: a result whose JSON is its fields is a :class:`JsonR
 (``to_json`` = ``dataclasses.asdict``, ``decode`` = :func:`decode_record`), and a record whose
 JSON renames or drops a field builds it from :func:`field_dict`.
 
-Why hand-written and not msgspec/pydantic (issue 11, item 6): the checks that matter here are
+Why hand-written and not msgspec/pydantic: the checks that matter here are
 cross-field rules (an auto-eligible entry needs a pinned revision, free ≤ total) that a schema
 library leaves to hand-written code anyway, and msgspec's own messages ("Expected `int | null`,
 got `float` - at `$.entries[0].artifact.size_bytes`") drop the value, the entry's name and the fix,
@@ -48,7 +48,7 @@ T = TypeVar("T")
 class FieldFail(Protocol):
     """Builds the format's error for one bad field: ``field`` is the full path ('devices[0].kind')."""
 
-    def __call__(self, field: str, problem: str, hint: str) -> HotfitError: ...
+    def __call__(self, field: str, problem: str, hint: str, /) -> HotfitError: ...
 
 
 class DocumentFail(Protocol):
@@ -310,6 +310,7 @@ def decode_record(cls: type[T], data: Any, *, extra_keys: frozenset[str] = froze
     when it does not fit. ``extra_keys``: keys a record may carry that are not fields (ignored)."""
     if isinstance(data, Mapping) and not isinstance(data, dict):
         data = dict(data)
+    # T is any record dataclass (unbounded: a bound would not admit the frozen results' own types)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING]
@@ -338,8 +339,11 @@ class JsonRecord:
     ``dataclasses.asdict`` and ``decode`` is :func:`decode_record`, so a record written by one reads
     back through the other (a stage reused from ``state.db`` hands on the type a fresh one does)."""
 
+    if typing.TYPE_CHECKING:  # what @dataclass adds to each subclass: asdict(self) then type-checks
+        __dataclass_fields__: typing.ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)
 
     @classmethod
     def decode(cls, data: Mapping[str, Any]) -> Self:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Self, overload
 from urllib.parse import urlsplit
 
 from core.errors import UsageError
@@ -121,13 +121,24 @@ def endpoint_url(raw: str, variable: str = "HF_ENDPOINT") -> str:
     return raw.rstrip("/")
 
 
-def _in_home(*parts: str) -> property:
-    """A path of the home's layout (the module docstring's table), as a read-only property."""
+class _InHome:
+    """A path of the home's layout (the module docstring's table), as a read-only attribute."""
 
-    def path(self: Settings) -> Path:
-        return self.home.joinpath(*parts)
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
+        self.__doc__ = f"<home>/{'/'.join(parts)}"
 
-    return property(path, doc=f"<home>/{'/'.join(parts)}")
+    @overload
+    def __get__(self, settings: None, owner: type[Settings]) -> Self: ...
+
+    @overload
+    def __get__(self, settings: Settings, owner: type[Settings] | None = None) -> Path: ...
+
+    def __get__(self, settings: Settings | None, owner: type[Settings] | None = None) -> Path | Self:
+        return self if settings is None else settings.home.joinpath(*self.parts)
+
+    def __set__(self, settings: Settings, value: object) -> None:  # a data descriptor, as a property is
+        raise AttributeError(f"<home>/{'/'.join(self.parts)} is derived from the home, not set")
 
 
 @dataclass(frozen=True)
@@ -161,14 +172,14 @@ class Settings:
             return f"HOTFIT_HOME={self.home}"
         return f"the default home {self.home}"
 
-    state_db = _in_home("state.db")
-    lock_path = _in_home("pipeline.lock")
-    log_path = _in_home("logs", "hotfit.jsonl")
-    models_dir = _in_home("models")
-    runs_dir = _in_home("runs")
-    manifest_path = _in_home("manifest.json")
-    metrics_dir = _in_home("metrics")
-    serve_pid_path = _in_home("serve.pid")
+    state_db = _InHome("state.db")
+    lock_path = _InHome("pipeline.lock")
+    log_path = _InHome("logs", "hotfit.jsonl")
+    models_dir = _InHome("models")
+    runs_dir = _InHome("runs")
+    manifest_path = _InHome("manifest.json")
+    metrics_dir = _InHome("metrics")
+    serve_pid_path = _InHome("serve.pid")
 
     def model_dir(self, entry_name: str) -> Path:
         return self.models_dir / entry_name

@@ -1,7 +1,7 @@
 """The one free-space check, with one margin, and the Linux disk hints of the write path.
 
 ``DISK_MARGIN_BYTES`` is 512 MiB, the spec's (contenox ``auto``: artifact + projector + 512 MiB free
-before downloading, ../shared/reference/contenox-auto-facts.md): the download engine used to keep
+before downloading; docs/faults.md, "A tight disk"): the download engine used to keep
 only 64 MiB per file beside it. One margin, the spec's, is the larger and the one a user was already
 told about; a filesystem at 100 % misbehaves for everyone. Two callers check with it: the fetch
 stage for the whole entry before a byte is requested (:func:`check_disk`), and the engine for each
@@ -47,7 +47,7 @@ def free_bytes(directory: Path) -> int:
 
 
 def check_disk_space(directory: Path, needed_bytes: int, what: str) -> None:
-    """Fail before starting when ``needed_bytes`` + the margin exceed the free space (issue 4 §1).
+    """Fail before starting when ``needed_bytes`` + the margin exceed the free space.
     The error's ``needed_bytes`` is what must be free: the bytes and the margin."""
     free = free_bytes(directory)
     required = max(0, needed_bytes) + DISK_MARGIN_BYTES

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import anyio
 
@@ -35,12 +35,15 @@ from download.hub import HubSession, RemoteFile
 from download.hub_errors import Retryable
 from download.options import MAX_BLOCKS, TransferOptions, is_commit, partial_paths
 from download.progress import ProgressReporter
-from download.retry import gave_up, head_retrying, log_retry, retrying
+from download.retry import StopPolicy, gave_up, head_retrying, log_retry, retrying
 from download.sidecar import Block, Sidecar, encode_sidecar, read_sidecar, write_sidecar
 from download.stream import RangeIgnored, stream_block
 from state.files import checked_write_path, fsync_dir
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 
@@ -155,11 +158,13 @@ async def _download_to_partial(
     options = session.options
     conns = max(1, connections or options.connections)
     partial, sidecar_path, _lock = partial_paths(partial_dir, repo, path)
-    for p, kind in ((partial_dir, "directory"), (partial, "file"), (sidecar_path, "file")):
-        checked_write_path(p, kind=kind)  # type: ignore[arg-type]
+    targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
+        (partial_dir, "directory"), (partial, "file"), (sidecar_path, "file"))
+    for p, kind in targets:
+        checked_write_path(p, kind=kind)
     partial_dir.mkdir(parents=True, exist_ok=True)
     # One deadline for the whole file: retries of every block and HEAD share it.
-    counters = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
+    counters: dict[str, Any] = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
 
     remote = await head_retrying(session, repo, revision, path, expected_size=expected_size, pinned=True,
                                  deadline=counters["deadline"], counters=counters,
@@ -284,12 +289,14 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
         first = True
         attempts = retrying(session.options, progress_fn=lambda: block.done, deadline=counters["deadline"],
                             before_sleep=log_retry(side.repo, side.file, lambda: state["url"]))
+        stop = attempts.stop
+        assert isinstance(stop, StopPolicy)  # retrying() sets it; its count of attempts without progress is read below
         async for attempt in attempts:
             with attempt:
                 counters["attempts"] += 1
                 # Right after an attempt that made progress the link and its URL were working: resume at
                 # once (a cut costs one GET). Otherwise re-HEAD first: the signed link may have expired.
-                url = state["url"] if first or attempts.stop.without_progress == 0 else await fresh_url()
+                url = state["url"] if first or stop.without_progress == 0 else await fresh_url()
                 first = False
                 await stream_block(session, side, block, url, whole=whole, partial=partial, hasher=hasher,
                                    reporter=reporter, counters=counters)

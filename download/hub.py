@@ -1,9 +1,9 @@
 """The Hub session: one ``httpx.AsyncClient`` bound to one endpoint and token, the pinned HEAD.
 
 Ours, on ``httpx``: ``huggingface_hub`` ≥ 1.18 no longer resumes across processes and never hashes
-(``../shared/reference/hf-protocol.md`` §1.5, anchors.md §5), so it serves only for the token store
+(huggingface_hub's file_download.py), so it serves only for the token store
 and metadata calls. URLs name the 40-hex commit; a HEAD must answer ``X-Repo-Commit`` == the pin and
-the registry's size, else :class:`PinMismatch` before a byte is written (issue 4 §1). The token goes
+the registry's size, else :class:`PinMismatch` before a byte is written. The token goes
 only to the endpoint's own origin, never to a CDN.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import quote, urljoin, urlsplit
 
 from core.errors import HubError, PinMismatch
@@ -22,7 +23,10 @@ from download.options import TransferOptions
 from download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
 from download.wire import ConnectionPool
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 # httpcore reads at most 64 KiB per recv(); at local/LAN speeds the per-read overhead of the HTTP/1.1
 # parser then caps one Python stream well below curl. 256 KiB measured ~35 % faster than 64 KiB, 1 MiB
@@ -206,7 +210,7 @@ class HubSession:
                           accept_ranges=accept_ranges)
 
     async def head_pinned(self, repo: str, revision: str, path: str, expected_size: int | None) -> RemoteFile:
-        """HEAD and fail closed unless the commit is the pin and the size the registry's (issue 4 §1)."""
+        """HEAD and fail closed unless the commit is the pin and the size the registry's."""
         remote = await self.head(repo, revision, path)
         if remote.commit != revision:
             raise PinMismatch(

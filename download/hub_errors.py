@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import time
 from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from core.errors import HubError
 from core.lazy_import import lazy_module
 from download.proxy import Proxy, proxy_refused
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 NOT_A_HUB = "HF_ENDPOINT does not answer like a Hugging Face Hub"

@@ -1,4 +1,4 @@
-"""One file's progress: a bar on a TTY, else throttled ``download.progress`` events (issue 4 §6)."""
+"""One file's progress: a bar on a TTY, else throttled ``download.progress`` events."""
 
 from __future__ import annotations
 

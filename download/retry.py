@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import anyio
 from tenacity import (
@@ -39,7 +39,10 @@ from download.hub import HubSession, RemoteFile
 from download.hub_errors import Retryable, is_retryable_hf_exception, redact_url
 from download.options import TransferOptions
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 T = TypeVar("T")
@@ -86,7 +89,8 @@ class StopPolicy:
         elif time.monotonic() >= self._deadline:
             self.reason = (f"less than {self._min_bytes} bytes arrived in {self._window_s:g} s of retrying")
         if self.reason is not None and exc is not None:
-            exc.hotfit_gave_up = self.reason  # type: ignore[attr-defined] - read by gave_up()
+            # an attribute of our own on the library's exception, read by gave_up()
+            exc.hotfit_gave_up = self.reason  # type: ignore[attr-defined]
         return self.reason is not None
 
 

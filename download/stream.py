@@ -15,6 +15,7 @@ byte 0.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import re
 import socket
@@ -229,7 +230,7 @@ def _receive(rx: _Receiver, opened: Opened, session: HubSession, side: Sidecar, 
             except (OSError, http.client.HTTPException) as exc:
                 failed = exc
             if n:
-                hasher.write(pos, [view[:n]], n, block, release=lambda b=buf: pool.put(b))  # type: ignore[misc]
+                hasher.write(pos, [view[:n]], n, block, release=functools.partial(pool.put, buf))
                 pos += n
                 with _COUNT_LOCK:
                     counters["transferred"] += n

@@ -1,6 +1,6 @@
 """One GET on a blocking socket in a worker thread: the body read straight into reused buffers.
 
-Why: on one stream the event loop was the bound (scripts/bench-download, issue 11: ~1.5 s of loop
+Why: on one stream the event loop was the bound (scripts/bench-download: ~1.5 s of loop
 CPU per GiB in httpx/httpcore/h11 — each body byte copied by the asyncio transport, by h11's
 receive buffer and again into a ``Data`` event — against curl's 1.3 s for everything). Here a
 ``Content-Length`` body goes ``recv_into`` → a pooled 1 MiB buffer → ``pwrite`` + sha256 in the
@@ -29,7 +29,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 from urllib.parse import urljoin, urlsplit
 
 from core.errors import HubError
@@ -37,7 +37,10 @@ from core.lazy_import import lazy_module
 from download.hub_errors import Retryable
 from download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 MAX_REDIRECTS = 20  # httpx's default
 _REDIRECTS = (301, 302, 303, 307, 308)

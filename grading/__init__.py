@@ -1,4 +1,4 @@
-"""hotfit's multi-turn tool-use grade: pure core (issue 12; design: shared/design/grading.md).
+"""hotfit's multi-turn tool-use grade: pure core (docs/grade.md).
 
 - :mod:`grading.world` — stateful environments (files, calendar, shop), tools by name, no I/O;
 - :mod:`grading.schema` — the flat JSON-Schema subset the tool arguments are checked against;

@@ -4,7 +4,7 @@ Mirrors llama.cpp's model-free ``tests/test-chat.cpp`` idea: render a canned con
 tools, one assistant call, one tool result) through the server's own template
 (llama-server's ``POST /apply-template``) and check that the tool names, the call's argument
 value and the tool result all reach the prompt. If they do not, every later "no call" would be
-the template's fault, so the grade stops as inconclusive (design note §3, pitfall 1).
+the template's fault, so the grade stops as inconclusive (docs/grade.md).
 Checked on the pinned build: with the Qwen3 template all four appear; with llama.cpp's ChatML
 fallback (no template) only the tool result does.
 """

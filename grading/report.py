@@ -1,10 +1,10 @@
 """Score, verdict and the grade's JSON record (pure).
 
-Verdict rule (design note §4.7, adapted):
+Verdict rule (docs/grade.md):
 
 - **inconclusive** when the template preflight failed, when any scenario ended in a stack
   failure, or when the budget stopped the grade early: the stack problem is named and the model
-  is neither blamed nor credited (issue 12 item 3: a stack failure is never "fail");
+  is neither blamed nor credited (a stack failure is never "fail");
 - **pass** when the scenario score is at least :data:`PASS_SCORE`, each gated category
   (:data:`GATED_CATEGORIES`) reaches :data:`CATEGORY_FLOOR`, and call validity is at least
   :data:`CALL_VALIDITY_FLOOR`; a quick-tier pass is reported as provisional;

@@ -1,8 +1,8 @@
 """Run one scenario against a :class:`~grading.protocol.ChatEndpoint` and decide its outcome.
 
-The runner decides the outcome class while it runs (design note §4.6), not by string heuristics
+The runner decides the outcome class while it runs, not by string heuristics
 afterwards. Model failures and stack failures are kept apart, because a harness or server fault
-that looks like a model fault is the commonest way such grades mislead (design note §3):
+that looks like a model fault is the commonest way such grades mislead (docs/grade.md):
 
 - model failures: ``wrong_state`` (the end state differs from the reference replay),
   ``forbidden_call`` (a call in a turn no tool serves, a write while a value is missing or the

@@ -2,7 +2,7 @@
 
 Task ideas are modelled on the categories of public evaluations (BFCL multi-turn base /
 miss_param / miss_func / long_context, When2Call's call / ask / cannot-answer split, ToolSandbox's
-distraction tools); no task text or data is copied (design note §4.12).
+distraction tools); no task text or data is copied.
 
 Each scenario carries a **reference solution**: per user turn, the model steps (each a tuple of
 calls, more than one = parallel) and a final reply. The expected end state is never written by
@@ -61,7 +61,7 @@ FORBID_WRITES = "writes"  # a value is missing, or the needed tool is not offere
 TOOL_CHOICES = ("auto", "required", "none")
 
 # Says what the assistant is and what "today" is; deliberately nothing like "ask when a value is
-# missing", which would hand out the answer (design note §4.4).
+# missing", which would hand out the answer.
 SYSTEM_PROMPT = (
     "You are an assistant that operates tools on the user's behalf: a workspace of folders and text "
     "files, a calendar, and an online shop. Today is Monday " + TODAY + ". Paths are relative to the "
@@ -108,7 +108,7 @@ class Turn:
                 raise ValueError(f"turn {self.user[:40]!r}: pinned arguments of {name!r}: {problem}")
 
     def to_json(self) -> dict[str, Any]:
-        out = {"user": self.user, "steps": [[c.to_json() for c in s] for s in self.steps], "reply": self.reply,
+        out: dict[str, Any] = {"user": self.user, "steps": [[c.to_json() for c in s] for s in self.steps], "reply": self.reply,
                "forbid": self.forbid, "add_tools": list(self.add_tools),
                "required_reads": [c.to_json() for c in self.required_reads], "must_say": list(self.must_say)}
         # only when set: the real packs' JSON, hence their pack hash, stays what it was
@@ -132,8 +132,9 @@ class Scenario:
     tiers: frozenset[str]
 
     def tools_at(self, turn_index: int) -> tuple[str, ...]:
-        if self.turns[turn_index].only_tools is not None:
-            return self.turns[turn_index].only_tools
+        only = self.turns[turn_index].only_tools
+        if only is not None:
+            return only
         added = [t for turn in self.turns[: turn_index + 1] for t in turn.add_tools]
         return (*self.tools, *added)
 

@@ -6,7 +6,7 @@ end state (what lets a scenario's expected state be derived by replaying its ref
 the τ²-bench method, and what makes transcripts hashable).
 
 Tools are dispatched by name to methods with schema-validated keyword arguments, never ``eval``
-(BFCL's multi-turn checker evals call strings; design note §2.1 says not to copy that).
+(BFCL's multi-turn checker evals call strings; that is not copied).
 A tool that refuses (a missing file, a conflict) raises :class:`ToolError`; the runner turns it
 into a structured result the model can recover from.
 

@@ -135,6 +135,8 @@ def build_manifest(outcome: PipelineOutcome) -> Manifest:
     backend = load.get("backend") or {}
     device = plan.probe.device
     openvino = plan.backend == "openvino"
+    model_path = verify.get("weights_path")
+    assert model_path is not None  # the load stage refuses a verify result without weights (stages/load.py)
     # what each runtime reports beside the shared KV figures (a small adapter, not a Backend boundary)
     runtime_facts: dict[str, Any] = {
         "kv_precision": recheck.get("kv_precision"), "kv_bytes_per_token": recheck.get("kv_bytes_per_token"),
@@ -152,7 +154,7 @@ def build_manifest(outcome: PipelineOutcome) -> Manifest:
         plan_id=plan.plan_id,
         written_at=utc_now_iso(),
         entry_name=plan.entry.name,
-        model_path=verify.get("weights_path"),
+        model_path=model_path,
         model_size_bytes=verify.get("size_bytes"),
         model_sha256=verify.get("sha256"),
         template_path=template.get("path") or verify.get("chat_template_path"),
@@ -218,7 +220,7 @@ async def _standing(opts: AutoOptions, settings: Settings, *,
     if not keeps_previous:
         return manifest, None, worker
     # Kept while it qualifies on the device it was provisioned on; a worker of this home
-    # serving it right now holds memory that is the previous model's own (issue 10 item 1).
+    # serving it right now holds memory that is the previous model's own.
     held = 0
     if worker is not None:
         try:
@@ -317,14 +319,15 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
         await anyio.to_thread.run_sync(write_manifest, settings.manifest_path, new_manifest)
         log.info("manifest.written", path=str(settings.manifest_path), model=new_manifest.entry_name,
                  run_id=outcome.run_id, plan_id=new_manifest.plan_id)
-        assert outcome.plan is not None
+        plan = outcome.plan
+        assert plan is not None
         data = new_manifest.to_json() | admitted | beside
         graded = outcome.outputs.get(GRADE_STAGE)
         if graded and GRADE_STAGE not in outcome.skipped:  # a reused grade was recorded when it ran
             data["grade_evidence"] = await anyio.to_thread.run_sync(
-                lambda: record_grade(settings, outcome.plan.entry, outcome.plan.probe.device.kind, graded,
+                lambda: record_grade(settings, plan.entry, plan.probe.device.kind, graded,
                                      grade_record=str(graded.get("path"))))
-        return AutoOutcome("provisioned", data, outcome.plan, new_manifest,
+        return AutoOutcome("provisioned", data, plan, new_manifest,
                            resumed=outcome.resumed, skipped=outcome.skipped)
 
 

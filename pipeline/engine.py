@@ -3,7 +3,7 @@
 It knows nothing of hotfit's stages (those are :mod:`pipeline.provision`). A :class:`Stage` is a
 name plus one async function taking a frozen :class:`StageContext` (run id, settings, the frozen
 plan once the plan stage has run, the frozen results of earlier stages) and returning a frozen
-result with ``to_json()``. The engine owns everything effectful around it (issue 6, items 2-6):
+result with ``to_json()``. The engine owns everything effectful around it:
 
 * state: one record per (run, stage) in :mod:`state.store`; a stage is marked done only after
   its function returned, i.e. after its files are in place;
@@ -53,7 +53,7 @@ from core.errors import HotfitError, Interrupted, StageRecordError
 from core.log import bind, get_logger, unbind
 from core.plan import Plan, canonical_json
 from core.settings import Settings
-from state.store import StageRecord, StateStore
+from state.store import RunStatus, StageRecord, StageStatus, StateStore
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -66,7 +66,7 @@ IN_MEMORY = Path(":memory:")
 
 
 @contextlib.contextmanager
-def signal_receiver(*signums: int) -> Iterator[Any]:
+def signal_receiver(*signums: signal.Signals) -> Iterator[Any]:
     """``anyio.open_signal_receiver`` that puts back the handlers it found. asyncio's removal sets
     SIGTERM to its default (exit 143, no message) and SIGINT to Python's (KeyboardInterrupt wherever
     the code is), which would undo the command line's handlers for the rest of the command."""
@@ -266,7 +266,7 @@ class Runner:
                                   hint="completed stages and downloaded bytes are kept", signal=name)
                 await self._finish(store, run_id, "interrupted", err.to_json(), started)
                 raise err from None
-            status = "interrupted" if isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class())) \
+            status: RunStatus = "interrupted" if isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class())) \
                 else "failed"
             await self._finish(store, run_id, status, {"code": "internal", "message": repr(exc)}, started)
             raise
@@ -280,10 +280,10 @@ class Runner:
         await self._finish(store, run_id, "done", None, started)
         return outcome
 
-    async def _finish(self, store: StateStore, run_id: str, status: str, error: dict[str, Any] | None,
+    async def _finish(self, store: StateStore, run_id: str, status: RunStatus, error: dict[str, Any] | None,
                       started: float) -> None:
         with anyio.CancelScope(shield=True):
-            await store.finish_run(run_id, status, error)  # type: ignore[arg-type]
+            await store.finish_run(run_id, status, error)
         self._event("info", "run.done", status=status, duration_s=round(time.monotonic() - started, 3),
                     **({"error": error} if error else {}))
         if self.recorded:
@@ -315,6 +315,7 @@ class Runner:
                                     results=MappingProxyType(dict(results)), enter_context=enter_context)
 
             def planned(stage: Stage[Any], result: object) -> Plan:
+                # the plan stage's result is its Plan unless plan_of maps it there (Stage.plan_of)
                 new_plan: Plan = stage.plan_of(result) if stage.plan_of else result  # type: ignore[assignment]
                 self._bind(plan_id=new_plan.plan_id)  # from here on every event names the plan
                 return new_plan
@@ -388,6 +389,8 @@ class Runner:
 
     async def _record_failure(self, store: StateStore, run_id: str, stage: Stage[Any], exc: BaseException,
                               duration_s: float) -> None:
+        error: dict[str, Any]
+        status: StageStatus
         if self.signal_received is not None or isinstance(exc, (anyio.get_cancelled_exc_class(), KeyboardInterrupt)):
             error, status = {"code": "interrupted", "message": "stage was interrupted"}, "interrupted"
         elif isinstance(exc, HotfitError):
@@ -395,7 +398,7 @@ class Runner:
         else:
             error, status = {"code": "internal", "message": repr(exc)}, "failed"
         with anyio.CancelScope(shield=True):
-            await store.stage_failed(run_id, stage.name, error, status)  # type: ignore[arg-type]
+            await store.stage_failed(run_id, stage.name, error, status)
         event = "stage.interrupted" if status == "interrupted" else "stage.fail"
         self._event("error", event, duration_s=round(duration_s, 3), error=error)
 

@@ -1,4 +1,4 @@
-"""Earning a place by grade (issue 12 item 7): record a grade's evidence, and check it before the planner
+"""Earning a place by grade: record a grade's evidence, and check it before the planner
 may count it.
 
 The effectful side of :mod:`state.evidence` (the file and its pure rules) — the selector stays pure
@@ -6,8 +6,8 @@ and only takes the admitted names (``registry.select.select_auto(admitted=...)``
 
 - :func:`record_grade` runs after every grade of a model of this home (``hotfit grade``, ``auto
   --grade``): a FULL-tier pass of a tool-chat llama-server model writes its evidence with the
-  fingerprint of what was graded; a fail removes it; a quick-tier pass never counts (§4.13 of the
-  design note) and an inconclusive grade (a stack problem, not the model) changes nothing.
+  fingerprint of what was graded; a fail removes it; a quick-tier pass never counts (docs/grade.md,
+  "Earning a place") and an inconclusive grade (a stack problem, not the model) changes nothing.
 - :func:`admission` (``plan``/``auto --admit-graded``) recomputes, for each probed device, the
   fingerprint of what would be served now — the weights' receipt sha256, the chat template's sha256,
   the llama-server build found now for that device (build facts and the binary's sha256), this
@@ -224,7 +224,7 @@ def evidence_status(settings: Settings, entries: Iterable[Entry], device_kinds: 
     except UsageError as exc:
         return {"path": str(path), "problem": exc.what, "models": []}
     builds: dict[tuple[str, str], Any] = {}
-    models = []
+    models: list[dict[str, Any]] = []
     for entry in (e for e in entries if e.agentic_tier == "tool-chat"):
         kinds = sorted({*device_kinds, *(x.device_kind for x in evidence.for_model(entry.name))})
         if not kinds:  # nothing provisioned, nothing graded: no device to name

@@ -1,4 +1,4 @@
-"""The ``hotfit grade`` job for a model of this home (issue 12 item 1): the provisioned one, or a named,
+"""The ``hotfit grade`` job for a model of this home: the provisioned one, or a named,
 already pulled and verified one, opened through the same Backend as load and serve.
 
 - no ``--model``: the manifest's plan and verified files, as ``hotfit serve`` reads them; the verdict

@@ -1,6 +1,6 @@
 """The manifest: what the last successful ``hotfit auto`` provisioned, for ``serve`` and operators.
 
-Written once, after every stage passed (issue 6, item 7), atomically (temp file, fsync, rename,
+Written once, after every stage passed, atomically (temp file, fsync, rename,
 fsync of the directory), so ``<home>/manifest.json`` is either the previous provisioning or the
 new one, never half of either.
 
@@ -34,7 +34,7 @@ REPROVISION_HINT = "run `hotfit auto` to provision again; it rewrites the manife
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
                "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
                "measured", "probe_verdict", "llama_cpp", "device", "plan")
-# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model (issue 12)
+# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model
 _OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade")
 _PLAN_FIELDS = ("entry", "probe", "kv_cache_type", "kv_cache_type_source", "hot_context_tokens",
                 "estimated_kv_bytes", "budget", "origin")

@@ -185,7 +185,7 @@ def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
         if not check_backend:
             return PlannedRun(plan)
         # The backend that will serve this plan must be usable here before a single weight byte is
-        # fetched (issue 9 item 4): llama-server found, answering, suiting this CPU and the device;
+        # fetched: llama-server found, answering, suiting this CPU and the device;
         # OpenVINO importable with the plan's device and KV precision. Found once: load reuses it.
         return PlannedRun(plan, await anyio.to_thread.run_sync(preflight, plan, ctx.settings))
 
@@ -337,7 +337,7 @@ def fetch_stages(job: FetchJob) -> list[Stage[Any]]:
 
 def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,
                         on_plan: Callable[[PlanOutcome], None] | None = None) -> list[Stage[Any]]:
-    """The pipeline of ``hotfit auto``, in order (issue 6); ``on_plan`` sees the plan stage's outcome."""
+    """The pipeline of ``hotfit auto``, in order; ``on_plan`` sees the plan stage's outcome."""
     return [*planning_stages(opts, previous, on_plan=on_plan),
             *fetch_stages(FetchJob(wait=opts.wait, rehash_installed=opts.recheck)),
             *session_stages()]

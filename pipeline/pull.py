@@ -36,7 +36,7 @@ class PullResult:
 
 
 def find_entry(name: str, registry_file: str | None) -> Entry:
-    """The registry entry named ``name``; never another one (issue 4 §7)."""
+    """The registry entry named ``name``; never another one."""
     registry = load_registry(Path(registry_file) if registry_file else None)
     try:
         entry = registry.get(name)

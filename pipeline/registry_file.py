@@ -1,6 +1,6 @@
 """Reading a registry file: the bundled ``registry/data/curated.json`` or ``--registry FILE``.
 
-registry/ is pure (issue 11, item 1): it parses text (registry.catalog.parse_registry_text); the
+registry/ is pure: it parses text (registry.catalog.parse_registry_text); the
 file reads live here, with the effects. The bundled file is package data, read through
 importlib.resources so an installed (zipped or not) hotfit finds it.
 """

@@ -1,4 +1,4 @@
-"""The worker of this home: the llama-server ``hotfit serve`` is running (issue 10 item 1).
+"""The worker of this home: the llama-server ``hotfit serve`` is running.
 
 While it serves the provisioned model its weights and KV occupy the device, so a probe taken then
 sees that memory as used, and a planner judging the previous model against it would decide the
@@ -26,7 +26,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from core.errors import IntegrityError
 from core.lazy_import import lazy_module
@@ -39,7 +39,10 @@ from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import available_with_worker, same_device
 from state.files import write_text_atomic
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 log = get_logger()
 
@@ -173,8 +176,9 @@ def _opened_window(client: httpx.Client, record: WorkerRecord) -> tuple[int, Lit
         resp = client.get("/slots")
         if resp.status_code == 200 and isinstance(resp.json(), list) and resp.json():
             slots = [s.get("n_ctx") for s in resp.json() if isinstance(s, dict)]
-            if slots and all(isinstance(n, int) and n > 0 for n in slots):
-                return sum(slots), "slots"
+            n_ctxs = [n for n in slots if isinstance(n, int) and n > 0]
+            if slots and len(n_ctxs) == len(slots):
+                return sum(n_ctxs), "slots"
     except (httpx.HTTPError, ValueError):
         pass
     return record.context_tokens, "record"

@@ -17,9 +17,10 @@ What the estimate mirrors, from the pinned llama.cpp tree (``src/llama-context.c
   type (``ggml_row_size``: whole blocks).
 
 OpenVINO entries (``Entry.backend == "openvino"``) are priced by what GenAI's paged cache
-allocates instead (:class:`PagedKV`, measured in ``../shared/design/openvino.md`` §4 and its
-addendum): whole 32-token blocks on CPU, every layer the full window (the continuous-batching
-cache has no separate sliding-window pool), and at q8_0 the CPU plugin's u8 with its scales —
+allocates instead (:class:`PagedKV`, held to GenAI's reported allocation by tests/test_openvino.py
+and scripts/bench-estimate's OpenVINO rows, docs/benchmarks.md): whole 32-token blocks on CPU, every
+layer the full window (the continuous-batching cache has no separate sliding-window pool), and at
+q8_0 the CPU plugin's u8 with its scales —
 85,248 B/token for Qwen3-8B where llama.cpp's q8_0 costs 78,336. Priced as llama.cpp, a q8_0
 OpenVINO plan would fail its re-check by design.
 
@@ -123,7 +124,7 @@ def openvino_state_bytes_per_token(kv_heads: int, head_dim: int, precision: str,
     if precision in ("f16", "bf16"):
         return kv_heads * head_dim * 2
     if precision == "u8":
-        # Measured on the CPU plugin (design note addendum): keys carry a per-channel scale and zero
+        # Measured on the CPU plugin (tests/test_openvino.py): keys carry a per-channel scale and zero
         # point per 32-token block (head_dim/4 bytes per token), values a per-token pair (8 bytes).
         return kv_heads * (head_dim + (head_dim // 4 if is_key else 8))
     raise ValueError(f"no byte model for OpenVINO KV precision {precision!r}")
@@ -231,7 +232,7 @@ def context_for_budget(profile: LayerKVProfile, budget_bytes: int, cache_type: K
 
 
 def _is_gemma(architecture: str | None) -> bool:
-    return bool(architecture) and architecture.lower().startswith("gemma")
+    return architecture is not None and architecture.lower().startswith("gemma")
 
 
 def layer_profile(entry: Entry, max_context_tokens: int | None = None) -> LayerKVProfile | UnknownKV:

@@ -112,7 +112,7 @@ def _release_date(f: Fields, value: Any) -> str | None:
     if not (match and 1 <= int(match.group(2)) <= 12 and 1 <= int(match.group(3) or 1) <= 31):
         raise f.fail("release_date", f"is {value!r}, not an ISO date",
                      "write YYYY-MM-DD (or YYYY-MM when the source gives only the month), or null")
-    return value
+    return match.group(0)  # the whole value (a full match)
 
 
 def _evidence(f: Fields, value: Any) -> tuple[Evidence, ...]:
@@ -243,7 +243,7 @@ def check_rules(f: Fields, e: Entry) -> None:
     # Spec ("Publisher and artifact evidence"): GGUF downloads are pinned to verified revisions;
     # OpenVINO repository downloads follow their current snapshots (the fetch records the commit),
     # so an OpenVINO entry needs its checked snapshot size but no pinned revision.
-    required = [("artifact.size_bytes", art.size_bytes)]
+    required: list[tuple[str, int | str | None]] = [("artifact.size_bytes", art.size_bytes)]
     if e.backend == "llama":
         required.insert(0, ("artifact.revision", art.revision))
     for field, value in required:

@@ -140,7 +140,7 @@ class Selection:
 def _evaluate(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType, *, origin: str | None, backend: str,
               admitted: frozenset[str]) -> Verdict:
     """:func:`evaluate`, with a tool-chat entry in ``admitted`` judged as if agentic: it earned its place
-    by a grade (issue 12 item 7), every other rule (backend, origin, eligibility, memory, floor) still holds."""
+    by a grade, every other rule (backend, origin, eligibility, memory, floor) still holds."""
     if entry.name not in admitted or entry.agentic_tier != "tool-chat":
         return evaluate(entry, budget, cache_type, origin=origin, backend=backend)
     v = evaluate(dataclasses.replace(entry, agentic_tier="agentic"), budget, cache_type, origin=origin,

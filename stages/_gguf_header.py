@@ -18,7 +18,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from core.errors import IntegrityError
 from core.lazy_import import lazy_module
@@ -39,7 +39,10 @@ MAX_HEADER_BYTES = 1 << 30  # a header that would need more than this is not a h
 # The format's constants and key names (GGUF_MAGIC, GGUFValueType, Keys) come from ``gguf``, imported on
 # first use (core.lazy_import): it imports numpy (~0.1 s), which every CLI start would otherwise pay
 # though only a header read needs it.
-gguf = lazy_module("gguf")
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import gguf
+else:
+    gguf = lazy_module("gguf")
 
 _CHAT_TEMPLATE_KEY = "tokenizer.chat_template"  # gguf.Keys.Tokenizer.CHAT_TEMPLATE (a test holds them equal)
 
@@ -77,7 +80,8 @@ class GGUFHeader:
             value = self.arch_key(key)
             if isinstance(value, tuple):
                 items = tuple(whole_number(v) for v in value)
-                return None if any(v is None for v in items) else items  # type: ignore[return-value]
+                whole = tuple(v for v in items if v is not None)
+                return whole if len(whole) == len(items) else None
             return whole_number(value)
 
         def one(key: str) -> int | None:

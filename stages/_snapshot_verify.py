@@ -96,8 +96,8 @@ def verify_snapshot_dir(dest_dir: Path, *, rehash: bool = False) -> tuple[int, i
     for f in files or [None]:
         # a manifest edited (or damaged) on disk must not crash the stage or point outside it
         try:
-            rel = safe_relpath(f["path"])  # type: ignore[index]
-            size = f["size_bytes"]  # type: ignore[index]
+            rel = safe_relpath(f["path"])
+            size = f["size_bytes"]
             if isinstance(size, bool) or not isinstance(size, int):
                 raise TypeError(size)
         except (TypeError, KeyError, ValueError):

@@ -5,7 +5,7 @@ template llama.cpp falls back to ChatML, which declares no tool-call markers, an
 come back as prose. So where the registry entry names a template source it is mandatory:
 
 - a ``.jinja`` file is taken as is; a ``tokenizer_config.json`` gives ``chat_template`` as a string,
-  or as a list of ``{"name", "template"}`` — ``tool_use`` when present, else ``default`` (issue 4 §3);
+  or as a list of ``{"name", "template"}`` — ``tool_use`` when present, else ``default``;
 - the template must be able to express tool calls: it references the ``tools`` variable or a
   tool-call marker (:func:`check_tool_capable`), else :class:`TemplateError`;
 - the file is written atomically (temp + fsync + rename), with a receipt (``state.receipts``) holding
@@ -364,9 +364,11 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
         present = _present(entry, dest_dir, settings)
         if present is not None:
             return present
-        data = await _from_hf_cache(entry, settings, partial_dir)
+        cached = await _from_hf_cache(entry, settings, partial_dir)
         revision = src.revision
-        if data is None:
+        if cached is None:
             data, revision = await _download(entry, settings, options, partial_dir)
+        else:
+            data = cached
         assert revision is not None
         return _write(entry, dest_dir, src, revision, data, commit_listed=None)

@@ -1,4 +1,4 @@
-"""grade: run the multi-turn tool-use grade against an OpenAI-compatible server (issue 12).
+"""grade: run the multi-turn tool-use grade against an OpenAI-compatible server.
 
 The effectful half of :mod:`grading`, over any :class:`~grading.protocol.ChatEndpoint` (the
 HTTP one, :class:`backends.http_chat.HttpChatEndpoint`, serves ``--endpoint`` and llama-server
@@ -8,7 +8,7 @@ same Backend, flags and template that load and serve use): the budget
 (``--budget-s`` stops cleanly with an inconclusive verdict), one ``grade.scenario`` event per
 scenario, and the JSON record under ``<home>/grades/``.
 
-Determinism (design note §4.10): fixed sampling (:data:`grading.protocol.SAMPLING`), scenarios
+Determinism (docs/grade.md): fixed sampling (:data:`grading.protocol.SAMPLING`), scenarios
 in a fixed order, the slot erased before each scenario where the server supports it
 (``POST /slots/0?action=erase``), deterministic tool-call ids echoed back, and a sha256 of each
 canonical transcript. A server with more than one slot is noted: with several slots a request

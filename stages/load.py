@@ -1,4 +1,4 @@
-"""load: open the planned model exactly as planned, through the Backend boundary (issue 5 item 1).
+"""load: open the planned model exactly as planned, through the Backend boundary.
 
 The stage picks the backend from the plan (:func:`backends.select.backend_for`) and opens the
 verified files with it; everything server-specific — argv, environment and device pin, process

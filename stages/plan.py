@@ -90,7 +90,7 @@ class PreviousModel:
 
 @dataclass(frozen=True)
 class Admission:
-    """``--admit-graded`` (issue 12 item 7): the tool-chat entries grade evidence admits on each device
+    """``--admit-graded``: the tool-chat entries grade evidence admits on each device
     (checked by the caller, :mod:`pipeline.evidence`), and every model's evidence status as JSON."""
 
     admitted: Mapping[int, frozenset[str]]  # device index -> entry names
@@ -451,7 +451,7 @@ def _device_json(dp: DevicePlan, best: int, devices: tuple[DevicePlan, ...]) -> 
 
 
 def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
-    """The ``hotfit plan --json`` document (issue 3, item 6)."""
+    """The ``hotfit plan --json`` document."""
     sel = outcome.selection
     b = sel.budget
     chosen = sel.chosen

@@ -181,11 +181,12 @@ def probe_nvidia(nvml: Any, env: Mapping[str, str], notes: list[str]) -> list[De
         return []
     if nvml is IMPORT_PYNVML:
         try:
-            import pynvml as nvml  # nvidia-ml-py
+            import pynvml  # nvidia-ml-py
         except ImportError as exc:
             notes.append(f"NVML not available (pynvml not importable: {exc}); NVIDIA devices not probed")
             log.info("probe.nvml_absent", reason="pynvml not importable", error=str(exc))
             return []
+        nvml = pynvml
     elif nvml is None:
         notes.append("NVML not available (pynvml not installed); NVIDIA devices not probed")
         log.info("probe.nvml_absent", reason="pynvml not installed")

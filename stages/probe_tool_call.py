@@ -1,4 +1,4 @@
-"""probe-tool-call: prove that one tool call parses in the opened session (issue 5 item 2).
+"""probe-tool-call: prove that one tool call parses in the opened session.
 
 Spec ("Selection and hot context"): the check is a single probe tool with one required
 parameter; it certifies that a call parses, not that the model selects and fills calls across
@@ -10,7 +10,7 @@ template cannot express tool calls (ggml-org/llama.cpp#27129, anchors.md §4), a
 with HTTP 200. ``tool_choice: "required"`` and temperature 0 make the answer a deterministic
 function of the model, the template and the grammar.
 
-A failed probe names its likely cause (:func:`classify_failure`, issue 9 item 6): when the server
+A failed probe names its likely cause (:func:`classify_failure`): when the server
 says the template supports tools and the answer holds call-shaped JSON (``{"name": ...,
 "arguments": ...}``, bare or in a ```json block) but no parsed call, the model wrote its call
 without the template's tool-call markers, which is a model/template mismatch, not a template that

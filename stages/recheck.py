@@ -1,4 +1,4 @@
-"""re-check hot allocation: what the opened session really holds (issue 5 item 3).
+"""re-check hot allocation: what the opened session really holds.
 
 Spec ("Selection and hot context"): after download and a tool-call check, setup reads the opened
 session's hot allocation; an earlier estimate is not treated as a verified allocation. The reading

@@ -99,11 +99,11 @@ def _as_values(value: Any) -> set[int] | None:
     ints = [whole_number(v) for v in items]
     if any(v is None for v in ints):
         return set()
-    return {v for v in ints if v != 0}  # 0 = a recurrent layer without KV
+    return {v for v in ints if v is not None and v != 0}  # 0 = a recurrent layer without KV
 
 
 def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldCheck, ...]:
-    """Compare the registry's architecture facts with the GGUF header (issue 4 §2)."""
+    """Compare the registry's architecture facts with the GGUF header."""
     checks: list[FieldCheck] = []
     arch = header.architecture
     if entry.architecture is not None:
@@ -152,7 +152,7 @@ def check_header_against_entry(header: GGUFHeader, entry: Entry) -> tuple[FieldC
                     checks.append(FieldCheck(name, sorted(reg_dims), sorted(map(repr, dims)), False,
                                              "not a whole number"))
                     continue
-                checks.append(FieldCheck(name, sorted(reg_dims), sorted(dims_int) or None,  # type: ignore[type-var]
+                checks.append(FieldCheck(name, sorted(reg_dims), sorted(dims_int) or None,
                                          dims_int == reg_dims if dims_int else False))
         windows = {g.window_tokens for g in groups if g.window_tokens}
         gguf_window = header.arch_key(keys.Attention.SLIDING_WINDOW)

@@ -1,8 +1,8 @@
-"""Grade evidence: the file that lets a tool-chat model earn its place (issue 12 item 7), with its one decoder.
+"""Grade evidence: the file that lets a tool-chat model earn its place, with its one decoder.
 
 ``<home>/grades/evidence.json`` (``schema`` 1) holds one :class:`AgenticEvidence` per (model, device
 kind): a passing FULL-tier grade of that model run on this machine, with the fingerprint it was
-graded under (design note §4.10) — model sha256 (its verification receipt), chat template sha256,
+graded under — model sha256 (its verification receipt), chat template sha256,
 backend build, grade version, scenario-pack hash. The planner's caller (``--admit-graded``) counts it
 only while the fingerprint of what would be served *now* is the same (:func:`stale_reason`); a quick
 tier pass is never written (§4.13: only a full-tier pass counts), a failed grade removes the entry.

@@ -171,7 +171,7 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True, what: str 
         with suppress(FileNotFoundError):
             os.unlink(tmp_name)
         if is_disk_full(exc):
-            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None  # type: ignore[arg-type]
+            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None
         raise
     if durable:
         fsync_dir(path.parent)

@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Generator, Iterator
 
 import anyio
 
@@ -170,7 +170,7 @@ class FileLock:
             lock=str(self.path), holder_pid=holder.pid, holder_command=holder.command,
         )
 
-    def _attempts(self) -> Iterator[None]:
+    def _attempts(self) -> Generator[None, None, None]:
         """Try the lock; yield once per busy attempt (the caller sleeps, sync or async), return
         holding it. Not waiting, or past the deadline, raises LockedError naming the holder."""
         if self._fd is not None:

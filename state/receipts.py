@@ -83,9 +83,10 @@ def decode_receipt(text: str, *, path: Path | str) -> Receipt:
     # unknown keys are ignored: a receipt only vouches, and a newer field must not void it
     raw = f.object(doc, "", ("schema", *_REQUIRED), extra=True)
     f.equal(raw["schema"], "schema", RECEIPT_SCHEMA, "it is verified again and rewritten")
-    strings = {key: f.string(raw.get(key), key, nullable=key not in _REQUIRED, blank=key not in _REQUIRED)
+    # the keyword arguments of Receipt by name: the checker cannot match a dict's keys to parameters
+    strings: dict[str, Any] = {key: f.string(raw.get(key), key, nullable=key not in _REQUIRED, blank=key not in _REQUIRED)
                for key in _STR_FIELDS}
-    lists = {key: f.strings(raw.get(key) or [], key) for key in _STR_LIST_FIELDS}
+    lists: dict[str, Any] = {key: f.strings(raw.get(key) or [], key) for key in _STR_LIST_FIELDS}
     return Receipt(**strings, size_bytes=f.integer(raw.get("size_bytes"), "size_bytes", minimum=0, nullable=True),
                    **lists)
 

@@ -1,6 +1,6 @@
 """Durable stage state: SQLite in WAL mode, one record per (run, stage).
 
-Why SQLite/WAL (issue 6, item 2): every write is one transaction, a crash or power cut rolls an
+Why SQLite/WAL: every write is one transaction, a crash or power cut rolls an
 unfinished transaction back, and WAL lets ``hotfit status`` read while ``hotfit auto`` writes.
 ``synchronous=FULL`` makes a commit durable before it returns, so the order "stage files fsynced
 and renamed into place, then the record says done" holds across a power cut: a record never

@@ -77,10 +77,10 @@ class World:
         entry = self.entries[name]
         ct = parse_kv_cache_type(kv_cache_type)
         fit = model_fit(entry, 0, ct)
-        need_usable = fit.floor_need_bytes(ct)  # type: ignore[union-attr]
+        need_usable = fit.floor_need_bytes(ct)
         free = required_free_bytes(need_usable, "cpu", HOST_TOTAL_BYTES)
         assert model_fit(entry, device_budget("cpu", HOST_TOTAL_BYTES, free).usable_bytes,
-                         ct).hot_context_tokens >= MIN_AGENTIC_HOT_CONTEXT  # type: ignore[union-attr]
+                         ct).hot_context_tokens >= MIN_AGENTIC_HOT_CONTEXT
         return free
 
 

@@ -1,4 +1,4 @@
-"""Tiny but real GGUF models for tests, benchmarks and the demo (issue 2 item 7, issue 5 item 4).
+"""Tiny but real GGUF models for tests, benchmarks and the demo.
 
 Every writer builds a file with the ``gguf`` package that the pinned llama-server loads in a
 fraction of a second, and returns a frozen :class:`FixtureInfo` saying what was written, so a test
@@ -100,7 +100,7 @@ BOS_ID = TOKEN_ID["<|endoftext|>"]
 EOS_ID = TOKEN_ID["<|im_end|>"]  # Qwen-style: end of turn is also eos/eot
 PAD_ID = TOKEN_ID["<|endoftext|>"]
 
-# The probe tool the deterministic model was checked with (issue 5 item 2): one required string
+# The probe tool the deterministic model was checked with: one required string
 # parameter, one optional boolean parameter.
 PROBE_TOOL: dict[str, Any] = {
     "type": "function",
@@ -694,7 +694,7 @@ def write_tool_call_model(
     name: str = "hotfit-fixture-tool-call",
     vocab: FixtureVocab = LLAMA_VOCAB,
 ) -> FixtureInfo:
-    """A llama model whose greedy output is fixed by construction (issue 5 item 4).
+    """A llama model whose greedy output is fixed by construction.
 
     Recipe:
 
@@ -717,7 +717,7 @@ def write_tool_call_model(
     grammar: the first token is end-of-turn, so the answer is an empty message with
     finish_reason ``stop`` and no ``tool_calls``.
 
-    Why not "newline prefers ``{``" as issue 5 suggests: every generation prompt ends with
+    Why not "newline prefers ``{``": every generation prompt ends with
     ``assistant\n`` and the grammar allows free content before ``<tool_call>``, so a newline
     that prefers ``{`` puts a stray ``{`` into the content. After ``<tool_call>\n`` the grammar
     admits only whitespace or ``{``, where ``{`` (1) beats whitespace (-1) anyway.

@@ -169,7 +169,7 @@ def nvml_from(data: dict[str, Any]) -> SimpleNamespace:
         total, free = h["memory_total_mib"] * MiB, h["memory_free_mib"] * MiB
         return SimpleNamespace(total=total, free=free, used=total - free)
 
-    def procs(kinds: set[str]):  # type: ignore[no-untyped-def]
+    def procs(kinds: set[str]):
         return lambda h: [SimpleNamespace(usedGpuMemory=p["used_memory_mib"] * MiB)
                           for p in h["processes"] if set(p["type"].split("+")) & kinds]
 

@@ -1,7 +1,7 @@
 """A local Hugging Face Hub on 127.0.0.1 for tests and benchmarks.
 
-It speaks the part of the Hub protocol hotfit and ``huggingface_hub`` use (facts:
-``../shared/reference/hf-protocol.md``), so the real client code runs unchanged against it through
+It speaks the part of the Hub protocol hotfit and ``huggingface_hub`` use (as
+huggingface_hub's file_download.py and hf_api.py call it), so the real client code runs unchanged against it through
 ``HF_ENDPOINT`` or ``endpoint=``:
 
 - ``HEAD/GET /{repo_id}/resolve/{revision}/{path}``: ``X-Repo-Commit``, ``ETag`` (git blob sha1, or the
@@ -277,7 +277,7 @@ class HubStore:
                     if h1 is not None:
                         h1.update(chunk)
             sha256 = h256.hexdigest()
-            blob_id = git_blob_sha1(lfs_pointer(sha256, size)) if lfs else h1.hexdigest()  # type: ignore[union-attr]
+            blob_id = git_blob_sha1(lfs_pointer(sha256, size)) if lfs else h1.hexdigest()
             dst = self.object_path(sha256)
             if not dst.exists():
                 # Reference, never copy: a hard link when on the same filesystem, else a symlink.
@@ -904,7 +904,9 @@ class LocalHub:
         if host == cdn_host:
             raise ValueError("cdn_host must differ from host: clients tell the CDN apart by host name")
         self._tmpdir = None if root is not None else tempfile.mkdtemp(prefix="localhub-")
-        self.store = HubStore(root if root is not None else self._tmpdir, lfs_threshold_bytes=lfs_threshold_bytes)
+        store_root = root if root is not None else self._tmpdir
+        assert store_root is not None
+        self.store = HubStore(store_root, lfs_threshold_bytes=lfs_threshold_bytes)
         self.host = host
         self.cdn_host = cdn_host
         self.redirect_lfs = redirect_lfs

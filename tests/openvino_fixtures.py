@@ -1,8 +1,8 @@
-"""Tiny OpenVINO IR models for tests, made offline at test time (issue 13 item 6).
+"""Tiny OpenVINO IR models for tests, made offline at test time.
 
 OpenVINO GenAI's GGUF reader converts a GGUF to the IR file set of the ``OpenVINO/*-ov`` Hub
 repositories (``openvino_model``, ``openvino_tokenizer``, ``openvino_detokenizer`` ``.xml``/``.bin``)
-when it loads one with ``enable_save_ov_model=True`` (``../shared/design/openvino.md`` §5 A). The
+when it loads one with ``enable_save_ov_model=True`` (openvino.genai's GGUF reader). The
 GGUFs are written by the writers of :mod:`tests.gguf_fixtures`, with two arguments the reader needs:
 
 - ``tensor_type="f16"`` (the reader refuses F32 matrices: "Unsupported quantization type");

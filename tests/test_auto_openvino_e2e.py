@@ -1,4 +1,4 @@
-"""End-to-end: `hotfit auto --backend openvino` as an operator runs it (issue 13 items 4 and 6).
+"""End-to-end: `hotfit auto --backend openvino` as an operator runs it.
 
 Real parts only: fixture IR models made at test time by GenAI's own GGUF reader
 (tests/openvino_fixtures.py), uploaded to the local Hub (tests/hubserver.py) as OpenVINO snapshot
@@ -187,7 +187,7 @@ def test_auto_provisions_a_snapshot_whose_template_is_one_of_its_files(hub: Loca
     assert done.returncode == 0, done.stderr[-4000:]
     manifest = json.loads(done.stdout)
     name = manifest["entry_name"]
-    repo = ov_world.entries[name].artifact.repo  # type: ignore[union-attr]
+    repo = ov_world.entries[name].artifact.repo
     snapshot = Path(manifest["model_path"])
     # verify placed the whole snapshot, the template's source among its files, as the Hub serves it
     assert sorted(p.name for p in snapshot.iterdir()) == sorted([*IR_FILES, template_file])
@@ -220,7 +220,7 @@ def test_pull_then_auto_serve_and_status_use_the_verified_snapshot(hub: LocalHub
                                                                   tmp_path: Path) -> None:
     home = tmp_path / "home"
     registry = ov_world.in_snapshot["tokenizer_config.json"]
-    repo = ov_world.entries["fx-ov-tokcfg"].artifact.repo  # type: ignore[union-attr]
+    repo = ov_world.entries["fx-ov-tokcfg"].artifact.repo
     hub.reset_counters()
     pulled = hotfit(hub, home, "pull", "fx-ov-tokcfg", "--registry", str(registry))
     assert pulled.returncode == 0, pulled.stderr[-3000:]

@@ -1,5 +1,5 @@
 """backends.llama_server finds llama-server in the documented order (flag > env > cache > PATH), says
-which one it used, and refuses clearly when none is usable (issue 2 item 4). The binaries here are
+which one it used, and refuses clearly when none is usable. The binaries here are
 real executables written to temporary directories; one test runs the real pinned build."""
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ def places(tmp_path: Path) -> dict[str, Path]:
     return out
 
 
-def _settings(places: dict[str, Path], *, flag: Path | None = None, env: Path | None = None):  # type: ignore[no-untyped-def]
+def _settings(places: dict[str, Path], *, flag: Path | None = None, env: Path | None = None):
     environ = {"HOME": str(places["path"].parent), "HOTFIT_LLAMA_CACHE": str(places["cache"])}
     if env is not None:
         environ["HOTFIT_LLAMA_SERVER"] = str(env)
     return load_settings(environ, llama_server=flag)
 
 
-def _cache_server(places: dict[str, Path], **kw) -> Path:  # type: ignore[no-untyped-def]
+def _cache_server(places: dict[str, Path], **kw) -> Path:
     return _fake_server(places["cache"] / LLAMA_SDIST_VERSION / "cpu" / "bin", **kw)
 
 
@@ -238,10 +238,10 @@ def test_real_pinned_build_version_agrees_with_its_build_info(tmp_path: Path) ->
     assert recorded.server_path.stat().st_mode & stat.S_IXUSR
 
 
-# ---------------------------------------------------------------- issue 9: this machine, this plan
+# ---------------------------------------------------------------- this machine, this plan
 
 
-def _with_build_info(server: Path, **fields) -> Path:  # type: ignore[no-untyped-def]
+def _with_build_info(server: Path, **fields) -> Path:
     record = {"llama_cpp_version": "version: 7.7.7 (build 42, commit abc1234)", "sdist_version": "0.3.36",
               "backend": "cpu", "variant": "native", "cpu_features": ["avx2", "fma"], **fields}
     (server.parent / "build-info.json").write_text(json.dumps(record))

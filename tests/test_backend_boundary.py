@@ -1,4 +1,4 @@
-"""The Backend boundary (issue 11 item 5): the stages drive any Backend, and serve pins like load.
+"""The Backend boundary: the stages drive any Backend, and serve pins like load.
 
 A fake Backend (no process, no HTTP, no llama-server names) drives load, probe-tool-call and
 re-check: what they write and raise comes from the stage logic over the boundary's types only.
@@ -64,7 +64,7 @@ class FakeReport:
 
 
 class FakeSession:
-    backend = "fake"
+    backend: Any = "fake"  # no real backend's name: nothing outside backends/ may branch on it
     server_name = "fake server"
     load_seconds = 0.25
     pid = 4242
@@ -168,6 +168,7 @@ async def test_the_three_stages_drive_a_fake_backend(cpu_plan: Any, tmp_path: Pa
     files = ModelFiles(tmp_path / "m.gguf")
     async with load_stage.open_session(plan, files, run_dir=tmp_path / "run", settings=load_settings(),
                                        binary=binary) as session:
+        assert isinstance(session, FakeSession)  # the fake backend's own session, with its requests
         probe = await probe_tool_call(session)
         report = await recheck_allocation(session)
         result = load_stage.LoadResult.opened(session, binary)

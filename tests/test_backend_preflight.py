@@ -1,5 +1,5 @@
 """`hotfit auto` checks the binary that will serve the plan before it fetches a single weight byte
-(issue 9 item 4, issue 10 item 7): missing, not executable, not answering --version, built for ISA
+: missing, not executable, not answering --version, built for ISA
 features this CPU lacks, or of a backend that cannot serve the plan's device. Each is a clear
 error naming the fix, with the Hub's byte counter at zero."""
 

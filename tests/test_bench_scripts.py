@@ -1,4 +1,4 @@
-"""The pure parts of scripts/bench-backend and scripts/gpu-check (issue 9 items 7 and 8).
+"""The pure parts of scripts/bench-backend and scripts/gpu-check.
 
 The scripts themselves are benchmarks and a GPU check, run by hand; what they compute from a GGUF
 and a llama-server log is checked here on fixtures, without llama-server: the tensor sizes the

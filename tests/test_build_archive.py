@@ -52,7 +52,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return archive
 
 
-def _repack(source: Path, into: Path, change) -> Path:  # type: ignore[no-untyped-def]
+def _repack(source: Path, into: Path, change) -> Path:
     """Unpack ``source``, let ``change(bin_dir)`` edit the files, and pack it again with a manifest
     that matches the edited files (so only the check under test can refuse it)."""
     root = into / "unpacked"
@@ -69,7 +69,7 @@ def _repack(source: Path, into: Path, change) -> Path:  # type: ignore[no-untype
     return out
 
 
-def _edit_info(**fields: object):  # type: ignore[no-untyped-def]
+def _edit_info(**fields: object):
     def change(bin_dir: Path) -> None:
         path = bin_dir / "build-info.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
@@ -80,7 +80,7 @@ def test_export_then_from_into_a_fresh_cache_installs_without_compiling(exported
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     with tarfile.open(exported) as tar:
         names = tar.getnames()
-        manifest = tar.extractfile("SHA256SUMS").read().decode()  # type: ignore[union-attr]
+        manifest = tar.extractfile("SHA256SUMS").read().decode()
     assert "cpu/bin/llama-server" in names and "cpu/bin/build-info.json" in names
     assert any(n.startswith("cpu/bin/libggml-cpu-") for n in names)
     assert all(len(line.split("  ")[0]) == 64 for line in manifest.splitlines())
@@ -106,7 +106,7 @@ def test_export_then_from_into_a_fresh_cache_installs_without_compiling(exported
     assert [p.name for p in (cache / LLAMA_SDIST_VERSION).iterdir()] == ["cpu"]  # no staging left
 
 
-def _refused(archive: Path, tmp_path: Path, match: str, **kw) -> None:  # type: ignore[no-untyped-def]
+def _refused(archive: Path, tmp_path: Path, match: str, **kw) -> None:
     cache = tmp_path / "target-cache"
     proc = _script("--from", str(archive), cache=cache, **kw)
     assert proc.returncode == 1, proc.stderr
@@ -120,9 +120,9 @@ def test_a_damaged_file_is_refused_naming_it_and_both_hashes(exported: Path, tmp
     damaged = tmp_path / "damaged.tar.gz"
     with tarfile.open(exported) as src, tarfile.open(damaged, "w:gz") as dst:
         for member in src.getmembers():
-            data = src.extractfile(member).read() if member.isfile() else None  # type: ignore[union-attr]
+            data = src.extractfile(member).read() if member.isfile() else None
             if member.name == "cpu/bin/llama-server":
-                data = data[:1000] + bytes([data[1000] ^ 1]) + data[1001:]  # type: ignore[index]
+                data = data[:1000] + bytes([data[1000] ^ 1]) + data[1001:]
             dst.addfile(member, io.BytesIO(data) if data is not None else None)
     _refused(damaged, tmp_path, "cpu/bin/llama-server has sha256")
 

@@ -107,7 +107,7 @@ def test_agentic_entries_carry_sourced_evidence(bundled: Registry) -> None:
 
 # Files only this project's authors can see: a registry reader must be able to follow every citation.
 _OUTSIDE_THE_PROJECT = re.compile(
-    r"\.\./|shared/reference|reference/|model-facts|pinned-artifacts|contenox-(auto-)?facts|contenox-curated"
+    r"\.\./|shared/(?:reference|design)|reference/|model-facts|pinned-artifacts|contenox-(auto-)?facts|contenox-curated"
     r"|code index|index files? \d|\b\d{11}\b")
 # A public locator: a URL, or an arXiv id.
 _PUBLIC_LOCATOR = re.compile(r"https?://\S+|arXiv:\d{4}\.\d{4,5}")

@@ -397,7 +397,8 @@ def test_the_hub_api_and_the_resolve_endpoint_give_one_message_per_cause(cls_nam
 
 
 def test_the_hf_mapping_names_not_a_hub_unreachable_and_leaves_bugs_alone() -> None:
-    kw = {"repo": "o/r", "revision": None, "endpoint": "http://web.example", "url": "http://web.example/api"}
+    kw: dict[str, Any] = {"repo": "o/r", "revision": None, "endpoint": "http://web.example",
+                          "url": "http://web.example/api"}
     plain_404 = hub_error_from_hf_exception(_hf_error("HfHubHTTPError", 404, {"content-type": "text/html"}), **kw)
     assert plain_404 is not None and is_not_a_hub(plain_404) and NOT_A_HUB in plain_404.what
     html = hub_error_from_hf_exception(json.JSONDecodeError("x", "<html>", 0), **kw)

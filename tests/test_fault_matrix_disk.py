@@ -130,11 +130,11 @@ def test_a_resume_on_a_disk_that_had_room_for_the_fresh_download_proceeds(local_
                                 cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
         while not ((s := read_sidecar(side)) and s.done_bytes >= 8 * MiB):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
             time.sleep(0.05)
         proc.kill()  # SIGKILL: no handler, the reservation stays whole
         proc.wait()
-        claimed = read_sidecar(side).done_bytes  # type: ignore[union-attr]
+        claimed = read_sidecar(side).done_bytes
         reserved = allocated(part)
         free = free_of(fs)
         # the figures of the fault: the whole file reserved, a part of it claimed, and less free than
@@ -170,12 +170,12 @@ async def test_a_failed_download_gives_its_reservation_back(local_hub: LocalHub,
         await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
         raise AssertionError("the download finished before it was interrupted")
     part, side = _partial(settings, entry)
-    claimed = read_sidecar(side).done_bytes  # type: ignore[union-attr]
+    claimed = read_sidecar(side).done_bytes
     assert 0 < claimed < size and part.is_file()
     assert allocated(part) <= claimed + 64 * 1024 < size  # was: the whole size, whatever was claimed
     local_hub.clear_faults()
     fetched = await fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
-    assert fetched.weights.resumed_from_bytes == claimed  # type: ignore[union-attr]
+    assert fetched.weights.resumed_from_bytes == claimed
 
 
 def test_the_up_front_refusal_names_the_bytes_needed_and_free(local_hub: LocalHub, small_model: dict[str, Any],
@@ -278,7 +278,7 @@ def test_full_disk_during_a_download_is_exit_4_and_the_rerun_resumes(
         entry = small_model["entry"]
         part, side = _partial(settings, entry)
         final = settings.model_dir("m") / "model.gguf"
-        kept = read_sidecar(side).done_bytes if where != "receipt" else final.stat().st_size  # type: ignore[union-attr]
+        kept = read_sidecar(side).done_bytes if where != "receipt" else final.stat().st_size
         assert kept > 0 and (part.is_file() or final.is_file())
         (fs / "filler").unlink()
         fetched = anyio.run(lambda: fetch_weights(entry, settings.model_dir("m"), settings=settings, options=FAST,
@@ -305,7 +305,7 @@ def test_full_disk_under_the_state_database_is_exit_4_not_a_rollback_error(tmp_p
         assert "database or disk is full" in err.value.details["sqlite_error"]
         filler.unlink()
         store.finish_run(run.run_id, "done")  # the connection is usable: nothing was left half-done
-        assert store.get_run(run.run_id).status == "done"  # type: ignore[union-attr]
+        assert store.get_run(run.run_id).status == "done"
         store.close()
 
 
@@ -562,7 +562,7 @@ async def test_pull_rehashes_an_installed_openvino_snapshot(local_hub: LocalHub,
     file (checked by git blob id) are fetched again; the intact ones are not."""
     from tests.test_fetch_weights import _openvino_entry
 
-    files = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": os.urandom(1_200_000),
+    files: dict[str, str | bytes] = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": os.urandom(1_200_000),
              "config.json": json.dumps({"max_position_embeddings": 40960})}
     local_hub.create_repo("OpenVINO/m-ov", files, lfs=["openvino_model.bin"])
     entry = _openvino_entry("OpenVINO/m-ov")

@@ -124,6 +124,12 @@ async def _fetched(local_hub: LocalHub, tmp_path: Path, repo: dict[str, Any], te
     return entry, settings, fetched
 
 
+def _path(result: TemplateResult) -> Path:
+    """The fetched template's file (a result without one fails here, by name)."""
+    assert result.path is not None, result
+    return Path(result.path)
+
+
 async def _template(entry: Entry, settings: Settings) -> TemplateResult:
     """fetch-template for ``entry`` into model directory "m"."""
     return await fetch_template(entry, settings.model_dir("m"), settings=settings)
@@ -135,7 +141,7 @@ async def test_tokenizer_config_tool_use_written_beside_weights(local_hub: Local
     src = TemplateSource("org/m", hub_repo["src"], "tokenizer_config.json")
     entry, settings, fetched = await _fetched(local_hub, tmp_path, hub_repo, src)
     result = await _template(entry, settings)
-    assert Path(result.path).read_text() == TOOLS and Path(result.path).name == TEMPLATE_FILENAME
+    assert _path(result).read_text() == TOOLS and _path(result).name == TEMPLATE_FILENAME
     assert result.variant == "tokenizer_config:tool_use"
     verified = await verify(entry, settings.model_dir("m"), fetched=fetched, template=result)
     assert verified.gguf_embeds_chat_template is True  # the GGUF carries (a ChatML) template; verify records it
@@ -206,7 +212,7 @@ async def test_relative_redirect_to_resolve_cache_is_followed(tmp_path: Path) ->
                            template=TemplateSource("org/m", commit, "chat_template.jinja"))
         settings = settings_for(hub, tmp_path / "home")
         result = await _template(entry, settings)
-        assert Path(result.path).read_text() == TOOLS
+        assert _path(result).read_text() == TOOLS
         assert any(r.status == 307 for r in hub.requests_for(file="chat_template.jinja"))
 
 
@@ -223,9 +229,9 @@ async def test_template_in_place_is_not_fetched_again_and_works_offline(local_hu
     assert local_hub.requests == []
     assert (again.path, again.sha256, again.variant, again.tool_markers) == (
         first.path, first.sha256, first.variant, first.tool_markers)
-    Path(first.path).write_text("{{ tampered }}")  # text no longer what the receipt vouches for: fetched again
+    _path(first).write_text("{{ tampered }}")  # text no longer what the receipt vouches for: fetched again
     third = await _template(entry, settings)
-    assert Path(third.path).read_text() == TOOLS and local_hub.requests
+    assert _path(third).read_text() == TOOLS and local_hub.requests
 
 
 @pytest.mark.anyio
@@ -294,7 +300,7 @@ async def test_a_template_inside_the_snapshot_is_read_from_it_not_downloaded_aga
         assert (dest / "snapshot" / name).read_bytes() == data
     # the template is the snapshot's own file, at the snapshot's commit, fetched once
     assert pulled.template.source == f"OpenVINO/t-ov@{commit}/{template_file}"
-    assert Path(pulled.template.path).read_text() == TOOLS
+    assert _path(pulled.template).read_text() == TOOLS
     assert len(local_hub.requests_for(file=template_file, method="GET")) == 1
     assert not [p for p in (dest / ".partial").rglob("*.part")]
     # a second pull changes nothing and downloads nothing
@@ -303,13 +309,13 @@ async def test_a_template_inside_the_snapshot_is_read_from_it_not_downloaded_aga
     assert again.template.sha256 == pulled.template.sha256 and again.verify.files_checked == 3
     assert local_hub.requests_for(method="GET", file=template_file) == []
     # the written template lost: it is extracted again from the snapshot's placed copy, offline from the Hub
-    Path(pulled.template.path).unlink()
+    _path(pulled.template).unlink()
     third = await pull_entry(entry, settings, progress=False)
-    assert Path(third.template.path).read_text() == TOOLS and third.template.source == pulled.template.source
+    assert _path(third.template).read_text() == TOOLS and third.template.source == pulled.template.source
     assert local_hub.requests_for(method="GET", file=template_file) == []
     # and a snapshot copy changed behind our back is refused, not trusted
     (dest / "snapshot" / template_file).write_bytes(SNAPSHOT_SOURCES[template_file].replace(b"tools", b"tool5"))
-    Path(third.template.path).unlink()
+    _path(third.template).unlink()
     with pytest.raises(TemplateError, match="not the bytes"):
         await fetch_template(entry, dest, settings=settings, snapshot=third.fetch.snapshot)
 
@@ -330,7 +336,7 @@ async def test_a_template_pinned_to_another_commit_of_the_snapshot_repo_never_sh
     dest = settings.model_dir("ov")
     assert pulled.fetch.snapshot is not None and pulled.fetch.snapshot.commit == new
     assert pulled.template.source == f"OpenVINO/p-ov@{old}/tokenizer_config.json"
-    assert Path(pulled.template.path).read_text() == TOOLS
+    assert _path(pulled.template).read_text() == TOOLS
     assert (dest / "snapshot" / "tokenizer_config.json").read_bytes() == cfg(CHATML)
     revisions = sorted(r.revision or "" for r in local_hub.requests_for(file="tokenizer_config.json", method="GET"))
     assert revisions == sorted([old, new])  # each commit's file once: one for the snapshot, one for the template
@@ -355,7 +361,7 @@ async def test_verify_refuses_a_template_read_from_another_snapshot_commit(local
     assert exc.value.exit_code == 4
     again = await fetch_template(entry, dest, settings=settings, snapshot=moved.snapshot)
     assert moved.snapshot is not None and again.source.startswith(f"OpenVINO/m-ov@{moved.snapshot.commit}/")
-    assert Path(again.path).read_text() == TOOLS + " "
+    assert _path(again).read_text() == TOOLS + " "
     await verify(entry, dest, fetched=moved, template=again)
 
 

@@ -1,4 +1,4 @@
-"""fetch-weights against the local Hub: pinning, resume, parallel ranges, faults, integrity (issue 4 §1, §2, §8).
+"""fetch-weights against the local Hub: pinning, resume, parallel ranges, faults, integrity.
 
 The weights are real GGUF files (a header the verify stage parses plus a random-filled tensor so that
 ranges, hashes and corruption mean something), a few MiB each so the suite stays fast.
@@ -56,7 +56,7 @@ def make_gguf(path: Path, *, arch: str = "llama", n_layers: int = 4, kv_heads: i
     w.add_context_length(ctx)
     w.add_embedding_length(head_dim * 4)
     w.add_head_count(4)
-    w.add_head_count_kv(kv_heads)  # type: ignore[arg-type]
+    w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     if sliding_window:
@@ -161,7 +161,7 @@ async def test_parallel_download_verifies_and_places_file(local_hub: LocalHub, r
     assert verified.sha256 == sha256_of(weights) and verified.sha256_source == "streamed"
     assert set(verified.verified_against) == {"registry", "hub_lfs"}
     assert not list((dest / ".partial").glob("*.part")) and not partial.exists()
-    assert read_receipt(dest, "model.gguf").sha256 == sha256_of(weights)  # type: ignore[union-attr]
+    assert read_receipt(dest, "model.gguf").sha256 == sha256_of(weights)
     assert {c.field for c in verified.header_checks if c.ok} >= {"architecture", "block_count", "head_count_kv",
                                                                 "key_length", "context_length"}
     # second run: no network, same answer
@@ -185,7 +185,7 @@ async def test_a_final_file_without_its_receipt_is_verified_in_place_not_fetched
     assert local_hub.bytes_sent("model.gguf") == 0
     assert again.weights is not None and again.weights.resumed_from_bytes == weights.stat().st_size
     assert (dest / "model.gguf").read_bytes() == weights.read_bytes()
-    assert read_receipt(dest, "model.gguf").sha256 == sha256_of(weights)  # type: ignore[union-attr]
+    assert read_receipt(dest, "model.gguf").sha256 == sha256_of(weights)
     # wrong bytes of the right size in the final path: never trusted, replaced by a verified copy
     receipt_path(dest, "model.gguf").unlink()
     (dest / "model.gguf").write_bytes(b"\0" * weights.stat().st_size)
@@ -278,7 +278,7 @@ async def test_failed_run_leaves_partial_and_rerun_resumes_rehashing_prefix_once
     assert "rerun" in str(failed.value)
     part, sidecar, _lock = partial_paths(dest / ".partial", "org/model-GGUF", "model.gguf")
     side = json.loads(sidecar.read_text())
-    assert side["done_bytes"] == size // 3 and side["revision"] == entry.artifact.revision  # type: ignore[union-attr]
+    assert side["done_bytes"] == size // 3 and side["revision"] == entry.artifact.revision
     assert not (dest / "model.gguf").exists()
 
     local_hub.reset_counters()
@@ -326,7 +326,7 @@ async def test_server_ignoring_range_restarts_as_one_stream(local_hub: LocalHub,
 
 @pytest.mark.anyio
 async def test_wrong_size_fails_closed_before_writing(local_hub: LocalHub, entry: Entry, settings: Settings) -> None:
-    local_hub.inject(file="model.gguf", advertise_size=entry.artifact.size_bytes - 10, times=None)  # type: ignore[union-attr]
+    local_hub.inject(file="model.gguf", advertise_size=entry.artifact.size_bytes - 10, times=None)
     with pytest.raises(PinMismatch, match="registry pins"):
         await fetch_m(entry, settings)
     assert local_hub.requests_for(file="model.gguf", method="GET") == []
@@ -361,7 +361,8 @@ async def test_moved_branch_is_not_followed_and_a_repin_discards_the_old_partial
 
 @pytest.mark.anyio
 async def test_unpinned_entry_is_refused(local_hub: LocalHub, entry: Entry, settings: Settings) -> None:
-    unpinned = replace(entry, artifact=replace(entry.artifact, revision="main"))  # type: ignore[arg-type]
+    assert entry.artifact is not None
+    unpinned = replace(entry, artifact=replace(entry.artifact, revision="main"))
     with pytest.raises(RegistryError, match="not pinned"):
         await fetch_and_verify(unpinned, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert local_hub.requests == []
@@ -390,10 +391,10 @@ async def test_gated_repo_names_licence_and_token_then_works_with_token(
 async def test_missing_repo_and_missing_file(local_hub: LocalHub, repo: Any, tmp_path: Path) -> None:
     _repo, commit, entry = repo
     settings = settings_for(local_hub, tmp_path / "home")
-    no_repo = replace(entry, artifact=replace(entry.artifact, repo="org/nope"))  # type: ignore[arg-type]
+    no_repo = replace(entry, artifact=replace(entry.artifact, repo="org/nope"))
     with pytest.raises(HubError, match="repository org/nope not found"):
         await fetch_and_verify(no_repo, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
-    no_file = replace(entry, artifact=replace(entry.artifact, file="missing.gguf"))  # type: ignore[arg-type]
+    no_file = replace(entry, artifact=replace(entry.artifact, file="missing.gguf"))
     with pytest.raises(HubError, match="missing.gguf not found"):
         await fetch_and_verify(no_file, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
 
@@ -427,7 +428,7 @@ async def test_header_mismatch_names_the_field_and_keeps_the_file_out(entry: Ent
     assert exc.value.details["field"] == "head_count_kv"
     assert not (settings.model_dir("m") / "model.gguf").exists()
     # the same bytes would fail again: the hashed partial is kept (never in place), not discarded
-    assert Path(fetched.weights.partial_path).is_file()  # type: ignore[union-attr, arg-type]
+    assert fetched.weights.partial_path is not None and Path(fetched.weights.partial_path).is_file()
 
 
 @pytest.mark.anyio
@@ -436,7 +437,7 @@ async def test_not_enough_disk_space_is_refused_up_front(local_hub: LocalHub, re
     huge = 1 << 60  # the server claims (and the registry pins) an exabyte
     local_hub.inject(file="model.gguf", advertise_size=huge, times=None)
     settings = settings_for(local_hub, tmp_path / "home")
-    big = replace(entry, artifact=replace(entry.artifact, size_bytes=huge, sha256=None))  # type: ignore[arg-type]
+    big = replace(entry, artifact=replace(entry.artifact, size_bytes=huge, sha256=None))
     with pytest.raises(DiskSpaceError, match="not enough disk space"):
         await fetch_and_verify(big, settings.model_dir("m"), settings=settings, options=FAST, progress=False)
     assert local_hub.requests_for(file="model.gguf", method="GET") == []
@@ -503,7 +504,7 @@ def _openvino_entry(repo_id: str, revision: str | None = None) -> Entry:
 @pytest.fixture
 def ov_repo(local_hub: LocalHub) -> dict[str, Any]:
     rng = np.random.default_rng(5)
-    files = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": rng.bytes(1_200_000),
+    files: dict[str, str | bytes] = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": rng.bytes(1_200_000),
              "config.json": json.dumps({"max_position_embeddings": 40960}), "tok/tokenizer.json": "{}"}
     commit = local_hub.create_repo("OpenVINO/m-ov", files, lfs=["openvino_model.bin"])
     return {"files": files, "commit": commit}

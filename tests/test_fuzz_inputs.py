@@ -1,4 +1,4 @@
-"""Hostile input (issue 4 §9): the GGUF header check and template / tokenizer_config parsing give their
+"""Hostile input: the GGUF header check and template / tokenizer_config parsing give their
 typed error — never another exception, a hang, or an allocation out of proportion to the input.
 
 Allocation is measured with tracemalloc (deterministic), not with a clock.

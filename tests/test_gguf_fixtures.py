@@ -1,13 +1,14 @@
 """The GGUF fixtures are real: gguf reads back what the writers promise, and the pinned
 llama-server loads each kind, opens the context asked for, budgets KV per layer type, refuses the
 broken ones with a log line that says why, and answers the deterministic model the same way
-every time (issue 2 item 7, issue 5 item 4)."""
+every time."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -18,7 +19,7 @@ from tests import gguf_fixtures as gf
 MiB = 1024 * 1024
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> object:
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
     field = reader.get_field(key)
     assert field is not None, f"{key} missing"
     return field.contents()
@@ -262,7 +263,7 @@ def test_per_layer_swa_pattern_reaches_the_server(tmp_path: Path) -> None:
     ],
     ids=["unsupported-arch", "truncated", "bad-header", "not-gguf"],
 )
-def test_broken_fixtures_fail_to_load_with_a_reason(tmp_path: Path, make, log_says: str) -> None:  # type: ignore[no-untyped-def]
+def test_broken_fixtures_fail_to_load_with_a_reason(tmp_path: Path, make, log_says: str) -> None:
     path = make(tmp_path)
     with pytest.raises(gf.ServerFailedToStart) as failed:
         with gf.llama_server(path, n_ctx=2048):

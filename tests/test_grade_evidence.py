@@ -1,4 +1,4 @@
-"""Earning a place by grade, opt-in (issue 12 item 7): the evidence file, ``--admit-graded`` on
+"""Earning a place by grade, opt-in: the evidence file, ``--admit-graded`` on
 ``plan``/``auto``, invalidation by fingerprint, and ``hotfit status``.
 
 What is real and what is a stand-in:
@@ -179,6 +179,7 @@ class ScriptedLlama:
     the preflight is the real binary search, so the grade's flags and build are what load would use."""
 
     name = "llama"
+    device_kinds = backends.select.backend_for("llama").device_kinds  # the planner asks it (stages/plan.py)
 
     def __init__(self, agent: gs.Agent) -> None:
         self.agent = agent

@@ -1,10 +1,10 @@
-"""Forced packs: the grade against the REAL llama-server with an outcome known in advance (issue 12 item 6).
+"""Forced packs: the grade against the REAL llama-server with an outcome known in advance.
 
 The deterministic tool-call fixture (tests/gguf_fixtures.py :func:`write_tool_call_model`) is a
 bigram model: under ``tool_choice: "auto"`` it ends its turn at once; under ``"required"`` the
 server's tool grammar makes it emit exactly one call, filling each argument with the first value
 the grammar leaves it (a free string closes at once: ``""``). The packs here narrow every forced
-turn so that the grammar admits exactly ONE call (design note §4.11 item 5):
+turn so that the grammar admits exactly ONE call:
 
 - the turn's first request asks ``tool_choice: "required"`` (string form only, llama.cpp#26849);
   the next one is ``"auto"``, so the fixture ends the turn after its one call;

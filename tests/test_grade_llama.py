@@ -4,7 +4,7 @@ The fixture (tests/gguf_fixtures.py) ends its turn at once under ``tool_choice: 
 it is a real never-calling model: the grade must call that a *model* failure (wrong_state),
 not a stack failure. Without a tool-capable template the preflight must make it inconclusive.
 This proves plumbing (template, parser, slots, timings), not model quality. The forced-correct /
-forced-wrong packs of issue 12 item 6, where the same fixture is made to call (``tool_choice:
+forced-wrong packs, where the same fixture is made to call (``tool_choice:
 "required"`` and single-value enums) and the grade must come out 100 % pass and 0 % fail, are in
 tests/test_grade_forced.py."""
 

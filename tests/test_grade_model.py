@@ -1,4 +1,4 @@
-"""Grading a model of this home through the Backend boundary (issue 12 item 1): `hotfit grade`
+"""Grading a model of this home through the Backend boundary: `hotfit grade`
 without --endpoint, `hotfit grade --model NAME`, and `hotfit auto --grade`.
 
 Fake-backend tests: a session of tests/test_backend_boundary.py's fake Backend whose
@@ -49,7 +49,7 @@ class ScriptedSession(FakeSession):
         return {"pid": self.pid, "argv": ["/opt/fake-server", "-c", "32768", "--port", "4711", "-np", "1"]}
 
     @contextlib.asynccontextmanager
-    async def chat_endpoint(self) -> AsyncIterator[HttpChatEndpoint]:  # type: ignore[override]
+    async def chat_endpoint(self) -> AsyncIterator[HttpChatEndpoint]:
         async with HttpChatEndpoint("http://fake.invalid", transport=self.server.transport()) as endpoint:
             yield endpoint
 

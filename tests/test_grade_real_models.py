@@ -1,10 +1,10 @@
-"""The grade on the real PyPI-shipped GGUFs (issue 12 item 6), through the same Backend as load.
+"""The grade on the real PyPI-shipped GGUFs, through the same Backend as load.
 
 What each model does is recorded in the README (scripts/bench-grade measured the tiers); here the
 suite checks, on every run, that the verdict a real model earns is decided by the right class:
 Gemma 3 270M and SmolLM2 carry no tool-capable template, so the grade must stop at its preflight —
 inconclusive, no scenario sent — never "fail"; Qwen2.5-Coder-0.5B has a tool template but writes its
-call as bare JSON without the template's markers (the tool probe sees the same: issue 9 item 6), so
+call as bare JSON without the template's markers (the tool probe sees the same), so
 the scenario is a stack outcome (``unparsed_call``) and the verdict inconclusive. One scenario only:
 the model runs at a few tokens/s on 2 CPU cores. The same scenario graded twice must give the same
 transcript hash (fixed sampling, one slot, each scenario's first request uncached).

@@ -174,7 +174,7 @@ def test_the_portable_build_loads_the_expected_cpu_variant(row: Row) -> None:
     from tests.test_portable_build import _info, _require_build
 
     variants = _info(_require_build("cpu"))["cpu_variants"]
-    flags = cpuinfo_flags(row.file("proc-cpuinfo.txt").read_text())  # type: ignore[union-attr]
+    flags = cpuinfo_flags(row.file("proc-cpuinfo.txt").read_text())
     assert ggml_cpu_variant(variants, flags) == row.expected["ggml_cpu_variant"]
 
 

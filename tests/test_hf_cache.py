@@ -26,7 +26,7 @@ from tests.test_fetch_weights import fetch_m, sha256_of
 from tests.test_pull_cli import env_for, model, pull_cmd  # noqa: F401 - `model` is a fixture
 
 
-def fill_cache(hub: LocalHub, cache: Path, repo: str, file: str, commit: str) -> Path:
+def fill_cache(hub: LocalHub, cache: Path, repo: str, file: str, commit: str | None) -> Path:
     """``hf_hub_download`` from the local Hub into ``cache``; the Hub's counters are reset after."""
     path = Path(hf_hub_download(repo, file, revision=commit, cache_dir=cache, endpoint=hub.endpoint, token=False))
     hub.reset_counters()
@@ -212,6 +212,7 @@ def test_offline_auto_provisions_from_the_cache_with_zero_bytes_fetched(hub: Loc
     cache = tmp_path / "hf-cache"
     for source in (entry.artifact, entry.projector, entry.chat_template):
         if source is not None:
+            assert source.file is not None  # each source of this entry names its file
             fill_cache(hub, cache, source.repo, source.file, source.revision)
     env = {**auto_env(hub), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
@@ -229,7 +230,7 @@ async def test_an_openvino_snapshot_takes_its_cached_files_and_fetches_the_rest(
     from stages.verify import verify
     from tests.test_fetch_weights import FAST, _openvino_entry
 
-    files = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": os.urandom(600_000),
+    files: dict[str, str | bytes] = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": os.urandom(600_000),
              "config.json": "{}", "tok/tokenizer.json": '{"t": 1}'}
     commit = local_hub.create_repo("OpenVINO/m-ov", files, lfs=["openvino_model.bin"])
     cache = tmp_path / "hf"

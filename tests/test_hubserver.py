@@ -1,5 +1,5 @@
 """The local Hub speaks the protocol the real huggingface_hub client and plain httpx expect
-(facts: ../shared/reference/hf-protocol.md), and its faults and counters are observable."""
+(as huggingface_hub's file_download.py calls it), and its faults and counters are observable."""
 
 from __future__ import annotations
 
@@ -210,8 +210,8 @@ def test_model_info_and_list_repo_tree(repo: tuple[LocalHub, str]) -> None:
 
     tree = {e.path: e for e in api.list_repo_tree("org/tiny", revision=commit, recursive=True)}
     assert set(tree) == {"config.json", "model.gguf", "sub", "sub/dir", "sub/dir/notes.txt"}
-    assert tree["model.gguf"].lfs.sha256 == hashlib.sha256(WEIGHTS).hexdigest()  # type: ignore[union-attr]
-    assert tree["config.json"].blob_id == git_blob_sha1(CONFIG)  # type: ignore[union-attr]
+    assert tree["model.gguf"].lfs.sha256 == hashlib.sha256(WEIGHTS).hexdigest()
+    assert tree["config.json"].blob_id == git_blob_sha1(CONFIG)
     top = {e.path for e in api.list_repo_tree("org/tiny", revision=commit)}
     assert top == {"config.json", "model.gguf", "sub"}
     assert {e.path for e in api.list_repo_tree("org/tiny", path_in_repo="sub/dir")} == {"sub/dir/notes.txt"}

@@ -26,3 +26,43 @@ def test_no_xfail_reads_as_green() -> None:
     pattern = re.compile(r"pytest\.xfail\(|mark\.xfail\b")
     offenders = [name for name, text in _test_sources().items() if pattern.search(text)]
     assert offenders == [], f"xfail in {offenders}"
+
+
+# What a reader of the repository cannot follow: a path outside it, a design document that is not
+# in it, an issue number of this project's tracker. A comment cites the spec's section ("spec:
+# Selection and hot context"), a document in the repository (docs/*.md, CONTRIBUTING.md) or a public
+# source (a project's file, an issue as owner/repo#N or its URL). Written so this file does not match.
+_UNFOLLOWABLE = re.compile(r"\.\./shared|\bshared/(?:design|reference)\b|\bissues? [0-9]+\b|\bdesign[ ]note\b")
+ROOT = TESTS.parent
+CODE_FOLDERS = ("backends", "core", "download", "grading", "pipeline", "registry", "scripts", "stages",
+                "state", "tests")
+
+
+def _code_files() -> list[Path]:
+    files = [p for folder in CODE_FOLDERS for p in sorted((ROOT / folder).rglob("*"))
+             if p.is_file() and "__pycache__" not in p.parts
+             and (p.suffix == ".py" or p.parent.name == "scripts" and p.suffix in ("", ".c", ".sh"))]
+    return [*files, ROOT / "pyproject.toml"]
+
+
+def unfollowable_citations(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of each citation a reader of the repository cannot follow."""
+    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if _UNFOLLOWABLE.search(line)]
+
+
+def test_the_citation_check_finds_what_it_forbids() -> None:
+    bad = ["(see ../sha" "red/reference/anchors.md §4)", "shared/" "design/grading.md", "(issue" " 9 item 4)",
+           "as issues" " 4 and 5 say", "(design" " note §4.7)"]
+    assert [n for n, _ in unfollowable_citations("\n".join(bad))] == [1, 2, 3, 4, 5]
+    good = ["llama.cpp#26849", "spec: Selection and hot context", "docs/grade.md", "an issue with the disk",
+            "huggingface_hub's file_download.py", "shared/ (the checkout's own folder)"]
+    assert unfollowable_citations("\n".join(good)) == []
+
+
+def test_comments_cite_only_what_the_repository_or_the_public_holds() -> None:
+    files = _code_files()
+    assert len(files) > 100, files  # the walk found the tree
+    offenders = [f"{p.relative_to(ROOT)}:{n}: {line[:120]}" for p in files
+                 for n, line in unfollowable_citations(p.read_text(encoding="utf-8", errors="replace"))]
+    assert offenders == [], ("cite the spec's section, a document in the repository or a public source, "
+                             "not a path outside the repository or an issue number:\n" + "\n".join(offenders))

@@ -1,6 +1,6 @@
 """scripts/install-llama-server: built once per backend from the pinned sdist, a second run is a
 no-op, the CPU build never takes ggml's AMX path and records the ISA features it uses, and the
-backend is picked from the hardware (issue 9 items 1 and 2)."""
+backend is picked from the hardware."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _detect(tmp_path: Path, *, driver: str | None = None, vendors: tuple[str, ..
         (None, ("0x1a03",), "cpu", "no GPU"),  # a BMC's display controller is no accelerator
     ],
 )
-def test_backend_is_picked_from_the_hardware(tmp_path: Path, driver, vendors, expected, why_part) -> None:  # type: ignore[no-untyped-def]
+def test_backend_is_picked_from_the_hardware(tmp_path: Path, driver, vendors, expected, why_part) -> None:
     backend, why = _detect(tmp_path, driver=driver, vendors=vendors)
     assert backend == expected
     assert why_part in why

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -107,7 +108,8 @@ def test_k_and_v_head_dims_are_separate() -> None:
 @pytest.mark.parametrize("flag", ["mla", "recurrent"])
 def test_mla_and_recurrent_are_budgeted_dense_over_all_layers(flag: str) -> None:
     # Qwen3.5-like: 32 layers, only 8 recorded as attention; MLA / hybrid → all 32 dense.
-    e = entry("dense", groups=(LayerGroup(8, 4, 256, 256),), n_layers=32, **{flag: True})
+    flags: dict[str, Any] = {flag: True}
+    e = entry("dense", groups=(LayerGroup(8, 4, 256, 256),), n_layers=32, **flags)
     p = layer_profile(e)
     assert isinstance(p, LayerKVProfile)
     assert p.n_layers == 32 and "dense" in p.basis

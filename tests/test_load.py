@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -147,7 +148,7 @@ def write_crashing_stand_in(directory: Path, sig: str = "SEGV", build_info: dict
     return script
 
 
-def real_build_info() -> dict[str, object]:
+def real_build_info() -> dict[str, Any]:
     """The pinned build's build-info.json (its backend and ISA record)."""
     return json.loads((require_llama_server().parent / "build-info.json").read_text(encoding="utf-8"))
 
@@ -266,7 +267,7 @@ def test_device_env_pins_an_nvidia_card_by_uuid(llama_model: FixtureInfo) -> Non
     if not any(f.name == "uuid" for f in dataclasses.fields(plan.probe.device)):
         assert device_env(plan) == {}
         return
-    dev = dataclasses.replace(plan.probe.device, uuid="GPU-1234")  # type: ignore[call-arg]
+    dev = dataclasses.replace(plan.probe.device, uuid="GPU-1234")
     pinned = dataclasses.replace(plan, probe=ProbeResult(devices=(dev,), selected=0))
     assert device_env(pinned) == {"CUDA_VISIBLE_DEVICES": "GPU-1234"}
     cpu = fixture_plan(llama_model, 32768)
@@ -543,7 +544,7 @@ async def test_death_by_signal_during_load_names_the_binary_its_isa_build_and_th
     record = real_build_info()
     if sig == "ILL":
         absent = _absent_cpu_feature()
-        record = {**record, "cpu_features": [*record["cpu_features"], absent]}  # type: ignore[list-item]
+        record = {**record, "cpu_features": [*record["cpu_features"], absent]}
     binary = write_crashing_stand_in(tmp_path / "bin", sig, record)
     build = build_info_from_json(record)
     with pytest.raises(LoadError) as caught:
@@ -555,7 +556,7 @@ async def test_death_by_signal_during_load_names_the_binary_its_isa_build_and_th
     assert d["cause"] == "killed_by_signal" and d["signal"] == f"SIG{sig}"
     assert d["returncode"] == -int(getattr(signal, f"SIG{sig}"))
     assert d["backend"] == "cpu" and d["variant"] == "native"
-    assert d["build_cpu_features"] == sorted(record["cpu_features"])  # type: ignore[arg-type]
+    assert d["build_cpu_features"] == sorted(record["cpu_features"])
     assert d["known_causes"] and all(c in str(err) for c in d["known_causes"])
     assert f"killed by SIG{sig}" in str(err) and str(binary) in str(err)
     assert "cpu backend, native build" in str(err)

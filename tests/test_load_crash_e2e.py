@@ -1,4 +1,4 @@
-"""End-to-end: `hotfit auto` whose llama-server dies by SIGSEGV at load (issue 9 item 6).
+"""End-to-end: `hotfit auto` whose llama-server dies by SIGSEGV at load.
 
 The run stops at load with exit 5 and an error naming the signal, the binary's backend and ISA
 build against this CPU and the known causes; the downloaded, verified weights stay in place, and

@@ -1,4 +1,4 @@
-"""The OpenVINO backend against real IR models made at test time (issue 13 item 6).
+"""The OpenVINO backend against real IR models made at test time.
 
 Fixtures: a GGUF written with ``gguf`` and converted to IR by GenAI's own reader
 (:mod:`tests.openvino_fixtures`), once per test session. Skipped without openvino-genai unless
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import AllocationMismatch, LoadError, ToolCallProbeFailed
+from backends.openvino.allocation import OpenVinoAllocationReport
 from stages.probe_tool_call import probe_tool_call
 from stages.recheck import recheck_allocation
 from backends.openvino.config import SESSION_FILE
@@ -78,6 +79,7 @@ async def test_forced_call_parses_and_the_kv_is_what_was_configured(
         assert probe.verdict.tool_name == "hotfit_probe" and probe.verdict.arguments == {"text": ""}
         assert probe.text.startswith("<tool_call>")  # the marker survives decoding
         report = await recheck_allocation(session)
+        assert isinstance(report, OpenVinoAllocationReport)  # the backend's own report, with its own fields
     # 1 layer x 1 KV head x head_dim 32: f16 4 x 32 B/token, u8 (32 + 8) + (32 + 8) B/token
     assert report.actual_kv_bytes == 32768 * bytes_per_token
     assert report.opened_context_tokens == 32768 and report.kv_precision == precision

@@ -1,4 +1,4 @@
-"""The OpenVINO backend's pure core (issue 13): parsers, settings, IR checks, KV arithmetic and the
+"""The OpenVINO backend's pure core: parsers, settings, IR checks, KV arithmetic and the
 re-check's judgement. No openvino-genai needed: these run everywhere."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,7 @@ ARGS = {"text": "ping"}
 
 # ---------------------------------------------------------------- parsers
 
-_HERMES_CASES = [
+_HERMES_CASES: list[tuple[str, Any]] = [
     ('<tool_call>\n{"name": "hotfit_probe", "arguments": {"text": "ping"}}\n</tool_call>', [("hotfit_probe", ARGS)]),
     ('<think>\nok\n</think>\n\n<tool_call>\n{"name":"hotfit_probe","arguments":{"text":"ping"}}\n</tool_call><|im_end|>',
      [("hotfit_probe", ARGS)]),
@@ -55,7 +56,7 @@ _HERMES_CASES = [
     ("<tool_call>not json</tool_call>", []),
 ]
 
-_HARMONY_CASES = [
+_HARMONY_CASES: list[tuple[str, Any]] = [
     ('<|channel|>commentary to=functions.hotfit_probe <|constrain|>json<|message|>{"text": "ping"}<|call|>',
      [("hotfit_probe", ARGS)]),
     (('<|channel|>analysis<|message|>Need to call.<|end|><|start|>assistant<|channel|>commentary '
@@ -66,7 +67,7 @@ _HARMONY_CASES = [
     ("<|channel|>final<|message|>Hello there.<|return|>", []),
 ]
 
-_PHI4_CASES = [
+_PHI4_CASES: list[tuple[str, Any]] = [
     ('functools[{"name": "hotfit_probe", "arguments": {"text": "ping"}}]', [("hotfit_probe", ARGS)]),
     ('functools[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"y": true}}]',
      [("a", {}), ("b", {"y": True})]),
@@ -76,7 +77,7 @@ _PHI4_CASES = [
     ("functools[oops", []),
 ]
 
-_QWEN3_CODER_CASES = [
+_QWEN3_CODER_CASES: list[tuple[str, Any]] = [
     ("<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n</function>\n</tool_call>",
      [("hotfit_probe", ARGS)]),
     (("Let me call it.\n<tool_call>\n<function=hotfit_probe>\n<parameter=text>\nping\n</parameter>\n"
@@ -273,10 +274,10 @@ _XML = """<layers>
 def test_kv_geometry_from_the_ir_and_bytes_per_token() -> None:
     shape = parse_ir_kv_shape(_XML)
     assert shape.n_layers == 1 and [(h, d) for _, h, d in shape.states] == [(8, 128), (8, 128)]
-    # f16: K+V 2 x 8 heads x 128 x 2 B; u8 (design note): K 128+32, V 128+8 per head
+    # f16: K+V 2 x 8 heads x 128 x 2 B; u8 (the CPU plugin's scales): K 128+32, V 128+8 per head
     assert kv_bytes_per_token(shape, "f16") == 4096
     assert kv_bytes_per_token(shape, "u8") == 8 * (160 + 136)
-    # Qwen3-8B (36 layers, 8 KV heads, 128): the design note's 147456 B/token f16, 85248 B/token u8
+    # Qwen3-8B (36 layers, 8 KV heads, 128): 147456 B/token f16, 85248 B/token u8
     assert kv_bytes_per_token_for_entry([(36, 8, 128, 128)], "f16") == 147456
     assert kv_bytes_per_token_for_entry([(36, 8, 128, 128)], "u8") == 85248
 

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import pytest
 
+from backends.openvino.allocation import OpenVinoAllocationReport
 from backends.base import ModelFiles
 from backends.openvino.backend import OpenVinoBackend
 from core.entry import Artifact, TemplateSource
@@ -156,6 +157,7 @@ async def test_the_kv_genai_allocates_for_a_real_export_is_the_planners_estimate
                                           timeout_s=120, purpose="a first step")
         assert answer.generated_tokens > 0
         report = await recheck_allocation(session, plan)
+        assert isinstance(report, OpenVinoAllocationReport)  # the backend's own report, with its own fields
     assert report.verdict == "pass", report
     assert report.actual_kv_bytes == report.estimated_kv_bytes == U8_KV_BYTES
     assert report.opened_context_tokens == WINDOW_TOKENS and report.kv_precision == "u8"

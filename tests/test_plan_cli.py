@@ -209,7 +209,7 @@ def test_host_memory_probe_plans_with_the_host_reserve(tmp_path: Path) -> None:
     assert rc == 0 and data["budget"]["reserve_bytes"] == reserve_bytes("cpu", total)
 
 
-# ----------------------------------------------------------------------------- every device planned (issue 10 item 2)
+# ----------------------------------------------------------------------------- every device planned
 
 
 def probe_many(*devices: tuple[str, int, int], selected: int = 0) -> ProbeResult:

@@ -329,7 +329,7 @@ def test_probe_cli_json_and_save(tmp_path: Path, hotfit_home: Path) -> None:
     assert load_probe_file(save).selected == data["selected"]
 
 
-# ----------------------------------------------------------------------------- ggml's device list (issue 9 item 3)
+# ----------------------------------------------------------------------------- ggml's device list
 
 LAVAPIPE_LISTING = (
     "ggml_vulkan: Found 1 Vulkan devices:\n"

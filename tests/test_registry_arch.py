@@ -1,4 +1,4 @@
-"""Eligibility evidence is checked, not asserted (issue 3 item 7).
+"""Eligibility evidence is checked, not asserted.
 
 Reads the pinned llama.cpp source tree that ``scripts/install-llama-server`` builds from
 (``<llama cache>/<sdist version>/work/src/vendor/llama.cpp``) and confirms that every auto-eligible

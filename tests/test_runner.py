@@ -13,16 +13,18 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
 
 from core import log as hlog
 from core.errors import Interrupted, TransferError
+from core.settings import Settings
 from pipeline.engine import Runner, Stage, StageContext
 from state.store import StateStore, SyncStateStore
 
@@ -36,6 +38,11 @@ class FakeSettings:
     @property
     def runs_dir(self) -> Path:
         return self.home / "runs"
+
+
+def fake_settings(home: Path) -> Settings:
+    """The one part of :class:`Settings` the engine reads (``runs_dir``), typed as the real thing."""
+    return cast(Settings, FakeSettings(home))
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class FileResult:
         return {"path": self.path, "size_bytes": self.size_bytes}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "FileResult":
+    def from_json(cls, d: Mapping[str, Any]) -> "FileResult":
         return cls(d["path"], d["size_bytes"])
 
 
@@ -96,7 +103,7 @@ class World:
 
         async def verify(ctx: StageContext) -> dict[str, Any]:
             self.calls.append("verify")
-            fetched: FileResult = ctx.results["fetch"]
+            fetched = ctx.results["fetch"]
             assert isinstance(fetched, FileResult)  # decoded on skip, live otherwise
             return {"ok": Path(fetched.path).stat().st_size == fetched.size_bytes}
 
@@ -153,7 +160,7 @@ def events() -> io.StringIO:
 async def run_once(world: World, **kw: Any):
     store = await StateStore.open(world.home / "state.db")
     try:
-        runner = Runner(world.stages(), store, FakeSettings(world.home), handle_signals=False, **kw)
+        runner = Runner(world.stages(), store, fake_settings(world.home), handle_signals=False, **kw)
         return await runner.run()
     finally:
         await store.aclose()
@@ -172,7 +179,7 @@ async def test_fresh_run_executes_every_stage_in_order(world: World, events: io.
     assert outcome.results["check"] == {"window_opened": 40000}
     assert world.sessions_open == 0  # the session was closed at the end of the pipeline
     with pytest.raises(TypeError):
-        outcome.results["x"] = 1  # type: ignore[index]
+        outcome.results["x"] = 1
     store = SyncStateStore(world.home / "state.db")
     recs = store.stages(outcome.run_id)
     assert [r.status for r in recs] == ["done"] * 6
@@ -212,7 +219,7 @@ async def test_a_reused_record_is_decoded_once_and_still_valid_checks_that_resul
     decoded: list[FileResult] = []
     checked: list[object] = []
 
-    def counting_decode(record: dict[str, Any]) -> FileResult:
+    def counting_decode(record: Mapping[str, Any]) -> FileResult:
         decoded.append(FileResult.from_json(record))
         return decoded[-1]
 
@@ -225,7 +232,7 @@ async def test_a_reused_record_is_decoded_once_and_still_valid_checks_that_resul
     world.calls.clear()
     store = await StateStore.open(world.home / "state.db")
     try:
-        outcome = await Runner(stages, store, FakeSettings(world.home), handle_signals=False).run()
+        outcome = await Runner(stages, store, fake_settings(world.home), handle_signals=False).run()
     finally:
         await store.aclose()
     assert "fetch" in outcome.skipped and "fetch" not in world.calls
@@ -402,7 +409,7 @@ def test_kill_9_leaves_state_the_next_run_resumes(tmp_path: Path) -> None:
         s = await StateStore.open(home / "state.db")
         try:
             return await Runner([Stage("quick", quick), Stage("hold", hold, deps=("quick",))], s,
-                                FakeSettings(home), handle_signals=False).run()
+                                fake_settings(home), handle_signals=False).run()
         finally:
             await s.aclose()
 
@@ -512,6 +519,7 @@ def test_disk_check_needs_artifact_projector_and_margin(tmp_path: Path) -> None:
     # what a previous attempt left in the model directory is not needed again
     assert disk_needed_bytes(with_projector, 600) == info.size_bytes + 400 + DISK_MARGIN_BYTES
     check_disk(entry, tmp_path / "models" / "fx")  # a few hundred KiB + 512 MiB: fits here
+    assert entry.artifact is not None
     huge = dataclasses.replace(entry, artifact=dataclasses.replace(entry.artifact, size_bytes=1 << 60))
     with pytest.raises(DiskSpaceError) as err:
         check_disk(huge, tmp_path / "models" / "fx")
@@ -526,7 +534,7 @@ def test_recorded_template_is_reused_only_while_its_text_is_unchanged(tmp_path: 
     from pipeline.provision import AutoOptions, provisioning_stages
 
     stage = next(s for s in provisioning_stages(AutoOptions()) if s.name == "fetch-template")
-    assert stage.still_valid is not None
+    assert stage.still_valid is not None and stage.decode is not None
     path = tmp_path / "chat_template.jinja"
     text = "{% for tool in tools %}<tool_call>{% endfor %}"
     path.write_text(text)
@@ -581,12 +589,12 @@ async def test_a_field_of_the_wrong_kind_names_the_field(world: World, events: i
               for s in stages]
     store = await StateStore.open(world.home / "state.db")
     try:
-        await Runner(strict, store, FakeSettings(world.home), handle_signals=False).run()
+        await Runner(strict, store, fake_settings(world.home), handle_signals=False).run()
         await store.aclose()
         _damage(world.home / "state.db", "fetch", '{"path": "/x", "size_bytes": "64"}')
         store = await StateStore.open(world.home / "state.db")
         world.calls.clear()
-        await Runner(strict, store, FakeSettings(world.home), handle_signals=False).run()
+        await Runner(strict, store, fake_settings(world.home), handle_signals=False).run()
     finally:
         await store.aclose()
     assert "fetch" in world.calls
@@ -603,7 +611,7 @@ async def test_an_ephemeral_run_writes_nothing_reuses_nothing_and_logs_no_lifecy
     before = (world.home / "state.db").read_bytes()
     world.calls.clear()
     mark = len(parsed(events))
-    outcome = await Runner(world.stages(), None, FakeSettings(world.home), handle_signals=False).run()
+    outcome = await Runner(world.stages(), None, fake_settings(world.home), handle_signals=False).run()
     assert world.calls == ["probe", "plan", "fetch", "verify", "load", "check"]
     assert outcome.skipped == () and isinstance(outcome.results["fetch"], FileResult)
     assert (world.home / "state.db").read_bytes() == before
@@ -616,5 +624,5 @@ async def test_an_ephemeral_run_writes_nothing_reuses_nothing_and_logs_no_lifecy
 async def test_an_ephemeral_run_raises_a_stage_failure_unchanged(world: World) -> None:
     world.fail_in = "fetch"
     with pytest.raises(TransferError, match="hub said no"):
-        await Runner(world.stages(), None, FakeSettings(world.home), handle_signals=False).run()
+        await Runner(world.stages(), None, fake_settings(world.home), handle_signals=False).run()
     assert not (world.home / "state.db").exists()

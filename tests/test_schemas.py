@@ -1,4 +1,4 @@
-"""One schema per file format (issue 11, item 6): the records toolkit, the manifest's decoder (its
+"""One schema per file format: the records toolkit, the manifest's decoder (its
 entry through the registry's one entry decoder), and damaged manifests and probe files at the CLI."""
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def test_a_binary_file_is_a_typed_error_naming_it_not_a_traceback(
 
 
 def test_no_registry_module_reaches_files_network_or_processes() -> None:
-    """registry/ parses text and computes (issue 11, item 1): the file reads live in pipeline/registry_file.py."""
+    """registry/ parses text and computes: the file reads live in pipeline/registry_file.py."""
     import ast
 
     effectful = {"os", "io", "pathlib", "shutil", "subprocess", "socket", "urllib", "httpx", "huggingface_hub",

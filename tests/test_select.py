@@ -335,7 +335,7 @@ def test_the_q8_0_alternative_beyond_the_device_is_the_empty_device_figure_too()
     assert refused.refusal is not None
     q8 = KV_CACHE_TYPES["q8_0"]
     empty = select_auto(CATALOGUE, device_budget("nvidia", 2 * GiB, 2 * GiB), q8,
-                        origin="china").refusal.smallest.required_device_bytes  # type: ignore[union-attr]
+                        origin="china").refusal.smallest.required_device_bytes
     assert empty is not None
     alt = next(a for a in refused.refusal.alternatives if "q8_0" in a)
     assert f"({empty} bytes)" in alt
@@ -537,7 +537,7 @@ def test_the_us_openvino_data_gap_is_the_unverified_gpt_oss_ceiling(bundled: tup
 
 @pytest.mark.parametrize("origin", [None, "us", "china", "eu"])
 def test_capability_first_ordering_4_to_80_gib_bundled(bundled: tuple, origin: str | None) -> None:
-    last = 0.0
+    last: float | None = 0.0
     for gib in (4, 6, 8, 12, 16, 24, 32, 48, 64, 80):
         s = select_auto(bundled, card(gib, gib), F16, origin=origin)
         if s.chosen is not None:

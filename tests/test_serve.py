@@ -1,4 +1,4 @@
-"""hotfit serve: the verified parameters, re-checked against the device as it is now (issue 6, item 7)."""
+"""hotfit serve: the verified parameters, re-checked against the device as it is now."""
 
 from __future__ import annotations
 
@@ -258,7 +258,7 @@ def test_template_edited_after_verification_is_not_in_place(provisioned: dict, t
     assert any("chat template" in p for p in again.files_in_place())
 
 
-# ----------------------------------------------------------------------------- device pinning (issue 10 item 8)
+# ----------------------------------------------------------------------------- device pinning
 
 
 GPU_UUID = "GPU-8a1c2f0e-0000-4000-8000-000000000001"

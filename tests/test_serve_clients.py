@@ -107,7 +107,7 @@ def served(home: dict) -> Iterator[dict[str, Any]]:
     try:
         deadline = time.monotonic() + 90
         while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             try:
                 with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -158,11 +158,13 @@ def _question() -> str:
 def test_openai_sdk_gets_a_parsed_tool_call(served: dict) -> None:
     import openai
     client = openai.OpenAI(base_url=served["base"] + "/v1", api_key=served["key"], max_retries=0, timeout=120)
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": _question()}],
-                                            tools=[PROBE_TOOL], tool_choice="required", temperature=0)
+    messages: Any = [{"role": "user", "content": _question()}]  # plain dicts, as a client writes them
+    tools: Any = [PROBE_TOOL]  # (the SDK types them as its own TypedDicts)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                            temperature=0)
     assert answer.model == MODEL
     choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls is not None
     [call] = choice.message.tool_calls
     assert call.function.name == "hotfit_probe" and json.loads(call.function.arguments) == {"text": ""}
 

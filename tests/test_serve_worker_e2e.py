@@ -1,4 +1,4 @@
-"""End to end: `hotfit auto` rerun while `hotfit serve` serves the provisioned model (issue 10 item 1).
+"""End to end: `hotfit auto` rerun while `hotfit serve` serves the provisioned model.
 
 Real parts: the local Hub with the fixture models, the real llama-server started by `hotfit serve`,
 `hotfit auto` as a subprocess. The saved probe given to the rerun shows the memory the worker
@@ -94,7 +94,7 @@ def test_rerun_while_serving_keeps_the_served_model_and_changes_nothing(hub: Loc
     try:
         deadline = time.monotonic() + 60
         while health(port) != 200:
-            assert serve.poll() is None, serve.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+            assert serve.poll() is None, serve.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "llama-server did not come up"
             time.sleep(0.1)
         assert llama_servers_of(home) == {serve.pid}  # serve exec'd llama-server: same pid

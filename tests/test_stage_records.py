@@ -1,6 +1,6 @@
 """Every stage's result decodes from its stored record into the type a fresh run returns.
 
-A reused stage hands downstream the same frozen dataclass a fresh run does (issue 11 item 4): each
+A reused stage hands downstream the same frozen dataclass a fresh run does: each
 result type's ``to_json()`` goes through JSON (as state.db stores it) and back through its decoder
 to an equal value; a damaged record is a StageRecordError naming the field, never a half-decoded
 result.

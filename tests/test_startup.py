@@ -1,4 +1,4 @@
-"""CLI start-up: importing the CLI loads no run-time-only third-party library (issue 11 leftovers).
+"""CLI start-up: importing the CLI loads no run-time-only third-party library.
 
 gguf (and the numpy it imports) is needed only to read a GGUF header, httpx/httpcore only to open a
 connection; ``hotfit --help``, ``status`` and a usage error must not pay for them. The timings are

@@ -1,4 +1,4 @@
-"""state.store: durable, transactional stage records (issue 6, item 2)."""
+"""state.store: durable, transactional stage records."""
 
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_a_busy_database_on_write_names_the_process_that_has_it_open(tmp_path: P
         holder.kill()
         holder.wait()
     store.stage_running(run.run_id, "probe", "h", None)  # the store is still usable once it is free
-    assert store.get_stage(run.run_id, "probe").status == "running"  # type: ignore[union-attr]
+    assert store.get_stage(run.run_id, "probe").status == "running"
 
 
 def test_status_on_a_busy_database_exits_6_naming_the_holder(busy_home: Any) -> None:

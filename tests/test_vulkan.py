@@ -1,8 +1,8 @@
-"""The accelerator path for real (issue 9 item 3): the Vulkan llama-server built by
+"""The accelerator path for real: the Vulkan llama-server built by
 scripts/install-llama-server, on Mesa's lavapipe (Debian's mesa-vulkan-drivers), a software Vulkan
 device that ggml offloads to exactly as to a GPU.
 
-Facts this relies on (../shared/reference/gpu-builds.md): ggml skips CPU-type Vulkan devices unless
+Facts this relies on (ggml's ggml-vulkan.cpp and Mesa's lavapipe): ggml skips CPU-type Vulkan devices unless
 ``GGML_VK_VISIBLE_DEVICES`` names them; lavapipe reports one fixed 2 GiB heap (its free figure never
 changes); the load lines appear at ``-lv 4``; it generates about 1 token/s, so requests stay tiny.
 What lavapipe cannot show: real VRAM pressure, a driver's memory-budget extension, GPU speed.
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
 from backends.llama_server.discovery import cache_bin_dir, find_llama_server
 from core.errors import AllocationMismatch, BackendError
 from core.plan import Device, ProbeResult
@@ -61,7 +62,7 @@ def lavapipe_device(binary: Path) -> Device:
                   free_bytes=g.free_bytes, ggml_device=g.name)
 
 
-def vulkan_plan(info: FixtureInfo, tokens: int, kv: str, device: Device):  # type: ignore[no-untyped-def]
+def vulkan_plan(info: FixtureInfo, tokens: int, kv: str, device: Device):
     import dataclasses
 
     plan = fixture_plan(info, tokens, kv, device_kind="vulkan")
@@ -106,7 +107,9 @@ async def test_every_layer_and_the_kv_sit_on_the_vulkan_device(
                            warmup=False) as srv:
         assert srv.argv[srv.argv.index("-dev") + 1] == "Vulkan0"
         report = await recheck_allocation(srv)
+        assert isinstance(report, LlamaAllocationReport)  # the backend's own report, with its own fields
     assert report.verdict == "pass", report.problems
+    assert report.offloaded_layers is not None
     done, total = report.offloaded_layers
     assert done == total and total >= info.n_layers  # "offloaded N/N layers to GPU"
     assert report.kv_buffers and {b["buffer"] for b in report.kv_buffers} == {"Vulkan0"}
@@ -193,7 +196,7 @@ def _fa_off_wrapper(binary: Path, directory: Path) -> Path:
     return wrapper
 
 
-def _real_plan(name: str, device: Device):  # type: ignore[no-untyped-def]
+def _real_plan(name: str, device: Device):
     import dataclasses
 
     from registry.kv import KV_CACHE_TYPES
@@ -228,8 +231,10 @@ async def test_a_real_quantized_model_runs_on_lavapipe_with_every_layer_and_the_
                 "prompt": "The capital of France is", "n_predict": 3, "temperature": 0,
                 "cache_prompt": False})).json()
         report = await recheck_allocation(srv, floor_tokens=floor)
+        assert isinstance(report, LlamaAllocationReport)  # the backend's own report, with its own fields
     assert answer["tokens_predicted"] >= 1, answer
     assert report.verdict == "pass", report.problems
+    assert report.offloaded_layers is not None
     done, total = report.offloaded_layers
     assert done == total and total >= m.entry().config.n_layers
     assert {b["buffer"] for b in report.kv_buffers} == {"Vulkan0"}

@@ -1,4 +1,4 @@
-"""pipeline.worker: the served model is judged with its own worker's memory (issue 10 item 1).
+"""pipeline.worker: the served model is judged with its own worker's memory.
 
 Pure tables for the judgement; the record checks run against real processes (this one, a dead
 one). The end-to-end run with the real llama-server is in tests/test_serve_worker_e2e.py.
@@ -26,7 +26,7 @@ from pipeline.worker import (
     worker_held_bytes,
     write_worker_record,
 )
-from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
+from registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
 from core.entry import LayerGroup
 from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from stages.plan import PreviousModel, available_with_worker, build_plan
@@ -89,6 +89,7 @@ def test_available_with_worker(free: int, total: int, held: int, processes_used:
 def test_held_bytes_use_the_measured_kv_of_the_verified_window(provisioned: tuple) -> None:
     plan, manifest = provisioned
     weights = BIG.weights_bytes
+    assert weights is not None
     held = worker_held_bytes(manifest, facts(manifest.opened_context_tokens))
     assert held == weights + manifest.measured["actual_kv_bytes"] + runtime_allowance(weights)
 
@@ -97,6 +98,7 @@ def test_held_bytes_of_a_replanned_window_are_the_estimate_scaled_by_the_measure
     plan, manifest = provisioned
     m = manifest_for(plan, opened=plan.hot_context_tokens, actual_kv=None, ratio=1.5)
     profile = layer_profile(BIG, MAX_HOT_CONTEXT_TOKENS)
+    assert isinstance(profile, LayerKVProfile) and BIG.weights_bytes is not None
     held = worker_held_bytes(m, facts(40000))  # serve re-planned a smaller window
     kv = int(kv_bytes(profile, 40000, F16) * 1.5)
     assert held == BIG.weights_bytes + kv + runtime_allowance(BIG.weights_bytes)
@@ -111,6 +113,7 @@ def test_previous_device_free(provisioned: tuple, worker_opened: str | None, exp
     if expect_device_free is None:
         assert got is None
         return
+    assert worker is not None
     held = worker_held_bytes(manifest, worker)
     assert got == (0, min(int(5.5 * GiB) + held, 24 * GiB))  # capped: the card has 18.5 GiB in use
     assert got[1] > int(5.5 * GiB)

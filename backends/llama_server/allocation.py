@@ -45,7 +45,10 @@ from core.lazy_import import lazy_module
 from core.plan import Plan
 from registry.kv import allocation_kv_bytes
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
     from backends.llama_server.process import LoadedServer

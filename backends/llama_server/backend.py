@@ -27,7 +27,7 @@ class LlamaServerBackend:
 
     def preflight(self, plan: Plan, settings: Settings) -> ServerBinary:
         """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and
-        the plan's device (issue 9 item 4); blocking (run it in a thread)."""
+        the plan's device; blocking (run it in a thread)."""
         return find_llama_server(settings, device_kind=plan.probe.device.kind)
 
     async def _binary(self, plan: Plan, settings: Settings, binary: BackendBinary | None) -> ServerBinary:

@@ -22,7 +22,10 @@ from backends.base import ChatAnswer, ChatFailed
 from backends.llama_server.crash import signal_death_report
 from backends.llama_server.logs import relevant_log_lines
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
     from backends.llama_server.process import LoadedServer

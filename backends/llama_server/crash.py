@@ -1,9 +1,9 @@
-"""Why llama-server died by a signal, from what is known about the binary (issue 9 item 6).
+"""Why llama-server died by a signal, from what is known about the binary.
 
 A server that dies by a signal while loading, warming up or answering (SIGSEGV, SIGILL, SIGBUS,
 ...) is diagnosed from its build (backend, native/generic, the ISA features its
 ``build-info.json`` records) against this CPU's flags, with the causes seen for that signal
-(``../shared/reference/gpu-builds.md`` for ggml's AMX crash). Pure core: :func:`compare_isa`,
+(docs/builds.md, "Why no AMX anywhere", for ggml's AMX crash). Pure core: :func:`compare_isa`,
 :func:`signal_known_causes`, :func:`diagnose_signal_death`; :func:`signal_death_report` reads the
 CPU flags, the build record and the log of a running server.
 """

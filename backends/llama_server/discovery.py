@@ -1,4 +1,4 @@
-"""Find the llama-server binary hotfit runs, and say which one it used (issue 2 item 4).
+"""Find the llama-server binary hotfit runs, and say which one it used.
 
 Search order, first hit wins:
 
@@ -13,7 +13,7 @@ An explicit path (flag or env) that does not exist, is not a file, or is not exe
 error, never a silent fall-back to another binary: the operator named that one. Nothing found →
 :class:`BackendNotFound` listing every place searched and how to get a binary.
 
-Every binary found is then checked for this machine (issue 9 items 1 and 4): the ISA features its
+Every binary found is then checked for this machine: the ISA features its
 ``build-info.json`` records must all be in ``/proc/cpuinfo`` (else it would die by SIGILL mid-run),
 and its backend (cpu, vulkan, cuda) must suit the kind of device the plan is for
 (:func:`compatibility_problem`). Both fail with the fix named, before any weight is fetched.

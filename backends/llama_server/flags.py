@@ -1,6 +1,6 @@
 """llama-server's command line and child environment for a plan (pure, apart from ``--help``).
 
-llama.cpp's defaults can silently break a plan (``../shared/reference/anchors.md`` §4, §11):
+llama.cpp's defaults can silently break a plan (llama.cpp's tools/server/README.md):
 ``--fit`` (on by default) shrinks the context to 4096 or moves layers to the CPU, ``-np`` auto
 (4 slots) divides ``-c`` across slots, a quantized V cache needs flash attention. So every
 parameter the plan depends on is passed explicitly (:func:`llama_server_argv`), the flags a build

@@ -30,7 +30,7 @@ import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, ClassVar, Literal, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, ClassVar, Literal, Mapping
 
 import anyio
 
@@ -64,7 +64,10 @@ from core.log import get_logger
 from core.plan import Plan
 from grading.protocol import ChatEndpoint
 
-httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
+if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
+    import httpx
+else:
+    httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 __all__ = ["HEALTH_TIMEOUT_S", "TERM_GRACE_S", "LoadedServer", "free_port", "open_server"]
 
@@ -85,6 +88,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _PR_SET_PDEATHSIG = 1
+_prctl: Callable[..., int] | None
 try:  # resolved here, in the parent: the forked child must not dlopen or import anything
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: the context manager's reaping still applies

@@ -1,7 +1,7 @@
-"""OpenVINO's hot allocation: what the opened pipeline really allocated, against the plan (issue 13 item 3).
+"""OpenVINO's hot allocation: what the opened pipeline really allocated, against the plan.
 
 GenAI allocates the paged KV cache lazily: ``get_metrics().kv_cache_size_in_bytes`` is 0 until
-the first generation step and then equals blocks x bytes per block (design note §4, measured).
+the first generation step and then equals blocks x bytes per block (measured: tests/test_openvino.py).
 So this is read after the tool-call probe (by the re-check stage, :mod:`stages.recheck`), and the
 token capacity is derived from it with the IR's own KV geometry (``ReadValue`` states of
 ``openvino_model.xml``) at the planned precision — never from the configured block count, and

@@ -1,7 +1,8 @@
 """OpenVINO session settings for a plan, and the checks made before anything starts (pure).
 
 :func:`session_config` turns the plan into every pipeline setting; nothing is left to GenAI's
-defaults (``../shared/design/openvino.md`` §2, §4):
+defaults (openvino.genai's ``SchedulerConfig`` and ``ContinuousBatchingPipeline``; docs/benchmarks.md
+for the allocation measured here):
 
 - ``ContinuousBatchingPipeline``: the only GenAI pipeline whose metrics report the KV bytes really
   allocated, which the re-check needs;
@@ -84,7 +85,7 @@ VISION_PATH_FILES: tuple[str, ...] = (
 # Tokens per KV block of GenAI's paged cache (continuous_batching/cache/kv_cache_manager.hpp).
 KV_BLOCK_TOKENS: dict[str, int] = {"CPU": OPENVINO_KV_BLOCK_TOKENS, "GPU": 16}
 # The plan's KV type (ggml names, CONTENOX_LLAMA_KV_CACHE_TYPE) -> OpenVINO's KV_CACHE_PRECISION.
-# u8 is the analogue of q8_0 (design note §4). f32 is refused by the CPU plugin on BF16-capable
+# u8 is the analogue of q8_0. f32 is refused by the CPU plugin on BF16-capable
 # CPUs and u4 costs more than u8 there (measured), so neither is offered.
 KV_PRECISIONS: dict[str, str] = dict(OPENVINO_KV_PRECISIONS)
 # Compiling an 8B int4 IR on a cold disk takes a minute or two; beyond this it is reported hung.
@@ -274,8 +275,8 @@ _READ_VALUE_RE = re.compile(r'<data\s+variable_id="(?P<id>[^"]+)"\s+variable_typ
 
 
 def parse_ir_kv_shape(model_xml: str) -> KvShape:
-    """Pure: the KV geometry from the IR's ``ReadValue`` states (``[batch, kv_heads, seq, head_dim]``;
-    design note §4), so the check needs no config.json."""
+    """Pure: the KV geometry from the IR's ``ReadValue`` states (``[batch, kv_heads, seq, head_dim]``),
+    so the check needs no config.json."""
     states = []
     for m in _READ_VALUE_RE.finditer(model_xml):
         dims = m["shape"].split(",")

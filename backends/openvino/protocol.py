@@ -21,13 +21,14 @@ class WorkerGone(Exception):
 
 
 async def worker_request(process: subprocess.Popen[bytes], payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    assert process.stdin is not None and process.stdout is not None
+    stdin, stdout = process.stdin, process.stdout
+    assert stdin is not None and stdout is not None
 
     def exchange() -> bytes:
         if payload:
-            process.stdin.write((json.dumps(payload) + "\n").encode())  # type: ignore[union-attr]
-            process.stdin.flush()  # type: ignore[union-attr]
-        return process.stdout.readline()  # type: ignore[union-attr]
+            stdin.write((json.dumps(payload) + "\n").encode())
+            stdin.flush()
+        return stdout.readline()
 
     with anyio.fail_after(timeout_s):
         try:

@@ -1,4 +1,4 @@
-"""OpenVINO process lifetime: open a verified IR snapshot exactly as planned (issue 13 item 1).
+"""OpenVINO process lifetime: open a verified IR snapshot exactly as planned.
 
 The pipeline lives in a child process (:mod:`backends.openvino.worker`, which says why) started in
 its own session, killed at a deadline, and always reaped on leaving :func:`open_openvino_session`:

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import Any, NoReturn, TextIO
+from typing import Any, Literal, NoReturn, TextIO
 
 from core import log
 from core.diskspace import from_os_error, is_disk_full
@@ -164,9 +164,11 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
     try:
         settings = load_settings(home=args.home, llama_server=args.llama_server)
         prepare_home(settings.home, settings.home_named, settings.log_path.parent)
-        for path, kind in ((settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
-                           (settings.manifest_path, "file"), (settings.models_dir, "directory")):
-            checked_write_path(path, kind=kind)  # type: ignore[arg-type]
+        targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
+            (settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
+            (settings.manifest_path, "file"), (settings.models_dir, "directory"))
+        for path, kind in targets:
+            checked_write_path(path, kind=kind)
         try:
             log.configure(args.log_format, verbosity, settings.log_path, max_bytes=settings.log_max_bytes,
                           keep=settings.log_keep)

@@ -1,4 +1,4 @@
-"""hotfit grade: a multi-turn tool-use grade of a running OpenAI-compatible server (issue 12).
+"""hotfit grade: a multi-turn tool-use grade of a running OpenAI-compatible server.
 
 ``--endpoint URL`` grades what is already serving (``hotfit serve``, a llama-server started by
 hand, a server on another machine) through :mod:`stages.grade`. Without it, the provisioned model

@@ -1,6 +1,6 @@
 """hotfit pull NAME: fetch-weights -> fetch-template -> verify for one named entry (pipeline.pull).
 
-The name is explicit: no fallback to another model or origin (issue 4 §7). Files go to
+The name is explicit: no fallback to another model or origin. Files go to
 ``Settings.model_dir(NAME)``; a rerun resumes an interrupted download and skips verified files.
 One pull per model directory at a time: a second one exits 6 naming the holder's PID, or queues
 behind it with ``--wait``.
@@ -44,16 +44,16 @@ def _human(result: PullResult) -> str:
         lines.append(f"  snapshot  {s.directory} at {s.commit} ({s.files} files, {s.size_bytes} bytes)")
     t = result.template
     if t.path:
-        s = f.snapshot
+        snap = f.snapshot
         origin = (f"read from the snapshot's {t.source.rsplit('/', 1)[-1]}; "
-                  if s is not None and t.source and t.source.startswith(f"{s.repo}@{s.commit}/") else "")
+                  if snap is not None and t.source and t.source.startswith(f"{snap.repo}@{snap.commit}/") else "")
         lines.append(f"  template  {t.path} ({origin}{t.variant}; tool markers: {', '.join(t.tool_markers)})")
     else:
         lines.append("  template  none named by the entry"
                      + (" (the GGUF embeds one)" if result.verify.gguf_embeds_chat_template else ""))
     lines.append(f"  vision    {'yes' if result.verify.vision else 'no'}")
-    for w in f.warnings:
-        lines.append(f"  warning   {w}")
+    for warning in f.warnings:
+        lines.append(f"  warning   {warning}")
     return "\n".join(lines)
 
 

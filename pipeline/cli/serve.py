@@ -1,4 +1,4 @@
-"""hotfit serve: start llama-server with the verified parameters (issue 6, item 7).
+"""hotfit serve: start llama-server with the verified parameters.
 
 Before it starts anything, serve checks that the device still has the memory for the window
 the last ``hotfit auto`` verified. The manifest holds that window as a measurement, not a
@@ -46,8 +46,8 @@ from core.log import get_logger
 from pipeline.cli.context import CliContext
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
 from pipeline.worker import record_for_self, write_worker_record
-from registry.kv import parse_kv_cache_type
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, UnknownKV, device_budget, fmt_bytes, model_fit
+from registry.kv import UnknownKV, parse_kv_cache_type
+from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, fmt_bytes, model_fit
 from stages import probe as probe_stage
 
 log = get_logger()
@@ -380,7 +380,7 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         prefix = ["env", *(f"{k}={v}" for k, v in sorted(pin_env.items()))] if pin_env else []
         ctx.emit(data, shlex.join(prefix + argv))
         return 0
-    # The worker record (issue 10 item 1): this pid becomes llama-server's at exec, so a later
+    # The worker record: this pid becomes llama-server's at exec, so a later
     # `hotfit auto` recognises the model being served and keeps it.
     record = record_for_self(host=args.host, port=args.port, model_path=manifest.model_path,
                              entry_name=manifest.entry_name, context_tokens=decision.context_tokens,
