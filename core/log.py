@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import Any, BinaryIO, TextIO
 
 import structlog
@@ -39,7 +40,7 @@ _file_sink: BinaryIO | None = None  # the open log file of the last configure(),
 FILE_ONLY = "_file_only"
 DEFAULT_LOG_MAX_BYTES = 10 << 20  # rotate at 10 MiB: weeks of hourly no-op runs, quick to ship
 DEFAULT_LOG_KEEP = 5  # rotated files kept beside the live one
-_seen: list[dict[str, Any]] = []  # this process's events since configure() (pipeline/metrics.py reads them)
+_seen: list[MutableMapping[str, Any]] = []  # this process's events since configure() (pipeline/metrics.py reads them)
 
 
 def _scrub_secrets(_logger: Any, _name: str, event: EventDict) -> EventDict:
@@ -79,7 +80,7 @@ def rotate_if_full(log_file: Path, max_bytes: int, keep: int) -> bool:
     return True
 
 
-def events_seen() -> list[dict[str, Any]]:
+def events_seen() -> list[MutableMapping[str, Any]]:
     """The events this process emitted since the last :func:`configure` (as written to the file)."""
     return list(_seen)
 

@@ -342,8 +342,11 @@ async def prune_runs(store: StateStore, settings: Settings, protect: tuple[str, 
         log.warning("state.prune_failed", error=str(exc))
         return []
     if pruned:
-        await anyio.to_thread.run_sync(lambda: [shutil.rmtree(settings.runs_dir / r, ignore_errors=True)
-                                                for r in pruned])
+        def remove_run_dirs() -> None:
+            for r in pruned:
+                shutil.rmtree(settings.runs_dir / r, ignore_errors=True)
+
+        await anyio.to_thread.run_sync(remove_run_dirs)
         log.info("state.pruned", runs=len(pruned), oldest=pruned[0], newest=pruned[-1], kept=settings.keep_runs)
     return pruned
 

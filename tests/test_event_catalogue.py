@@ -92,7 +92,7 @@ def emitted_events(trees: list[tuple[str, ast.Module]]) -> tuple[dict[str, Emitt
                 arg, level = node.args[0], func.attr
             elif func.attr == "_event" and len(node.args) >= 2:  # the engine's recorded-run events
                 arg = node.args[1]
-                level = node.args[0].value if isinstance(node.args[0], ast.Constant) else "?"
+                level = str(node.args[0].value) if isinstance(node.args[0], ast.Constant) else "?"
             else:
                 continue
             scope = min((f for f in functions if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)),

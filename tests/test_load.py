@@ -555,11 +555,11 @@ async def test_death_by_signal_during_load_names_the_binary_its_isa_build_and_th
     d = err.details
     assert d["cause"] == "killed_by_signal" and d["signal"] == f"SIG{sig}"
     assert d["returncode"] == -int(getattr(signal, f"SIG{sig}"))
-    assert d["backend"] == "cpu" and d["variant"] == "native"
+    assert d["backend"] == "cpu" and d["variant"] == record["variant"]  # the default build: portable
     assert d["build_cpu_features"] == sorted(record["cpu_features"])
     assert d["known_causes"] and all(c in str(err) for c in d["known_causes"])
     assert f"killed by SIG{sig}" in str(err) and str(binary) in str(err)
-    assert "cpu backend, native build" in str(err)
+    assert f"cpu backend, {record['variant']} build" in str(err)
     assert f"dying by SIG{sig}" in str(err)  # the log tail (the stand-in's one stderr line)
     assert "gdb -batch -ex run -ex bt --args" in (err.hint or "") and str(binary) in (err.hint or "")
     fix = "hotfit pull fixture-llama" if sig == "BUS" else "--backend cpu --force"  # a file fault is no rebuild
@@ -585,7 +585,8 @@ async def test_death_by_signal_without_a_build_passed_reads_the_record_beside_th
         async with open_server(fixture_plan(llama_model, 32768), llama_model.path, binary=binary,
                                run_dir=tmp_path / "run", threads=1):
             pytest.fail("unreachable")
-    assert caught.value.details["backend"] == "cpu" and "cpu backend, native build" in str(caught.value)
+    variant = real_build_info()["variant"]
+    assert caught.value.details["backend"] == "cpu" and f"cpu backend, {variant} build" in str(caught.value)
     bare = write_crashing_stand_in(tmp_path / "bare", "SEGV")  # no record at all
     with pytest.raises(LoadError) as caught:
         async with open_server(fixture_plan(llama_model, 32768), llama_model.path, binary=bare,

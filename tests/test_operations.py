@@ -198,7 +198,7 @@ def _manifest(**grade: Any) -> Manifest:
 
 
 def test_a_provisioning_run_renders_every_figure_and_passes_promtool(tmp_path: Path) -> None:
-    seen = [
+    seen: list[dict[str, object]] = [
         {"event": "run.start", "run_id": "r9"},
         {"event": "stage.done", "stage": "probe", "duration_s": 0.1, "run_id": "r9"},
         {"event": "stage.done", "stage": "plan", "duration_s": 0.2, "model": 'qwen"3', "run_id": "r9"},

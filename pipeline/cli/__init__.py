@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, NoReturn, TextIO
 
@@ -152,15 +153,16 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
     except _ParseError as exc:
         loose = _lenient(argv)
         helped = exc.parser.prog if exc.parser is not parser or loose.command is None else f"hotfit {loose.command}"
-        error = UsageError(exc.message, hint=f"see `{helped} --help`")
+        usage = UsageError(exc.message, hint=f"see `{helped} --help`")
         sys.stderr.write(exc.parser.format_usage())
-        return _finish(loose.command, error, error.exit_code, bool(loose.json), out, started, started_wall,
+        return _finish(loose.command, usage, usage.exit_code, bool(loose.json), out, started, started_wall,
                        home=loose.home, log_format=loose.log_format, verbosity=loose.verbose - loose.quiet,
                        prefix=f"{exc.parser.prog}: error: ")
     want_json = bool(getattr(args, "json", False))
     verbosity = args.verbose - args.quiet
     settings = None
     logged = False
+    error: HotfitError | None
     try:
         settings = load_settings(home=args.home, llama_server=args.llama_server)
         prepare_home(settings.home, settings.home_named, settings.log_path.parent)
@@ -181,7 +183,7 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
                          verbosity=verbosity, out=out)
         handler: Callable[[argparse.Namespace, CliContext], int] = args.handler
         code = handler(args, ctx)
-        error: HotfitError | None = None
+        error = None
     except HotfitError as exc:
         code, error = exc.exit_code, exc
     except KeyboardInterrupt:
