@@ -428,6 +428,11 @@ def _plant(kind: str, p: dict[str, Any]) -> Path:
     if kind == "template symlink":
         (dest / "chat_template.jinja").symlink_to(victim)
         return dest / "chat_template.jinja"
+    if kind in ("state.db-wal symlink", "state.db-shm symlink"):
+        p["home"].mkdir(exist_ok=True)
+        planted = p["home"] / kind.split()[0]
+        planted.symlink_to(victim)
+        return planted
     if kind == "manifest symlink":
         p["home"].mkdir(exist_ok=True)
         (p["home"] / "manifest.json").symlink_to(victim)
@@ -439,7 +444,8 @@ def _plant(kind: str, p: dict[str, Any]) -> Path:
 # once the operator removes it
 @pytest.mark.parametrize("kind", ["partial dir symlink", "part symlink", "part is a directory",
                                   "sidecar is a directory", "lock symlink", "receipts dir symlink",
-                                  "template symlink", "manifest symlink"])
+                                  "template symlink", "manifest symlink", "state.db-wal symlink",
+                                  "state.db-shm symlink"])
 def test_nothing_is_written_through_a_symlink_or_onto_the_wrong_type(kind: str, pulled: dict[str, Any]) -> None:
     named = _plant(kind, pulled)
     before = {q.name: q.read_bytes() for q in pulled["outside"].iterdir()}

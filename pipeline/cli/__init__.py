@@ -168,6 +168,9 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
         prepare_home(settings.home, settings.home_named, settings.log_path.parent)
         targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
             (settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
+            # SQLite opens these beside the database itself, following a symlink
+            (settings.state_db.with_name(settings.state_db.name + "-wal"), "file"),
+            (settings.state_db.with_name(settings.state_db.name + "-shm"), "file"),
             (settings.manifest_path, "file"), (settings.models_dir, "directory"))
         for path, kind in targets:
             checked_write_path(path, kind=kind)
