@@ -43,6 +43,21 @@ DEFAULT_LOG_KEEP = 5  # rotated files kept beside the live one
 _seen: list[MutableMapping[str, Any]] = []  # this process's events since configure() (pipeline/metrics.py reads them)
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when an event is written, not when logging was configured: a
+    replaced stderr (a test's capture, an embedding caller's redirect) that was closed since must
+    not turn every later event into "I/O operation on closed file"."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def _scrub_secrets(_logger: Any, _name: str, event: EventDict) -> EventDict:
     for key in list(event):
         if key.lower() in SECRET_KEYS and event[key] is not None:
@@ -96,9 +111,9 @@ def configure(
 ) -> None:
     """Configure structlog once per process. ``log_format`` None = console on a TTY, else json.
     ``max_bytes``/``keep``: rotate ``log_file`` first if it is full (:func:`rotate_if_full`)."""
-    stream = stream or sys.stderr
+    out: TextIO | _CurrentStderr = stream if stream is not None else _CurrentStderr()
     if log_format is None:
-        log_format = "console" if stream.isatty() else "json"
+        log_format = "console" if out.isatty() else "json"
     stream_level = _VERBOSITY_LEVELS[max(-1, min(1, verbosity))]
     global _file_sink
     if _file_sink is not None:
@@ -121,7 +136,7 @@ def configure(
         _scrub_secrets,
     ]
     console_renderer = (
-        structlog.dev.ConsoleRenderer(colors=stream.isatty()) if log_format == "console" else None
+        structlog.dev.ConsoleRenderer(colors=out.isatty()) if log_format == "console" else None
     )
 
     sink_failed: list[bool] = []
@@ -155,7 +170,7 @@ def configure(
         processors=[*shared, structlog.processors.format_exc_info, emit],
         # Nothing is filtered before emit: the file takes every level, emit filters the stream.
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.PrintLoggerFactory(file=out),  # type: ignore[arg-type]  # a write()/flush() object
         cache_logger_on_first_use=False,
     )
 
