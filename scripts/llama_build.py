@@ -162,8 +162,10 @@ def _unpack(archive: Path, into: Path) -> str:
             parts = Path(m.name).parts
             if m.name == MANIFEST and m.isfile():
                 continue
-            unsafe = (m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir())
-                      or len(parts) < 2 or parts[1] != "bin" or (m.isfile() and len(parts) != 3))
+            in_bin = len(parts) >= 2 and parts[1] == "bin"
+            shape_ok = (m.isfile() and in_bin and len(parts) == 3) or (m.isdir() and (len(parts) == 1 or
+                                                                                   (in_bin and len(parts) == 2)))
+            unsafe = m.name.startswith("/") or ".." in parts or not shape_ok
             if unsafe:
                 raise BuildArchiveError(f"{archive}: member '{m.name}' is not a file under <flavour>/bin/ "
                                         "(links, devices and paths outside are refused); re-export the build")
@@ -207,7 +209,9 @@ def _run(binary: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def loaded_cpu_variant(text: str) -> str | None:
-    """The CPU variant ggml says it loaded (``load_backend: loaded CPU backend from .../libggml-cpu-zen4.so``)."""
+    """The CPU variant ggml says it loaded (``load_backend: loaded CPU backend from .../libggml-cpu-zen4.so``).
+    The same reading as backends.llama_server.discovery's: this script runs with the system python3
+    before the virtualenv (and structlog, which discovery's package imports) exists."""
     for match in _LOADED_RE.finditer(text):
         if match.group("kind") == "CPU":
             name = Path(match.group("path")).name

@@ -206,3 +206,16 @@ def test_a_real_vulkan_build_round_trips_and_is_refused_without_a_vulkan_driver(
     assert "vulkan build runs here" in ok.stderr
     no_driver = {**lavapipe, "VK_DRIVER_FILES": str(tmp_path / "none.json"), "VK_ICD_FILENAMES": str(tmp_path / "none.json")}
     _refused(archive, tmp_path, "sees no Vulkan device here", extra_env=no_driver)
+
+
+def test_an_archive_repacked_with_tar_including_its_folders_is_accepted(exported: Path, tmp_path: Path) -> None:
+    """An operator may unpack and repack with plain `tar` (folder entries included): still one build."""
+    root = tmp_path / "unpacked"
+    with tarfile.open(exported) as tar:
+        tar.extractall(root, filter="data")
+    repacked = tmp_path / "repacked.tar.gz"
+    subprocess.run(["tar", "-C", str(root), "-czf", str(repacked), "SHA256SUMS", "cpu"], check=True)
+    with tarfile.open(repacked) as tar:
+        assert any(m.isdir() for m in tar.getmembers())
+    proc = _script("--from", str(repacked), cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
