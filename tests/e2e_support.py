@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.plan import Device, ProbeResult
+from core.plan import Device, Plan, ProbeResult
 from registry.kv import parse_kv_cache_type
 from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
 from tests.gguf_fixtures import FixtureInfo, pinned_template, write_tool_call_model
 from tests.hubserver import LocalHub
+from pipeline.manifest import Manifest, write_manifest
+from stages.plan import build_plan
 
 GiB = 1 << 30
 TEMPLATE_REPO = "hotfit-fixtures/qwen3-chat-template"
@@ -108,6 +110,46 @@ def build_world(root: Path, hub: Any, template_text: str | None = None) -> World
     registry_path = root / "registry.json"
     write_registry(registry_path, entries.values())
     return World(root=root, registry_path=registry_path, entries=entries, repos=repos)
+
+
+@dataclass(frozen=True)
+class ProvisionedHome:
+    """A home as `hotfit auto` leaves it: the fixture model (and template) in place, a manifest."""
+
+    home: Path
+    entry: Entry
+    plan: Plan
+    manifest: Manifest
+    model: Path
+    template: Path
+
+
+def write_provisioned_home(home: Path, probe: ProbeResult, *, name: str = "fx-agent", kv_cache_type: str = "f16",
+                           template_text: str | None = None, opened_context_tokens: int | None = None,
+                           device: dict[str, Any] | None = None) -> ProvisionedHome:
+    """Write the tool-call fixture model under ``home`` and the manifest of its plan on ``probe``.
+    ``template_text`` None leaves the template path unwritten (a test writes the one it needs);
+    ``opened_context_tokens`` defaults to the planned window."""
+    model_dir = home / "models" / name
+    model_dir.mkdir(parents=True)
+    info = write_tool_call_model(model_dir / f"{name}.gguf")
+    template = model_dir / "chat_template.jinja"
+    if template_text is not None:
+        template.write_text(template_text)
+    entry = fixture_entry(name, info, repo=f"hotfit-fixtures/{name}-GGUF", revision="a" * 40,
+                          sha256=sha256_of(info.path), params_b=0.02, template=None)
+    plan = build_plan(probe, [entry], parse_kv_cache_type(kv_cache_type)).plan
+    assert plan is not None
+    manifest = Manifest(
+        run_id="r1", plan_id=plan.plan_id, written_at="2026-11-29T00:00:00Z", entry_name=entry.name,
+        model_path=str(info.path), model_size_bytes=info.size_bytes, model_sha256=sha256_of(info.path),
+        template_path=str(template), projector_path=None, kv_cache_type=kv_cache_type,
+        planned_hot_context_tokens=plan.hot_context_tokens,
+        measured={"opened_context_tokens": opened_context_tokens or plan.hot_context_tokens},
+        probe_verdict={"passed": True}, llama_cpp={}, device=device or {}, plan=plan.to_json(),
+    )
+    write_manifest(home / "manifest.json", manifest)
+    return ProvisionedHome(home, entry, plan, manifest, info.path, template)
 
 
 def write_registry(path: Path, entries: Any) -> None:

@@ -328,30 +328,11 @@ def test_serve_whose_exec_fails_is_exit_5_in_the_log(tmp_path: Path, monkeypatch
 
 def _provisioned_home(tmp_path: Path) -> Path:
     """A home as `hotfit auto` leaves it (tests/test_serve.py's fixture, built here per test)."""
-    from pipeline.manifest import write_manifest
-    from stages.plan import build_plan
-    from tests.e2e_support import fixture_entry, sha256_of
-    from tests.gguf_fixtures import tool_template_text, write_tool_call_model
-    from tests.test_serve import F16, probe_with
+    from tests.e2e_support import write_provisioned_home
+    from tests.gguf_fixtures import tool_template_text
+    from tests.test_serve import probe_with
 
-    home = tmp_path / "home"
-    model_dir = home / "models" / "fx-agent"
-    model_dir.mkdir(parents=True)
-    info = write_tool_call_model(model_dir / "fx-agent.gguf")
-    template = model_dir / "chat_template.jinja"
-    template.write_text(tool_template_text())
-    entry = fixture_entry("fx-agent", info, repo="hotfit-fixtures/fx-agent-GGUF", revision="a" * 40,
-                          sha256=sha256_of(info.path), params_b=0.02, template=None)
-    plan = build_plan(probe_with(8 << 30), [entry], F16).plan
-    assert plan is not None
-    write_manifest(home / "manifest.json", Manifest(
-        run_id="r1", plan_id=plan.plan_id, written_at="2026-11-29T00:00:00Z", entry_name=entry.name,
-        model_path=str(info.path), model_size_bytes=info.size_bytes, model_sha256=sha256_of(info.path),
-        template_path=str(template), projector_path=None, kv_cache_type="f16",
-        planned_hot_context_tokens=plan.hot_context_tokens,
-        measured={"opened_context_tokens": plan.hot_context_tokens}, probe_verdict={"passed": True},
-        llama_cpp={}, device={}, plan=plan.to_json()))
-    return home
+    return write_provisioned_home(tmp_path / "home", probe_with(8 << 30), template_text=tool_template_text()).home
 
 
 def test_quiet_keeps_what_was_asked_for(tmp_path: Path) -> None:

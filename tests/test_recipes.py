@@ -30,11 +30,8 @@ from core.plan import Device, ProbeResult
 from pipeline.cli import main
 from pipeline.cli.serve import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
 from pipeline.cli.status import label_value, nfd_labels
-from pipeline.manifest import Manifest, write_manifest
-from registry.kv import parse_kv_cache_type
-from stages.plan import build_plan
-from tests.e2e_support import LARGE, GiB, World, fixture_entry, sha256_of, write_probe
-from tests.gguf_fixtures import tool_template_text, write_standin_llama_server, write_tool_call_model
+from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home
+from tests.gguf_fixtures import tool_template_text, write_standin_llama_server
 from tests.hubserver import LocalHub
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,28 +61,12 @@ def require_tool(name: str, package: str) -> str:
 def provisioned_home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A home as `hotfit auto` leaves it for an NVIDIA card: model, template, manifest."""
     root = tmp_path_factory.mktemp("recipes")
-    home = root / "home"
-    model_dir = home / "models" / "fx-agent"
-    model_dir.mkdir(parents=True)
-    info = write_tool_call_model(model_dir / "fx-agent.gguf")
-    template = model_dir / "chat_template.jinja"
-    template.write_text(tool_template_text())
-    entry = fixture_entry("fx-agent", info, repo="hotfit-fixtures/fx-agent-GGUF", revision="a" * 40,
-                          sha256=sha256_of(info.path), params_b=0.02, template=None)
     probe = ProbeResult(devices=(Device(0, "nvidia", "big card", 24 * GiB, 20 * GiB,
                                         uuid="GPU-8a1c2f0e-0000-4000-8000-000000000001"),), selected=0)
-    plan = build_plan(probe, [entry], parse_kv_cache_type("q8_0")).plan
-    assert plan is not None
-    manifest = Manifest(
-        run_id="r1", plan_id=plan.plan_id, written_at="2026-11-29T00:00:00Z", entry_name=entry.name,
-        model_path=str(info.path), model_size_bytes=info.size_bytes, model_sha256=sha256_of(info.path),
-        template_path=str(template), projector_path=None, kv_cache_type="q8_0",
-        planned_hot_context_tokens=plan.hot_context_tokens,
-        measured={"opened_context_tokens": 49152}, probe_verdict={"passed": True},
-        llama_cpp={}, device={"index": 0, "kind": "nvidia", "name": "big card"}, plan=plan.to_json(),
-    )
-    write_manifest(home / "manifest.json", manifest)
-    return {"home": home, "root": root, "manifest": manifest, "plan": plan}
+    made = write_provisioned_home(root / "home", probe, kv_cache_type="q8_0", template_text=tool_template_text(),
+                                  opened_context_tokens=49152,
+                                  device={"index": 0, "kind": "nvidia", "name": "big card"})
+    return {"home": made.home, "root": root, "manifest": made.manifest, "plan": made.plan}
 
 
 def cli(home: Path, *args: str) -> tuple[int, str]:

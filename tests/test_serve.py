@@ -22,14 +22,8 @@ from core.plan import Device, ProbeResult
 from registry.kv import parse_kv_cache_type
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit
 from stages.plan import build_plan
-from tests.e2e_support import HOST_TOTAL_BYTES, GiB, fixture_entry, sha256_of, write_probe
-from tests.gguf_fixtures import (
-    free_port,
-    pinned_template,
-    require_llama_server,
-    tool_template_text,
-    write_tool_call_model,
-)
+from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
+from tests.gguf_fixtures import free_port, pinned_template, require_llama_server, tool_template_text
 
 REPO = Path(__file__).resolve().parent.parent
 F16 = parse_kv_cache_type("f16")
@@ -43,27 +37,10 @@ def probe_with(free_bytes: int, *, kind: str = "cpu", name: str = "fixture host"
 def provisioned(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A home as `hotfit auto` leaves it: verified model + template in place and a manifest."""
     root = tmp_path_factory.mktemp("serve")
-    home = root / "home"
-    model_dir = home / "models" / "fx-agent"
-    model_dir.mkdir(parents=True)
-    info = write_tool_call_model(model_dir / "fx-agent.gguf")
-    template = model_dir / "chat_template.jinja"
-    template.write_text(tool_template_text())  # only the window tests read it without a server
-    entry = fixture_entry("fx-agent", info, repo="hotfit-fixtures/fx-agent-GGUF", revision="a" * 40,
-                          sha256=sha256_of(info.path), params_b=0.02, template=None)
-    roomy = probe_with(8 * GiB)
-    plan = build_plan(roomy, [entry], F16).plan
-    assert plan is not None and plan.hot_context_tokens == 65536
-    manifest = Manifest(
-        run_id="r1", plan_id=plan.plan_id, written_at="2026-11-29T00:00:00Z", entry_name=entry.name,
-        model_path=str(info.path), model_size_bytes=info.size_bytes, model_sha256=sha256_of(info.path),
-        template_path=str(template), projector_path=None, kv_cache_type="f16",
-        planned_hot_context_tokens=plan.hot_context_tokens,
-        measured={"opened_context_tokens": plan.hot_context_tokens}, probe_verdict={"passed": True},
-        llama_cpp={}, device={}, plan=plan.to_json(),
-    )
-    write_manifest(home / "manifest.json", manifest)
-    return {"home": home, "root": root, "entry": entry, "plan": plan, "manifest": manifest}
+    # the template: only the window tests read it without a server
+    made = write_provisioned_home(root / "home", probe_with(8 * GiB), template_text=tool_template_text())
+    assert made.plan.hot_context_tokens == 65536
+    return {"home": made.home, "root": root, "entry": made.entry, "plan": made.plan, "manifest": made.manifest}
 
 
 def free_for_tokens(entry, tokens: int) -> int:

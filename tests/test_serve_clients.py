@@ -21,12 +21,9 @@ from typing import Any
 import pytest
 
 from backends.llama_server.flags import ServerFeatures, llama_server_argv, parse_server_features
-from pipeline.manifest import Manifest, write_manifest
-from registry.kv import parse_kv_cache_type
-from stages.plan import build_plan
 from core.plan import Device, ProbeResult
-from tests.e2e_support import HOST_TOTAL_BYTES, GiB, fixture_entry, sha256_of, write_probe
-from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server, write_tool_call_model
+from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
+from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "fx-agent"
@@ -51,26 +48,9 @@ def test_alias_and_metrics_are_read_from_help() -> None:
 def home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A home as `hotfit auto` leaves it, for the tool-call fixture on the host (CPU)."""
     root = tmp_path_factory.mktemp("serve-clients")
-    home = root / "home"
-    model_dir = home / "models" / MODEL
-    model_dir.mkdir(parents=True)
-    info = write_tool_call_model(model_dir / f"{MODEL}.gguf")
-    entry = fixture_entry(MODEL, info, repo=f"hotfit-fixtures/{MODEL}-GGUF", revision="a" * 40,
-                          sha256=sha256_of(info.path), params_b=0.02, template=None)
     probe = ProbeResult(devices=(Device(0, "cpu", "fixture host", HOST_TOTAL_BYTES, 8 * GiB),), selected=0)
-    plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
-    assert plan is not None
-    template = model_dir / "chat_template.jinja"
-    manifest = Manifest(
-        run_id="r1", plan_id=plan.plan_id, written_at="2026-11-29T00:00:00Z", entry_name=MODEL,
-        model_path=str(info.path), model_size_bytes=info.size_bytes, model_sha256=sha256_of(info.path),
-        template_path=str(template), projector_path=None, kv_cache_type="f16",
-        planned_hot_context_tokens=plan.hot_context_tokens,
-        measured={"opened_context_tokens": plan.hot_context_tokens}, probe_verdict={"passed": True},
-        llama_cpp={}, device={}, plan=plan.to_json(),
-    )
-    write_manifest(home / "manifest.json", manifest)
-    return {"home": home, "root": root, "plan": plan, "model": info.path, "template": template}
+    made = write_provisioned_home(root / "home", probe, name=MODEL)
+    return {"home": made.home, "root": root, "plan": made.plan, "model": made.model, "template": made.template}
 
 
 def test_argv_names_the_model_and_turns_metrics_on(home: dict) -> None:
