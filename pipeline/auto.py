@@ -23,14 +23,14 @@ import shutil
 import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, cast
 
 import anyio
 
 from backends.base import AllocationReport, ManifestFacts
 from core.errors import Interrupted, UsageError
-from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.log import get_logger
+from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.plan import Device, Plan, ProbeResult
 from core.settings import Settings
 from pipeline.engine import PipelineOutcome, Runner, signal_receiver
@@ -58,7 +58,6 @@ from state.locks import FileLock
 from state.store import StateStore
 
 log = get_logger()
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -137,19 +136,13 @@ class ProvisionedResults:
 
     @classmethod
     def of(cls, outcome: PipelineOutcome) -> ProvisionedResults:
-        def result(stage: str, kind: type[T]) -> T:
-            value = outcome.results[stage]
-            if not isinstance(value, kind):  # a stage table wiring bug
-                raise TypeError(f"stage {stage!r} handed a {type(value).__name__}, not a {kind.__name__}")
-            return value
-
         assert outcome.plan is not None
-        graded = outcome.results.get(GRADE_STAGE)
+        result = outcome.result
         return cls(run_id=outcome.run_id, plan=outcome.plan, fetched=result("fetch-weights", FetchResult),
                    template=result("fetch-template", TemplateResult), verified=result("verify", VerifyResult),
                    loaded=result("load", LoadResult), call=result("probe-tool-call", ProbeToolCallResult),
                    report=cast(AllocationReport, outcome.results["re-check"]),  # a backend's report (a protocol)
-                   graded=result(GRADE_STAGE, GradeResult) if graded is not None else None)
+                   graded=result(GRADE_STAGE, GradeResult) if GRADE_STAGE in outcome.results else None)
 
 
 def build_manifest(results: ProvisionedResults) -> Manifest:

@@ -85,6 +85,13 @@ def signal_receiver(*signums: signal.Signals) -> Iterator[Any]:
                     signal.signal(signum, handler)
 
 
+def _typed(results: Mapping[str, object], stage: str, kind: type[T]) -> T:
+    value = results[stage]
+    if not isinstance(value, kind):  # a stage table wiring bug, not an operator's problem
+        raise TypeError(f"stage {stage!r} handed a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class RunContext:
     """The engine's :class:`~stages.declaration.StageContext`: one per stage of a run."""
@@ -99,10 +106,7 @@ class RunContext:
 
     def result(self, stage: str, kind: type[T]) -> T:
         """The result of an earlier ``stage``, which is a ``kind`` whether it ran or was reused."""
-        value = self.results[stage]
-        if not isinstance(value, kind):  # a stage table wiring bug, not an operator's problem
-            raise TypeError(f"stage {stage!r} handed a {type(value).__name__}, not a {kind.__name__}")
-        return value
+        return _typed(self.results, stage, kind)
 
     def require_plan(self) -> Plan:
         if self.plan is None:
@@ -124,6 +128,10 @@ class PipelineOutcome:
     outputs: Mapping[str, dict[str, Any] | None]
     skipped: tuple[str, ...]
     ran: tuple[str, ...]
+
+    def result(self, stage: str, kind: type[T]) -> T:
+        """The result ``stage`` handed on (ran or reused), which is a ``kind``."""
+        return _typed(self.results, stage, kind)
 
 
 @dataclass(frozen=True)
