@@ -35,6 +35,7 @@ __all__ = [
     "KV_EXCESS_TOLERANCE",
     "KV_SHORTFALL_WARN_RATIO",
     "AllocationReport",
+    "ManifestFacts",
     "AllocationVerdict",
     "Backend",
     "BackendBinary",
@@ -61,6 +62,23 @@ class BackendBinary(Protocol):
     """What the preflight resolved (llama-server's path and build, OpenVINO's runtime version)."""
 
     def to_json(self) -> dict[str, Any]: ...
+
+    def manifest_facts(self, *, report: AllocationReport, session: Mapping[str, Any], snapshot_commit: str | None,
+                       call_facts: Mapping[str, Any]) -> ManifestFacts:
+        """What the manifest keeps of the session this binary ran, from the re-check's ``report``
+        (this backend's), the load record (``session``), the snapshot fetched and the tool-call
+        probe's backend facts."""
+        ...
+
+
+@dataclass(frozen=True)
+class ManifestFacts:
+    """A backend's own part of the manifest (pipeline/manifest.py): its figures in ``measured``
+    beside the shared KV figures, the ``llama_cpp`` section, and what it adds to ``extra``."""
+
+    measured: Mapping[str, Any]
+    llama_cpp: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -168,6 +186,9 @@ class AllocationReport(Protocol):
 
     def to_json(self) -> dict[str, Any]: ...
 
+    @property
+    def opened_context_tokens(self) -> int | None: ...  # the window the session holds (None: unread)
+
     def event_facts(self) -> dict[str, Any]:
         """The fields of the ``recheck.*`` events."""
         ...
@@ -239,6 +260,19 @@ class Backend(Protocol):
 
     def preflight(self, plan: Plan, settings: Settings) -> BackendBinary:
         """Refuse, with the fix named, a plan this machine cannot serve (before any download)."""
+        ...
+
+    def decode_binary(self, record: Mapping[str, Any], *, path: str = "") -> BackendBinary:
+        """The preflight's binary back from its ``to_json()`` (a stage record); StageRecordError
+        names a damaged field."""
+        ...
+
+    def decode_allocation(self, record: Mapping[str, Any]) -> AllocationReport:
+        """The allocation report back from its ``to_json()`` (the re-check's record)."""
+        ...
+
+    def device_listing_binaries(self, settings: Settings) -> tuple[Path, ...]:
+        """This backend's programs the probe asks which GPUs they see (none: it asks none)."""
         ...
 
     def device_env(self, plan: Plan) -> dict[str, str]:

@@ -5,7 +5,7 @@ subset (probe → plan) ephemerally — no lock, no state, no files — and a pr
 stage table against ``state.db`` and writes the manifest. The CLI (pipeline/cli/auto.py) parses the
 options and renders what :func:`provision` returns.
 
-``auto --grade`` adds the multi-turn grade after re-check (:func:`pipeline.session_stages.grade_stage`)
+``auto --grade`` adds the multi-turn grade after re-check (``stages/grade.py``)
 and writes its verdict into the manifest. A failing or inconclusive grade is recorded and does not fail
 ``auto``: the spec's selection stays curation-only, the grade's thresholds are not yet calibrated
 against any registry model, and an inconclusive grade names a stack problem, not the model — so the
@@ -23,12 +23,14 @@ import shutil
 import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 
+from backends.base import AllocationReport, ManifestFacts
 from core.errors import Interrupted, UsageError
 from core.log import get_logger
+from core.model_files import FetchResult, TemplateResult, VerifyResult
 from core.plan import Device, Plan, ProbeResult
 from core.settings import Settings
 from pipeline.engine import PipelineOutcome, Runner, signal_receiver
@@ -46,14 +48,12 @@ from pipeline.provision import (
     planning_stages,
     provisioning_stages,
 )
-from pipeline.session_stages import (
-    GRADE_STAGE,
-    GradeOptions,
-    grade_stage,
-    opened_context_tokens,
-)
+from pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stage
 from pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
+from stages.grade import GradeResult
+from stages.load import LoadResult
 from stages.plan import PlanOutcome, PreviousModel, outcome_json
+from stages.probe_tool_call import ProbeToolCallResult
 from state.locks import FileLock
 from state.store import StateStore
 
@@ -119,84 +119,84 @@ def _provisioned_device(manifest: Manifest) -> Device | None:
         return None
 
 
-def build_manifest(outcome: PipelineOutcome) -> Manifest:
-    """The manifest of a finished run, from the stages' recorded outputs (pure)."""
-    plan = outcome.plan
-    assert plan is not None
-    out = outcome.outputs
-    verify = out["verify"] or {}
-    template = out["fetch-template"] or {}
-    fetch = out["fetch-weights"] or {}
-    load = out["load"] or {}
-    call = out["probe-tool-call"] or {}
-    recheck = out["re-check"] or {}
-    graded = out.get(GRADE_STAGE)
-    verdict = call.get("verdict") or {}
-    backend = load.get("backend") or {}
+@dataclass(frozen=True)
+class ProvisionedResults:
+    """The typed results of a finished ``hotfit auto`` run the manifest is built from (each a
+    fresh result or the same type decoded from its record)."""
+
+    run_id: str
+    plan: Plan
+    fetched: FetchResult
+    template: TemplateResult
+    verified: VerifyResult
+    loaded: LoadResult
+    call: ProbeToolCallResult
+    report: AllocationReport
+    graded: GradeResult | None = None
+
+    @classmethod
+    def of(cls, outcome: PipelineOutcome) -> ProvisionedResults:
+        assert outcome.plan is not None
+        result = outcome.result
+        return cls(run_id=outcome.run_id, plan=outcome.plan, fetched=result("fetch-weights", FetchResult),
+                   template=result("fetch-template", TemplateResult), verified=result("verify", VerifyResult),
+                   loaded=result("load", LoadResult), call=result("probe-tool-call", ProbeToolCallResult),
+                   report=cast(AllocationReport, outcome.results["re-check"]),  # a backend's report (a protocol)
+                   graded=result(GRADE_STAGE, GradeResult) if GRADE_STAGE in outcome.results else None)
+
+
+def build_manifest(results: ProvisionedResults) -> Manifest:
+    """The manifest of a finished run, from the stages' typed results (pure)."""
+    plan = results.plan
+    verified, template, fetched, loaded = results.verified, results.template, results.fetched, results.loaded
+    call, report = results.call, results.report
     device = plan.probe.device
-    openvino = plan.backend == "openvino"
-    model_path = verify.get("weights_path")
+    model_path = verified.weights_path
     assert model_path is not None  # the load stage refuses a verify result without weights (stages/load.py)
-    # what each runtime reports beside the shared KV figures (a small adapter, not a Backend boundary)
-    runtime_facts: dict[str, Any] = {
-        "kv_precision": recheck.get("kv_precision"), "kv_bytes_per_token": recheck.get("kv_bytes_per_token"),
-        "predicted_kv_bytes": recheck.get("predicted_kv_bytes"),
-        "configured_kv_blocks": recheck.get("configured_kv_blocks"), "block_tokens": recheck.get("block_tokens"),
-    } if openvino else {
-        "actual_kv_bytes_uncertainty": recheck.get("actual_kv_bytes_uncertainty"),
-        "flash_attn": recheck.get("flash_attn"),
-        # where the session really put things: "offloaded N/N layers", KV buffers by device
-        "offloaded_layers": recheck.get("offloaded_layers"),
-        "kv_buffers": recheck.get("kv_buffers"),
-    }
+    # what the load ran says what the manifest keeps of its session (its runtime's own figures…)
+    own = loaded.binary.manifest_facts(
+        report=report, session=loaded.record, snapshot_commit=fetched.snapshot.commit if fetched.snapshot else None,
+        call_facts=call.backend_facts) if loaded.binary is not None else ManifestFacts(measured={})
     return Manifest(
-        run_id=outcome.run_id,
+        run_id=results.run_id,
         plan_id=plan.plan_id,
         written_at=utc_now_iso(),
         entry_name=plan.entry.name,
         model_path=model_path,
-        model_size_bytes=verify.get("size_bytes"),
-        model_sha256=verify.get("sha256"),
-        template_path=template.get("path") or verify.get("chat_template_path"),
-        template_sha256=template.get("sha256") if template.get("path") else None,
-        projector_path=((fetch.get("projector") or {}).get("path")),
+        model_size_bytes=verified.size_bytes,
+        model_sha256=verified.sha256,
+        template_path=template.path or verified.chat_template_path,
+        template_sha256=template.sha256 if template.path else None,
+        projector_path=fetched.projector.path if fetched.projector else None,
         kv_cache_type=plan.kv_cache_type,
         planned_hot_context_tokens=plan.hot_context_tokens,
         measured={
             # a measurement of one session on one day, not a setting (serve re-checks it)
-            "opened_context_tokens": opened_context_tokens(recheck),
-            "estimated_kv_bytes": recheck.get("estimated_kv_bytes"),
-            "actual_kv_bytes": recheck.get("actual_kv_bytes"),
-            "kv_ratio": recheck.get("ratio"),
-            "verdict": recheck.get("verdict"),
-            "warnings": recheck.get("warnings"),
-            **runtime_facts,
-            "measured_by_run": outcome.run_id,
+            "opened_context_tokens": report.opened_context_tokens,
+            "estimated_kv_bytes": report.estimated_kv_bytes,
+            "actual_kv_bytes": report.actual_kv_bytes,
+            "kv_ratio": report.ratio,
+            "verdict": report.verdict,
+            "warnings": list(report.warnings),
+            **own.measured,
+            "measured_by_run": results.run_id,
         },
         probe_verdict={
-            "passed": verdict.get("passed"),
-            "reason": verdict.get("reason"),
-            "tool": verdict.get("tool_name"),
-            "template": call.get("template"),
-            "prompt_tokens_per_s": call.get("prompt_tokens_per_s"),
-            "generation_tokens_per_s": call.get("generation_tokens_per_s"),
+            "passed": call.verdict.passed,
+            "reason": call.verdict.reason,
+            "tool": call.verdict.tool_name,
+            "template": call.template,
+            "prompt_tokens_per_s": call.prompt_tokens_per_s,
+            "generation_tokens_per_s": call.generation_tokens_per_s,
         },
-        llama_cpp={} if openvino else {
-            "server_path": backend.get("server_path"),
-            "source": backend.get("source"),
-            **(backend.get("build") or {}),
-            "build_info": recheck.get("build_info"),
-        },
+        llama_cpp=dict(own.llama_cpp),
         device={"index": device.index, "kind": device.kind, "name": device.name,
                 "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes,
                 "ggml_device": device.ggml_device},
         plan=plan.to_json(),
-        extra={"vision": fetch.get("vision"), "load_argv": load.get("argv")} | ({"openvino": {
-            "genai_version": backend.get("genai_version"), "session": load.get("config"),
-            "snapshot_commit": (fetch.get("snapshot") or {}).get("commit"), "tool_call_family": call.get("family"),
-        }} if openvino else {}),
+        extra={"vision": fetched.vision, "load_argv": loaded.record.get("argv")} | dict(own.extra),
         backend=plan.backend,
-        grade=grade_summary(graded, run_id=outcome.run_id) if graded else None,
+        grade=grade_summary(results.graded.to_json(), run_id=results.run_id) if results.graded else None,
     )
 
 
@@ -312,7 +312,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
                     await prune_runs(store, settings, protect=(manifest.run_id,) if manifest else ())
                 finally:
                     await store.aclose()
-        new_manifest = build_manifest(outcome)
+        new_manifest = build_manifest(ProvisionedResults.of(outcome))
         admitted = _admitted_json(opts, planned_now[-1]) if planned_now else {}
         if admitted.get("admitted_by_grade"):  # what the pick rests on, kept with the provisioning
             new_manifest = dataclasses.replace(new_manifest, extra={**new_manifest.extra, **admitted})

@@ -1,16 +1,17 @@
 """The pipeline engine: ordered stages, persisted state, resume, signals, structured events.
 
-It knows nothing of hotfit's stages (those are :mod:`pipeline.provision`). A :class:`Stage` is a
-name plus one async function taking a frozen :class:`StageContext` (run id, settings, the frozen
-plan once the plan stage has run, the frozen results of earlier stages) and returning a frozen
-result with ``to_json()``. The engine owns everything effectful around it:
+It knows nothing of hotfit's stages (each declares itself in its ``stages/<name>.py``; the order is
+:mod:`pipeline.provision`). A :class:`Stage` is a :class:`~stages.declaration.StageDeclaration`: a
+name plus one async function taking a :class:`~stages.declaration.StageContext` (run id, settings,
+the frozen plan once the plan stage has run, the frozen results of earlier stages, the stage's job)
+and returning a frozen result with ``to_json()``. The engine owns everything effectful around it:
 
 * state: one record per (run, stage) in :mod:`state.store`; a stage is marked done only after
   its function returned, i.e. after its files are in place;
 * resume: a stage's *inputs hash* covers what it depends on (by default the plan id plus the
-  fingerprints of the stages it names in ``deps``). A done record with the same hash, whose
-  outputs decode (``Stage.decode``, once) and are still valid on disk (``Stage.still_valid``, handed
-  that decoded result), is reused and the stage logged as ``stage.skip``; downstream then gets
+  fingerprints of the stages it names in ``deps``) and its ``version``. A done record with the same
+  hash, whose outputs decode (``Stage.decode``, once) and are still valid on disk
+  (``Stage.still_valid``, handed that decoded result), is reused and the stage logged as ``stage.skip``; downstream then gets
   the same result type a fresh run returns. A record that does not decode is logged
   (``stage.stale``, with the :class:`~core.errors.StageRecordError` naming the stage, the state
   file and the field) and the stage runs again. A changed plan gives new hashes, so everything
@@ -39,13 +40,13 @@ import contextlib
 import hashlib
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
@@ -53,10 +54,13 @@ from core.errors import HotfitError, Interrupted, StageRecordError
 from core.log import bind, get_logger, unbind
 from core.plan import Plan, canonical_json
 from core.settings import Settings
+from stages.declaration import EnterContext, StageContext
+from stages.declaration import StageDeclaration as Stage
 from state.store import RunStatus, StageRecord, StageStatus, StateStore
 
+__all__ = ["PipelineOutcome", "RunContext", "Runner", "Stage", "StageContext", "inputs_hash", "signal_receiver"]
+
 T = TypeVar("T")
-R = TypeVar("R")
 log = get_logger()
 
 # How long closing entered contexts (reaping llama-server) may take after a signal.
@@ -81,66 +85,38 @@ def signal_receiver(*signums: signal.Signals) -> Iterator[Any]:
                     signal.signal(signum, handler)
 
 
-class EnterContext(Protocol):
-    """Enter an async context manager for the rest of the pipeline (closed when it ends, fails or is
-    interrupted) and return what it yields: how load keeps llama-server up for the later stages."""
-
-    def __call__(self, cm: AsyncContextManager[T], /) -> Awaitable[T]: ...
+def _typed(results: Mapping[str, object], stage: str, kind: type[T]) -> T:
+    value = results[stage]
+    if not isinstance(value, kind):  # a stage table wiring bug, not an operator's problem
+        raise TypeError(f"stage {stage!r} handed a {type(value).__name__}, not a {kind.__name__}")
+    return value
 
 
 @dataclass(frozen=True)
-class StageContext:
+class RunContext:
+    """The engine's :class:`~stages.declaration.StageContext`: one per stage of a run."""
+
     run_id: str
     run_dir: Path
     settings: Settings
     plan: Plan | None  # set once the plan stage has run
     results: Mapping[str, object]  # read-only: stage name -> frozen result of an earlier stage
     enter_context: EnterContext
+    stage_job: object | None = None  # the running stage's declared job
 
     def result(self, stage: str, kind: type[T]) -> T:
         """The result of an earlier ``stage``, which is a ``kind`` whether it ran or was reused."""
-        value = self.results[stage]
-        if not isinstance(value, kind):  # a stage table wiring bug, not an operator's problem
-            raise TypeError(f"stage {stage!r} handed a {type(value).__name__}, not a {kind.__name__}")
-        return value
+        return _typed(self.results, stage, kind)
 
     def require_plan(self) -> Plan:
         if self.plan is None:
             raise RuntimeError("this stage runs after the plan stage")  # a stage table wiring bug
         return self.plan
 
-
-def _to_json(result: Any) -> dict[str, Any] | None:
-    if result is None:
-        return None
-    if isinstance(result, Mapping):
-        return dict(result)
-    return result.to_json()
-
-
-@dataclass(frozen=True)
-class Stage(Generic[R]):
-    name: str
-    fn: Callable[[StageContext], Awaitable[R]]
-    deps: tuple[str, ...] = ()  # stages whose outputs are this stage's inputs
-    # Extra inputs; default is the plan id (so a new plan re-runs the stage).
-    inputs: Callable[[StageContext], Any] | None = None
-    always_run: bool = False  # probe and plan: cheap, and the world may have changed
-    session: str | None = None  # stages sharing a live resource: skipped or run as one
-    # recorded outputs -> the result a fresh run returns (StageRecordError when damaged). None: the
-    # stage's result is plain JSON, handed on as a read-only mapping either way.
-    decode: Callable[[Mapping[str, Any]], R] | None = None
-    # are a reused record's outputs still on disk? Handed the decoded result (one decode per record
-    # per run), or the read-only mapping when the stage has no ``decode``.
-    still_valid: Callable[[R], bool] | None = None
-    encode: Callable[[R], dict[str, Any] | None] = _to_json
-    figures: Callable[[R], dict[str, Any]] | None = None  # key figures for stage.done
-    # What downstream stages hash of this stage's outputs (default: all of them). Lets volatile
-    # facts (bytes transferred this run, a server's port) stay out of the inputs downstream.
-    fingerprint: Callable[[Mapping[str, Any]], Any] | None = None
-    # The plan stage only: the Plan in its result, which later stages read as ``ctx.plan`` (None:
-    # the result is the plan itself). Lets the stage hand more than the plan (its backend preflight).
-    plan_of: Callable[[R], Plan] | None = None
+    def job(self, kind: type[T]) -> T:
+        if not isinstance(self.stage_job, kind):  # a stage table wiring bug
+            raise TypeError(f"this stage was handed a {type(self.stage_job).__name__} job, not a {kind.__name__}")
+        return self.stage_job
 
 
 @dataclass(frozen=True)
@@ -153,6 +129,10 @@ class PipelineOutcome:
     skipped: tuple[str, ...]
     ran: tuple[str, ...]
 
+    def result(self, stage: str, kind: type[T]) -> T:
+        """The result ``stage`` handed on (ran or reused), which is a ``kind``."""
+        return _typed(self.results, stage, kind)
+
 
 @dataclass(frozen=True)
 class _Reuse:
@@ -162,17 +142,21 @@ class _Reuse:
 
 
 def inputs_hash(stage: Stage[Any], ctx: StageContext, fingerprints: Mapping[str, Any]) -> str:
-    """sha256 of what ``stage`` depends on: its own inputs (default: the plan id) and the
-    fingerprints of the upstream stages it names."""
+    """sha256 of what ``stage`` depends on: its own inputs (default: the plan id), the
+    fingerprints of the upstream stages it names, and its version (so a record of another version
+    is never reused; version 1 adds nothing, which keeps the records written before versions)."""
     own = stage.inputs(ctx) if stage.inputs else {"plan_id": ctx.plan.plan_id if ctx.plan else None}
-    doc = {"stage": stage.name, "inputs": own, "upstream": {d: fingerprints.get(d) for d in stage.deps}}
+    doc: dict[str, Any] = {"stage": stage.name, "inputs": own,
+                           "upstream": {d: fingerprints.get(d) for d in stage.deps}}
+    if stage.version != 1:
+        doc["version"] = stage.version
     return hashlib.sha256(canonical_json(doc).encode()).hexdigest()
 
 
-def _fingerprint(stage: Stage[Any], outputs: Mapping[str, Any] | None) -> Any:
+def _fingerprint(stage: Stage[Any], result: object, outputs: Mapping[str, Any] | None) -> Any:
     if outputs is None or stage.fingerprint is None:
         return outputs
-    return stage.fingerprint(outputs)
+    return stage.fingerprint(result)
 
 
 def damaged_record(stage: str, store_path: Path, run_id: str, exc: Exception) -> StageRecordError:
@@ -310,9 +294,10 @@ class Runner:
             async def enter_context(cm: AsyncContextManager[T]) -> T:
                 return await stack.enter_async_context(cm)
 
-            def context() -> StageContext:
-                return StageContext(run_id=run_id, run_dir=run_dir, settings=self.settings, plan=plan,
-                                    results=MappingProxyType(dict(results)), enter_context=enter_context)
+            def context(stage: Stage[Any]) -> RunContext:
+                return RunContext(run_id=run_id, run_dir=run_dir, settings=self.settings, plan=plan,
+                                  results=MappingProxyType(dict(results)), enter_context=enter_context,
+                                  stage_job=stage.job)
 
             def planned(stage: Stage[Any], result: object) -> Plan:
                 # the plan stage's result is its Plan unless plan_of maps it there (Stage.plan_of)
@@ -324,25 +309,25 @@ class Runner:
             try:
                 for index, stage in enumerate(self.stages):
                     self._bind(stage=stage.name)
-                    ctx = context()
+                    ctx = context(stage)
                     if stage.session and stage.session not in session_skip:
                         session_skip[stage.session] = await self._session_reusable(
                             store, [s for s in self.stages[index:] if s.session == stage.session], ctx,
-                            fingerprints)
+                            fingerprints, plan)
                     reuse: _Reuse | None
                     if stage.session:
                         reuse = session_skip[stage.session].get(stage.name)
                         digest = reuse.digest if reuse else inputs_hash(stage, ctx, fingerprints)
                     else:
                         digest = inputs_hash(stage, ctx, fingerprints)
-                        reuse = await self._reusable(store, stage, digest)
+                        reuse = await self._reusable(store, stage, digest, plan)
                     plan_id = plan.plan_id if plan is not None else None
                     if reuse is not None:
                         record = reuse.record
                         assert record.outputs is not None
                         results[stage.name] = reuse.result
                         outputs[stage.name] = record.outputs
-                        fingerprints[stage.name] = _fingerprint(stage, record.outputs)
+                        fingerprints[stage.name] = _fingerprint(stage, reuse.result, record.outputs)
                         if stage.name == self.plan_stage:
                             plan = planned(stage, reuse.result)
                         await store.stage_skipped(run_id, stage.name, digest, plan_id, record.outputs,
@@ -367,7 +352,7 @@ class Runner:
                     self._event("info", "stage.done", duration_s=round(time.monotonic() - t0, 3), **figures)
                     results[stage.name] = result
                     outputs[stage.name] = encoded
-                    fingerprints[stage.name] = _fingerprint(stage, encoded)
+                    fingerprints[stage.name] = _fingerprint(stage, result, encoded)
                     ran.append(stage.name)
                     if stage.name == self.plan_stage and plan is not None:
                         await store.set_run_plan(run_id, plan.plan_id)
@@ -402,7 +387,7 @@ class Runner:
         event = "stage.interrupted" if status == "interrupted" else "stage.fail"
         self._event("error", event, duration_s=round(duration_s, 3), error=error)
 
-    async def _reusable(self, store: StateStore, stage: Stage[Any], digest: str) -> _Reuse | None:
+    async def _reusable(self, store: StateStore, stage: Stage[Any], digest: str, plan: Plan | None) -> _Reuse | None:
         if stage.always_run or stage.name in self.force or not self.recorded:
             return None
         record = await store.find_done(stage.name, digest)
@@ -415,7 +400,8 @@ class Runner:
         if record is None or record.outputs is None:
             return None
         try:
-            result: object = stage.decode(record.outputs) if stage.decode else MappingProxyType(record.outputs)
+            result: object = (stage.decode_for_plan(record.outputs, plan) if stage.decode_for_plan and plan
+                              else stage.decode(record.outputs) if stage.decode else MappingProxyType(record.outputs))
         except (StageRecordError, KeyError, TypeError, ValueError) as exc:
             err = damaged_record(stage.name, store.sync.path, record.run_id, exc)
             log.warning("stage.stale", reason="recorded outputs do not decode", from_run=record.run_id,
@@ -426,15 +412,16 @@ class Runner:
             return None
         return _Reuse(digest, record, result)
 
-    async def _session_reusable(self, store: StateStore, group: list[Stage[Any]], ctx: StageContext,
-                                fingerprints: Mapping[str, Any]) -> dict[str, _Reuse]:
+    async def _session_reusable(self, store: StateStore, group: list[Stage[Any]], ctx: RunContext,
+                                fingerprints: Mapping[str, Any], plan: Plan | None) -> dict[str, _Reuse]:
         """All of a session's stages reusable (chained through their recorded outputs), or none."""
         tentative = dict(fingerprints)
         found: dict[str, _Reuse] = {}
         for stage in group:
-            hit = await self._reusable(store, stage, inputs_hash(stage, ctx, tentative))
+            hit = await self._reusable(store, stage, inputs_hash(stage, replace(ctx, stage_job=stage.job), tentative),
+                                       plan)
             if hit is None:
                 return {}
             found[stage.name] = hit
-            tentative[stage.name] = _fingerprint(stage, hit.record.outputs)
+            tentative[stage.name] = _fingerprint(stage, hit.result, hit.record.outputs)
         return found

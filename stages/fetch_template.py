@@ -30,10 +30,12 @@ lost, and a rerun fetches only the template. Parsing is bounded and fuzzed
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -44,6 +46,7 @@ from core.model_files import (
     SNAPSHOT_DIRNAME,
     TEMPLATE_FILENAME,
     TEMPLATE_PARTIAL_DIRNAME,
+    FetchResult,
     SnapshotFile,
     SnapshotResult,
     TemplateResult,
@@ -63,6 +66,8 @@ from download import (
     take_from_cache,
     write_text_atomic,
 )
+from stages.declaration import StageContext, StageDeclaration
+from stages.fetch_weights import FetchJob
 from state.locks import FileLock
 from state.receipts import Receipt, read_receipt, write_receipt
 
@@ -372,3 +377,44 @@ async def fetch_template(entry: Entry, dest_dir: Path, *, settings: Settings, wa
             data = cached
         assert revision is not None
         return _write(entry, dest_dir, src, revision, data, commit_listed=None)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+async def fetch_template_work(ctx: StageContext) -> TemplateResult:
+    job = ctx.job(FetchJob)
+    entry = job.entry_of(ctx)
+    # a template that is a file of the OpenVINO snapshot is read from what fetch-weights brought
+    snapshot = ctx.result("fetch-weights", FetchResult).snapshot
+    return await job.locked(ctx, lambda: fetch_template(entry, ctx.settings.model_dir(entry.name),
+                                                        settings=ctx.settings, wait=job.wait, snapshot=snapshot))
+
+
+def _inputs(ctx: StageContext) -> dict[str, Any]:
+    entry = ctx.job(FetchJob).entry_of(ctx)
+    return {"entry": entry.name,
+            "chat_template": dataclasses.asdict(entry.chat_template) if entry.chat_template else None,
+            "models_dir": str(ctx.settings.models_dir)}
+
+
+def template_still_there(template: TemplateResult) -> bool:
+    """The template is a few KiB: hash it, so text edited behind our back is fetched again
+    instead of being trusted by verify and load through a skipped record."""
+    if template.path is None:
+        return True
+    try:
+        data = Path(template.path).read_bytes()
+    except OSError:
+        return False
+    return hashlib.sha256(data).hexdigest() == template.sha256
+
+
+def template_fingerprint(template: TemplateResult) -> Any:
+    return {"path": template.path, "sha256": template.sha256, "source": template.source}
+
+
+DECLARATION = StageDeclaration(
+    "fetch-template", fetch_template_work, deps=("fetch-weights",), inputs=_inputs, decode=TemplateResult.decode,
+    still_valid=template_still_there, fingerprint=template_fingerprint, version=1, result_type=TemplateResult,
+    job=FetchJob())

@@ -32,10 +32,14 @@ waits (``wait=True``) or gets LockedError naming the holder PID.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -54,6 +58,7 @@ from core.model_files import (
 from core.settings import Settings
 from download import (
     CacheMiss,
+    check_disk,
     DownloadOutcome,
     HubSession,
     ProgressReporter,
@@ -74,6 +79,7 @@ from download import (
     snapshot_path,
     take_into_partial,
 )
+from stages.declaration import StageContext, StageDeclaration
 from state.locks import FileLock
 from state.receipts import drop_receipt, file_identity, git_blob_sha1, read_receipt, receipt_matches, sha256_file
 
@@ -488,3 +494,97 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
     return SnapshotResult(repo=artifact.repo, revision_requested=revision, commit=commit, directory=str(snap_dir),
                           files=len(listed), size_bytes=total, bytes_transferred=transferred, bytes_reread=reread,
                           files_already_present=len(listed) - len(todo), listed=files)
+
+
+# --------------------------------------------------------------------------- the stage
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FetchJob:
+    """How the fetch stages (fetch-weights, fetch-template, verify) run: for the plan's entry
+    (``auto``) or one named entry (``pull``)."""
+
+    entry: Entry | None = None  # None: the plan's entry
+    wait: bool = False  # queue behind another process holding the model directory's lock
+    connections: int | None = None  # parallel byte ranges (None: fetch_weights' default)
+    progress: bool = True
+    # auto takes the model directory's lock per stage; pull holds it around all three itself
+    lock_each_stage: bool = True
+    check_disk: bool = True  # auto checks free disk before fetching (contenox `auto`)
+    # pull and `auto --recheck`: re-hash a file already in place before trusting its receipt (a
+    # byte flipped in place keeps the size; only its hash tells)
+    rehash_installed: bool = False
+
+    def entry_of(self, ctx: StageContext) -> Entry:
+        return self.entry if self.entry is not None else ctx.require_plan().entry
+
+    def model_lock(self, ctx: StageContext) -> AsyncContextManager[Any]:
+        dest = ctx.settings.model_dir(self.entry_of(ctx).name)
+        # the lock `hotfit pull` takes, so a pull of the same entry never writes beside us
+        return FileLock(dest / ".partial" / "pull.lock", wait=self.wait, what=f"model directory {dest}").async_held()
+
+    async def locked(self, ctx: StageContext, work: Callable[[], Awaitable[T]]) -> T:
+        if not self.lock_each_stage:
+            return await work()
+        async with self.model_lock(ctx):
+            return await work()
+
+    def pins(self, ctx: StageContext) -> dict[str, Any]:
+        """What the downloaded bytes depend on: the pinned artifacts, not the window or budget."""
+        entry = self.entry_of(ctx)
+        return {
+            "entry": entry.name,
+            "artifact": dataclasses.asdict(entry.artifact) if entry.artifact else None,
+            "projector": dataclasses.asdict(entry.projector) if entry.projector else None,
+            "models_dir": str(ctx.settings.models_dir),
+        }
+
+
+async def fetch_weights_work(ctx: StageContext) -> FetchResult:
+    job = ctx.job(FetchJob)
+    entry = job.entry_of(ctx)
+    dest = ctx.settings.model_dir(entry.name)
+    if job.check_disk:
+        await anyio.to_thread.run_sync(check_disk, entry, dest)
+    return await job.locked(ctx, lambda: fetch_weights(entry, dest, settings=ctx.settings, connections=job.connections,
+                                                       progress=job.progress, wait=job.wait,
+                                                       rehash_installed=job.rehash_installed))
+
+
+def _inputs(ctx: StageContext) -> dict[str, Any]:
+    return ctx.job(FetchJob).pins(ctx)
+
+
+def _file_fingerprint(f: FetchedFile | None) -> Any:
+    return None if f is None else {"path": f.path, "size_bytes": f.size_bytes, "sha256": f.sha256}
+
+
+def fetch_fingerprint(result: FetchResult) -> Any:
+    """What downstream hashes: which bytes, not how they came (bytes transferred, resumes)."""
+    snap = result.snapshot
+    return {"weights": _file_fingerprint(result.weights), "projector": _file_fingerprint(result.projector),
+            "snapshot": None if snap is None else {"commit": snap.commit, "directory": snap.directory,
+                                                   "size_bytes": snap.size_bytes}}
+
+
+def fetch_figures(result: FetchResult) -> dict[str, Any]:
+    w = result.weights
+    if w is None:
+        return {"vision": result.vision}
+    return {"file": w.file, "size_bytes": w.size_bytes, "bytes_transferred": w.bytes_transferred,
+            "resumed_from_bytes": w.resumed_from_bytes, "already_present": w.already_present,
+            "hf_cache": w.hf_cache, "sha256": w.sha256, "vision": result.vision}
+
+
+DECLARATION = StageDeclaration(
+    "fetch-weights", fetch_weights_work, inputs=_inputs, decode=FetchResult.decode,
+    still_valid=fetched_still_on_disk, fingerprint=fetch_fingerprint, figures=fetch_figures, version=1,
+    result_type=FetchResult, job=FetchJob())
+
+
+def for_job(job: FetchJob) -> StageDeclaration[FetchResult]:
+    """fetch-weights for ``job``; its reuse check re-hashes files in place when the job does."""
+    return dataclasses.replace(DECLARATION.with_job(job),
+                               still_valid=functools.partial(fetched_still_on_disk, rehash=job.rehash_installed))

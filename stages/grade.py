@@ -49,8 +49,11 @@ from grading.report import (
 )
 from grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
 from grading.scenarios import Scenario, pack_hash, scenarios_for
+from core.model_files import VerifyResult
+from stages.declaration import StageContext, StageDeclaration
+from stages.load import SERVER_SESSION, LoadResult
 
-__all__ = ["GRADE_FILE", "REQUEST_TIMEOUT_S", "GradeResult", "HttpChatEndpoint", "brief", "default_output_path", "fresh_output_path",
+__all__ = ["DECLARATION", "GRADE_FILE", "GRADE_STAGE", "REQUEST_TIMEOUT_S", "GradeOptions", "GradeResult", "HttpChatEndpoint", "brief", "default_output_path", "fresh_output_path",
            "grade_endpoint", "grade_session", "session_facts", "write_report"]
 
 GRADE_FILE = "grade.json"  # in a run directory: the record of the grade stage, transcripts included
@@ -257,3 +260,60 @@ def write_report(report: Mapping[str, Any], path: Path) -> Path:
     tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+# --------------------------------------------------------------------------- the stage (auto --grade)
+
+GRADE_STAGE = "grade"  # after re-check in the same session, only with `auto --grade`
+
+
+@dataclass(frozen=True)
+class GradeOptions:
+    """``hotfit auto --grade``: which tier, and the budget after which it stops as inconclusive."""
+
+    tier: str = "full"
+    budget_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tier": self.tier, "budget_s": self.budget_s}
+
+
+async def grade_work(ctx: StageContext) -> GradeResult:
+    options = ctx.job(GradeOptions)
+    plan = ctx.require_plan()
+    verified = ctx.result("verify", VerifyResult)
+    report = await grade_session(ctx.result("load", LoadResult).live(), label=f"model {plan.entry.name} (hotfit auto)",
+                                 tier=options.tier, budget_s=options.budget_s, budget_flag="--grade-budget-s",
+                                 known={"model": plan.entry.name, "model_path": verified.weights_path,
+                                        "model_sha256": verified.sha256})
+    # its own JSON file beside every other grade record, transcripts included; the record keeps the summary
+    path = fresh_output_path(ctx.settings.home, options.tier)
+    await anyio.to_thread.run_sync(write_report, {**report, "output": str(path), "run_id": ctx.run_id}, path)
+    return GradeResult.from_report(report, path)
+
+
+def _inputs(ctx: StageContext) -> Any:
+    options = ctx.job(GradeOptions)
+    plan = ctx.require_plan()
+    # a new tier, budget, scenario pack or grade version grades again; the same ones reuse the record
+    return {"plan_id": plan.plan_id, **options.to_json(), "grade_version": GRADE_VERSION,
+            "scenario_pack_sha256": pack_hash(scenarios_for(options.tier), grade_version=GRADE_VERSION)}
+
+
+def grade_still_there(graded: GradeResult) -> bool:
+    return bool(graded.path) and Path(graded.path).is_file()
+
+
+def grade_figures(result: GradeResult) -> dict[str, Any]:
+    return {"verdict": result.verdict, "stack_problem": result.stack_problem, "passed": result.passed,
+            "total": result.total, "tier": result.tier, "path": result.path}
+
+
+# After re-check, in the session (so it runs on the session load opened, and is reused with it). After
+# re-check, not before: a session that does not hold the planned window fails closed there, and
+# grading it would only spend minutes on a model that is not provisioned. Its verdict is recorded,
+# never raised: see pipeline/auto.py for why a failed grade does not fail ``auto``.
+DECLARATION = StageDeclaration(
+    GRADE_STAGE, grade_work, deps=("verify", "load", "probe-tool-call", "re-check"), inputs=_inputs,
+    session=SERVER_SESSION, decode=GradeResult.decode, still_valid=grade_still_there, figures=grade_figures,
+    version=1, result_type=GradeResult, job=GradeOptions())

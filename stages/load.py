@@ -24,9 +24,15 @@ from backends.select import backend_for
 from core.errors import IntegrityError
 from core.model_files import VerifyResult
 from core.plan import Plan
+from core.records import decode_record
 from core.settings import Settings
+from stages.declaration import StageContext, StageDeclaration
+from stages.plan import PlannedRun
 
-__all__ = ["LoadResult", "model_files", "open_session", "preflight"]
+__all__ = ["DECLARATION", "SERVER_SESSION", "LoadResult", "decode_load", "model_files", "open_session", "preflight"]
+
+# The engine skips or runs the stages on one opened session (load, probe-tool-call, re-check, grade) together.
+SERVER_SESSION = "llama-server"
 
 
 @dataclass(frozen=True)
@@ -76,3 +82,82 @@ def open_session(plan: Plan, files: ModelFiles, *, run_dir: Path, settings: Sett
     """Open ``files`` for ``plan`` with its backend; ``binary``: the preflight's result (None:
     resolve it now)."""
     return backend_for(plan.backend).open(plan, files, run_dir=run_dir, binary=binary, settings=settings)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+@dataclass(frozen=True)
+class _TemplateShape:
+    kind: str  # backends.llama_server.process.TemplateKind
+    path: str | None
+
+
+@dataclass(frozen=True)
+class _LlamaLoadShape:
+    """What a llama-server load record must hold (the manifest, the fingerprint and serve read it)."""
+
+    pid: int
+    base_url: str
+    argv: tuple[str, ...]
+    log_path: str
+    stderr_path: str
+    template: _TemplateShape
+    load_seconds: float
+    backend: dict[str, Any]  # the binary's to_json()
+
+
+@dataclass(frozen=True)
+class _OpenVinoLoadShape:
+    """What an OpenVINO load record must hold; the rest is what the worker reported on opening."""
+
+    pid: int
+    config: dict[str, Any]
+    backend: dict[str, Any]
+
+
+def decode_load(record: Mapping[str, Any]) -> LoadResult:
+    """The load record back (its shape checked; StageRecordError names a damaged field)."""
+    if "config" in record:  # OpenVINO: every pipeline setting
+        decode_record(_OpenVinoLoadShape, {k: record.get(k) for k in ("pid", "config", "backend")})
+    else:
+        decode_record(_LlamaLoadShape, record)
+    return LoadResult(dict(record))
+
+
+def decode_load_for_plan(record: Mapping[str, Any], plan: Plan) -> LoadResult:
+    """:func:`decode_load`, with the binary it ran decoded by the plan's backend."""
+    loaded = decode_load(record)
+    binary = backend_for(plan.backend).decode_binary(record["backend"], path="backend")
+    return LoadResult(loaded.record, binary=binary)
+
+
+async def load_work(ctx: StageContext) -> LoadResult:
+    plan = ctx.require_plan()
+    files = model_files(ctx.result("verify", VerifyResult))
+    binary = ctx.result("plan", PlannedRun).backend  # the plan stage's preflight (None: resolve it now)
+    session = await ctx.enter_context(open_session(plan, files, run_dir=ctx.run_dir, settings=ctx.settings,
+                                                   binary=binary))
+    return LoadResult.opened(session, binary)
+
+
+def load_fingerprint(loaded: LoadResult) -> Any:
+    # the port, pid and timing change every start; the command line without the port does not
+    out = loaded.record
+    if "config" in out:  # OpenVINO: every pipeline setting; the pid and timing are volatile
+        return {"config": out.get("config")}
+    argv = list(out.get("argv") or [])
+    if "--port" in argv:
+        i = argv.index("--port")
+        del argv[i:i + 2]
+    return {"argv": argv, "template": out.get("template")}
+
+
+def load_figures(loaded: LoadResult) -> dict[str, Any]:
+    return loaded.live().load_figures()
+
+
+DECLARATION = StageDeclaration(
+    "load", load_work, deps=("verify",), session=SERVER_SESSION, decode=decode_load,
+    decode_for_plan=decode_load_for_plan, fingerprint=load_fingerprint, figures=load_figures, version=1,
+    result_type=LoadResult)

@@ -15,17 +15,21 @@ one module per stage; the arithmetic is in registry/ (pure).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Iterable, Literal
+
+import anyio
 
 from backends.base import BackendBinary
 from backends.select import backend_for
 from core.errors import NoModelQualifies, UsageError
 from core.log import get_logger
-from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-from core.settings import KV_CACHE_ENV
+from core.plan import BudgetBreakdown, Device, Plan, ProbeResult, decode_probe
+from core.records import Fields, stage_record_fail
+from core.settings import KV_CACHE_ENV, Settings
 from registry.kv import KVCacheType, parse_kv_cache_type
 from core.entry import Entry
 from registry.select import (
@@ -43,6 +47,8 @@ from registry.select import (
     select_auto,
     select_explicit,
 )
+from registry.schema import decode_entry
+from stages.declaration import StageContext, StageDeclaration
 
 log = get_logger()
 
@@ -149,6 +155,105 @@ class PlanOutcome:
     @property
     def kv_cache_type(self) -> str:
         return self.selection.cache_type.name
+
+
+# ------------------------------------------------------------------------ the stage
+
+REPROVISION_HINT = "run `hotfit auto` to provision again; it rewrites the manifest and reuses completed downloads"
+_PLAN_FIELDS = ("entry", "probe", "kv_cache_type", "kv_cache_type_source", "hot_context_tokens",
+                "estimated_kv_bytes", "budget", "origin")
+_PLAN_OPTIONAL = ("backend", "reused_previous", "explicit_model")
+KV_CACHE_TYPE_SOURCES = ("env", "flag", "default")
+
+
+def decode_plan_fields(data: Any, f: Fields) -> Plan:
+    """``Plan.to_json()`` back into the Plan (its ``plan_id`` comes out the same): the entry through
+    the registry's own entry decoder, the probe through the probe file's; ``f`` names a damaged
+    field the way the caller reports it (a stage record, the manifest)."""
+    doc = f.object(data, "", _PLAN_FIELDS, optional=_PLAN_OPTIONAL)
+    entry = decode_entry(doc["entry"], f.at("entry"), rules=False)
+    b = f.at("budget")
+    raw_budget = b.object(doc["budget"], "", tuple(BudgetBreakdown.__dataclass_fields__))
+    budget = BudgetBreakdown(**{k: b.integer(raw_budget[k], k, minimum=None) for k in raw_budget})
+    plan = Plan(
+        entry=entry,
+        probe=decode_probe(doc["probe"], f.at("probe")),
+        kv_cache_type=f.string(doc["kv_cache_type"], "kv_cache_type"),
+        kv_cache_type_source=f.choice(doc["kv_cache_type_source"], "kv_cache_type_source", KV_CACHE_TYPE_SOURCES),
+        hot_context_tokens=f.integer(doc["hot_context_tokens"], "hot_context_tokens"),
+        estimated_kv_bytes=f.integer(doc["estimated_kv_bytes"], "estimated_kv_bytes", minimum=0),
+        budget=budget,
+        origin=f.string(doc["origin"], "origin", nullable=True),
+        reused_previous=f.boolean(doc.get("reused_previous", False), "reused_previous"),
+        explicit_model=f.boolean(doc.get("explicit_model", False), "explicit_model"),
+    )
+    if doc.get("backend", entry.backend) != entry.backend:
+        raise f.fail("backend", f"is {doc['backend']!r} but the entry's backend is {entry.backend!r}",
+                     REPROVISION_HINT)
+    return plan
+
+
+def decode_plan(record: Mapping[str, Any]) -> Plan:
+    """The plan's record (``Plan.to_json()``) back into the Plan; StageRecordError names a damaged field."""
+    return decode_plan_fields(record, Fields(stage_record_fail, noun="plan"))
+
+
+def decode_planned(record: Mapping[str, Any]) -> PlannedRun:
+    """The plan stage's record (``PlannedRun.to_json()``): the plan, and the preflight's binary
+    decoded by the plan's backend; StageRecordError names a damaged field."""
+    if not isinstance(record, Mapping):
+        return PlannedRun(decode_plan(record))  # the plan's decoder names what is wrong
+    plan = decode_plan({k: v for k, v in record.items() if k != PREFLIGHT_KEY})
+    found = record.get(PREFLIGHT_KEY)
+    if found is None:
+        return PlannedRun(plan)
+    return PlannedRun(plan, backend_for(plan.backend).decode_binary(found, path=PREFLIGHT_KEY))
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """What the run asks of the plan stage. ``select`` is the selection for a probe (the job's
+    registry, KV type, origin, previous model…; it raises the refusal); ``on_plan`` sees the whole
+    outcome (every device and candidate), which the dry run prints; ``check_backend`` False (the dry
+    run, the no-op check): only plan, the binary is checked when a run would use it."""
+
+    select: Callable[[Settings, ProbeResult], PlanOutcome]
+    on_plan: Callable[[PlanOutcome], None] | None = None
+    check_backend: bool = True
+
+
+async def plan_work(ctx: StageContext) -> PlannedRun:
+    job = ctx.job(PlanJob)
+    outcome = job.select(ctx.settings, ctx.result("probe", ProbeResult))
+    if job.on_plan is not None:
+        job.on_plan(outcome)
+    plan = outcome.plan
+    assert plan is not None  # select raised the refusal otherwise
+    if not job.check_backend:
+        return PlannedRun(plan)
+    # The backend that will serve this plan must be usable here before a single weight byte is
+    # fetched: llama-server found, answering, suiting this CPU and the device;
+    # OpenVINO importable with the plan's device and KV precision. Found once: load reuses it.
+    preflight = backend_for(plan.backend).preflight
+    return PlannedRun(plan, await anyio.to_thread.run_sync(functools.partial(preflight, plan, ctx.settings)))
+
+
+def plan_figures(planned: PlannedRun) -> dict[str, Any]:
+    plan = planned.plan
+    return {"model": plan.entry.name, "hot_context_tokens": plan.hot_context_tokens,
+            "kv_cache_type": plan.kv_cache_type, "kv_cache_type_source": plan.kv_cache_type_source,
+            "estimated_kv_bytes": plan.estimated_kv_bytes, "usable_bytes": plan.budget.usable_bytes,
+            "reused_previous": plan.reused_previous, "explicit_model": plan.explicit_model}
+
+
+def _plan_of(planned: PlannedRun) -> Plan:
+    return planned.plan
+
+
+# Always run (selection is cheap and free memory changes), so no reuse check.
+DECLARATION = StageDeclaration(
+    "plan", plan_work, deps=("probe",), always_run=True, decode=decode_planned, figures=plan_figures,
+    plan_of=_plan_of, version=1, result_type=PlannedRun)
 
 
 def device_label(d: Device) -> str:

@@ -36,6 +36,7 @@ are the probe stage's sources, kept in the one module per stage the design card 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -46,11 +47,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import anyio
+
+from backends.select import BACKENDS
 from core.errors import HardwareProbeError, UsageError
 from core.log import get_logger
 from core.plan import Device, ProbeResult, decode_probe
 from core.records import Fields, parse_json
+from core.settings import Settings
 from registry.select import device_budget
+from stages.declaration import StageContext, StageDeclaration
 from state.files import read_text_document, write_text_atomic
 
 log = get_logger()
@@ -549,3 +555,37 @@ def describe(result: ProbeResult) -> str:
                      f"{d.total_bytes / (1 << 30):.2f} GiB{extra}")
     lines += [f"  note: {n}" for n in result.notes]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def gpu_listing_binaries(settings: Settings) -> tuple[Path, ...]:
+    """The programs asked which GPUs ggml sees (source 3): each backend names its own."""
+    return tuple(p for backend in BACKENDS.values() for p in backend.device_listing_binaries(settings))
+
+
+@dataclass(frozen=True)
+class ProbeJob:
+    """What the run asks of the probe: the machine, or a saved probe (``auto --probe-file``)."""
+
+    probe_file: Path | None = None
+
+
+async def probe_work(ctx: StageContext) -> ProbeResult:
+    job = ctx.job(ProbeJob)
+    if job.probe_file is not None:
+        return await anyio.to_thread.run_sync(load_probe_file, job.probe_file)
+    binaries = gpu_listing_binaries(ctx.settings)
+    return await anyio.to_thread.run_sync(functools.partial(probe_devices, ggml_binaries=binaries))
+
+
+def probe_figures(probe: ProbeResult) -> dict[str, Any]:
+    d = probe.device
+    return {"device_kind": d.kind, "device_name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes}
+
+
+# Always run (the world may have changed), so no reuse check and no fingerprint beyond its record.
+DECLARATION = StageDeclaration(
+    "probe", probe_work, always_run=True, decode=ProbeResult.decode, figures=probe_figures, version=1,
+    result_type=ProbeResult, job=ProbeJob())

@@ -28,14 +28,19 @@ parser, :mod:`backends.openvino.chat`) and judges the OpenAI-shaped answer here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from backends.base import ChatFailed, Session
 from core.errors import ToolCallProbeFailed
 from core.log import get_logger
+from core.records import decode_record
+from stages.declaration import StageContext, StageDeclaration
+from stages.load import SERVER_SESSION, LoadResult
 
 __all__ = [
     "PROBE_TOOL",
@@ -53,6 +58,8 @@ __all__ = [
     "ProbeFailure",
     "classify_failure",
     "probe_tool_call",
+    "decode_probe_call",
+    "DECLARATION",
 ]
 
 log = get_logger()
@@ -366,3 +373,37 @@ async def probe_tool_call(
         **facts,
     )
     return result
+
+
+# --------------------------------------------------------------------------- the stage
+
+_PROBE_FIELDS = frozenset(f.name for f in dataclasses.fields(ProbeToolCallResult)) - {"backend_facts"}
+
+
+def decode_probe_call(record: Mapping[str, Any]) -> ProbeToolCallResult:
+    """The probe's record back; StageRecordError names a damaged field."""
+    if not isinstance(record, Mapping):
+        return decode_record(ProbeToolCallResult, record)  # names the problem
+    # to_json flattens the backend's own facts (OpenVINO's family, raw text…) into the record
+    facts = {k: v for k, v in record.items() if k not in _PROBE_FIELDS}
+    known = {k: v for k, v in record.items() if k in _PROBE_FIELDS}
+    return decode_record(ProbeToolCallResult, known | {"backend_facts": facts})
+
+
+async def probe_tool_call_work(ctx: StageContext) -> ProbeToolCallResult:
+    return await probe_tool_call(ctx.result("load", LoadResult).live())
+
+
+def probe_call_figures(result: ProbeToolCallResult) -> dict[str, Any]:
+    return {"passed": result.verdict.passed, "reason": result.verdict.reason, "tool": result.verdict.tool_name,
+            "prompt_tokens_per_s": result.prompt_tokens_per_s,
+            "generation_tokens_per_s": result.generation_tokens_per_s}
+
+
+def probe_call_fingerprint(result: ProbeToolCallResult) -> Any:
+    return {"passed": result.verdict.passed, "template": result.template}
+
+
+DECLARATION = StageDeclaration(
+    "probe-tool-call", probe_tool_call_work, deps=("load",), session=SERVER_SESSION, decode=decode_probe_call,
+    fingerprint=probe_call_fingerprint, figures=probe_call_figures, version=1, result_type=ProbeToolCallResult)

@@ -14,18 +14,25 @@ that cannot be read), writes ``recheck.json`` and logs the verdict.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationReport, Session
-from core.errors import AllocationMismatch
+from backends.select import BACKENDS, backend_for
+from core.errors import AllocationMismatch, StageRecordError
 from core.log import get_logger
 from core.plan import Plan
 from registry.select import MIN_AGENTIC_HOT_CONTEXT
+from stages.declaration import StageContext, StageDeclaration
+from stages.load import SERVER_SESSION, LoadResult
 
 __all__ = [
     "KV_EXCESS_TOLERANCE",
     "KV_SHORTFALL_WARN_RATIO",
     "MIN_AGENTIC_HOT_CONTEXT",
     "RECHECK_FILE",
+    "DECLARATION",
+    "decode_recheck",
     "recheck_allocation",
 ]
 
@@ -63,3 +70,50 @@ async def recheck_allocation(
         )
     log.info("recheck.passed", **facts)
     return report
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def decode_recheck_for_plan(record: Mapping[str, Any], plan: Plan) -> AllocationReport:
+    """The re-check's record back, as the plan's backend writes its report."""
+    return backend_for(plan.backend).decode_allocation(record)
+
+
+def decode_recheck(record: Mapping[str, Any]) -> AllocationReport:
+    """The re-check's record back without the plan (tests, tools): the report of the backend whose
+    decoder takes it; when none does, the error that names a damaged field (its backend knew the
+    record's keys), else the first."""
+    errors: list[StageRecordError] = []
+    for backend in BACKENDS.values():
+        try:
+            return backend.decode_allocation(record)
+        except StageRecordError as exc:
+            errors.append(exc)
+    raise next((e for e in errors if e.details.get("field")), errors[0])
+
+
+async def recheck_work(ctx: StageContext) -> AllocationReport:
+    plan = ctx.require_plan()
+    report = await recheck_allocation(ctx.result("load", LoadResult).live(), plan)
+    opened = report.opened_context_tokens
+    # contenox `auto`: an opened session holding less than half the estimate is worth a warning
+    if opened is not None and opened * 2 < plan.hot_context_tokens:
+        log.warning("recheck.below_half_estimate", opened_context_tokens=opened,
+                    planned_hot_context_tokens=plan.hot_context_tokens)
+    return report
+
+
+def recheck_figures(report: AllocationReport) -> dict[str, Any]:
+    data = report.to_json()  # llama-server: the window per slot; OpenVINO: the one window its bytes hold
+    opened = list(data["opened_n_ctx_per_slot"]) if "opened_n_ctx_per_slot" in data else data.get("opened_context_tokens")
+    return {"verdict": report.verdict, "opened_context_tokens": opened,
+            "planned_hot_context_tokens": report.planned_hot_context_tokens,
+            "estimated_kv_bytes": report.estimated_kv_bytes, "actual_kv_bytes": report.actual_kv_bytes,
+            "ratio": round(report.ratio, 6) if report.ratio is not None else None}
+
+
+# No fingerprint of its own: nothing downstream but the grade, which hashes the whole report.
+DECLARATION = StageDeclaration(
+    "re-check", recheck_work, deps=("load", "probe-tool-call"), session=SERVER_SESSION, decode=decode_recheck,
+    decode_for_plan=decode_recheck_for_plan, figures=recheck_figures, version=1, result_type=AllocationReport)

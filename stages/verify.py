@@ -29,6 +29,7 @@ of the snapshot must be from the commit placed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ from core.model_files import (
 )
 from stages._gguf_header import GGUFHeader, gguf, read_gguf_header, whole_number
 from stages._snapshot_verify import place_snapshot, snapshot_commit, verify_snapshot_dir
+from stages.declaration import StageContext, StageDeclaration
+from stages.fetch_weights import FetchJob
 from download import discard_partial, partial_paths
 from state.files import finalize_file
 from state.locks import FileLock
@@ -442,3 +445,42 @@ def recheck_models(models_dir: Path, names: list[str] | None = None, *, wait: bo
         with FileLock(d / PARTIAL_DIRNAME / "pull.lock", wait=wait, what=f"model directory {d}"):
             out.extend(recheck_installed(d))
     return out
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+async def verify_work(ctx: StageContext) -> VerifyResult:
+    job = ctx.job(FetchJob)
+    entry = job.entry_of(ctx)
+    return await job.locked(ctx, lambda: verify(entry, ctx.settings.model_dir(entry.name),
+                                                fetched=ctx.result("fetch-weights", FetchResult),
+                                                template=ctx.result("fetch-template", TemplateResult)))
+
+
+def _inputs(ctx: StageContext) -> dict[str, Any]:
+    job = ctx.job(FetchJob)
+    entry = job.entry_of(ctx)
+    # verify cross-checks the GGUF header against the entry's architecture facts too
+    return {**job.pins(ctx), "architecture": entry.architecture, "config": dataclasses.asdict(entry.config),
+            "context_limit": entry.context_limit}
+
+
+def verified_still_there(verified: VerifyResult) -> bool:
+    if verified.weights_path is None:
+        return False
+    p = Path(verified.weights_path)
+    if p.is_dir():
+        return True
+    return p.is_file() and p.stat().st_size == verified.size_bytes
+
+
+def verify_fingerprint(verified: VerifyResult) -> Any:
+    return {"weights_path": verified.weights_path, "size_bytes": verified.size_bytes, "sha256": verified.sha256,
+            "chat_template_path": verified.chat_template_path}
+
+
+DECLARATION = StageDeclaration(
+    "verify", verify_work, deps=("fetch-weights", "fetch-template"), inputs=_inputs, decode=VerifyResult.decode,
+    still_valid=verified_still_there, fingerprint=verify_fingerprint, version=1, result_type=VerifyResult,
+    job=FetchJob())

@@ -11,7 +11,8 @@ from typing import Any, Literal
 import anyio
 
 from backends.base import BackendBinary, ModelFiles, ServeCommand
-from backends.llama_server.discovery import ServerBinary, find_llama_server
+from backends.llama_server.allocation import AllocationReport
+from backends.llama_server.discovery import ServerBinary, find_llama_server, gpu_listing_binaries
 from backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
 from backends.llama_server.process import LoadedServer, open_server
 from core.plan import Plan
@@ -29,6 +30,15 @@ class LlamaServerBackend:
         """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and
         the plan's device; blocking (run it in a thread)."""
         return find_llama_server(settings, device_kind=plan.probe.device.kind)
+
+    def decode_binary(self, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:
+        return ServerBinary.decode(record, path=path)
+
+    def decode_allocation(self, record: Mapping[str, Any]) -> AllocationReport:
+        return AllocationReport.decode(record)
+
+    def device_listing_binaries(self, settings: Settings) -> tuple[Path, ...]:
+        return gpu_listing_binaries(settings)
 
     async def _binary(self, plan: Plan, settings: Settings, binary: BackendBinary | None) -> ServerBinary:
         if isinstance(binary, ServerBinary):

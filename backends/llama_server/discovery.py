@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from backends.base import AllocationReport, ManifestFacts
 from core.records import decode_record
 from core.errors import BackendError, BackendNotFound
 from core.isa import cpuinfo_flags, executable_features, ggml_cpu_variant, missing_features
@@ -170,6 +171,17 @@ class ServerBinary:
                 "cpu_variant": self.build.cpu_variant,
             },
         }
+
+    def manifest_facts(self, *, report: AllocationReport, session: Mapping[str, Any], snapshot_commit: str | None,
+                       call_facts: Mapping[str, Any]) -> ManifestFacts:
+        data, recheck = self.to_json(), report.to_json()  # recheck: backends.llama_server.allocation's report
+        return ManifestFacts(
+            measured={"actual_kv_bytes_uncertainty": recheck.get("actual_kv_bytes_uncertainty"),
+                      "flash_attn": recheck.get("flash_attn"),
+                      # where the session really put things: "offloaded N/N layers", KV buffers by device
+                      "offloaded_layers": recheck.get("offloaded_layers"), "kv_buffers": recheck.get("kv_buffers")},
+            llama_cpp={"server_path": data["server_path"], "source": data["source"], **data["build"],
+                       "build_info": recheck.get("build_info")})
 
     @classmethod
     def decode(cls, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:

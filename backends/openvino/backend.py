@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from backends.base import BackendBinary, ModelFiles, ServeCommand
+from backends.base import AllocationReport, BackendBinary, ManifestFacts, ModelFiles, ServeCommand
+from backends.openvino.allocation import OpenVinoAllocationReport
 from backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
                                      require_openvino)
 from backends.openvino.session import OpenVinoSession, open_openvino_session
@@ -66,6 +67,15 @@ class OpenVinoRuntime:
     def to_json(self) -> dict[str, Any]:
         return {"name": "openvino", **field_dict(self)}  # "name": which backend's binary record this is
 
+    def manifest_facts(self, *, report: AllocationReport, session: Mapping[str, Any], snapshot_commit: str | None,
+                       call_facts: Mapping[str, Any]) -> ManifestFacts:
+        recheck = report.to_json()  # backends.openvino.allocation's report
+        return ManifestFacts(
+            measured={k: recheck.get(k) for k in ("kv_precision", "kv_bytes_per_token", "predicted_kv_bytes",
+                                                  "configured_kv_blocks", "block_tokens")},
+            extra={"openvino": {"genai_version": self.genai_version, "session": session.get("config"),
+                                "snapshot_commit": snapshot_commit, "tool_call_family": call_facts.get("family")}})
+
     @classmethod
     def decode(cls, record: Mapping[str, Any], *, path: str = "") -> OpenVinoRuntime:
         """The runtime back from its :meth:`to_json` (the plan stage's record)."""
@@ -75,6 +85,15 @@ class OpenVinoRuntime:
 class OpenVinoBackend:
     name: Literal["openvino"] = "openvino"
     device_kinds: frozenset[str] = frozenset(OPENVINO_DEVICES)
+
+    def decode_binary(self, record: Mapping[str, Any], *, path: str = "") -> OpenVinoRuntime:
+        return OpenVinoRuntime.decode(record, path=path)
+
+    def decode_allocation(self, record: Mapping[str, Any]) -> OpenVinoAllocationReport:
+        return OpenVinoAllocationReport.decode(record)
+
+    def device_listing_binaries(self, settings: Settings) -> tuple[Path, ...]:
+        return ()  # the probe's GPU listing is ggml's (llama-server's builds)
 
     def preflight(self, plan: Plan, settings: Settings) -> OpenVinoRuntime:
         """The extra importable, a device and a KV precision the session takes — each refused
