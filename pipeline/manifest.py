@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from core.entry import BACKENDS
+from core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
 from core.errors import UsageError
 from core.plan import BudgetBreakdown, Plan, decode_probe
 from core.records import Fields, parse_json
@@ -62,7 +62,7 @@ class Manifest:
     plan: Mapping[str, Any]  # the full frozen plan (entry facts serve needs to re-plan)
     extra: Mapping[str, Any] = field(default_factory=dict)
     template_sha256: str | None = None  # of the verified template text (edited → not in place)
-    backend: str = "llama"  # "openvino": model_path is the IR snapshot directory, served by OVMS
+    backend: str = DEFAULT_BACKEND  # its layout says whether model_path is one file or a snapshot directory
     # the last grade of this provisioning (`auto --grade` or `hotfit grade`): verdict, score, tier,
     # fingerprint, the record's path, when; None: never graded
     grade: Mapping[str, Any] | None = None
@@ -121,8 +121,8 @@ class Manifest:
             plan=f.mapping(doc["plan"], "plan", nullable=True),
             extra=f.mapping(doc.get("extra"), "extra", nullable=True),
             template_sha256=text("template_sha256", nullable=True),
-            # manifests written before OpenVINO have no backend: llama
-            backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or "llama",
+            # manifests written before OpenVINO have no backend: llama's
+            backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or DEFAULT_BACKEND,
             grade=f.mapping(doc.get("grade"), "grade", nullable=True) if doc.get("grade") is not None else None,
         )
 
@@ -135,7 +135,7 @@ class Manifest:
         """What is missing or the wrong size on disk ([] = all in place)."""
         problems: list[str] = []
         model = Path(self.model_path)
-        if self.backend == "openvino":  # the verified snapshot directory: its files, at their total size
+        if WEIGHTS_LAYOUTS[self.backend].snapshot:  # the verified snapshot directory: its files, at their total size
             size = sum(p.stat().st_size for p in model.rglob("*") if p.is_file()) if model.is_dir() else None
             if size is None:
                 problems.append(f"model snapshot directory missing: {model}")
