@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from backends.llama_server.discovery import gpu_listing_binaries
+from backends.select import gpu_listing_binaries
 from pipeline.cli.context import CliContext
 from stages.probe import describe, probe_devices, save_probe
 
