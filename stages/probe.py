@@ -537,15 +537,3 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
     data = parse_json(text, fail_document, kind="a probe", shape="a probe is what 'hotfit probe --save FILE' writes")
     result = decode_probe(data, Fields(fail, noun="probe"))
     return replace(result, notes=(*result.notes, f"probe read from {p}"))
-
-
-def describe(result: ProbeResult) -> str:
-    """Human summary of a probe."""
-    lines = []
-    for d in result.devices:
-        mark = "*" if d.index == result.selected else " "
-        extra = "" if d.processes_used_bytes is None else f", {d.processes_used_bytes / (1 << 30):.2f} GiB held by other processes"
-        lines.append(f"{mark} [{d.index}] {d.kind:6} {d.name}: {d.free_bytes / (1 << 30):.2f} GiB free of "
-                     f"{d.total_bytes / (1 << 30):.2f} GiB{extra}")
-    lines += [f"  note: {n}" for n in result.notes]
-    return "\n".join(lines)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from backends.select import gpu_listing_binaries
 from pipeline.cli.context import CliContext
-from stages.probe import describe, probe_devices, save_probe
+from pipeline.cli.render import probe_text
+from stages.probe import probe_devices, save_probe
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -21,6 +22,6 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     result = probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings))
     if args.save:
         save_probe(result, Path(args.save))
-    text = describe(result) + (f"\nsaved to {args.save}" if args.save else "")
+    text = probe_text(result) + (f"\nsaved to {args.save}" if args.save else "")
     ctx.emit(result.to_json(), text)
     return 0
