@@ -32,17 +32,17 @@ from typing import Any, NoReturn
 import anyio
 
 from backends.base import Backend, ModelFiles, ServeCommand
-from backends.select import backend_for, gpu_listing_binaries
+from backends.select import backend_for
 from core.errors import LoadError, NoModelQualifies, UsageError
 from core.log import get_logger
 from core.plan import Device, Plan, ProbeResult
 from core.settings import Settings
 from pipeline.manifest import Manifest, plan_from_json, read_manifest
+from pipeline.probe import probe_machine
 from pipeline.systemd_unit import UnitSpec, systemd_unit, unit_user
 from pipeline.worker import record_for_self, write_worker_record
 from registry.kv import UnknownKV, parse_kv_cache_type
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, fmt_bytes, model_fit
-from stages import probe as probe_stage
 
 __all__ = ["ServeJob", "ServeOptions", "WindowDecision", "decide_window", "prepare_serve", "start_server"]
 
@@ -145,12 +145,6 @@ def _matching_device(probe_now: ProbeResult, planned: Device) -> Device:
     )
 
 
-def _probe_now(opts: ServeOptions, settings: Settings) -> ProbeResult:
-    if opts.probe_file:
-        return probe_stage.load_probe_file(opts.probe_file)
-    return probe_stage.probe_devices(ggml_binaries=gpu_listing_binaries(settings))
-
-
 def _files(manifest: Manifest) -> ModelFiles:
     return ModelFiles(Path(manifest.model_path), Path(manifest.template_path) if manifest.template_path else None)
 
@@ -217,7 +211,7 @@ def prepare_serve(settings: Settings, opts: ServeOptions) -> ServeJob:
     if opts.systemd_unit:
         return ServeJob(manifest, opts, backend.name, plan,
                         unit=systemd_unit(_unit_spec(backend, settings, opts, manifest, plan)))
-    decision = decide_window(manifest, plan, _probe_now(opts, settings))
+    decision = decide_window(manifest, plan, probe_machine(settings, probe_file=opts.probe_file))
     serve_plan = dataclasses.replace(plan, hot_context_tokens=decision.context_tokens)
     command = _serve_command(backend, settings, serve_plan, manifest, opts, api_key_file=opts.api_key_file)
     event = "serve.replanned" if decision.replanned else "serve.window_ok"

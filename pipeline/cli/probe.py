@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from backends.select import gpu_listing_binaries
 from pipeline.cli.context import CliContext
 from pipeline.cli.render import probe_text
-from stages.probe import probe_devices, save_probe
+from pipeline.probe import probe_machine
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -19,9 +18,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    result = probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings))
-    if args.save:
-        save_probe(result, Path(args.save))
+    result = probe_machine(ctx.settings, save=Path(args.save) if args.save else None)
     text = probe_text(result) + (f"\nsaved to {args.save}" if args.save else "")
     ctx.emit(result.to_json(), text)
     return 0
