@@ -7,7 +7,11 @@ pick one with :func:`backends.select.backend_for` from the plan and never touch 
   fetched; its :class:`BackendBinary` rides forward to load, so it is resolved once per run;
 - :meth:`Backend.open` — argv, child environment (device pin included), process lifetime, health:
   an async context manager yielding a :class:`Session` that is always stopped and reaped;
-- :meth:`Backend.serve_command` — the long-running server command ``hotfit serve`` prints or execs;
+- :meth:`Backend.serve_command` — the long-running server command ``hotfit serve`` prints or execs,
+  with what serve and ``auto``'s summary say of it (:attr:`Backend.serve_execs`,
+  :meth:`Backend.serve_refusal`, :meth:`Backend.service_pin`, :attr:`Backend.serve_hint`,
+  :meth:`Backend.template_summary`);
+- :meth:`Backend.grade_build` — the identity of the build that would serve a model now (grade evidence);
 - on the :class:`Session`: :meth:`~Session.call_tools` (one chat call, tool calls parsed into the
   OpenAI shape — the probe's), :meth:`~Session.chat_endpoint` (the grade's multi-turn endpoint),
   :meth:`~Session.allocation_report` (what the opened session really allocated, judged against the
@@ -15,7 +19,10 @@ pick one with :func:`backends.select.backend_for` from the plan and never touch 
 
 Failures of the call itself (no answer, a dead process, an HTTP error) raise :class:`ChatFailed`,
 which the caller turns into its own error (the probe: ``ToolCallProbeFailed``; the grade: a stack
-failure). This module is pure: protocols and frozen result types only.
+failure). This module is pure: protocols and frozen result types only. Nothing outside ``backends/`` imports
+more of a backend than this module and :mod:`backends.select` (an import-linter contract,
+CONTRIBUTING.md "Adding a backend"); what differs between servers is asked here, never decided by
+comparing a backend's name.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
+from core.entry import Entry
+from core.errors import HotfitError
 from core.plan import Plan
 from core.records import JsonRecord
 from core.settings import Settings
@@ -40,10 +49,12 @@ __all__ = [
     "Backend",
     "BackendBinary",
     "BackendName",
+    "BuildUnavailable",
     "ChatAnswer",
     "ChatFailed",
     "ModelFiles",
     "ServeCommand",
+    "ServicePin",
     "Session",
 ]
 
@@ -109,6 +120,26 @@ class ServeCommand:
             return any(name.startswith(u[:-1]) if u.endswith("*") else name == u for u in self.unset)
 
         return {k: v for k, v in base.items() if not dropped(k)} | dict(self.env)
+
+
+@dataclass(frozen=True)
+class ServicePin:
+    """What a service running ``hotfit serve`` pins of the backend (the printed systemd unit): hotfit's
+    global options naming the server found now (the service user's own build cache may hold none),
+    the files outside the home the service reads, and the server's name for the unit's description."""
+
+    server: str
+    options: tuple[str, ...] = ()
+    paths: tuple[Path, ...] = ()
+
+
+class BuildUnavailable(Exception):
+    """No build can be fingerprinted for grade evidence now: ``what`` says why, ``hint`` what to do."""
+
+    def __init__(self, what: str, hint: str | None = None) -> None:
+        super().__init__(what)
+        self.what = what
+        self.hint = hint
 
 
 @dataclass(frozen=True)
@@ -288,5 +319,31 @@ class Backend(Protocol):
                             api_key_file: Path | None, binary: BackendBinary | None, settings: Settings,
                             model_name: str = "", verified: Mapping[str, Any] | None = None) -> ServeCommand:
         """The long-running server for a provisioned model, with the load stage's settings and
-        device pin (``verified``: the manifest's measured facts where the command needs them)."""
+        device pin (``verified``: the manifest's measured facts and extra records, where the command
+        needs them)."""
+        ...
+
+    # ``hotfit serve``: True, it checks the window against the device and execs the command itself;
+    # False, it prints the command (--print-command) and otherwise refuses with :meth:`serve_refusal`.
+    serve_execs: bool
+    # how ``auto``'s summary closes: the line after "serve it with: "
+    serve_hint: str
+
+    def serve_refusal(self, model_name: str, command: ServeCommand) -> HotfitError | None:
+        """Why ``hotfit serve`` does not run ``command`` itself, naming what the operator runs
+        instead (None where :attr:`serve_execs`: it does)."""
+        ...
+
+    def service_pin(self, plan: Plan, settings: Settings) -> ServicePin:
+        """What the printed systemd unit pins of this backend for ``plan`` (blocking: it may search)."""
+        ...
+
+    def template_summary(self, template_path: str | None) -> str:
+        """How ``auto``'s summary names the chat template the provisioned model is served with."""
+        ...
+
+    def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
+        """(identity, description) of the build that would serve ``entry`` on a ``device_kind`` device
+        now — the same search and checks as the load stage; the identity covers the build's facts
+        and bytes (docs/grade.md, "Earning a place"). Raises :class:`BuildUnavailable`."""
         ...

@@ -14,7 +14,6 @@ Backend = Literal["llama", "openvino"]
 Origin = Literal["us", "eu", "china", "gus"]
 AgenticTier = Literal["agentic", "tool-chat", "none"]
 
-BACKENDS: tuple[str, ...] = ("llama", "openvino")
 ORIGINS: tuple[str, ...] = ("us", "eu", "china", "gus")
 AGENTIC_TIERS: tuple[str, ...] = ("agentic", "tool-chat", "none")
 PERMISSIVE_LICENSES: tuple[str, ...] = ("Apache-2.0", "MIT")
@@ -24,6 +23,37 @@ PERMISSIVE_LICENSES: tuple[str, ...] = ("Apache-2.0", "MIT")
 IneligibleCause = Literal["architecture", "tool-parser", "license", "unverified", "vision-path"]
 INELIGIBLE_CAUSES: tuple[str, ...] = ("architecture", "tool-parser", "license", "unverified", "vision-path")
 MAX_REPO_PATH_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class WeightsLayout:
+    """What a backend's registry artifact is and how its KV is priced: the facts the pure layers
+    (registry/'s rules and KV arithmetic) and the file stages ask of an entry, which cannot ask its
+    backend (backends/ sits above them). The rest of what differs is asked of the backend itself
+    (backends/base.py; CONTRIBUTING.md, "Adding a backend")."""
+
+    # a whole-repository snapshot directory (OpenVINO's IR), fetched and verified file by file and
+    # following the repository's current commit (spec, "Publisher and artifact evidence"); else one
+    # file pinned to a verified revision
+    snapshot: bool
+    file_format: str | None  # the one file's format ("GGUF", named ``*.gguf``); None for a snapshot
+    # KV priced as OpenVINO GenAI's paged cache (registry/kv.py, PagedKV) rather than llama.cpp's
+    paged_kv: bool
+    architecture_required: bool  # an auto-eligible entry names its llama.cpp architecture
+
+    @property
+    def file_suffix(self) -> str | None:
+        return None if self.file_format is None else "." + self.file_format.lower()
+
+
+# Each backend's layout, by the registry's ``backend`` name: the one list of backend names the pure
+# layers hold (backends/select.py maps the same names to their implementations).
+WEIGHTS_LAYOUTS: dict[str, WeightsLayout] = {
+    "llama": WeightsLayout(snapshot=False, file_format="GGUF", paged_kv=False, architecture_required=True),
+    "openvino": WeightsLayout(snapshot=True, file_format=None, paged_kv=True, architecture_required=False),
+}
+BACKENDS: tuple[str, ...] = tuple(WEIGHTS_LAYOUTS)
+DEFAULT_BACKEND: Backend = "llama"  # what a plan, a manifest and --backend mean when they name none
 
 
 def safe_relpath(path: str) -> str:
@@ -131,3 +161,8 @@ class Entry:
                 return None
             projector = self.projector.size_bytes
         return self.artifact.size_bytes + projector
+
+    @property
+    def layout(self) -> WeightsLayout:
+        """How this entry's weights are laid out and priced (its backend's :class:`WeightsLayout`)."""
+        return WEIGHTS_LAYOUTS[self.backend]

@@ -23,13 +23,13 @@ are not recorded as evidence.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from backends.llama_server.discovery import find_llama_server
+from backends.base import BuildUnavailable
+from backends.select import backend_for
 from core.entry import Entry
-from core.errors import HotfitError, UsageError
+from core.errors import UsageError
 from core.log import get_logger
 from core.model_files import TEMPLATE_FILENAME
 from core.plan import ProbeResult
@@ -47,7 +47,7 @@ from state.evidence import (
     stale_reason,
     write_evidence_file,
 )
-from state.receipts import read_receipt, receipt_matches, sha256_file
+from state.receipts import read_receipt, receipt_matches
 
 __all__ = ["ADMIT_FLAG", "admission", "backend_build", "current_fingerprint", "evidence_status", "record_grade"]
 
@@ -67,20 +67,13 @@ class EvidenceUnavailable(Exception):
 
 
 def backend_build(entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
-    """(identity, description) of the build that would serve ``entry`` on a ``device_kind`` device now:
-    the llama-server the load stage would start (same search, same checks), its build facts and bytes."""
-    if entry.backend != "llama":
-        raise EvidenceUnavailable(f"{entry.name} is an {entry.backend} entry: grade evidence is kept for "
-                                  "llama-server models only (an OpenVINO snapshot has no single model sha256)")
+    """(identity, description) of the build that would serve ``entry`` on a ``device_kind`` device now,
+    asked of its backend (for llama-server: the binary the load stage would start, its build facts
+    and bytes)."""
     try:
-        binary = find_llama_server(settings, device_kind=device_kind)
-    except HotfitError as exc:
-        raise EvidenceUnavailable(f"no usable llama-server for a {device_kind} device: {exc.what}",
-                                  hint=exc.hint) from None
-    facts = binary.to_json()["build"]
-    identity = hashlib.sha256(json.dumps({"build": facts, "binary_sha256": sha256_file(binary.server_path)},
-                                         sort_keys=True).encode()).hexdigest()
-    return identity, binary.build.describe()
+        return backend_for(entry.backend).grade_build(entry, device_kind, settings)
+    except BuildUnavailable as exc:
+        raise EvidenceUnavailable(exc.what, hint=exc.hint) from None
 
 
 def _model_sha256(entry: Entry, settings: Settings) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 
 from backends.base import ModelFiles
+from backends.select import endpoint_at
 from core.entry import Entry
 from core.errors import UsageError
 from core.log import get_logger
@@ -36,12 +37,12 @@ from pipeline.auto import grade_summary, plan_only
 from pipeline.evidence import record_grade
 from pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
 from pipeline.provision import AutoOptions
-from stages.grade import fresh_output_path, grade_session, write_report
+from stages.grade import default_output_path, fresh_output_path, grade_endpoint, grade_session, write_report
 from stages.load import model_files, open_session, preflight
 from stages.verify import verify
 from state.locks import FileLock
 
-__all__ = ["GradeTarget", "grade_model"]
+__all__ = ["GradeTarget", "grade_model", "grade_server"]
 
 log = get_logger()
 
@@ -131,6 +132,36 @@ async def grade_model(settings: Settings, *, model: str | None, registry_file: P
             {"verdict": v["verdict"], "tier": report["tier"], **score, "fingerprint": report["fingerprint"]},
             grade_record=str(path)))
         return {**report, "evidence": evidence}
+
+
+def _api_key(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except OSError as exc:
+        raise UsageError(f"cannot read --api-key-file {path}: {exc.strerror}",
+                         hint="give a readable file whose first line is the API key") from None
+    if not lines:
+        raise UsageError(f"--api-key-file {path} is empty", hint="put the server's API key on its first line")
+    return lines[0]
+
+
+async def grade_server(settings: Settings, url: str, *, api_key_file: str | None, tier: str, budget_s: float | None,
+                       output: Path | None) -> dict[str, Any]:
+    """The ``hotfit grade --endpoint URL`` job: grade a server already running, whatever it is (an
+    OpenAI-compatible endpoint, :func:`backends.select.endpoint_at`), and write the record to
+    ``output`` (default: under ``<home>/grades/``). Returns the report with its ``output``."""
+    api_key = _api_key(api_key_file)
+    output = output or default_output_path(settings.home, tier)
+    async with endpoint_at(url, api_key=api_key) as endpoint:
+        report = await grade_endpoint(endpoint, endpoint_label=url, tier=tier, budget_s=budget_s)
+    try:
+        write_report({**report, "output": str(output)}, output)
+    except OSError as exc:
+        raise UsageError(f"cannot write the grade record to {output}: {exc.strerror}",
+                         hint="pass a writable --output FILE") from None
+    return {**report, "output": str(output)}
 
 
 def _record_in_manifest(settings: Settings, graded: Manifest, report: dict[str, Any], path: Path) -> None:

@@ -22,24 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from core.entry import BACKENDS
+from core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
 from core.errors import UsageError
-from core.plan import BudgetBreakdown, Plan, decode_probe
+from core.plan import Plan
 from core.records import Fields, parse_json
-from registry.schema import decode_entry
+from stages.plan import REPROVISION_HINT, decode_plan_fields
 from state.files import read_text_document, write_text_atomic
 
 SCHEMA = 1
-REPROVISION_HINT = "run `hotfit auto` to provision again; it rewrites the manifest and reuses completed downloads"
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
                "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
                "measured", "probe_verdict", "llama_cpp", "device", "plan")
 # written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model
 _OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade")
-_PLAN_FIELDS = ("entry", "probe", "kv_cache_type", "kv_cache_type_source", "hot_context_tokens",
-                "estimated_kv_bytes", "budget", "origin")
-_PLAN_OPTIONAL = ("backend", "reused_previous", "explicit_model")
-KV_CACHE_TYPE_SOURCES = ("env", "flag", "default")
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,7 @@ class Manifest:
     plan: Mapping[str, Any]  # the full frozen plan (entry facts serve needs to re-plan)
     extra: Mapping[str, Any] = field(default_factory=dict)
     template_sha256: str | None = None  # of the verified template text (edited → not in place)
-    backend: str = "llama"  # "openvino": model_path is the IR snapshot directory, served by OVMS
+    backend: str = DEFAULT_BACKEND  # its layout says whether model_path is one file or a snapshot directory
     # the last grade of this provisioning (`auto --grade` or `hotfit grade`): verdict, score, tier,
     # fingerprint, the record's path, when; None: never graded
     grade: Mapping[str, Any] | None = None
@@ -121,8 +116,8 @@ class Manifest:
             plan=f.mapping(doc["plan"], "plan", nullable=True),
             extra=f.mapping(doc.get("extra"), "extra", nullable=True),
             template_sha256=text("template_sha256", nullable=True),
-            # manifests written before OpenVINO have no backend: llama
-            backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or "llama",
+            # manifests written before OpenVINO have no backend: llama's
+            backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or DEFAULT_BACKEND,
             grade=f.mapping(doc.get("grade"), "grade", nullable=True) if doc.get("grade") is not None else None,
         )
 
@@ -135,7 +130,7 @@ class Manifest:
         """What is missing or the wrong size on disk ([] = all in place)."""
         problems: list[str] = []
         model = Path(self.model_path)
-        if self.backend == "openvino":  # the verified snapshot directory: its files, at their total size
+        if WEIGHTS_LAYOUTS[self.backend].snapshot:  # the verified snapshot directory: its files, at their total size
             size = sum(p.stat().st_size for p in model.rglob("*") if p.is_file()) if model.is_dir() else None
             if size is None:
                 problems.append(f"model snapshot directory missing: {model}")
@@ -205,28 +200,4 @@ def plan_from_json(data: Any, *, source: str = "the manifest") -> Plan:
         return UsageError(f"{source} holds no usable plan: field {field_path!r} {problem}",
                           hint=REPROVISION_HINT, field=field_path)
 
-    return decode_plan(data, Fields(fail, noun="plan"))
-
-
-def decode_plan(data: Any, f: Fields) -> Plan:
-    doc = f.object(data, "", _PLAN_FIELDS, optional=_PLAN_OPTIONAL)
-    entry = decode_entry(doc["entry"], f.at("entry"), rules=False)
-    b = f.at("budget")
-    raw_budget = b.object(doc["budget"], "", tuple(BudgetBreakdown.__dataclass_fields__))
-    budget = BudgetBreakdown(**{k: b.integer(raw_budget[k], k, minimum=None) for k in raw_budget})
-    plan = Plan(
-        entry=entry,
-        probe=decode_probe(doc["probe"], f.at("probe")),
-        kv_cache_type=f.string(doc["kv_cache_type"], "kv_cache_type"),
-        kv_cache_type_source=f.choice(doc["kv_cache_type_source"], "kv_cache_type_source", KV_CACHE_TYPE_SOURCES),
-        hot_context_tokens=f.integer(doc["hot_context_tokens"], "hot_context_tokens"),
-        estimated_kv_bytes=f.integer(doc["estimated_kv_bytes"], "estimated_kv_bytes", minimum=0),
-        budget=budget,
-        origin=f.string(doc["origin"], "origin", nullable=True),
-        reused_previous=f.boolean(doc.get("reused_previous", False), "reused_previous"),
-        explicit_model=f.boolean(doc.get("explicit_model", False), "explicit_model"),
-    )
-    if doc.get("backend", entry.backend) != entry.backend:
-        raise f.fail("backend", f"is {doc['backend']!r} but the entry's backend is {entry.backend!r}",
-                     REPROVISION_HINT)
-    return plan
+    return decode_plan_fields(data, Fields(fail, noun="plan"))

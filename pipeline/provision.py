@@ -20,19 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.entry import DEFAULT_BACKEND
 from core.errors import NoModelQualifies
 from core.log import get_logger
 from core.plan import ProbeResult
 from core.settings import Settings
 from pipeline.engine import Stage
 from pipeline.evidence import admission
+from pipeline.probe import probe_machine
 from pipeline.registry_file import load_registry
 from pipeline.session_stages import SESSION_STAGES, session_stages
 from registry.select import normalize_origin
 from stages import fetch_template, fetch_weights, plan, probe, verify
 from stages.fetch_weights import FetchJob
 from stages.plan import PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
-from stages.probe import ProbeJob, gpu_listing_binaries, load_probe_file, probe_devices
+from stages.probe import ProbeJob
 
 log = get_logger()
 
@@ -58,7 +60,7 @@ class AutoOptions:
 
     origin: str | None = None
     model: str | None = None
-    backend: str = "llama"
+    backend: str = DEFAULT_BACKEND
     kv_cache_type_flag: str | None = None
     probe_file: Path | None = None
     registry_file: Path | None = None
@@ -104,8 +106,7 @@ def plan_machine(settings: Settings, *, probe_file: str | None, kv_cache_type_fl
     cache_type, source = resolve_kv_cache_type(kv_cache_type_flag, settings.kv_cache_type_raw)
     origin = normalize_origin(origin)  # the cheap inputs are checked before the hardware is probed
     registry = load_registry(registry_file)
-    probe = (load_probe_file(probe_file) if probe_file
-             else probe_devices(ggml_binaries=gpu_listing_binaries(settings)))
+    probe = probe_machine(settings, probe_file=Path(probe_file) if probe_file else None)
     return build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=backend,
                       previous=previous, device=device,
                       admission=admission(settings, registry.entries, probe) if admit_graded else None)

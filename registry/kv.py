@@ -16,7 +16,7 @@ What the estimate mirrors, from the pinned llama.cpp tree (``src/llama-context.c
   tensor of ``n_kv_heads * head_dim_v`` elements per cell, stored as ggml rows of the cache
   type (``ggml_row_size``: whole blocks).
 
-OpenVINO entries (``Entry.backend == "openvino"``) are priced by what GenAI's paged cache
+OpenVINO entries (their layout's ``paged_kv``, core/entry.py) are priced by what GenAI's paged cache
 allocates instead (:class:`PagedKV`, held to GenAI's reported allocation by tests/test_openvino.py
 and scripts/bench-estimate's OpenVINO rows, docs/benchmarks.md): whole 32-token blocks on CPU, every
 layer the full window (the continuous-batching cache has no separate sliding-window pool), and at
@@ -269,14 +269,14 @@ def layer_profile(entry: Entry, max_context_tokens: int | None = None) -> LayerK
         # a full-attention layer at the widest recorded shape, no compression or state savings.
         kind = "MLA" if cfg.mla else "recurrent/hybrid"
         shape = KVLayerShape(n_layers, widest_k, widest_v, None)
-        paged = openvino_paged_kv(groups, n_layers, dense=True) if entry.backend == "openvino" else None
+        paged = openvino_paged_kv(groups, n_layers, dense=True) if entry.layout.paged_kv else None
         return LayerKVProfile((shape,), ceiling, f"dense ({kind} budgeted as full attention on all {n_layers} layers)",
                               paged)
 
     if covered != n_layers:
         return UnknownKV(f"layer groups cover {covered} of {n_layers} layers")
 
-    if entry.backend == "openvino":
+    if entry.layout.paged_kv:
         # GenAI's paged cache: every layer holds the whole window, in 32-token blocks (module docstring).
         shapes = tuple(KVLayerShape(g.count, *footprint(g), None) for g in groups)
         return LayerKVProfile(shapes, ceiling, "openvino (paged blocks, per layer group)",

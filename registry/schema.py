@@ -220,10 +220,11 @@ def check_rules(f: Fields, e: Entry) -> None:
                      "record the measured multi-turn result or training provenance (with its source), or lower the tier")
     if e.projector is not None and e.projector.file is None:
         raise f.fail("projector.file", "is null", "name the projector file (e.g. mmproj-F16.gguf)")
-    if e.backend == "llama" and e.artifact is not None and e.artifact.file is not None \
-            and not e.artifact.file.endswith(".gguf"):
-        raise f.fail("artifact.file", f"is {e.artifact.file!r}, not a .gguf file",
-                     "llama entries download one GGUF file")
+    layout = e.layout
+    if layout.file_suffix is not None and e.artifact is not None and e.artifact.file is not None \
+            and not e.artifact.file.endswith(layout.file_suffix):
+        raise f.fail("artifact.file", f"is {e.artifact.file!r}, not a {layout.file_suffix} file",
+                     f"{e.backend} entries download one {layout.file_format} file")
     if not e.auto_eligible:
         if e.ineligible_reason is None or e.ineligible_cause is None:
             field = "ineligible_reason" if e.ineligible_reason is None else "ineligible_cause"
@@ -244,18 +245,18 @@ def check_rules(f: Fields, e: Entry) -> None:
     # OpenVINO repository downloads follow their current snapshots (the fetch records the commit),
     # so an OpenVINO entry needs its checked snapshot size but no pinned revision.
     required: list[tuple[str, int | str | None]] = [("artifact.size_bytes", art.size_bytes)]
-    if e.backend == "llama":
+    if not layout.snapshot:
         required.insert(0, ("artifact.revision", art.revision))
     for field, value in required:
         if value is None:
             raise f.fail(field, "is null on an auto-eligible entry",
                          "pin it ('hotfit registry lock') or set auto_eligible to false with this as the reason")
-    if e.backend == "llama":
-        if art.file is None:
-            raise f.fail("artifact.file", "is null on an auto-eligible llama entry", "name the GGUF file")
-        if e.architecture is None:
-            raise f.fail("architecture", "is null on an auto-eligible llama entry",
-                         "record the llama.cpp architecture name (src/llama-arch.cpp)")
+    if not layout.snapshot and art.file is None:
+        raise f.fail("artifact.file", f"is null on an auto-eligible {e.backend} entry",
+                     f"name the {layout.file_format} file")
+    if layout.architecture_required and e.architecture is None:
+        raise f.fail("architecture", f"is null on an auto-eligible {e.backend} entry",
+                     "record the llama.cpp architecture name (src/llama-arch.cpp)")
     if e.projector is not None and (e.projector.revision is None or e.projector.size_bytes is None):
         raise f.fail("projector", "has no pinned revision or size on an auto-eligible entry",
                      "pin the projector or drop it")

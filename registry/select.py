@@ -17,7 +17,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Iterable
 
-from core.entry import BACKENDS, ORIGINS, Entry
+from core.entry import BACKENDS, DEFAULT_BACKEND, ORIGINS, Entry
 from core.errors import NoModelQualifies, UsageError
 
 # The planner's surface: registry.select re-exports the budget, verdict and refusal names its
@@ -90,7 +90,7 @@ def normalize_origin(raw: str | None) -> str | None:
 
 
 def normalize_backend(raw: str | None) -> str:
-    key = (raw or "llama").strip().lower()
+    key = (raw or DEFAULT_BACKEND).strip().lower()
     if key in BACKENDS:
         return key
     raise UsageError(f"unknown backend {raw!r} (valid: {', '.join(BACKENDS)})",
@@ -150,7 +150,7 @@ def _evaluate(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType, *, or
 
 
 def select_auto(entries: Iterable[Entry], budget: DeviceBudget, cache_type: KVCacheType, *,
-                origin: str | None = None, backend: str = "llama", previous: str | None = None,
+                origin: str | None = None, backend: str = DEFAULT_BACKEND, previous: str | None = None,
                 admitted: Iterable[str] = ()) -> Selection:
     """Every candidate's verdict and the automatic pick (or the refusal). Never raises for 'no fit';
     call ``raise_if_refused`` for the fail-closed error. ``admitted``: tool-chat entry names the caller
@@ -189,7 +189,7 @@ def select_auto(entries: Iterable[Entry], budget: DeviceBudget, cache_type: KVCa
 
 
 def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, cache_type: KVCacheType, *,
-                    origin: str | None = None, backend: str = "llama") -> Selection:
+                    origin: str | None = None, backend: str = DEFAULT_BACKEND) -> Selection:
     """``--model NAME``: this entry or nothing. Tool-chat is allowed, the fit is still computed, and
     it fails closed (NoModelQualifies) when it cannot open the 32768-token floor. No fallback."""
     entries = tuple(entries)

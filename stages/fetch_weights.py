@@ -253,7 +253,7 @@ async def fetch_weights(entry: Entry, dest_dir: Path, *, settings: Settings, con
         raise RegistryError(f"entry {entry.name} has no downloadable artifact",
                             hint="choose an entry with an artifact (hotfit registry list)", entry=entry.name)
     options = options or TransferOptions(connections=connections or settings.download_connections)
-    if entry.backend == "openvino" or artifact.file is None:
+    if entry.layout.snapshot or artifact.file is None:
         snap = await fetch_snapshot(entry, dest_dir, settings=settings, connections=connections,
                                     progress=progress, wait=wait, options=options, rehash_installed=rehash_installed)
         return FetchResult(entry=entry.name, backend=entry.backend, weights=None, projector=None, vision=False,

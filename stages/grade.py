@@ -1,7 +1,7 @@
 """grade: run the multi-turn tool-use grade against an OpenAI-compatible server.
 
 The effectful half of :mod:`grading`, over any :class:`~grading.protocol.ChatEndpoint` (the
-HTTP one, :class:`backends.http_chat.HttpChatEndpoint`, serves ``--endpoint`` and llama-server
+HTTP one, :func:`backends.select.endpoint_at`, serves ``--endpoint`` and llama-server
 sessions through the Backend boundary; :func:`grade_session` grades any opened
 :class:`backends.base.Session` through its ``chat_endpoint()``, so a model is graded through the
 same Backend, flags and template that load and serve use): the budget
@@ -29,7 +29,6 @@ from typing import Any
 import anyio
 
 from backends.base import Session
-from backends.http_chat import REQUEST_TIMEOUT_S, HttpChatEndpoint
 from core.log import get_logger
 from core.records import JsonRecord
 from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
@@ -53,7 +52,7 @@ from core.model_files import VerifyResult
 from stages.declaration import StageContext, StageDeclaration
 from stages.load import SERVER_SESSION, LoadResult
 
-__all__ = ["DECLARATION", "GRADE_FILE", "GRADE_STAGE", "REQUEST_TIMEOUT_S", "GradeOptions", "GradeResult", "HttpChatEndpoint", "brief", "default_output_path", "fresh_output_path",
+__all__ = ["DECLARATION", "GRADE_FILE", "GRADE_STAGE", "GradeOptions", "GradeResult", "brief", "default_output_path", "fresh_output_path",
            "grade_endpoint", "grade_session", "session_facts", "write_report"]
 
 GRADE_FILE = "grade.json"  # in a run directory: the record of the grade stage, transcripts included

@@ -31,18 +31,16 @@ from core.plan import BudgetBreakdown, Device, Plan, ProbeResult, decode_probe
 from core.records import Fields, stage_record_fail
 from core.settings import KV_CACHE_ENV, Settings
 from registry.kv import KVCacheType, parse_kv_cache_type
-from core.entry import Entry
+from core.entry import DEFAULT_BACKEND, Entry
 from registry.select import (
     ACCELERATOR_KINDS,
     DEVICE_KINDS,
-    MAX_HOT_CONTEXT_TOKENS,
     MIN_AGENTIC_HOT_CONTEXT,
     DeviceBudget,
     Refusal,
     Selection,
     Verdict,
     device_budget,
-    fmt_bytes,
     normalize_backend,
     select_auto,
     select_explicit,
@@ -430,7 +428,7 @@ def build_plan(
     kv_cache_type_source: KVSource = "default",
     *,
     origin: str | None = None,
-    backend: str = "llama",
+    backend: str = DEFAULT_BACKEND,
     previous: str | PreviousModel | None = None,
     model: str | None = None,
     device: str | None = None,
@@ -612,65 +610,3 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
         "notes": list(sel.notes),
         "error": None if sel.refusal is None else sel.refusal.to_json(),
     } | ({} if outcome.admission is None else {"admission": outcome.admission.to_json()})
-
-
-def describe(outcome: PlanOutcome) -> str:
-    """Human report: device, budget breakdown, every candidate with its verdict, the pick or refusal."""
-    sel = outcome.selection
-    b = sel.budget
-    d = outcome.probe.device
-    lines = [f"device   {device_label(d)}"]
-    if len(outcome.devices) > 1:
-        lines.append(f"why      {outcome.device_choice}")
-    for dp in outcome.devices if len(outcome.devices) > 1 else ():
-        what = (f"{dp.chosen_name} ({dp.chosen.fit.hot_context_tokens} hot tokens)"
-                if dp.chosen is not None and dp.chosen.fit is not None
-                else f"refused: {device_refusal(dp, outcome.devices)}")
-        if not dp.considered:
-            what = dp.unserved or f"not considered (--device {outcome.forced_device})"
-        lines.append(f"  {'*' if dp.device.index == d.index else ' '} {device_label(dp.device)}: {what}")
-    lines += [
-
-        f"KV cache {sel.cache_type.name} ({outcome.kv_cache_type_source})"
-        + ("" if sel.cache_type.name != "f16" else "  — q8_0 would halve what the window costs"),
-        f"origin   {sel.origin or 'auto (all)'}   backend {sel.backend}   floor {MIN_AGENTIC_HOT_CONTEXT} tokens, "
-        f"cap {MAX_HOT_CONTEXT_TOKENS}",
-        f"budget   free {fmt_bytes(b.free_bytes)} - reserve {fmt_bytes(b.reserve_bytes)} - headroom "
-        f"{fmt_bytes(b.headroom_bytes)} = usable {fmt_bytes(b.usable_bytes)} ({b.usable_bytes} bytes)",
-        "",
-        f"  {'verdict':9} {'model':28} {'hot ctx':>8}  reason",
-    ]
-    for v in sel.verdicts:
-        hot = "-" if v.hot_context_tokens is None else str(v.hot_context_tokens)
-        lines.append(f"  {v.verdict:9} {v.entry.name:28} {hot:>8}  {v.reason}")
-    lines.append("")
-    chosen = sel.chosen
-    if chosen is not None and chosen.fit is not None:
-        f = chosen.fit
-        lines.append(f"selected {chosen.entry.name}: usable {fmt_bytes(b.usable_bytes)} - weights "
-                     f"{fmt_bytes(f.weights_bytes)} - allowance {fmt_bytes(f.allowance_bytes)} = KV budget "
-                     f"{fmt_bytes(f.kv_budget_bytes)} → {f.hot_context_tokens} hot tokens at {sel.cache_type.name} "
-                     f"(KV {fmt_bytes(f.kv_bytes)})" + ("  [kept: previous model]" if sel.reused_previous else ""))
-    elif sel.refusal is not None:
-        lines.append(sel.refusal.message)
-    lines += [f"note: {n}" for n in sel.notes]
-    if outcome.admission is not None:
-        lines += _admission_lines(outcome)
-    return "\n".join(lines)
-
-
-def _admission_lines(outcome: PlanOutcome) -> list[str]:
-    """--admit-graded: which tool-chat models grade evidence admitted, and why the others were not."""
-    assert outcome.admission is not None
-    ev = outcome.admitted_evidence
-    lines = []
-    if ev is not None:
-        e = ev["evidence"]
-        lines.append(f"admitted by grade: {e['model']} — full tier {e['passed']}/{e['total']} on this machine's "
-                     f"{e['device_kind']} device, {e['graded_at']} ({e['grade_record']})")
-    for r in outcome.admission.report:
-        if r["status"] != "valid":
-            lines.append(f"not admitted: {r['model']} on [{r['device_index']}] {r['device_kind']} — {r['reason']}")
-    if not outcome.admission.report:
-        lines.append(f"--admit-graded: no grade evidence recorded ({outcome.admission.evidence_file})")
-    return lines

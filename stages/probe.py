@@ -49,7 +49,7 @@ from typing import Any
 
 import anyio
 
-from backends.select import BACKENDS
+from backends.select import gpu_listing_binaries
 from core.errors import HardwareProbeError, UsageError
 from core.log import get_logger
 from core.plan import Device, ProbeResult, decode_probe
@@ -545,24 +545,9 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
     return replace(result, notes=(*result.notes, f"probe read from {p}"))
 
 
-def describe(result: ProbeResult) -> str:
-    """Human summary of a probe."""
-    lines = []
-    for d in result.devices:
-        mark = "*" if d.index == result.selected else " "
-        extra = "" if d.processes_used_bytes is None else f", {d.processes_used_bytes / (1 << 30):.2f} GiB held by other processes"
-        lines.append(f"{mark} [{d.index}] {d.kind:6} {d.name}: {d.free_bytes / (1 << 30):.2f} GiB free of "
-                     f"{d.total_bytes / (1 << 30):.2f} GiB{extra}")
-    lines += [f"  note: {n}" for n in result.notes]
-    return "\n".join(lines)
-
 
 # --------------------------------------------------------------------------- the stage
 
-
-def gpu_listing_binaries(settings: Settings) -> tuple[Path, ...]:
-    """The programs asked which GPUs ggml sees (source 3): each backend names its own."""
-    return tuple(p for backend in BACKENDS.values() for p in backend.device_listing_binaries(settings))
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,7 @@ def _verify_sync(entry: Entry, dest_dir: Path, fetched: FetchResult | None, temp
     if artifact is None:
         raise IntegrityError(f"registry entry {entry.name} has no artifact to verify",
                              hint="choose an entry with an artifact (hotfit registry list)", entry=entry.name)
-    if entry.backend == "openvino" or artifact.file is None:
+    if entry.layout.snapshot or artifact.file is None:
         if fetched is not None and fetched.snapshot is not None:
             place_snapshot(dest_dir, fetched.snapshot, rehash=rehash)
         total, count = verify_snapshot_dir(dest_dir, rehash=rehash)

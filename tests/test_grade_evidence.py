@@ -33,6 +33,7 @@ import anyio
 import pytest
 
 import backends.select
+from backends.llama_server.backend import LlamaServerBackend
 from backends.llama_server.discovery import find_llama_server
 from core.errors import UsageError
 from core.plan import Device, ProbeResult
@@ -189,6 +190,9 @@ class ScriptedLlama:
 
     def device_env(self, plan: Any) -> dict[str, str]:
         return {}
+
+    def grade_build(self, entry: Any, device_kind: str, settings: Settings) -> tuple[str, str]:
+        return LlamaServerBackend().grade_build(entry, device_kind, settings)  # the real build's identity
 
     @contextlib.asynccontextmanager
     async def open(self, plan: Any, files: Any, *, run_dir: Path, binary: Any,

@@ -56,7 +56,8 @@ from grading.scenarios import (
 )
 from grading.schema import validate_arguments
 from grading.world import TOOLS, WRITE_TOOLS, ToolError, World, default_state
-from stages.grade import HttpChatEndpoint, grade_endpoint
+from backends.http_chat import HttpChatEndpoint
+from stages.grade import grade_endpoint
 from tests.gguf_fixtures import FixtureInfo, llama_server, write_tool_call_model
 
 

@@ -21,7 +21,8 @@ from core.errors import BackendError
 from core.isa import cpuinfo_flags, features_from_macros, ggml_cpu_variant
 from core.plan import ProbeResult
 from pipeline.cli import main
-from stages.probe import describe, probe_devices, save_probe
+from pipeline.cli.render import probe_text as describe
+from stages.probe import probe_devices, save_probe
 from tests.hardware_matrix import (
     BUILD_MACHINE,
     MATRIX,

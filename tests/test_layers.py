@@ -1,7 +1,8 @@
 """The layer contract (README "Layout"): each package imports only the packages below it.
 
-Two checks, both over the real source tree: import-linter's contracts in pyproject.toml (run by
-its own CLI, as CI would), and a walk of every module for imports of project modules inside a
+Checks over the real source tree: import-linter's contracts in pyproject.toml (run by
+its own CLI, as CI would) — the layers, the CLI on top, and the closed backend boundary, each contract
+naming every module it must — and a walk of every module for imports of project modules inside a
 function — those existed only to dodge import cycles, which the layers make impossible.
 """
 
@@ -50,7 +51,7 @@ def test_the_contract_names_every_package_and_every_non_cli_pipeline_module() ->
     assert sorted(config["root_packages"]) == sorted(PROJECT_PACKAGES)
     on_disk = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists() and p.name not in ("tests",)}
     assert on_disk <= set(PROJECT_PACKAGES), f"packages outside the contract: {on_disk - set(PROJECT_PACKAGES)}"
-    forbidden = next(c for c in config["contracts"] if c["type"] == "forbidden")
+    forbidden = next(c for c in config["contracts"] if c.get("forbidden_modules") == ["pipeline.cli"])
     pipeline_modules = {name for name, _ in _modules()
                         if name.startswith("pipeline.") and not name.startswith("pipeline.cli")
                         and name != "pipeline.__main__"}
@@ -85,3 +86,16 @@ def test_the_local_import_check_sees_one(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("import json\n\ndef f():\n    import os\n    from core import errors\n    return errors, os, json\n")
     assert _function_local_project_imports(probe, tmp_path) == ["probe.py:5"]
+
+
+def test_the_backend_boundary_contract_closes_every_concrete_backend() -> None:
+    # Outside backends/, only the protocol and the selector (CONTRIBUTING.md "Adding a backend"): the
+    # contract must name every other module of backends/ and every other package as a source.
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    boundary = [c for c in config["contracts"] if c["type"] == "forbidden"
+                and any(m.startswith("backends.") for m in c["forbidden_modules"])]
+    assert len(boundary) == 1, "one forbidden contract closes the backend boundary"
+    concrete = {".".join(name.split(".")[:2]) for name, _ in _modules()
+                if name.startswith("backends.") and name not in ("backends.base", "backends.select")}
+    assert set(boundary[0]["forbidden_modules"]) == concrete
+    assert set(boundary[0]["source_modules"]) == set(PROJECT_PACKAGES) - {"backends"}

@@ -20,7 +20,7 @@ from core.plan import Device, ProbeResult
 from pipeline.cli import main
 from pipeline.manifest import Manifest
 from pipeline.metrics import last_run, render
-from pipeline.cli.status import last_run_failed
+from pipeline.status import last_run_failed
 from state.store import RunRecord
 from tests.hubserver import LocalHub
 from tests.test_pull_cli import env_for, model  # noqa: F401 - the pull fixture (a pinned model on the local Hub)

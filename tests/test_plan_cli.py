@@ -17,7 +17,8 @@ from pipeline.registry_file import load_registry
 from registry.catalog import Registry
 from registry.kv import KV_CACHE_TYPES
 from registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
-from stages.plan import build_plan, describe, outcome_json, resolve_kv_cache_type
+from pipeline.cli.render import plan_text as describe
+from stages.plan import build_plan, outcome_json, resolve_kv_cache_type
 from tests.entries import MINICPM5_2B, GiB, entry
 
 F16 = KV_CACHE_TYPES["f16"]

@@ -28,8 +28,8 @@ import pytest
 
 from core.plan import Device, ProbeResult
 from pipeline.cli import main
-from pipeline.cli.serve import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
-from pipeline.cli.status import label_value, nfd_labels
+from pipeline.systemd_unit import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
+from pipeline.status import label_value, nfd_labels
 from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home
 from tests.gguf_fixtures import tool_template_text, write_standin_llama_server
 from tests.hubserver import LocalHub

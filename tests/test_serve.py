@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.cli.serve import UnitSpec, decide_window, systemd_unit
+from pipeline.serve import decide_window
+from pipeline.systemd_unit import UnitSpec, systemd_unit
 from core.errors import NoModelQualifies
 from pipeline.manifest import Manifest, read_manifest, write_manifest
 from core.plan import Device, ProbeResult

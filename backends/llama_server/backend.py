@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 
-from backends.base import BackendBinary, ModelFiles, ServeCommand
+from backends.base import BackendBinary, BuildUnavailable, ModelFiles, ServeCommand, ServicePin
 from backends.llama_server.allocation import AllocationReport
 from backends.llama_server.discovery import ServerBinary, find_llama_server, gpu_listing_binaries
 from backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
 from backends.llama_server.process import LoadedServer, open_server
+from core.entry import Entry
+from core.errors import HotfitError
 from core.plan import Plan
 from core.settings import Settings
 from registry.select import DEVICE_KINDS
+from state.receipts import sha256_file
 
 __all__ = ["LlamaServerBackend"]
 
@@ -47,6 +52,43 @@ class LlamaServerBackend:
 
     def device_env(self, plan: Plan) -> dict[str, str]:
         return device_env(plan)
+
+    serve_execs = True  # hotfit serve checks the window, then execs llama-server
+    serve_hint = "hotfit serve   (or --print-systemd-unit)"
+
+    def serve_refusal(self, model_name: str, command: ServeCommand) -> HotfitError | None:
+        return None
+
+    def service_pin(self, plan: Plan, settings: Settings) -> ServicePin:
+        """The llama-server the unit pins: the one named, else the one found now; none found — the
+        unit then searches at each start."""
+        server: Path | None
+        if settings.llama_server is not None:
+            server = Path(settings.llama_server).absolute()
+        else:
+            try:
+                server = find_llama_server(settings, device_kind=plan.probe.device.kind).server_path
+            except HotfitError:
+                server = None
+        if server is None:
+            return ServicePin("llama-server")
+        return ServicePin("llama-server", ("--llama-server", str(server)), (server, server.resolve()))
+
+    def template_summary(self, template_path: str | None) -> str:
+        return template_path or "(none: the GGUF template)"
+
+    def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
+        """The llama-server the load stage would start (same search, same checks): its build facts
+        and the binary's sha256 (a rebuild of the same version is another build: pipeline/evidence.py)."""
+        try:
+            binary = find_llama_server(settings, device_kind=device_kind)
+        except HotfitError as exc:
+            raise BuildUnavailable(f"no usable llama-server for a {device_kind} device: {exc.what}",
+                                   hint=exc.hint) from None
+        facts = binary.to_json()["build"]
+        identity = hashlib.sha256(json.dumps({"build": facts, "binary_sha256": sha256_file(binary.server_path)},
+                                             sort_keys=True).encode()).hexdigest()
+        return identity, binary.build.describe()
 
     @contextlib.asynccontextmanager
     async def open(self, plan: Plan, files: ModelFiles, *, run_dir: Path, binary: BackendBinary | None,

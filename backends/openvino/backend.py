@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import shlex
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from backends.base import AllocationReport, BackendBinary, ManifestFacts, ModelFiles, ServeCommand
+from backends.base import (AllocationReport, BackendBinary, BuildUnavailable, ManifestFacts, ModelFiles, ServeCommand,
+                           ServicePin)
 from backends.openvino.allocation import OpenVinoAllocationReport
 from backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
                                      require_openvino)
 from backends.openvino.session import OpenVinoSession, open_openvino_session
+from core.entry import Entry
+from core.errors import HotfitError, UsageError
 from core.records import decode_record, field_dict
 from core.plan import Plan
 from core.settings import Settings
@@ -107,6 +111,30 @@ class OpenVinoBackend:
 
     def device_env(self, plan: Plan) -> dict[str, str]:
         return {}  # the device is a pipeline argument (openvino_device), not an environment variable
+
+    serve_execs = False  # the module docstring: hotfit serve prints the OVMS command instead
+    serve_hint = "hotfit serve --print-command   (OpenVINO Model Server; see the README)"
+
+    def serve_refusal(self, model_name: str, command: ServeCommand) -> HotfitError | None:
+        argv = shlex.join(command.argv)
+        return UsageError(
+            f"{model_name} is an OpenVINO model: hotfit serve runs llama-server only, and no maintained "
+            "OpenAI-compatible server for OpenVINO GenAI is on PyPI",
+            hint="serve it with OpenVINO Model Server (release tarball or container image, not on PyPI): "
+                 f"`hotfit serve --print-command` prints the command with the verified settings: {argv}",
+            backend=self.name, argv=list(command.argv),
+        )
+
+    def service_pin(self, plan: Plan, settings: Settings) -> ServicePin:
+        return ServicePin("ovms")  # never asked: no unit runs hotfit serve for an OpenVINO model
+
+    def template_summary(self, template_path: str | None) -> str:
+        # GenAI (and OVMS) render the export's own template; the tool-call probe proved it
+        return "the export's own" + (f" (registry copy checked: {template_path})" if template_path else "")
+
+    def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
+        raise BuildUnavailable(f"{entry.name} is an {entry.backend} entry: grade evidence is kept for "
+                               "llama-server models only (an OpenVINO snapshot has no single model sha256)")
 
     @contextlib.asynccontextmanager
     async def open(self, plan: Plan, files: ModelFiles, *, run_dir: Path, binary: BackendBinary | None,

@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 
+from backends.select import backend_for
 from core.errors import UsageError
 from core.plan import Plan
 from grading.scenarios import TIERS
@@ -93,17 +94,14 @@ def kv_hint(plan: Plan) -> str | None:
 
 def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False, skipped: tuple[str, ...] = ()) -> str:
     opened = manifest.opened_context_tokens
-    own_template = "(none: the GGUF template)"
-    if manifest.backend == "openvino":  # GenAI (and OVMS) render the export's own template; the probe proved it
-        own_template = "the export's own" + (f" (registry copy checked: {manifest.template_path})"
-                                             if manifest.template_path else "")
+    backend = backend_for(manifest.backend)  # what differs between servers is asked of it
     lines = [
         ("already provisioned (nothing to do): " if noop else "provisioned: ") + manifest.entry_name,
         f"  KV cache type   {manifest.kv_cache_type} ({plan.kv_cache_type_source})",
         f"  hot context     {plan.hot_context_tokens} tokens planned"
         + (f", {opened} opened at verification" if opened is not None else ""),
         f"  model           {manifest.model_path}",
-        f"  chat template   {own_template if manifest.backend == 'openvino' else manifest.template_path or own_template}",
+        f"  chat template   {backend.template_summary(manifest.template_path)}",
         f"  tool-call probe {'passed' if manifest.probe_verdict.get('passed') else 'FAILED'}"
         + (f" ({manifest.probe_verdict.get('generation_tokens_per_s'):.1f} tok/s generation)"
            if manifest.probe_verdict.get("generation_tokens_per_s") else ""),
@@ -124,8 +122,7 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
         lines.append("  kept the previous model (it still qualifies; --refresh selects afresh)")
     if resumed:
         lines.append(f"  resumed an interrupted run; reused: {', '.join(skipped) or 'nothing'}")
-    lines.append("  serve it with: hotfit serve --print-command   (OpenVINO Model Server; see the README)"
-                 if manifest.backend == "openvino" else "  serve it with: hotfit serve   (or --print-systemd-unit)")
+    lines.append(f"  serve it with: {backend.serve_hint}")
     return "\n".join(lines)
 
 

@@ -21,14 +21,8 @@ from core.errors import UsageError
 from grading.report import summary_text
 from grading.scenarios import TIERS
 from pipeline.cli.context import CliContext
-from pipeline.grade import grade_model
-from stages.grade import (
-    HttpChatEndpoint,
-    brief,
-    default_output_path,
-    grade_endpoint,
-    write_report,
-)
+from pipeline.grade import grade_model, grade_server
+from stages.grade import brief
 
 EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 8, 9
 _EXIT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE}
@@ -70,19 +64,6 @@ def evidence_text(evidence: dict[str, Any] | None) -> str:
     return f"\nevidence: {evidence_change(evidence)} — {evidence['why']} ({evidence['path']})"
 
 
-def _api_key(path: str | None) -> str | None:
-    if not path:
-        return None
-    try:
-        lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
-    except OSError as exc:
-        raise UsageError(f"cannot read --api-key-file {path}: {exc.strerror}",
-                         hint="give a readable file whose first line is the API key") from None
-    if not lines:
-        raise UsageError(f"--api-key-file {path} is empty", hint="put the server's API key on its first line")
-    return lines[0]
-
-
 def _check(args: argparse.Namespace) -> None:
     if args.model and args.endpoint:
         raise UsageError("--model and --endpoint both given: grade either a model of this home or a running server",
@@ -113,21 +94,11 @@ def handler(args: argparse.Namespace, ctx: CliContext) -> int:
         code = _EXIT[report["verdict"]["verdict"]]
         (ctx.report if code == 0 else ctx.emit)(shown, summary_text(shown) + evidence_text(report.get("evidence")))
         return code
-    api_key = _api_key(args.api_key_file)
-    output = Path(args.output) if args.output else default_output_path(ctx.settings.home, args.tier)
-
-    async def run() -> dict[str, Any]:
-        async with HttpChatEndpoint(args.endpoint, api_key=api_key) as endpoint:
-            return await grade_endpoint(endpoint, endpoint_label=args.endpoint, tier=args.tier,
-                                        budget_s=args.budget_s)
-
-    report = anyio.run(run)
-    try:
-        write_report({**report, "output": str(output)}, output)
-    except OSError as exc:
-        raise UsageError(f"cannot write the grade record to {output}: {exc.strerror}",
-                         hint="pass a writable --output FILE") from None
-    shown = brief({**report, "output": str(output)})
+    report = anyio.run(lambda: grade_server(ctx.settings, args.endpoint,
+                                            api_key_file=args.api_key_file,
+                                            tier=args.tier, budget_s=args.budget_s,
+                                            output=Path(args.output) if args.output else None))
+    shown = brief(report)
     code = _EXIT[report["verdict"]["verdict"]]
     (ctx.report if code == 0 else ctx.emit)(shown, summary_text(shown))
     return code

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.entry import BACKENDS, DEFAULT_BACKEND
 from pipeline.cli.context import CliContext
 from pipeline.provision import plan_machine
-from stages.plan import describe, outcome_json
+from pipeline.cli.render import plan_text
+from stages.plan import outcome_json
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-file", metavar="FILE", help="use a saved probe (hotfit probe --json) instead of probing")
     p.add_argument("--kv-cache-type", metavar="TYPE",
                    help="KV cache type to plan for (default: $CONTENOX_LLAMA_KV_CACHE_TYPE, unset = f16)")
-    p.add_argument("--backend", choices=("llama", "openvino"), default="llama", help="backend (default llama)")
+    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
     p.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one)")
     p.add_argument("--device", metavar="KIND|INDEX",
                    help="plan only this device: a kind (nvidia, amd, cpu, ...) or a probe index "
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     outcome = plan_machine(ctx.settings, probe_file=args.probe_file, kv_cache_type_flag=args.kv_cache_type,
                            origin=args.origin, backend=args.backend, registry_file=args.registry,
                            previous=args.previous, device=args.device, admit_graded=args.admit_graded)
-    ctx.emit(outcome_json(outcome), describe(outcome))
+    ctx.emit(outcome_json(outcome), plan_text(outcome))
     refusal = outcome.selection.refusal
     if outcome.plan is None and refusal is not None:
         err = refusal.error()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from backends.llama_server.discovery import gpu_listing_binaries
 from pipeline.cli.context import CliContext
-from stages.probe import describe, probe_devices, save_probe
+from pipeline.cli.render import probe_text
+from pipeline.probe import probe_machine
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -18,9 +18,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    result = probe_devices(ggml_binaries=gpu_listing_binaries(ctx.settings))
-    if args.save:
-        save_probe(result, Path(args.save))
-    text = describe(result) + (f"\nsaved to {args.save}" if args.save else "")
+    result = probe_machine(ctx.settings, save=Path(args.save) if args.save else None)
+    text = probe_text(result) + (f"\nsaved to {args.save}" if args.save else "")
     ctx.emit(result.to_json(), text)
     return 0

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from core.errors import IntegrityError
 from pipeline.cli.context import CliContext
-from stages.verify import InstalledFile, recheck_models
+from pipeline.verify import verify_installed
+from stages.verify import InstalledFile
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -34,16 +34,7 @@ def _line(f: InstalledFile) -> str:
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    checked = recheck_models(ctx.settings.models_dir, args.names, wait=args.wait)
-    bad = [f for f in checked if not f.ok]
-    if bad:
-        models = sorted({f.model for f in bad})
-        raise IntegrityError(
-            f"{len(bad)} of {len(checked)} installed file(s) do not match their receipt: "
-            + "; ".join(f"{f.path}: {f.algorithm} {f.actual or 'missing'}, receipt {f.expected}" for f in bad),
-            hint="the damaged files and their receipts are removed; fetch them again with "
-                 + " / ".join(f"`hotfit pull {m}`" for m in models) + " (or `hotfit auto`)",
-            field="sha256", files=[f.to_json() for f in checked])
+    checked = verify_installed(ctx.settings, args.names, wait=args.wait)
     text = "\n".join([f"verified {len(checked)} installed file(s) in {ctx.settings.models_dir}",
                       *(_line(f) for f in checked)])
     ctx.emit({"models_dir": str(ctx.settings.models_dir), "files": [f.to_json() for f in checked],

@@ -1,0 +1,83 @@
+"""The human text of ``hotfit probe`` and ``hotfit plan`` (a stage returns its result; the CLI renders it)."""
+
+from __future__ import annotations
+
+from core.plan import ProbeResult
+from registry.select import MAX_HOT_CONTEXT_TOKENS, MIN_AGENTIC_HOT_CONTEXT, fmt_bytes
+from stages.plan import PlanOutcome, device_label, device_refusal
+
+__all__ = ["plan_text", "probe_text"]
+
+
+def probe_text(result: ProbeResult) -> str:
+    """Human summary of a probe."""
+    lines = []
+    for d in result.devices:
+        mark = "*" if d.index == result.selected else " "
+        extra = "" if d.processes_used_bytes is None else f", {d.processes_used_bytes / (1 << 30):.2f} GiB held by other processes"
+        lines.append(f"{mark} [{d.index}] {d.kind:6} {d.name}: {d.free_bytes / (1 << 30):.2f} GiB free of "
+                     f"{d.total_bytes / (1 << 30):.2f} GiB{extra}")
+    lines += [f"  note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def plan_text(outcome: PlanOutcome) -> str:
+    """Human report: device, budget breakdown, every candidate with its verdict, the pick or refusal."""
+    sel = outcome.selection
+    b = sel.budget
+    d = outcome.probe.device
+    lines = [f"device   {device_label(d)}"]
+    if len(outcome.devices) > 1:
+        lines.append(f"why      {outcome.device_choice}")
+    for dp in outcome.devices if len(outcome.devices) > 1 else ():
+        what = (f"{dp.chosen_name} ({dp.chosen.fit.hot_context_tokens} hot tokens)"
+                if dp.chosen is not None and dp.chosen.fit is not None
+                else f"refused: {device_refusal(dp, outcome.devices)}")
+        if not dp.considered:
+            what = dp.unserved or f"not considered (--device {outcome.forced_device})"
+        lines.append(f"  {'*' if dp.device.index == d.index else ' '} {device_label(dp.device)}: {what}")
+    lines += [
+
+        f"KV cache {sel.cache_type.name} ({outcome.kv_cache_type_source})"
+        + ("" if sel.cache_type.name != "f16" else "  — q8_0 would halve what the window costs"),
+        f"origin   {sel.origin or 'auto (all)'}   backend {sel.backend}   floor {MIN_AGENTIC_HOT_CONTEXT} tokens, "
+        f"cap {MAX_HOT_CONTEXT_TOKENS}",
+        f"budget   free {fmt_bytes(b.free_bytes)} - reserve {fmt_bytes(b.reserve_bytes)} - headroom "
+        f"{fmt_bytes(b.headroom_bytes)} = usable {fmt_bytes(b.usable_bytes)} ({b.usable_bytes} bytes)",
+        "",
+        f"  {'verdict':9} {'model':28} {'hot ctx':>8}  reason",
+    ]
+    for v in sel.verdicts:
+        hot = "-" if v.hot_context_tokens is None else str(v.hot_context_tokens)
+        lines.append(f"  {v.verdict:9} {v.entry.name:28} {hot:>8}  {v.reason}")
+    lines.append("")
+    chosen = sel.chosen
+    if chosen is not None and chosen.fit is not None:
+        f = chosen.fit
+        lines.append(f"selected {chosen.entry.name}: usable {fmt_bytes(b.usable_bytes)} - weights "
+                     f"{fmt_bytes(f.weights_bytes)} - allowance {fmt_bytes(f.allowance_bytes)} = KV budget "
+                     f"{fmt_bytes(f.kv_budget_bytes)} → {f.hot_context_tokens} hot tokens at {sel.cache_type.name} "
+                     f"(KV {fmt_bytes(f.kv_bytes)})" + ("  [kept: previous model]" if sel.reused_previous else ""))
+    elif sel.refusal is not None:
+        lines.append(sel.refusal.message)
+    lines += [f"note: {n}" for n in sel.notes]
+    if outcome.admission is not None:
+        lines += _admission_lines(outcome)
+    return "\n".join(lines)
+
+
+def _admission_lines(outcome: PlanOutcome) -> list[str]:
+    """--admit-graded: which tool-chat models grade evidence admitted, and why the others were not."""
+    assert outcome.admission is not None
+    ev = outcome.admitted_evidence
+    lines = []
+    if ev is not None:
+        e = ev["evidence"]
+        lines.append(f"admitted by grade: {e['model']} — full tier {e['passed']}/{e['total']} on this machine's "
+                     f"{e['device_kind']} device, {e['graded_at']} ({e['grade_record']})")
+    for r in outcome.admission.report:
+        if r["status"] != "valid":
+            lines.append(f"not admitted: {r['model']} on [{r['device_index']}] {r['device_kind']} — {r['reason']}")
+    if not outcome.admission.report:
+        lines.append(f"--admit-graded: no grade evidence recorded ({outcome.admission.evidence_file})")
+    return lines
