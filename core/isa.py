@@ -1,4 +1,4 @@
-"""Which x86 ISA features a binary was compiled for, and whether this CPU has them.
+"""Which x86 (and Arm64) ISA features a binary was compiled for, and whether this CPU has them.
 
 scripts/install-llama-server asks the compiler, with the exact flags ggml-cpu was compiled with,
 which feature macros it defines (``c++ <flags> -dM -E``); this module maps those macros to the
@@ -18,6 +18,7 @@ from typing import Iterable, Mapping
 
 __all__ = [
     "MACRO_TO_CPUINFO",
+    "ARM_MACRO_TO_HWCAP",
     "AMX_CPUINFO",
     "INTRINSIC_ONLY_CPUINFO",
     "executable_features",
@@ -25,6 +26,7 @@ __all__ = [
     "ggml_cpu_variant",
     "features_from_macros",
     "cpuinfo_flags",
+    "cpu_feature_names",
     "missing_features",
 ]
 
@@ -104,13 +106,31 @@ INTRINSIC_ONLY_CPUINFO = frozenset({
     "sse4a",  # EXTRQ/INSERTQ/MOVNTSS/MOVNTSD: builtins only
 })
 
+# Arm64: the compiler's ACLE macro -> the Linux hwcap name /proc/cpuinfo lists under "Features".
+# Only what ggml's Arm variants are built for (and its scoring checks: ggml-cpu/arch/arm/cpu-feats.cpp)
+# plus what GCC emits on its own at those -march levels (LSE atomics, scalar FP16); the rest an
+# -march enables (crc32, rdm, bf16, jscvt, ...) is intrinsics only, as on x86. docs/builds.md.
+ARM_MACRO_TO_HWCAP: dict[str, str] = {
+    "__ARM_NEON": "asimd",
+    "__ARM_FEATURE_ATOMICS": "atomics",
+    "__ARM_FEATURE_DOTPROD": "asimddp",
+    "__ARM_FEATURE_FP16_SCALAR_ARITHMETIC": "fphp",
+    "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "asimdhp",
+    "__ARM_FEATURE_SVE": "sve",
+    "__ARM_FEATURE_SVE2": "sve2",
+    "__ARM_FEATURE_MATMUL_INT8": "i8mm",
+    "__ARM_FEATURE_SME": "sme",
+}
+
 _MACRO_RE = re.compile(r"#define\s+(__[A-Z0-9_]+__)\s")
+_ARM_MACRO_RE = re.compile(r"#define\s+(__ARM_[A-Z0-9_]+)\s")
 
 
 def features_from_macros(text: str) -> list[str]:
     """The cpuinfo names of the ISA macros in ``c++ -dM -E`` output that the compiled code can
     execute (:func:`executable_features`), sorted."""
     found = {MACRO_TO_CPUINFO[m] for m in _MACRO_RE.findall(text) if m in MACRO_TO_CPUINFO}
+    found |= {ARM_MACRO_TO_HWCAP[m] for m in _ARM_MACRO_RE.findall(text) if m in ARM_MACRO_TO_HWCAP}
     return executable_features(found)
 
 
@@ -127,6 +147,8 @@ GGML_VARIANT_SCORE_BITS: dict[str, int] = {
     "fma": 1, "f16c": 1 << 1, "sse4_2": 1 << 2, "bmi2": 1 << 3, "avx": 1 << 4, "avx2": 1 << 5,
     "avx_vnni": 1 << 6, "avx512f": 1 << 7, "avx512vbmi": 1 << 8, "avx512_bf16": 1 << 9,
     "avx512_vnni": 1 << 10, "amx_int8": 1 << 11,
+    # Arm64 (ggml-cpu/arch/arm/cpu-feats.cpp): its fp16 bit needs fphp and asimdhp, both recorded.
+    "asimddp": 1 << 1, "asimdhp": 1 << 2, "sve": 1 << 3, "i8mm": 1 << 4, "sve2": 1 << 5, "sme": 1 << 6,
 }
 
 
@@ -149,9 +171,19 @@ def ggml_cpu_variant(variants: Mapping[str, Iterable[str]], cpu_flags: frozenset
 
 def cpuinfo_flags(text: str) -> frozenset[str]:
     """The flags of the first processor in ``/proc/cpuinfo`` text (empty if none listed)."""
+    return _first_line_words(text, "flags")
+
+
+def cpu_feature_names(text: str) -> frozenset[str]:
+    """The ISA names of the first processor in ``/proc/cpuinfo`` text: x86's ``flags`` line, or
+    Arm64's ``Features`` line (hwcap names) where there is none; empty if neither is listed."""
+    return cpuinfo_flags(text) or _first_line_words(text, "Features")
+
+
+def _first_line_words(text: str, key: str) -> frozenset[str]:
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
+        name, _, value = line.partition(":")
+        if name.strip() == key:
             return frozenset(value.split())
     return frozenset()
 

@@ -286,7 +286,9 @@ def import_archive(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Pa
                                         f"{pin[key]}: export it from a build machine on the same hotfit version")
         expected_flavour = info.get("backend", "cpu") + ("" if info.get("variant") in (None, "portable")
                                                          or info.get("backend") != "cpu" else f"-{info['variant']}")
-        if flavour != expected_flavour:
+        # A cross build's folder names its architecture (cpu-aarch64, docs/builds.md): on a machine of
+        # that architecture it installs as the plain flavour; anywhere else check_runs_here refuses it.
+        if flavour not in (expected_flavour, f"{expected_flavour}-{info.get('arch')}"):
             raise BuildArchiveError(f"{archive}: folder '{flavour}' does not match its record ({expected_flavour})")
         for name in ("llama-server", "llama-fit-params"):
             if not (bin_dir / name).is_file():
@@ -296,13 +298,13 @@ def import_archive(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Pa
         except OSError:
             cpuinfo = ""
         summary = check_runs_here(bin_dir, info, cpuinfo)
-        dest = version_dir / flavour
-        old = version_dir / f".old-{flavour}-{os.getpid()}"
+        dest = version_dir / expected_flavour
+        old = version_dir / f".old-{expected_flavour}-{os.getpid()}"
         if dest.exists():
             os.replace(dest, old)
         os.replace(staging / flavour, dest)
         shutil.rmtree(old, ignore_errors=True)
-        _say(f"installed {flavour} from {archive}: {summary}")
+        _say(f"installed {expected_flavour} from {archive}: {summary}")
         return dest / "bin" / "llama-server"
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -18,7 +18,7 @@ import pytest
 
 from backends.llama_server.discovery import BuildInfo, ServerBinary, check_cpu_features
 from core.errors import BackendError
-from core.isa import cpuinfo_flags, features_from_macros, ggml_cpu_variant
+from core.isa import cpu_feature_names, cpuinfo_flags, features_from_macros, ggml_cpu_variant
 from core.plan import ProbeResult
 from pipeline.cli import main
 from pipeline.cli.render import probe_text as describe
@@ -171,12 +171,15 @@ def test_plan_picks_a_model_and_a_device_the_backend_serves(row: Row, backend: s
 @pytest.mark.parametrize("row", [r for r in ROWS if r.file("proc-cpuinfo.txt")], ids=lambda r: r.machine)
 def test_the_portable_build_loads_the_expected_cpu_variant(row: Row) -> None:
     """Which of the portable build's CPU variants ggml's scoring loads on this machine (core.isa),
-    from the variant table the real build recorded; None where no x86 variant applies (Arm64)."""
+    from the variant table the real build for the row's architecture recorded: an Arm64 row (a
+    Features line, no flags) against the cross-built cpu-aarch64 (tests/test_arm64_build.py)."""
+    from tests.test_arm64_build import require_arm64_build
     from tests.test_portable_build import _info, _require_build
 
-    variants = _info(_require_build("cpu"))["cpu_variants"]
-    flags = cpuinfo_flags(row.file("proc-cpuinfo.txt").read_text())
-    assert ggml_cpu_variant(variants, flags) == row.expected["ggml_cpu_variant"]
+    cpuinfo = row.file("proc-cpuinfo.txt").read_text()
+    bin_dir = _require_build("cpu") if cpuinfo_flags(cpuinfo) else require_arm64_build()
+    variants = _info(bin_dir)["cpu_variants"]
+    assert ggml_cpu_variant(variants, cpu_feature_names(cpuinfo)) == row.expected["ggml_cpu_variant"]
 
 
 # ----------------------------------------------------------------------------- the captures, transcribed

@@ -124,7 +124,9 @@ def test_backend_is_picked_from_the_hardware(tmp_path: Path, driver, vendors, ex
 @pytest.mark.parametrize("args", [["--backend", "rocm"], ["--variant", "fast"], ["--frobnicate"],
                                   ["--backend", "vulkan", "--variant", "generic"],
                                   ["--backend", "vulkan", "--variant", "native"],
-                                  ["--export", "a.tgz", "--from", "b.tgz"]])
+                                  ["--export", "a.tgz", "--from", "b.tgz"], ["--arch", "riscv64"],
+                                  ["--arch", "aarch64", "--backend", "vulkan"],
+                                  ["--arch", "aarch64", "--backend", "cpu", "--variant", "native"]])
 def test_bad_arguments_are_refused_with_a_message(args: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "HOTFIT_LLAMA_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=30, env=env)
