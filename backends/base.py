@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
-from core.entry import Entry
-from core.errors import HotfitError
-from core.plan import Plan
-from core.records import JsonRecord
-from core.settings import Settings
-from grading.protocol import ChatEndpoint
+from hotfit.core.entry import Entry
+from hotfit.core.errors import HotfitError
+from hotfit.core.plan import Plan
+from hotfit.core.records import JsonRecord
+from hotfit.core.settings import Settings
+from hotfit.grading.protocol import ChatEndpoint
 
 __all__ = [
     "KV_EXCESS_TOLERANCE",

@@ -12,8 +12,8 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from core.lazy_import import lazy_module
-from grading.protocol import (
+from hotfit.core.lazy_import import lazy_module
+from hotfit.grading.protocol import (
     HTTP_ERROR,
     SLOT_ERASED,
     SLOT_FRESH_PROMPT,

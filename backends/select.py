@@ -7,13 +7,13 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
-from backends.base import Backend
-from backends.http_chat import HttpChatEndpoint
-from backends.llama_server.backend import LlamaServerBackend
-from backends.openvino.backend import OpenVinoBackend
-from core.errors import UsageError
-from core.settings import Settings
-from grading.protocol import ChatEndpoint
+from hotfit.backends.base import Backend
+from hotfit.backends.http_chat import HttpChatEndpoint
+from hotfit.backends.llama_server.backend import LlamaServerBackend
+from hotfit.backends.openvino.backend import OpenVinoBackend
+from hotfit.core.errors import UsageError
+from hotfit.core.settings import Settings
+from hotfit.grading.protocol import ChatEndpoint
 
 __all__ = ["BACKENDS", "backend_for", "endpoint_at", "gpu_listing_binaries"]
 

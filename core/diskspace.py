@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TypeGuard
 
-from core.errors import DiskSpaceError
+from hotfit.core.errors import DiskSpaceError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 RERUN_HINT = ("free space on that filesystem (or point --home / HOTFIT_HOME at a larger one), then rerun the "

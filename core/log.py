@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, TextIO
 import structlog
 from structlog.typing import EventDict, Processor
 
-from core.diskspace import from_os_error, is_disk_full
+from hotfit.core.diskspace import from_os_error, is_disk_full
 
 SECRET_KEYS = frozenset({"token", "hf_token", "api_key", "authorization", "password", "secret"})
 _VERBOSITY_LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.errors import IntegrityError
-from core.records import JsonRecord
+from hotfit.core.errors import IntegrityError
+from hotfit.core.records import JsonRecord
 
 __all__ = [
     "TEMPLATE_FILENAME", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST", "PARTIAL_DIRNAME", "TEMPLATE_PARTIAL_DIRNAME",

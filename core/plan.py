@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from core.entry import Entry
-from core.records import Fields, stage_record_fail
+from hotfit.core.entry import Entry
+from hotfit.core.records import Fields, stage_record_fail
 
 # "vulkan": a GPU seen only through a Vulkan llama-server's device list (Intel, lavapipe, an AMD
 # card without sysfs VRAM counters); its memory figures are what ggml's Vulkan backend reports.

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol, Self, TypeVar, Union
 
-from core.errors import HotfitError, StageRecordError
+from hotfit.core.errors import HotfitError, StageRecordError
 
 T = TypeVar("T")
 

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Mapping, Self, overload
 from urllib.parse import urlsplit
 
-from core.errors import UsageError
-from core.log import DEFAULT_LOG_KEEP, DEFAULT_LOG_MAX_BYTES
+from hotfit.core.errors import UsageError
+from hotfit.core.log import DEFAULT_LOG_KEEP, DEFAULT_LOG_MAX_BYTES
 
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_DOWNLOAD_CONNECTIONS = 4

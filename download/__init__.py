@@ -12,12 +12,12 @@ only ``core`` and ``state``; stages use the names re-exported here.
 
 from __future__ import annotations
 
-from download.disk import DISK_MARGIN_BYTES, bytes_held, check_disk, check_disk_space, disk_needed_bytes
-from download.engine import DownloadOutcome, adopt_as_partial, discard_partial, download_to_partial, plan_blocks
-from download.hashing import OrderedHasher
-from download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache, take_into_partial
-from download.hub import HubSession, RemoteFile, check_endpoint, resolve_token
-from download.hub_errors import (
+from hotfit.download.disk import DISK_MARGIN_BYTES, bytes_held, check_disk, check_disk_space, disk_needed_bytes
+from hotfit.download.engine import DownloadOutcome, adopt_as_partial, discard_partial, download_to_partial, plan_blocks
+from hotfit.download.hashing import OrderedHasher
+from hotfit.download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache, take_into_partial
+from hotfit.download.hub import HubSession, RemoteFile, check_endpoint, resolve_token
+from hotfit.download.hub_errors import (
     NOT_A_HUB,
     hf_exception_not_a_hub,
     hub_error_from_hf_exception,
@@ -25,11 +25,11 @@ from download.hub_errors import (
     not_a_hub_error,
     redact_url,
 )
-from download.options import TransferOptions, is_commit, partial_paths, safe_relpath
-from download.progress import ProgressReporter
-from download.proxy import Proxy, ProxyConfig, proxy_config
-from download.retry import head_retrying, hub_call_retrying, log_retry
-from state.files import finalize_file, write_text_atomic
+from hotfit.download.options import TransferOptions, is_commit, partial_paths, safe_relpath
+from hotfit.download.progress import ProgressReporter
+from hotfit.download.proxy import Proxy, ProxyConfig, proxy_config
+from hotfit.download.retry import head_retrying, hub_call_retrying, log_retry
+from hotfit.state.files import finalize_file, write_text_atomic
 
 __all__ = [
     "CacheHit", "CacheMiss", "DISK_MARGIN_BYTES", "DownloadOutcome", "HubSession", "NOT_A_HUB", "OrderedHasher",

@@ -23,13 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from core.diskspace import DISK_FULL_ERRNOS, from_os_error
-from core.entry import Artifact, Entry
-from core.errors import DiskSpaceError
-from core.log import get_logger
-from core.model_files import PARTIAL_DIRNAME
-from download.options import partial_paths
-from download.sidecar import Block, read_sidecar
+from hotfit.core.diskspace import DISK_FULL_ERRNOS, from_os_error
+from hotfit.core.entry import Artifact, Entry
+from hotfit.core.errors import DiskSpaceError
+from hotfit.core.log import get_logger
+from hotfit.core.model_files import PARTIAL_DIRNAME
+from hotfit.download.options import partial_paths
+from hotfit.download.sidecar import Block, read_sidecar
 
 log = get_logger()
 

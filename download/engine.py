@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import anyio
 
-from core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError
-from core.lazy_import import lazy_module
-from core.log import get_logger
-from download.disk import bytes_held, check_disk_space, preallocate, release_unclaimed
-from download.hashing import OrderedHasher
-from download.hub import HubSession, RemoteFile
-from download.hub_errors import Retryable
-from download.options import MAX_BLOCKS, TransferOptions, is_commit, partial_paths
-from download.progress import ProgressReporter
-from download.retry import StopPolicy, gave_up, head_retrying, log_retry, retrying
-from download.sidecar import Block, Sidecar, encode_sidecar, read_sidecar, write_sidecar
-from download.stream import RangeIgnored, stream_block
-from state.files import checked_write_path, fsync_dir
+from hotfit.core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError
+from hotfit.core.lazy_import import lazy_module
+from hotfit.core.log import get_logger
+from hotfit.download.disk import bytes_held, check_disk_space, preallocate, release_unclaimed
+from hotfit.download.hashing import OrderedHasher
+from hotfit.download.hub import HubSession, RemoteFile
+from hotfit.download.hub_errors import Retryable
+from hotfit.download.options import MAX_BLOCKS, TransferOptions, is_commit, partial_paths
+from hotfit.download.progress import ProgressReporter
+from hotfit.download.retry import StopPolicy, gave_up, head_retrying, log_retry, retrying
+from hotfit.download.sidecar import Block, Sidecar, encode_sidecar, read_sidecar, write_sidecar
+from hotfit.download.stream import RangeIgnored, stream_block
+from hotfit.state.files import checked_write_path, fsync_dir
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx

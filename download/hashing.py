@@ -26,9 +26,9 @@ import queue
 import threading
 from typing import Any, Callable, Protocol
 
-from core.errors import TransferError
-from download.disk import start_writeback
-from download.wire import BufferPool
+from hotfit.core.errors import TransferError
+from hotfit.download.disk import start_writeback
+from hotfit.download.wire import BufferPool
 
 MiB = 1024 * 1024
 # What the loop may have received but the thread not yet written: memory held, and at most this much

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from download.options import safe_relpath
+from hotfit.download.options import safe_relpath
 
 _CHUNK_BYTES = 8 << 20
 _SHA256_LEN, _SHA1_LEN = 64, 40

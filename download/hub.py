@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urljoin, urlsplit
 
-from core.errors import HubError, PinMismatch
-from core.lazy_import import lazy_module
-from core.settings import Settings, endpoint_url
-from download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
-from download.options import TransferOptions
-from download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
-from download.wire import ConnectionPool
+from hotfit.core.errors import HubError, PinMismatch
+from hotfit.core.lazy_import import lazy_module
+from hotfit.core.settings import Settings, endpoint_url
+from hotfit.download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
+from hotfit.download.options import TransferOptions
+from hotfit.download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
+from hotfit.download.wire import ConnectionPool
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx

@@ -15,9 +15,9 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from core.errors import HubError
-from core.lazy_import import lazy_module
-from download.proxy import Proxy, proxy_refused
+from hotfit.core.errors import HubError
+from hotfit.core.lazy_import import lazy_module
+from hotfit.download.proxy import Proxy, proxy_refused
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx

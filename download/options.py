@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.entry import safe_relpath  # the one path check, re-exported for the stages
+from hotfit.core.entry import safe_relpath  # the one path check, re-exported for the stages
 
 MiB = 1024 * 1024
 MAX_BLOCKS = 1 << 16  # bounds the sidecar and the block plan whatever the size and block setting

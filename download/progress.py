@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from core.log import get_logger
+from hotfit.core.log import get_logger
 
 log = get_logger()
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 from urllib.parse import unquote, urlsplit
 
-from core.errors import TransferError, UsageError
+from hotfit.core.errors import TransferError, UsageError
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 

@@ -32,12 +32,12 @@ from tenacity import (
     retry_if_exception_type,
 )
 
-from core.errors import TransferError
-from core.lazy_import import lazy_module
-from core.log import get_logger
-from download.hub import HubSession, RemoteFile
-from download.hub_errors import Retryable, is_retryable_hf_exception, redact_url
-from download.options import TransferOptions
+from hotfit.core.errors import TransferError
+from hotfit.core.lazy_import import lazy_module
+from hotfit.core.log import get_logger
+from hotfit.download.hub import HubSession, RemoteFile
+from hotfit.download.hub_errors import Retryable, is_retryable_hf_exception, redact_url
+from hotfit.download.options import TransferOptions
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx

@@ -15,11 +15,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.errors import IntegrityError
-from core.log import get_logger
-from core.records import parse_own_file
-from download.options import MAX_BLOCKS
-from state.files import write_text_atomic
+from hotfit.core.errors import IntegrityError
+from hotfit.core.log import get_logger
+from hotfit.core.records import parse_own_file
+from hotfit.download.options import MAX_BLOCKS
+from hotfit.state.files import write_text_atomic
 
 log = get_logger()
 

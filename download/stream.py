@@ -26,15 +26,15 @@ from typing import Any, Callable, TypeVar
 
 import anyio
 
-from core.errors import PinMismatch, TransferError
-from download.disk import DISK_FULL_ERRNOS, disk_error
-from download.hashing import WRITE_QUEUE_BYTES, OrderedHasher
-from download.hub import HubSession
-from download.hub_errors import Retryable, hub_error_from_response
-from download.progress import ProgressReporter
-from download.proxy import proxy_refused
-from download.sidecar import Block, Sidecar
-from download.wire import Opened, finish, open_get, read_some, transport_error
+from hotfit.core.errors import PinMismatch, TransferError
+from hotfit.download.disk import DISK_FULL_ERRNOS, disk_error
+from hotfit.download.hashing import WRITE_QUEUE_BYTES, OrderedHasher
+from hotfit.download.hub import HubSession
+from hotfit.download.hub_errors import Retryable, hub_error_from_response
+from hotfit.download.progress import ProgressReporter
+from hotfit.download.proxy import proxy_refused
+from hotfit.download.sidecar import Block, Sidecar
+from hotfit.download.wire import Opened, finish, open_get, read_some, transport_error
 
 T = TypeVar("T")
 

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 from urllib.parse import urljoin, urlsplit
 
-from core.errors import HubError
-from core.lazy_import import lazy_module
-from download.hub_errors import Retryable
-from download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
+from hotfit.core.errors import HubError
+from hotfit.core.lazy_import import lazy_module
+from hotfit.download.hub_errors import Retryable
+from hotfit.download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx

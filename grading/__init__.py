@@ -13,10 +13,10 @@ The effectful runner (HTTP endpoint, budget, files, events) is :mod:`stages.grad
 
 from __future__ import annotations
 
-from grading.protocol import SAMPLING, ChatEndpoint, ChatReply, EndpointFailure, ServerFacts
-from grading.report import GRADE_VERSION, Verdict, decide_verdict
-from grading.runner import MODEL_FAILURES, STACK_FAILURES, ScenarioResult, run_scenario
-from grading.scenarios import SCENARIOS, TIERS, Scenario, pack_hash, scenarios_for
+from hotfit.grading.protocol import SAMPLING, ChatEndpoint, ChatReply, EndpointFailure, ServerFacts
+from hotfit.grading.report import GRADE_VERSION, Verdict, decide_verdict
+from hotfit.grading.runner import MODEL_FAILURES, STACK_FAILURES, ScenarioResult, run_scenario
+from hotfit.grading.scenarios import SCENARIOS, TIERS, Scenario, pack_hash, scenarios_for
 
 __all__ = [
     "GRADE_VERSION",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grading.world import TOOLS
+from hotfit.grading.world import TOOLS
 
 __all__ = ["PREFLIGHT_MESSAGES", "PREFLIGHT_TOOLS", "roundtrip_problem"]
 

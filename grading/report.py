@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grading.runner import NOT_RUN, PASS, STACK_FAILURES, ScenarioResult
+from hotfit.grading.runner import NOT_RUN, PASS, STACK_FAILURES, ScenarioResult
 
 __all__ = [
     "CALL_VALIDITY_FLOOR",

@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from grading.protocol import SAMPLING, ChatEndpoint, ChatReply, EndpointFailure
-from grading.scenarios import (
+from hotfit.grading.protocol import SAMPLING, ChatEndpoint, ChatReply, EndpointFailure
+from hotfit.grading.scenarios import (
     FORBID_ANY_CALL,
     FORBID_WRITES,
     SYSTEM_PROMPT,
@@ -44,8 +44,8 @@ from grading.scenarios import (
     expected_state,
     state_differences,
 )
-from grading.schema import validate_arguments
-from grading.world import WRITE_TOOLS, ToolError, World
+from hotfit.grading.schema import validate_arguments
+from hotfit.grading.world import WRITE_TOOLS, ToolError, World
 
 __all__ = [
     "MODEL_FAILURES",

@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from grading.schema import validate_arguments
-from grading.world import TODAY, TOOLS, WRITE_TOOLS, ToolError, World, default_state
+from hotfit.grading.schema import validate_arguments
+from hotfit.grading.world import TODAY, TOOLS, WRITE_TOOLS, ToolError, World, default_state
 
 __all__ = [
     "FORBID_ANY_CALL",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from grading.schema import validate_arguments
+from hotfit.grading.schema import validate_arguments
 
 __all__ = ["TODAY", "TOOLS", "WRITE_TOOLS", "ToolError", "ToolSpec", "World", "default_state"]
 

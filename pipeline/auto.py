@@ -27,35 +27,35 @@ from typing import Any, Literal, cast
 
 import anyio
 
-from backends.base import AllocationReport, ManifestFacts
-from core.errors import Interrupted, UsageError
-from core.log import get_logger
-from core.model_files import FetchResult, TemplateResult, VerifyResult
-from core.plan import Device, Plan, ProbeResult
-from core.settings import Settings
-from pipeline.engine import PipelineOutcome, Runner, signal_receiver
-from pipeline.evidence import record_grade
-from pipeline.manifest import (
+from hotfit.backends.base import AllocationReport, ManifestFacts
+from hotfit.core.errors import Interrupted, UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
+from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.core.settings import Settings
+from hotfit.pipeline.engine import PipelineOutcome, Runner, signal_receiver
+from hotfit.pipeline.evidence import record_grade
+from hotfit.pipeline.manifest import (
     Manifest,
     plan_from_json,
     read_manifest,
     utc_now_iso,
     write_manifest,
 )
-from pipeline.provision import (
+from hotfit.pipeline.provision import (
     SESSION_STAGES,
     AutoOptions,
     planning_stages,
     provisioning_stages,
 )
-from pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stage
-from pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
-from stages.grade import GradeResult
-from stages.load import LoadResult
-from stages.plan import PlanOutcome, PreviousModel, outcome_json
-from stages.probe_tool_call import ProbeToolCallResult
-from state.locks import FileLock
-from state.store import StateStore
+from hotfit.pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stage
+from hotfit.pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
+from hotfit.stages.grade import GradeResult
+from hotfit.stages.load import LoadResult
+from hotfit.stages.plan import PlanOutcome, PreviousModel, outcome_json
+from hotfit.stages.probe_tool_call import ProbeToolCallResult
+from hotfit.state.locks import FileLock
+from hotfit.state.store import StateStore
 
 log = get_logger()
 

@@ -50,13 +50,13 @@ from typing import Any, TypeVar
 
 import anyio
 
-from core.errors import HotfitError, Interrupted, StageRecordError
-from core.log import bind, get_logger, unbind
-from core.plan import Plan, canonical_json
-from core.settings import Settings
-from stages.declaration import EnterContext, StageContext
-from stages.declaration import StageDeclaration as Stage
-from state.store import RunStatus, StageRecord, StageStatus, StateStore
+from hotfit.core.errors import HotfitError, Interrupted, StageRecordError
+from hotfit.core.log import bind, get_logger, unbind
+from hotfit.core.plan import Plan, canonical_json
+from hotfit.core.settings import Settings
+from hotfit.stages.declaration import EnterContext, StageContext
+from hotfit.stages.declaration import StageDeclaration as Stage
+from hotfit.state.store import RunStatus, StageRecord, StageStatus, StateStore
 
 __all__ = ["PipelineOutcome", "RunContext", "Runner", "Stage", "StageContext", "inputs_hash", "signal_receiver"]
 

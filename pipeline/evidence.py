@@ -26,19 +26,19 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from backends.base import BuildUnavailable
-from backends.select import backend_for
-from core.entry import Entry
-from core.errors import UsageError
-from core.log import get_logger
-from core.model_files import TEMPLATE_FILENAME
-from core.plan import ProbeResult
-from core.settings import Settings
-from grading.report import GRADE_VERSION
-from grading.scenarios import FULL, pack_hash, scenarios_for
-from pipeline.manifest import utc_now_iso
-from stages.plan import Admission
-from state.evidence import (
+from hotfit.backends.base import BuildUnavailable
+from hotfit.backends.select import backend_for
+from hotfit.core.entry import Entry
+from hotfit.core.errors import UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.model_files import TEMPLATE_FILENAME
+from hotfit.core.plan import ProbeResult
+from hotfit.core.settings import Settings
+from hotfit.grading.report import GRADE_VERSION
+from hotfit.grading.scenarios import FULL, pack_hash, scenarios_for
+from hotfit.pipeline.manifest import utc_now_iso
+from hotfit.stages.plan import Admission
+from hotfit.state.evidence import (
     AgenticEvidence,
     EvidenceFile,
     GradeFingerprint,
@@ -47,7 +47,7 @@ from state.evidence import (
     stale_reason,
     write_evidence_file,
 )
-from state.receipts import read_receipt, receipt_matches
+from hotfit.state.receipts import read_receipt, receipt_matches
 
 __all__ = ["ADMIT_FLAG", "admission", "backend_build", "current_fingerprint", "evidence_status", "record_grade"]
 

@@ -26,21 +26,21 @@ from typing import Any
 
 import anyio
 
-from backends.base import ModelFiles
-from backends.select import endpoint_at
-from core.entry import Entry
-from core.errors import UsageError
-from core.log import get_logger
-from core.plan import Plan
-from core.settings import Settings
-from pipeline.auto import grade_summary, plan_only
-from pipeline.evidence import record_grade
-from pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
-from pipeline.provision import AutoOptions
-from stages.grade import default_output_path, fresh_output_path, grade_endpoint, grade_session, write_report
-from stages.load import model_files, open_session, preflight
-from stages.verify import verify
-from state.locks import FileLock
+from hotfit.backends.base import ModelFiles
+from hotfit.backends.select import endpoint_at
+from hotfit.core.entry import Entry
+from hotfit.core.errors import UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.plan import Plan
+from hotfit.core.settings import Settings
+from hotfit.pipeline.auto import grade_summary, plan_only
+from hotfit.pipeline.evidence import record_grade
+from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
+from hotfit.pipeline.provision import AutoOptions
+from hotfit.stages.grade import default_output_path, fresh_output_path, grade_endpoint, grade_session, write_report
+from hotfit.stages.load import model_files, open_session, preflight
+from hotfit.stages.verify import verify
+from hotfit.state.locks import FileLock
 
 __all__ = ["GradeTarget", "grade_model", "grade_server"]
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
-from core.errors import UsageError
-from core.plan import Plan
-from core.records import Fields, parse_json
-from stages.plan import REPROVISION_HINT, decode_plan_fields
-from state.files import read_text_document, write_text_atomic
+from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
+from hotfit.core.errors import UsageError
+from hotfit.core.plan import Plan
+from hotfit.core.records import Fields, parse_json
+from hotfit.stages.plan import REPROVISION_HINT, decode_plan_fields
+from hotfit.state.files import read_text_document, write_text_atomic
 
 SCHEMA = 1
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",

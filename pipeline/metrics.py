@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.settings import Settings
-from pipeline.manifest import Manifest, read_manifest
-from state.files import write_text_atomic
+from hotfit.core.settings import Settings
+from hotfit.pipeline.manifest import Manifest, read_manifest
+from hotfit.state.files import write_text_atomic
 
 TEXTFILE_NAME = "hotfit.prom"
 LAST_RUN_NAME = "last-run.json"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backends.select import gpu_listing_binaries
-from core.plan import ProbeResult
-from core.settings import Settings
-from stages.probe import load_probe_file, probe_devices, save_probe
+from hotfit.backends.select import gpu_listing_binaries
+from hotfit.core.plan import ProbeResult
+from hotfit.core.settings import Settings
+from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 
 __all__ = ["probe_machine"]
 

@@ -20,21 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.entry import DEFAULT_BACKEND
-from core.errors import NoModelQualifies
-from core.log import get_logger
-from core.plan import ProbeResult
-from core.settings import Settings
-from pipeline.engine import Stage
-from pipeline.evidence import admission
-from pipeline.probe import probe_machine
-from pipeline.registry_file import load_registry
-from pipeline.session_stages import SESSION_STAGES, session_stages
-from registry.select import normalize_origin
-from stages import fetch_template, fetch_weights, plan, probe, verify
-from stages.fetch_weights import FetchJob
-from stages.plan import PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
-from stages.probe import ProbeJob
+from hotfit.core.entry import DEFAULT_BACKEND
+from hotfit.core.errors import NoModelQualifies
+from hotfit.core.log import get_logger
+from hotfit.core.plan import ProbeResult
+from hotfit.core.settings import Settings
+from hotfit.pipeline.engine import Stage
+from hotfit.pipeline.evidence import admission
+from hotfit.pipeline.probe import probe_machine
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.pipeline.session_stages import SESSION_STAGES, session_stages
+from hotfit.registry.select import normalize_origin
+from hotfit.stages import fetch_template, fetch_weights, plan, probe, verify
+from hotfit.stages.fetch_weights import FetchJob
+from hotfit.stages.plan import PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
+from hotfit.stages.probe import ProbeJob
 
 log = get_logger()
 

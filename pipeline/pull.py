@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.entry import Entry
-from core.errors import UsageError
-from core.settings import Settings
-from pipeline.engine import Runner
-from pipeline.provision import FetchJob, fetch_stages
-from pipeline.registry_file import load_registry
-from core.model_files import FetchResult, TemplateResult, VerifyResult
-from state.locks import FileLock
+from hotfit.core.entry import Entry
+from hotfit.core.errors import UsageError
+from hotfit.core.settings import Settings
+from hotfit.pipeline.engine import Runner
+from hotfit.pipeline.provision import FetchJob, fetch_stages
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
+from hotfit.state.locks import FileLock
 
 
 @dataclass(frozen=True)

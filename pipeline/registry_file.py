@@ -11,23 +11,23 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from core.errors import RegistryError
-from registry.catalog import BUNDLED_RESOURCE, Registry, parse_registry_text
-from state.files import read_text_document
+from hotfit.core.errors import RegistryError
+from hotfit.registry.catalog import BUNDLED_RESOURCE, Registry, parse_registry_text
+from hotfit.state.files import read_text_document
 
 BUNDLED_LABEL = f"registry/{BUNDLED_RESOURCE} (bundled)"
 
 
 def bundled_registry_path() -> Path:
     """Filesystem path of the bundled registry (what ``registry lock`` updates by default)."""
-    return Path(str(resources.files("registry").joinpath(BUNDLED_RESOURCE)))
+    return Path(str(resources.files("hotfit.registry").joinpath(BUNDLED_RESOURCE)))
 
 
 def load_registry(path: Path | str | None = None) -> Registry:
     """Read and check a registry file; ``None`` = the bundled one."""
     if path is None:
         try:
-            text = resources.files("registry").joinpath(BUNDLED_RESOURCE).read_text(encoding="utf-8")
+            text = resources.files("hotfit.registry").joinpath(BUNDLED_RESOURCE).read_text(encoding="utf-8")
         except OSError as exc:
             raise RegistryError(f"{BUNDLED_LABEL}: cannot be read ({exc})",
                                 hint="reinstall hotfit; the package data is missing", file=BUNDLED_LABEL) from None

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from core.errors import HubError, PinMismatch, UsageError
-from core.log import get_logger
-from core.records import JsonRecord
-from pipeline.registry_file import bundled_registry_path
-from registry.catalog import parse_registry, parse_registry_text
-from download import Proxy, hub_error_from_hf_exception, is_not_a_hub, proxy_config
-from state.files import write_text_atomic
+from hotfit.core.errors import HubError, PinMismatch, UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.records import JsonRecord
+from hotfit.pipeline.registry_file import bundled_registry_path
+from hotfit.registry.catalog import parse_registry, parse_registry_text
+from hotfit.download import Proxy, hub_error_from_hf_exception, is_not_a_hub, proxy_config
+from hotfit.state.files import write_text_atomic
 
 log = get_logger()
 

@@ -31,18 +31,18 @@ from typing import Any, NoReturn
 
 import anyio
 
-from backends.base import Backend, ModelFiles, ServeCommand
-from backends.select import backend_for
-from core.errors import LoadError, NoModelQualifies, UsageError
-from core.log import get_logger
-from core.plan import Device, Plan, ProbeResult
-from core.settings import Settings
-from pipeline.manifest import Manifest, plan_from_json, read_manifest
-from pipeline.probe import probe_machine
-from pipeline.systemd_unit import UnitSpec, systemd_unit, unit_user
-from pipeline.worker import record_for_self, write_worker_record
-from registry.kv import UnknownKV, parse_kv_cache_type
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, fmt_bytes, model_fit
+from hotfit.backends.base import Backend, ModelFiles, ServeCommand
+from hotfit.backends.select import backend_for
+from hotfit.core.errors import LoadError, NoModelQualifies, UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.core.settings import Settings
+from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest
+from hotfit.pipeline.probe import probe_machine
+from hotfit.pipeline.systemd_unit import UnitSpec, systemd_unit, unit_user
+from hotfit.pipeline.worker import record_for_self, write_worker_record
+from hotfit.registry.kv import UnknownKV, parse_kv_cache_type
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, fmt_bytes, model_fit
 
 __all__ = ["ServeJob", "ServeOptions", "WindowDecision", "decide_window", "prepare_serve", "start_server"]
 
@@ -174,7 +174,7 @@ def _serve_command(backend: Backend, settings: Settings, plan: Plan, manifest: M
 
 def _hotfit_command(settings: Settings, opts: ServeOptions, pinned: tuple[str, ...]) -> list[str]:
     exe = shutil.which("hotfit")
-    base = [exe] if exe else [sys.executable, "-m", "pipeline"]
+    base = [exe] if exe else [sys.executable, "-m", "hotfit"]
     cmd = base + ["--home", str(settings.home), *pinned]
     cmd += ["--log-format", "json", "serve", "--host", opts.host, "--port", str(opts.port)]
     if opts.api_key_file:

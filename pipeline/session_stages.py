@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.engine import Stage
-from stages import grade, load, probe_tool_call, recheck
-from stages.grade import GRADE_STAGE, GradeOptions, GradeResult
-from stages.load import SERVER_SESSION
+from hotfit.pipeline.engine import Stage
+from hotfit.stages import grade, load, probe_tool_call, recheck
+from hotfit.stages.grade import GRADE_STAGE, GradeOptions, GradeResult
+from hotfit.stages.load import SERVER_SESSION
 
 __all__ = ["GRADE_STAGE", "SERVER_SESSION", "SESSION_STAGES", "GradeOptions", "grade_stage", "session_stages"]
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from core.errors import UsageError
-from core.settings import Settings
-from pipeline.evidence import evidence_status
-from pipeline.manifest import Manifest, read_manifest
-from pipeline.metrics import read_last_run
-from pipeline.registry_file import load_registry
-from state.files import write_text_atomic
-from state.locks import current_holder
-from state.store import RunRecord, StageRecord, SyncStateStore
+from hotfit.core.errors import UsageError
+from hotfit.core.settings import Settings
+from hotfit.pipeline.evidence import evidence_status
+from hotfit.pipeline.manifest import Manifest, read_manifest
+from hotfit.pipeline.metrics import read_last_run
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.state.files import write_text_atomic
+from hotfit.state.locks import current_holder
+from hotfit.state.store import RunRecord, StageRecord, SyncStateStore
 
 __all__ = ["Status", "label_value", "last_run_failed", "nfd_labels", "read_status", "rerun_would"]
 

@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
-from core.errors import IntegrityError
-from core.settings import Settings
-from stages.verify import InstalledFile, recheck_models
+from hotfit.core.errors import IntegrityError
+from hotfit.core.settings import Settings
+from hotfit.stages.verify import InstalledFile, recheck_models
 
 __all__ = ["verify_installed"]
 

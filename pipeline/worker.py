@@ -28,16 +28,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from core.errors import IntegrityError
-from core.lazy_import import lazy_module
-from core.log import get_logger
-from pipeline.manifest import Manifest, plan_from_json
-from core.plan import Device, ProbeResult
-from core.records import parse_own_file
-from registry.kv import UnknownKV, kv_bytes, layer_profile, parse_kv_cache_type
-from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
-from stages.plan import available_with_worker, same_device
-from state.files import write_text_atomic
+from hotfit.core.errors import IntegrityError
+from hotfit.core.lazy_import import lazy_module
+from hotfit.core.log import get_logger
+from hotfit.pipeline.manifest import Manifest, plan_from_json
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.core.records import parse_own_file
+from hotfit.registry.kv import UnknownKV, kv_bytes, layer_profile, parse_kv_cache_type
+from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
+from hotfit.stages.plan import available_with_worker, same_device
+from hotfit.state.files import write_text_atomic
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.entry import Entry
-from core.records import field_dict
-from registry.kv import (
+from hotfit.core.entry import Entry
+from hotfit.core.records import field_dict
+from hotfit.registry.kv import (
     OPENVINO_KV_PRECISIONS,
     KVCacheType,
     LayerKVProfile,

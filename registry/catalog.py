@@ -17,10 +17,10 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from core.entry import Entry
-from core.errors import RegistryError, UsageError
-from core.records import Fields, parse_json
-from registry.schema import REVISION_RE, decode_entry
+from hotfit.core.entry import Entry
+from hotfit.core.errors import RegistryError, UsageError
+from hotfit.core.records import Fields, parse_json
+from hotfit.registry.schema import REVISION_RE, decode_entry
 
 SCHEMA_VERSION = 1
 BUNDLED_RESOURCE = "data/curated.json"  # inside the registry package

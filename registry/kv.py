@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.errors import UsageError
-from core.entry import Entry, LayerGroup
+from hotfit.core.errors import UsageError
+from hotfit.core.entry import Entry, LayerGroup
 
 # llama.cpp pads n_ctx and the SWA cache to 256 cells (llama-context.cpp, llama-kv-cache-iswa.cpp).
 KV_CELL_PAD_TOKENS = 256

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from core.entry import ORIGINS, Entry
-from core.errors import NoModelQualifies
-from core.records import field_dict
-from registry.budget import (
+from hotfit.core.entry import ORIGINS, Entry
+from hotfit.core.errors import NoModelQualifies
+from hotfit.core.records import field_dict
+from hotfit.registry.budget import (
     ACCELERATOR_KINDS,
     MIN_AGENTIC_HOT_CONTEXT,
     DeviceBudget,
@@ -23,8 +23,8 @@ from registry.budget import (
     runtime_allowance,
     unpriceable,
 )
-from registry.kv import KV_CACHE_TYPES, KVCacheType, UnknownKV, kv_bytes
-from registry.verdict import Verdict, eligibility_problem
+from hotfit.registry.kv import KV_CACHE_TYPES, KVCacheType, UnknownKV, kv_bytes
+from hotfit.registry.verdict import Verdict, eligibility_problem
 
 ORIGIN_ALL = "auto"
 

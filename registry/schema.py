@@ -25,7 +25,7 @@ import dataclasses
 import re
 from typing import Any
 
-from core.entry import (
+from hotfit.core.entry import (
     AGENTIC_TIERS,
     BACKENDS,
     INELIGIBLE_CAUSES,
@@ -39,7 +39,7 @@ from core.entry import (
     TemplateSource,
     safe_relpath,
 )
-from core.records import Fields
+from hotfit.core.records import Fields
 
 EVIDENCE_KINDS = ("measured", "provenance")
 

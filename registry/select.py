@@ -17,12 +17,12 @@ import difflib
 from dataclasses import dataclass
 from typing import Iterable
 
-from core.entry import BACKENDS, DEFAULT_BACKEND, ORIGINS, Entry
-from core.errors import NoModelQualifies, UsageError
+from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, ORIGINS, Entry
+from hotfit.core.errors import NoModelQualifies, UsageError
 
 # The planner's surface: registry.select re-exports the budget, verdict and refusal names its
 # callers (stages/plan.py, pipeline/worker.py, stages/probe.py, the tests) import from here.
-from registry.budget import (
+from hotfit.registry.budget import (
     ACCEL_RESERVE_FLOOR_BYTES,
     ACCELERATOR_KINDS,
     DEVICE_KINDS,
@@ -49,8 +49,8 @@ from registry.budget import (
     reserve_bytes,
     runtime_allowance,
 )
-from registry.kv import KVCacheType, UnknownKV
-from registry.refusal import (
+from hotfit.registry.kv import KVCacheType, UnknownKV
+from hotfit.registry.refusal import (
     ORIGIN_ALL,
     Refusal,
     RequiredMemory,
@@ -60,7 +60,7 @@ from registry.refusal import (
     smallest_agentic,
     words_for,
 )
-from registry.verdict import ReasonCode, Verdict, eligibility_problem, evaluate
+from hotfit.registry.verdict import ReasonCode, Verdict, eligibility_problem, evaluate
 
 __all__ = [
     "ACCEL_RESERVE_FLOOR_BYTES", "ACCELERATOR_KINDS", "DEVICE_KINDS", "FRAGMENTATION_HEADROOM", "HOST_KIND",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.entry import PERMISSIVE_LICENSES, Entry
-from registry.budget import MIN_AGENTIC_HOT_CONTEXT, DeviceBudget, ModelFit, fmt_bytes, model_fit
-from registry.kv import KVCacheType, UnknownKV
+from hotfit.core.entry import PERMISSIVE_LICENSES, Entry
+from hotfit.registry.budget import MIN_AGENTIC_HOT_CONTEXT, DeviceBudget, ModelFit, fmt_bytes, model_fit
+from hotfit.registry.kv import KVCacheType, UnknownKV
 
 ReasonCode = Literal[
     "ok", "backend", "origin", "tier", "eligibility", "unknown_metadata", "memory", "context_floor"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from core.isa import (AMX_CPUINFO, cpuinfo_flags, features_from_macros,  # noqa: E402
+from hotfit.core.isa import (AMX_CPUINFO, cpuinfo_flags, features_from_macros,  # noqa: E402
                       ggml_cpu_variant, missing_features)
 
 MANIFEST = "SHA256SUMS"

@@ -26,11 +26,11 @@ from typing import Any, Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: its modules below
 
-from backends.llama_server.flags import LLAMA_BATCH_TOKENS, LLAMA_UBATCH_TOKENS, LOG_VERBOSITY
-from backends.llama_server.logs import read_server_log
-from backends.llama_server.process import free_port
-from backends.llama_server.allocation import parse_log_allocation
-from stages.verify import read_gguf_header
+from hotfit.backends.llama_server.flags import LLAMA_BATCH_TOKENS, LLAMA_UBATCH_TOKENS, LOG_VERBOSITY
+from hotfit.backends.llama_server.logs import read_server_log
+from hotfit.backends.llama_server.process import free_port
+from hotfit.backends.llama_server.allocation import parse_log_allocation
+from hotfit.stages.verify import read_gguf_header
 
 # GEMMA3, SMOLLM2: re-exported, the scripts' default models
 from tests.real_models import FETCH_SCRIPT, GEMMA3, SMOLLM2, cache_dir, fetch_script  # noqa: F401

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from core.errors import IntegrityError
-from core.lazy_import import lazy_module
-from core.model_files import GGUFFacts
+from hotfit.core.errors import IntegrityError
+from hotfit.core.lazy_import import lazy_module
+from hotfit.core.model_files import GGUFFacts
 
 __all__ = ["GGUFHeader", "gguf", "read_gguf_header", "whole_number"]
 

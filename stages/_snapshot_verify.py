@@ -12,12 +12,12 @@ import hashlib
 import json
 from pathlib import Path
 
-from core.errors import IntegrityError
-from core.log import get_logger
-from core.model_files import PARTIAL_DIRNAME, SNAPSHOT_DIRNAME, SNAPSHOT_MANIFEST, SnapshotResult, check_integrity
-from download import discard_partial, partial_paths, safe_relpath
-from state.files import finalize_file, write_text_atomic
-from state.receipts import Receipt, file_identity, write_receipt
+from hotfit.core.errors import IntegrityError
+from hotfit.core.log import get_logger
+from hotfit.core.model_files import PARTIAL_DIRNAME, SNAPSHOT_DIRNAME, SNAPSHOT_MANIFEST, SnapshotResult, check_integrity
+from hotfit.download import discard_partial, partial_paths, safe_relpath
+from hotfit.state.files import finalize_file, write_text_atomic
+from hotfit.state.receipts import Receipt, file_identity, write_receipt
 
 log = get_logger()
 

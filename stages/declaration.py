@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from core.plan import Plan
-from core.settings import Settings
+from hotfit.core.plan import Plan
+from hotfit.core.settings import Settings
 
 __all__ = ["EnterContext", "StageContext", "StageDeclaration", "to_json"]
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import anyio
 
-from core.entry import Entry, TemplateSource
-from core.errors import HubError, IntegrityError, RegistryError, TemplateError
-from core.log import get_logger
-from core.model_files import (
+from hotfit.core.entry import Entry, TemplateSource
+from hotfit.core.errors import HubError, IntegrityError, RegistryError, TemplateError
+from hotfit.core.log import get_logger
+from hotfit.core.model_files import (
     SNAPSHOT_DIRNAME,
     TEMPLATE_FILENAME,
     TEMPLATE_PARTIAL_DIRNAME,
@@ -51,8 +51,8 @@ from core.model_files import (
     SnapshotResult,
     TemplateResult,
 )
-from core.settings import Settings
-from download import (
+from hotfit.core.settings import Settings
+from hotfit.download import (
     CacheMiss,
     HubSession,
     TransferOptions,
@@ -66,10 +66,10 @@ from download import (
     take_from_cache,
     write_text_atomic,
 )
-from stages.declaration import StageContext, StageDeclaration
-from stages.fetch_weights import FetchJob
-from state.locks import FileLock
-from state.receipts import Receipt, read_receipt, write_receipt
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.fetch_weights import FetchJob
+from hotfit.state.locks import FileLock
+from hotfit.state.receipts import Receipt, read_receipt, write_receipt
 
 log = get_logger()
 

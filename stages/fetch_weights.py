@@ -43,10 +43,10 @@ from typing import Any, TypeVar
 
 import anyio
 
-from core.entry import Artifact, Entry
-from core.errors import HubError, IntegrityError, RegistryError, TransferError
-from core.log import get_logger
-from core.model_files import (
+from hotfit.core.entry import Artifact, Entry
+from hotfit.core.errors import HubError, IntegrityError, RegistryError, TransferError
+from hotfit.core.log import get_logger
+from hotfit.core.model_files import (
     PARTIAL_DIRNAME,
     SNAPSHOT_DIRNAME,
     FetchedFile,
@@ -55,8 +55,8 @@ from core.model_files import (
     SnapshotResult,
     check_integrity,
 )
-from core.settings import Settings
-from download import (
+from hotfit.core.settings import Settings
+from hotfit.download import (
     CacheMiss,
     check_disk,
     DownloadOutcome,
@@ -79,9 +79,9 @@ from download import (
     snapshot_path,
     take_into_partial,
 )
-from stages.declaration import StageContext, StageDeclaration
-from state.locks import FileLock
-from state.receipts import drop_receipt, file_identity, git_blob_sha1, read_receipt, receipt_matches, sha256_file
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.state.locks import FileLock
+from hotfit.state.receipts import drop_receipt, file_identity, git_blob_sha1, read_receipt, receipt_matches, sha256_file
 
 log = get_logger()
 

@@ -28,29 +28,29 @@ from typing import Any
 
 import anyio
 
-from backends.base import Session
-from core.log import get_logger
-from core.records import JsonRecord
-from grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
-from grading.protocol import (
+from hotfit.backends.base import Session
+from hotfit.core.log import get_logger
+from hotfit.core.records import JsonRecord
+from hotfit.grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
+from hotfit.grading.protocol import (
     SAMPLING,
     SLOT_FRESH_PROMPT,
     SLOT_UNSUPPORTED,
     ChatEndpoint,
     ServerFacts,
 )
-from grading.report import (
+from hotfit.grading.report import (
     GRADE_VERSION,
     call_validity,
     category_results,
     decide_verdict,
     speeds,
 )
-from grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
-from grading.scenarios import Scenario, pack_hash, scenarios_for
-from core.model_files import VerifyResult
-from stages.declaration import StageContext, StageDeclaration
-from stages.load import SERVER_SESSION, LoadResult
+from hotfit.grading.runner import NOT_RUN, STEP_LIMIT, ScenarioResult, run_scenario
+from hotfit.grading.scenarios import Scenario, pack_hash, scenarios_for
+from hotfit.core.model_files import VerifyResult
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.load import SERVER_SESSION, LoadResult
 
 __all__ = ["DECLARATION", "GRADE_FILE", "GRADE_STAGE", "GradeOptions", "GradeResult", "brief", "default_output_path", "fresh_output_path",
            "grade_endpoint", "grade_session", "session_facts", "write_report"]

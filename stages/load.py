@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.base import BackendBinary, ModelFiles, Session
-from backends.select import backend_for
-from core.errors import IntegrityError
-from core.model_files import VerifyResult
-from core.plan import Plan
-from core.records import decode_record
-from core.settings import Settings
-from stages.declaration import StageContext, StageDeclaration
-from stages.plan import PlannedRun
+from hotfit.backends.base import BackendBinary, ModelFiles, Session
+from hotfit.backends.select import backend_for
+from hotfit.core.errors import IntegrityError
+from hotfit.core.model_files import VerifyResult
+from hotfit.core.plan import Plan
+from hotfit.core.records import decode_record
+from hotfit.core.settings import Settings
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.plan import PlannedRun
 
 __all__ = ["DECLARATION", "SERVER_SESSION", "LoadResult", "decode_load", "model_files", "open_session", "preflight"]
 

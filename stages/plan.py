@@ -23,16 +23,16 @@ from typing import Any, Iterable, Literal
 
 import anyio
 
-from backends.base import BackendBinary
-from backends.select import backend_for
-from core.errors import NoModelQualifies, UsageError
-from core.log import get_logger
-from core.plan import BudgetBreakdown, Device, Plan, ProbeResult, decode_probe
-from core.records import Fields, stage_record_fail
-from core.settings import KV_CACHE_ENV, Settings
-from registry.kv import KVCacheType, parse_kv_cache_type
-from core.entry import DEFAULT_BACKEND, Entry
-from registry.select import (
+from hotfit.backends.base import BackendBinary
+from hotfit.backends.select import backend_for
+from hotfit.core.errors import NoModelQualifies, UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult, decode_probe
+from hotfit.core.records import Fields, stage_record_fail
+from hotfit.core.settings import KV_CACHE_ENV, Settings
+from hotfit.registry.kv import KVCacheType, parse_kv_cache_type
+from hotfit.core.entry import DEFAULT_BACKEND, Entry
+from hotfit.registry.select import (
     ACCELERATOR_KINDS,
     DEVICE_KINDS,
     MIN_AGENTIC_HOT_CONTEXT,
@@ -45,8 +45,8 @@ from registry.select import (
     select_auto,
     select_explicit,
 )
-from registry.schema import decode_entry
-from stages.declaration import StageContext, StageDeclaration
+from hotfit.registry.schema import decode_entry
+from hotfit.stages.declaration import StageContext, StageDeclaration
 
 log = get_logger()
 

@@ -49,15 +49,15 @@ from typing import Any
 
 import anyio
 
-from backends.select import gpu_listing_binaries
-from core.errors import HardwareProbeError, UsageError
-from core.log import get_logger
-from core.plan import Device, ProbeResult, decode_probe
-from core.records import Fields, parse_json
-from core.settings import Settings
-from registry.select import device_budget
-from stages.declaration import StageContext, StageDeclaration
-from state.files import read_text_document, write_text_atomic
+from hotfit.backends.select import gpu_listing_binaries
+from hotfit.core.errors import HardwareProbeError, UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.plan import Device, ProbeResult, decode_probe
+from hotfit.core.records import Fields, parse_json
+from hotfit.core.settings import Settings
+from hotfit.registry.select import device_budget
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.state.files import read_text_document, write_text_atomic
 
 log = get_logger()
 

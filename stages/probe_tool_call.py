@@ -35,12 +35,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from backends.base import ChatFailed, Session
-from core.errors import ToolCallProbeFailed
-from core.log import get_logger
-from core.records import decode_record
-from stages.declaration import StageContext, StageDeclaration
-from stages.load import SERVER_SESSION, LoadResult
+from hotfit.backends.base import ChatFailed, Session
+from hotfit.core.errors import ToolCallProbeFailed
+from hotfit.core.log import get_logger
+from hotfit.core.records import decode_record
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.load import SERVER_SESSION, LoadResult
 
 __all__ = [
     "PROBE_TOOL",

@@ -17,14 +17,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationReport, Session
-from backends.select import BACKENDS, backend_for
-from core.errors import AllocationMismatch, StageRecordError
-from core.log import get_logger
-from core.plan import Plan
-from registry.select import MIN_AGENTIC_HOT_CONTEXT
-from stages.declaration import StageContext, StageDeclaration
-from stages.load import SERVER_SESSION, LoadResult
+from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationReport, Session
+from hotfit.backends.select import BACKENDS, backend_for
+from hotfit.core.errors import AllocationMismatch, StageRecordError
+from hotfit.core.log import get_logger
+from hotfit.core.plan import Plan
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.load import SERVER_SESSION, LoadResult
 
 __all__ = [
     "KV_EXCESS_TOLERANCE",

@@ -37,10 +37,10 @@ from typing import Any
 
 import anyio
 
-from core.entry import Artifact, Entry
-from core.errors import IntegrityError, TemplateError, UsageError
-from core.log import get_logger
-from core.model_files import (
+from hotfit.core.entry import Artifact, Entry
+from hotfit.core.errors import IntegrityError, TemplateError, UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.model_files import (
     PARTIAL_DIRNAME,
     SNAPSHOT_DIRNAME,
     SNAPSHOT_MANIFEST,
@@ -52,14 +52,14 @@ from core.model_files import (
     VerifyResult,
     check_integrity,
 )
-from stages._gguf_header import GGUFHeader, gguf, read_gguf_header, whole_number
-from stages._snapshot_verify import place_snapshot, snapshot_commit, verify_snapshot_dir
-from stages.declaration import StageContext, StageDeclaration
-from stages.fetch_weights import FetchJob
-from download import discard_partial, partial_paths
-from state.files import finalize_file
-from state.locks import FileLock
-from state.receipts import (
+from hotfit.stages._gguf_header import GGUFHeader, gguf, read_gguf_header, whole_number
+from hotfit.stages._snapshot_verify import place_snapshot, snapshot_commit, verify_snapshot_dir
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.fetch_weights import FetchJob
+from hotfit.download import discard_partial, partial_paths
+from hotfit.state.files import finalize_file
+from hotfit.state.locks import FileLock
+from hotfit.state.receipts import (
     RECEIPTS_DIRNAME,
     Receipt,
     drop_receipt,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from core.errors import HotfitError, UsageError
-from core.records import Fields, parse_json
-from state.files import read_text_document, write_text_atomic
+from hotfit.core.errors import HotfitError, UsageError
+from hotfit.core.records import Fields, parse_json
+from hotfit.state.files import read_text_document, write_text_atomic
 
 __all__ = ["EVIDENCE_FILENAME", "EVIDENCE_SCHEMA", "AgenticEvidence", "EvidenceFile", "GradeFingerprint",
            "decode_evidence_file", "evidence_path", "read_evidence_file", "stale_reason", "write_evidence_file"]

@@ -15,9 +15,9 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Literal, overload
 
-from core.diskspace import from_os_error, is_disk_full
-from core.errors import UsageError
-from core.records import DocumentFail
+from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.errors import UsageError
+from hotfit.core.records import DocumentFail
 
 # The home every write is confined to (:func:`checked_write_path`); set by :func:`prepare_home`,
 # which every command runs first. The home itself may be a symlink (an operator's choice); nothing

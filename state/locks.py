@@ -38,10 +38,10 @@ from typing import AsyncIterator, Generator, Iterator
 
 import anyio
 
-from core.diskspace import from_os_error, is_disk_full
-from core.errors import LockedError
-from core.log import get_logger
-from state.files import checked_write_path
+from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.errors import LockedError
+from hotfit.core.log import get_logger
+from hotfit.state.files import checked_write_path
 
 __all__ = ["FileLock", "LockHolder", "current_holder", "read_holder"]
 

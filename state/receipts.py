@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.entry import Artifact
-from core.errors import IntegrityError
-from core.log import get_logger
-from core.records import parse_own_file
-from core.model_files import FileIdentity
-from state.files import checked_write_path, write_text_atomic
+from hotfit.core.entry import Artifact
+from hotfit.core.errors import IntegrityError
+from hotfit.core.log import get_logger
+from hotfit.core.records import parse_own_file
+from hotfit.core.model_files import FileIdentity
+from hotfit.state.files import checked_write_path, write_text_atomic
 
 log = get_logger()
 

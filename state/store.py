@@ -37,11 +37,11 @@ from typing import Any, Iterator, Literal, Sequence
 
 import anyio.to_thread
 
-from core.diskspace import disk_full_error, is_disk_full
-from core.errors import DiskSpaceError, LockedError, UsageError
-from core.log import get_logger
-from core.records import field_dict
-from state.locks import current_holder
+from hotfit.core.diskspace import disk_full_error, is_disk_full
+from hotfit.core.errors import DiskSpaceError, LockedError, UsageError
+from hotfit.core.log import get_logger
+from hotfit.core.records import field_dict
+from hotfit.state.locks import current_holder
 
 log = get_logger()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -32,6 +33,25 @@ os.environ.pop("HUGGINGFACE_HUB_CACHE", None)
 os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="hotfit-tests-hf-cache-")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The layers, importable only as hotfit.<layer> (CONTRIBUTING.md "Layout"); the repository root is on
+# sys.path under pytest, so a bare `stages.x` (an import_module string, a mock target) would load a
+# second copy of a module — with its own classes, whose isinstance checks then fail elsewhere.
+LAYERS = ("core", "registry", "state", "grading", "download", "backends", "stages", "pipeline")
+
+
+def bare_layer_modules() -> list[str]:
+    """Modules of this repository loaded under a bare layer name (``stages.plan``, not ``hotfit.…``)."""
+    return sorted(name for name, module in list(sys.modules.items())
+                  if name.split(".")[0] in LAYERS
+                  and str(getattr(module, "__file__", "") or "").startswith(str(REPO_ROOT)))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    bare = bare_layer_modules()
+    if bare:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nconftest: modules loaded outside the hotfit namespace (import them as hotfit.<layer>): "
+              f"{', '.join(bare[:10])}", file=sys.stderr)
 
 
 @pytest.fixture

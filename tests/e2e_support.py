@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.plan import Device, Plan, ProbeResult
-from registry.kv import parse_kv_cache_type
-from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
+from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.registry.kv import parse_kv_cache_type
+from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
 from tests.gguf_fixtures import FixtureInfo, pinned_template, write_tool_call_model
 from tests.hubserver import LocalHub
-from pipeline.manifest import Manifest, write_manifest
-from stages.plan import build_plan
+from hotfit.pipeline.manifest import Manifest, write_manifest
+from hotfit.stages.plan import build_plan
 
 GiB = 1 << 30
 TEMPLATE_REPO = "hotfit-fixtures/qwen3-chat-template"
@@ -153,7 +153,7 @@ def write_provisioned_home(home: Path, probe: ProbeResult, *, name: str = "fx-ag
 
 
 def write_registry(path: Path, entries: Any) -> None:
-    from registry.catalog import SCHEMA_VERSION
+    from hotfit.registry.catalog import SCHEMA_VERSION
 
     doc = {"schema": SCHEMA_VERSION, "entries": [dataclasses.asdict(e) for e in entries]}
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

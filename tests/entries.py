@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
+from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
 
 MiB = 1 << 20
 GiB = 1 << 30

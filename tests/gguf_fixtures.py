@@ -509,8 +509,8 @@ def write_garbage_file(path: str | os.PathLike[str], *, size_bytes: int = 4096, 
 
 def pinned_source_tree() -> Path:
     """The pinned llama.cpp source tree (kept by scripts/install-llama-server)."""
-    from backends.llama_server.discovery import pinned_source_tree as tree
-    from core.settings import load_settings
+    from hotfit.backends.llama_server.discovery import pinned_source_tree as tree
+    from hotfit.core.settings import load_settings
 
     return tree(load_settings())
 
@@ -568,9 +568,9 @@ def require_llama_server() -> Path:
     that is unusable always fails: someone asked for that one."""
     import pytest
 
-    from backends.llama_server.discovery import find_llama_server
-    from core.errors import BackendNotFound
-    from core.settings import load_settings
+    from hotfit.backends.llama_server.discovery import find_llama_server
+    from hotfit.core.errors import BackendNotFound
+    from hotfit.core.settings import load_settings
 
     settings = load_settings()
     try:

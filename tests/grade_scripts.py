@@ -22,8 +22,8 @@ from typing import Any
 import anyio
 import httpx
 
-from grading.scenarios import SCENARIOS, Scenario
-from grading.world import TOOLS, WRITE_TOOLS
+from hotfit.grading.scenarios import SCENARIOS, Scenario
+from hotfit.grading.world import TOOLS, WRITE_TOOLS
 from tests.hubserver import serve_handler
 
 HANG = -1  # an agent status meaning "never answer" (in process only): for the budget tests

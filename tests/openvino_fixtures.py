@@ -31,12 +31,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.base import ModelFiles, Session
-from backends.openvino.backend import OpenVinoBackend
-from backends.openvino.config import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
-from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
-from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-from core.settings import load_settings
+from hotfit.backends.base import ModelFiles, Session
+from hotfit.backends.openvino.backend import OpenVinoBackend
+from hotfit.backends.openvino.config import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
+from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
+from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.core.settings import load_settings
 from tests.gguf_fixtures import FixtureInfo, FixtureVocab, write_llama_model, write_tool_call_model
 
 __all__ = [
@@ -255,7 +255,7 @@ def cached_export(gguf_path: Path, gguf_sha256: str, cache_root: Path) -> Cached
     import json
     import tempfile
 
-    from state.locks import FileLock
+    from hotfit.state.locks import FileLock
 
     version = importlib.metadata.version("openvino-genai")
     root = cache_root / f"{gguf_sha256[:16]}-genai{version}"

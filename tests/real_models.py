@@ -50,11 +50,11 @@ from typing import Any
 import gguf
 from gguf import Keys
 
-from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-from registry.kv import KVCacheType, UnknownKV, kv_bytes, parse_kv_cache_type
-from core.entry import PERMISSIVE_LICENSES, Artifact, Entry, Evidence, LayerGroup, SourceConfig
-from registry.select import ModelFit, device_budget, model_fit
-from stages.verify import GGUFHeader, read_gguf_header
+from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.registry.kv import KVCacheType, UnknownKV, kv_bytes, parse_kv_cache_type
+from hotfit.core.entry import PERMISSIVE_LICENSES, Artifact, Entry, Evidence, LayerGroup, SourceConfig
+from hotfit.registry.select import ModelFit, device_budget, model_fit
+from hotfit.stages.verify import GGUFHeader, read_gguf_header
 from tests.gguf_fixtures import REQUIRE_ENV as REQUIRE_LLAMA_ENV
 from tests.gguf_fixtures import swa_layer_pattern
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama_server.discovery import loaded_cpu_variant
-from core.isa import cpu_feature_names, ggml_cpu_variant
+from hotfit.backends.llama_server.discovery import loaded_cpu_variant
+from hotfit.core.isa import cpu_feature_names, ggml_cpu_variant
 from tests.real_models import SMOLLM2, require_model
-from core.settings import LLAMA_SDIST_VERSION
+from hotfit.core.settings import LLAMA_SDIST_VERSION
 from tests.test_build_archive import _llama_build, _refused, _script
 from tests.test_portable_build import HARDWARE, _bin_dir, _info, _realmodels, _run_here
 

@@ -58,7 +58,7 @@ def env_for(hub: LocalHub, server: Path | None = None) -> dict[str, str]:
 
 
 def cmd(home: Path, world: World, probe: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "auto",
+    return [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "auto",
             "--registry", str(world.registry_path), "--probe-file", str(probe), *args]
 
 
@@ -187,7 +187,7 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     assert hub.bytes_sent() == 0
     assert "run.noop" in [e["event"] for e in events(home)]
     # what cron runs: with -q a no-op prints nothing at all, and the metrics say it was one
-    quiet = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "-q", *cmd(home, world, probe)[5:]],
+    quiet = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "-q", *cmd(home, world, probe)[5:]],
                            cwd=REPO, env=env_for(hub), capture_output=True, text=True, timeout=240)
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
     assert 'hotfit_last_run_info{outcome="noop",error_code="",model="' + LARGE + '"} 1' in (
@@ -204,7 +204,7 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
         ("stage.done", "probe-tool-call"), ("stage.start", "re-check"), ("stage.done", "re-check"),
     ]
 
-    status = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "status", "--json"],
+    status = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "status", "--json"],
                             cwd=REPO, env=env_for(hub), capture_output=True, text=True, timeout=60)
     data = json.loads(status.stdout)
     assert data["run"]["run_id"] == new_run and data["provisioned"]["entry_name"] == LARGE
@@ -342,7 +342,7 @@ def _interrupt_mid_download(hub: LocalHub, home: Path, world: World, probe: Path
     settle(hub)
     first_bytes = hub.bytes_sent(large.artifact.file)
     assert 0 < first_bytes < large.artifact.size_bytes
-    status = json.loads(subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "status", "--json"],
+    status = json.loads(subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "status", "--json"],
                                        cwd=REPO, capture_output=True, text=True, timeout=60).stdout)
     assert status["run"]["status"] == "interrupted"
     assert {s["stage"]: s["status"] for s in status["stages"]}["fetch-weights"] == "interrupted"
@@ -512,7 +512,7 @@ def test_openvino_dry_run_downloads_nothing(tmp_path: Path) -> None:
     tests/test_auto_openvino_e2e.py)."""
     home = tmp_path / "home"
     env = {**os.environ, "HOTFIT_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "pipeline", "--json", "auto", "--backend", "openvino", "--dry-run"]
+    cmd = [sys.executable, "-m", "hotfit", "--json", "auto", "--backend", "openvino", "--dry-run"]
     dry = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert dry.returncode in (0, 3), dry.stderr  # planned (or refused by memory), never downloaded
     assert not (home / "models").exists()
@@ -525,7 +525,7 @@ import gguf, gguf.gguf_reader
 def _boom(*a, **k):
     raise AssertionError("gguf.GGUFReader constructed")
 gguf.GGUFReader = gguf.gguf_reader.GGUFReader = _boom
-import stages._gguf_header as h
+import hotfit.stages._gguf_header as h
 _read = h.read_gguf_header
 def _counted(source, *a, **k):
     if isinstance(source, (str, os.PathLike)):  # (the reader calls itself again on the open file)
@@ -533,7 +533,7 @@ def _counted(source, *a, **k):
             out.write(str(source) + "\\n")
     return _read(source, *a, **k)
 h.read_gguf_header = _counted
-from pipeline.cli import main
+from hotfit.pipeline.cli import main
 sys.argv[0] = "hotfit"
 sys.exit(main())
 """

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from core.plan import Device, ProbeResult
-from core.entry import Artifact, Entry, TemplateSource
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.core.entry import Artifact, Entry, TemplateSource
 from tests.e2e_support import GiB, write_probe, write_registry
 from tests.hubserver import LocalHub
 from tests.openvino_fixtures import (
@@ -104,7 +104,7 @@ def ov_world(hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> OvWorld
 def hotfit(hub: LocalHub, home: Path, *args: str, env: dict[str, str] | None = None,
            timeout: float = 300) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "CONTENOX_LLAMA_KV_CACHE_TYPE")}
-    cmd = [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "--json", *args]
+    cmd = [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "--json", *args]
     return subprocess.run(cmd, cwd=REPO, env=base | hub.env() | (env or {}), capture_output=True, text=True, check=False,
                           timeout=timeout)
 
@@ -233,7 +233,7 @@ def test_pull_then_auto_serve_and_status_use_the_verified_snapshot(hub: LocalHub
     assert len(hub.requests_for(file="tokenizer_config.json", method="GET")) == 1
     # a second pull downloads nothing, and says where the template came from
     hub.reset_counters()
-    again = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "pull", "fx-ov-tokcfg",
+    again = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "pull", "fx-ov-tokcfg",
                             "--registry", str(registry)], cwd=REPO, capture_output=True, text=True, check=False,
                            env=os.environ | hub.env())
     assert again.returncode == 0, again.stderr[-3000:]
@@ -262,7 +262,7 @@ def test_pull_then_auto_serve_and_status_use_the_verified_snapshot(hub: LocalHub
     shown = json.loads(status.stdout)
     assert shown["provisioned"]["model_path"] == str(snapshot) and shown["provisioned"]["backend"] == "openvino"
     assert shown["provisioned_problems"] == []
-    human = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "status"], cwd=REPO,
+    human = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "status"], cwd=REPO,
                            capture_output=True, text=True, check=False, env=os.environ | hub.env())
     assert f"provisioned: fx-ov-tokcfg (q8_0 KV" in human.stdout and f"→ {snapshot}" in human.stdout
 

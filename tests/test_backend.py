@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from backends.llama_server.discovery import (
+from hotfit.backends.llama_server.discovery import (
     ServerBinary,
     build_info_from_json,
     cache_bin_dir,
@@ -20,8 +20,8 @@ from backends.llama_server.discovery import (
     parse_version_text,
     pinned_source_tree,
 )
-from core.errors import BackendError, BackendNotFound
-from core.settings import LLAMA_SDIST_VERSION, load_settings
+from hotfit.core.errors import BackendError, BackendNotFound
+from hotfit.core.settings import LLAMA_SDIST_VERSION, load_settings
 from tests import gguf_fixtures as gf
 
 
@@ -320,7 +320,7 @@ def test_only_a_cpu_build_for_a_gpu_plan_names_the_gpu_build_to_make(places: dic
 
 
 def test_backend_from_the_libraries_a_binary_links() -> None:
-    from backends.llama_server.discovery import backend_from_libraries
+    from hotfit.backends.llama_server.discovery import backend_from_libraries
 
     assert backend_from_libraries("\tlibvulkan.so.1 => /lib/x86_64-linux-gnu/libvulkan.so.1 (0x1)\n") == "vulkan"
     assert backend_from_libraries("\tlibcuda.so.1 => /usr/lib/libcuda.so.1\n\tlibvulkan.so.1 => x\n") == "cuda"

@@ -16,20 +16,20 @@ from typing import Any
 
 import pytest
 
-import backends.llama_server.discovery
-import backends.select
-from backends.base import ChatAnswer, ChatFailed, ModelFiles, ServeCommand
-from backends.llama_server.backend import LlamaServerBackend
-from backends.llama_server.flags import API_KEY_ENV
-from core.errors import AllocationMismatch, ToolCallProbeFailed
-from core.plan import Device, ProbeResult
-from core.settings import load_settings
-from grading.protocol import SLOT_FRESH_PROMPT
-from registry.kv import parse_kv_cache_type
-from stages import load as load_stage
-from stages.plan import build_plan
-from stages.probe_tool_call import PROBE_FILE, PROBE_TOOL, PROBE_TOOL_NAME, probe_request, probe_tool_call
-from stages.recheck import RECHECK_FILE, recheck_allocation
+import hotfit.backends.llama_server.discovery
+import hotfit.backends.select
+from hotfit.backends.base import ChatAnswer, ChatFailed, ModelFiles, ServeCommand
+from hotfit.backends.llama_server.backend import LlamaServerBackend
+from hotfit.backends.llama_server.flags import API_KEY_ENV
+from hotfit.core.errors import AllocationMismatch, ToolCallProbeFailed
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.core.settings import load_settings
+from hotfit.grading.protocol import SLOT_FRESH_PROMPT
+from hotfit.registry.kv import parse_kv_cache_type
+from hotfit.stages import load as load_stage
+from hotfit.stages.plan import build_plan
+from hotfit.stages.probe_tool_call import PROBE_FILE, PROBE_TOOL, PROBE_TOOL_NAME, probe_request, probe_tool_call
+from hotfit.stages.recheck import RECHECK_FILE, recheck_allocation
 from tests.e2e_support import GiB, fixture_entry, sha256_of
 from tests.gguf_fixtures import pinned_template, require_llama_server, write_tool_call_model
 from tests.openvino_fixtures import open_ov_fixture
@@ -156,7 +156,7 @@ def _fake(plan: Any) -> Any:
 
 
 def _use(monkeypatch: pytest.MonkeyPatch, backend: FakeBackend) -> None:
-    monkeypatch.setitem(backends.select.BACKENDS, "fake", backend)
+    monkeypatch.setitem(hotfit.backends.select.BACKENDS, "fake", backend)
 
 
 async def test_the_three_stages_drive_a_fake_backend(cpu_plan: Any, tmp_path: Path,
@@ -236,7 +236,7 @@ async def test_serve_pins_the_device_the_way_load_does(cpu_plan: Any, tmp_path: 
     binary = require_llama_server()
     # Stand-in: this machine has only the CPU build, which a GPU plan rightly refuses; the pin under
     # test does not depend on the build, so that check is waived here.
-    monkeypatch.setattr(backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
+    monkeypatch.setattr(hotfit.backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
     monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
     probe = dataclasses.replace(cpu_plan.probe, devices=(device,), selected=device.index)
     plan = dataclasses.replace(cpu_plan, probe=probe)

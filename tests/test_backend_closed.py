@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import BuildUnavailable, ServeCommand
-from backends.select import BACKENDS, backend_for
-from core.entry import BACKENDS as BACKEND_NAMES
-from core.entry import DEFAULT_BACKEND, WEIGHTS_LAYOUTS
-from core.errors import UsageError
-from core.settings import load_settings
-from pipeline.evidence import EvidenceUnavailable, backend_build
+from hotfit.backends.base import BuildUnavailable, ServeCommand
+from hotfit.backends.select import BACKENDS, backend_for
+from hotfit.core.entry import BACKENDS as BACKEND_NAMES
+from hotfit.core.entry import DEFAULT_BACKEND, WEIGHTS_LAYOUTS
+from hotfit.core.errors import UsageError
+from hotfit.core.settings import load_settings
+from hotfit.pipeline.evidence import EvidenceUnavailable, backend_build
 from tests.entries import entry
 
 REPO = Path(__file__).resolve().parent.parent

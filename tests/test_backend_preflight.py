@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core.plan import Device, ProbeResult
+from hotfit.core.plan import Device, ProbeResult
 from tests.e2e_support import GiB, SMALL, World, write_probe
 from tests.hubserver import LocalHub
 
@@ -25,7 +25,7 @@ def _auto(hub: LocalHub, world: World, home: Path, probe: Path, binary: Path) ->
     env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "HOTFIT_LLAMA_SERVER")}
     env.update(hub.env())
     return subprocess.run(
-        [sys.executable, "-m", "pipeline", "--home", str(home), "--llama-server", str(binary), "--json", "auto",
+        [sys.executable, "-m", "hotfit", "--home", str(home), "--llama-server", str(binary), "--json", "auto",
          "--registry", str(world.registry_path), "--probe-file", str(probe), "--model", SMALL],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 

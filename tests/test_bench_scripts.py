@@ -21,9 +21,9 @@ from types import ModuleType
 import gguf
 import pytest
 
-from pipeline.registry_file import load_registry
-from registry.kv import allocation_kv_bytes
-from backends.llama_server.allocation import KvBufferRecord, KvCacheRecord, LogAllocation
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.registry.kv import allocation_kv_bytes
+from hotfit.backends.llama_server.allocation import KvBufferRecord, KvCacheRecord, LogAllocation
 from tests.e2e_support import write_registry
 from tests.gguf_fixtures import write_gemma3_swa_model, write_llama_model
 from tests.real_models import GEMMA3, SMOLLM2, fetch_script, require_model

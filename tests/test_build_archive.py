@@ -16,9 +16,9 @@ from types import ModuleType
 
 import pytest
 
-from backends.llama_server.discovery import find_llama_server
-from core.isa import cpuinfo_flags
-from core.settings import LLAMA_SDIST_VERSION, load_settings
+from hotfit.backends.llama_server.discovery import find_llama_server
+from hotfit.core.isa import cpuinfo_flags
+from hotfit.core.settings import LLAMA_SDIST_VERSION, load_settings
 from tests.conftest import REPO_ROOT
 from tests.test_portable_build import _require_build
 

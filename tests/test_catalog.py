@@ -10,10 +10,10 @@ from typing import Any, Callable
 
 import pytest
 
-from core.errors import RegistryError, UsageError
-from pipeline.registry_file import bundled_registry_path, load_registry
-from registry.catalog import Registry, parse_registry, parse_registry_text
-from core.entry import BACKENDS, INELIGIBLE_CAUSES, ORIGINS, PERMISSIVE_LICENSES
+from hotfit.core.errors import RegistryError, UsageError
+from hotfit.pipeline.registry_file import bundled_registry_path, load_registry
+from hotfit.registry.catalog import Registry, parse_registry, parse_registry_text
+from hotfit.core.entry import BACKENDS, INELIGIBLE_CAUSES, ORIGINS, PERMISSIVE_LICENSES
 
 BUNDLED_JSON = json.loads(bundled_registry_path().read_text(encoding="utf-8"))
 
@@ -327,7 +327,7 @@ def test_a_non_eligible_entry_may_leave_unverified_facts_null() -> None:
 def test_cli_registry_list_json_lists_every_entry_with_its_facts(hotfit_home: Path) -> None:
     import io
 
-    from pipeline.cli import main
+    from hotfit.pipeline.cli import main
 
     buf = io.StringIO()
     assert main(["--json", "registry", "list"], out=buf) == 0
@@ -345,7 +345,7 @@ def test_cli_registry_list_json_lists_every_entry_with_its_facts(hotfit_home: Pa
 def test_cli_registry_list_text_and_custom_file(tmp_path: Path, hotfit_home: Path) -> None:
     import io
 
-    from pipeline.cli import main
+    from hotfit.pipeline.cli import main
 
     entry = _valid_entry()
     entry.update(auto_eligible=False, ineligible_cause="license", ineligible_reason="custom licence", license="Other")
@@ -361,7 +361,7 @@ def test_cli_registry_list_text_and_custom_file(tmp_path: Path, hotfit_home: Pat
 def test_cli_registry_list_broken_file_exits_2_naming_the_field(tmp_path: Path, hotfit_home: Path) -> None:
     import io
 
-    from pipeline.cli import main
+    from hotfit.pipeline.cli import main
 
     entry = _valid_entry()
     entry["backend"] = "vllm"
@@ -377,7 +377,7 @@ def test_cli_registry_list_broken_file_exits_2_naming_the_field(tmp_path: Path, 
 def test_cli_registry_list_marks_entries_that_cannot_be_downloaded(hotfit_home: Path) -> None:
     import io
 
-    from pipeline.cli import main
+    from hotfit.pipeline.cli import main
 
     buf = io.StringIO()
     assert main(["--json", "registry", "list"], out=buf) == 0
@@ -403,7 +403,7 @@ def test_cli_registry_list_shows_an_entry_without_an_artifact_as_not_downloadabl
                                                                                   hotfit_home: Path) -> None:
     import io
 
-    from pipeline.cli import main
+    from hotfit.pipeline.cli import main
 
     entry = _valid_entry()
     entry.update(auto_eligible=False, ineligible_cause="unverified", ineligible_reason="no artifact yet",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core import errors
-from pipeline.cli import EXIT_CODES_HELP, build_parser, main
+from hotfit.core import errors
+from hotfit.pipeline.cli import EXIT_CODES_HELP, build_parser, main
 
 COMMANDS = [["probe"], ["plan"], ["registry", "list"], ["registry", "lock"], ["pull", "x"], ["auto"], ["status"], ["serve"]]
 
@@ -62,7 +62,7 @@ def test_bad_env_is_reported_as_usage_error_with_json(monkeypatch: pytest.Monkey
 
 
 def test_console_script_runs_as_module() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "hotfit", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "exit codes" in proc.stdout
 
 
@@ -114,7 +114,7 @@ def test_an_unusable_home_from_the_environment_names_the_variable(tmp_path: Path
 def test_an_unusable_home_exits_2_without_a_traceback_in_a_real_process(tmp_path: Path) -> None:
     home = tmp_path / "a-file"
     home.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "probe"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "probe"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and f"--home {home}" in proc.stderr

@@ -20,9 +20,9 @@ import pytest
 import structlog
 from tenacity import RetryCallState
 
-from core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError, UsageError
-from core.settings import Settings, load_settings
-from download import (
+from hotfit.core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError, UsageError
+from hotfit.core.settings import Settings, load_settings
+from hotfit.download import (
     HubSession,
     OrderedHasher,
     ProgressReporter,
@@ -34,9 +34,9 @@ from download import (
     partial_paths,
     safe_relpath,
 )
-from download.disk import bytes_held, preallocate
-from download.engine import DownloadOutcome, plan_blocks
-from download.hub_errors import (
+from hotfit.download.disk import bytes_held, preallocate
+from hotfit.download.engine import DownloadOutcome, plan_blocks
+from hotfit.download.hub_errors import (
     NOT_A_HUB,
     Retryable,
     hub_error_from_hf_exception,
@@ -44,10 +44,10 @@ from download.hub_errors import (
     is_not_a_hub,
     parse_retry_after,
 )
-from download.options import MAX_BLOCKS
-from download.retry import StopPolicy, wait_policy
-from download.sidecar import Block, decode_sidecar, read_sidecar
-from download.stream import _Writer, parse_content_range
+from hotfit.download.options import MAX_BLOCKS
+from hotfit.download.retry import StopPolicy, wait_policy
+from hotfit.download.sidecar import Block, decode_sidecar, read_sidecar
+from hotfit.download.stream import _Writer, parse_content_range
 from tests.hubserver import LocalHub
 
 

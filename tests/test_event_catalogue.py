@@ -190,8 +190,8 @@ def test_what_commands_really_log_is_catalogued(tmp_path: Path, documented: dict
     import io
     import json
 
-    from core.plan import Device, ProbeResult
-    from pipeline.cli import main
+    from hotfit.core.plan import Device, ProbeResult
+    from hotfit.pipeline.cli import main
 
     home, probe = tmp_path / "home", tmp_path / "probe.json"
     probe.write_text(json.dumps(ProbeResult(devices=(Device(index=0, kind="cpu", name="host", total_bytes=64 << 30,

@@ -22,18 +22,18 @@ from typing import Any
 import anyio
 import pytest
 
-from core import log as core_log
-from core.entry import Artifact, TemplateSource
-from core.errors import DiskSpaceError, HotfitError, RegistryError
-from core.settings import Settings
-from download import DISK_MARGIN_BYTES, check_disk, partial_paths
-from download.sidecar import read_sidecar
-from pipeline.engine import Runner
-from pipeline.provision import FetchJob, fetch_stages
-from stages.fetch_template import fetch_template
-from stages.fetch_weights import fetch_weights
-from stages.verify import verify
-from state.store import SyncStateStore
+from hotfit.core import log as core_log
+from hotfit.core.entry import Artifact, TemplateSource
+from hotfit.core.errors import DiskSpaceError, HotfitError, RegistryError
+from hotfit.core.settings import Settings
+from hotfit.download import DISK_MARGIN_BYTES, check_disk, partial_paths
+from hotfit.download.sidecar import read_sidecar
+from hotfit.pipeline.engine import Runner
+from hotfit.pipeline.provision import FetchJob, fetch_stages
+from hotfit.stages.fetch_template import fetch_template
+from hotfit.stages.fetch_weights import fetch_weights
+from hotfit.stages.verify import verify
+from hotfit.state.store import SyncStateStore
 from tests.conftest import REPO_ROOT
 from tests.hubserver import LocalHub
 from tests.real_models import SMOLLM2, require_model
@@ -223,8 +223,7 @@ def _full_at_sidecar(fs: Path, hub: LocalHub, model: dict[str, Any], settings: S
 def _full_at_partial(fs: Path, hub: LocalHub, model: dict[str, Any], settings: Settings,
                      monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Path]:
     # A filesystem without fallocate (preallocation skipped): the bytes themselves meet the full disk.
-    import download.engine as engine
-
+    import hotfit.download.engine as engine
     monkeypatch.setattr(engine, "preallocate", lambda _fd, _size: None)
     entry = model["entry"]
     part, side = _partial(settings, entry)
@@ -262,7 +261,7 @@ def test_full_disk_during_a_download_is_exit_4_and_the_rerun_resumes(
     """fault × where → exit 4, the message names the file and the bytes needed and free, the partial
     (or the placed file) is kept, and the rerun with space freed completes with the pinned sha256."""
     with tmpfs(tmp_path / "fs", 32 * MiB) as fs:
-        monkeypatch.setattr("download.disk.DISK_MARGIN_BYTES", 0)  # the tmpfs is the small disk, not the margin
+        monkeypatch.setattr("hotfit.download.disk.DISK_MARGIN_BYTES", 0)  # the tmpfs is the small disk, not the margin
         settings = settings_for(local_hub, fs / "home")
         if where == "sidecar":
             err, path = _full_at_sidecar(fs, local_hub, small_model, settings)
@@ -538,7 +537,7 @@ def test_auto_recheck_rehashes_what_its_records_trust(local_hub: LocalHub, small
     """`auto --recheck`'s fetch stages (FetchJob.rehash_installed) with a state store: the recorded
     fetch-weights result is reused while the installed file still hashes to it, and fetched again
     (not loaded) once a byte flipped in place."""
-    from state.store import StateStore
+    from hotfit.state.store import StateStore
 
     entry = small_model["entry"]
     settings = settings_for(local_hub, tmp_path / "home")

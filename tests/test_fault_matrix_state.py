@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.cli.status import LAST_RUN_FAILED
-from pipeline.manifest import Manifest, write_manifest
-from state.store import SyncStateStore
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.cli.status import LAST_RUN_FAILED
+from hotfit.pipeline.manifest import Manifest, write_manifest
+from hotfit.state.store import SyncStateStore
 from tests.conftest import REPO_ROOT
 from tests.e2e_support import GiB, World, write_probe
 from tests.gguf_fixtures import write_standin_llama_server
@@ -65,8 +65,8 @@ STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", 
 _RUNNING_PIPELINE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from state.locks import FileLock
-    from state.store import SyncStateStore
+    from hotfit.state.locks import FileLock
+    from hotfit.state.store import SyncStateStore
     home = Path(sys.argv[1])
     with FileLock(home / "pipeline.lock"):
         store = SyncStateStore(home / "state.db")
@@ -207,7 +207,7 @@ def real_home(hub: LocalHub, plain_world: World, standin: Path, tmp_path_factory
 def run_auto(hub: LocalHub, home: Path, world: World, probe: Path, server: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "CONTENOX_LLAMA_KV_CACHE_TYPE")}
     env.update(hub.env(), HOTFIT_LLAMA_SERVER=str(server))
-    return subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "auto",
+    return subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "auto",
                            "--registry", str(world.registry_path), "--probe-file", str(probe), "--json"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
 
@@ -347,7 +347,7 @@ def test_sigterm_is_exit_130_with_a_message_and_a_logged_failure_for_every_comma
         command: str, hub: LocalHub, plain_world: World, tmp_path: Path) -> None:
     home = tmp_path / "home"
     hub.clear_faults()
-    base = [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json"]
+    base = [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json"]
     env = hotfit_env(hub)
     listener = None
     large = plain_world.entry("fx-agent-large")
@@ -469,7 +469,7 @@ def test_pull_from_a_server_sending_one_byte_per_connection_gives_up_with_exit_4
         hub: LocalHub, plain_world: World, tmp_path: Path) -> None:
     home = tmp_path / "home"
     large = plain_world.entry("fx-agent-large")
-    argv = [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "pull", large.name,
+    argv = [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "pull", large.name,
             "--registry", str(plain_world.registry_path), "--json"]
     hub.clear_faults()
     hub.inject(method="GET", file="*.gguf", close_after_bytes=1, times=None)

@@ -8,19 +8,19 @@ from typing import Any
 
 import pytest
 
-from core.errors import TemplateError
-from core.entry import Entry, TemplateSource
-from core.model_files import TemplateResult
-from core.settings import Settings, load_settings
-from stages.fetch_template import (
+from hotfit.core.errors import TemplateError
+from hotfit.core.entry import Entry, TemplateSource
+from hotfit.core.model_files import TemplateResult
+from hotfit.core.settings import Settings, load_settings
+from hotfit.stages.fetch_template import (
     MAX_TEMPLATE_SOURCE_BYTES,
     TEMPLATE_FILENAME,
     check_tool_capable,
     extract_template,
     fetch_template,
 )
-from stages.fetch_weights import fetch_weights
-from stages.verify import verify
+from hotfit.stages.fetch_weights import fetch_weights
+from hotfit.stages.verify import verify
 from tests.gguf_fixtures import pinned_template
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
@@ -271,7 +271,7 @@ def _ov_entry_with_template(repo_id: str, template_file: str, revision: str | No
     """An entry shaped like the bundled OpenVINO ones: the template is a file of the snapshot itself."""
     from dataclasses import replace
 
-    from core.entry import Artifact
+    from hotfit.core.entry import Artifact
 
     base = make_entry("ov", repo_id, "0" * 40, "x", None, None, backend="openvino")
     return replace(base, artifact=Artifact(repo_id, None, None, None, None), architecture=None,
@@ -285,7 +285,7 @@ SNAPSHOT_SOURCES = {"tokenizer_config.json": cfg(TOOLS), "chat_template.jinja": 
 @pytest.mark.parametrize("template_file", sorted(SNAPSHOT_SOURCES))
 async def test_a_template_inside_the_snapshot_is_read_from_it_not_downloaded_again(
         local_hub: LocalHub, tmp_path: Path, template_file: str) -> None:
-    from pipeline.pull import pull_entry
+    from hotfit.pipeline.pull import pull_entry
 
     files = {"openvino_model.xml": b"<net/>" * 50, "openvino_model.bin": b"\x01" * 300_000,
              template_file: SNAPSHOT_SOURCES[template_file]}
@@ -326,7 +326,7 @@ async def test_a_template_pinned_to_another_commit_of_the_snapshot_repo_never_sh
     # The template is pinned to an older commit of the repository whose main the snapshot follows:
     # it is downloaded on its own, into fetch-template's partial directory, and the snapshot's own
     # tokenizer_config.json (main's) is placed untouched.
-    from pipeline.pull import pull_entry
+    from hotfit.pipeline.pull import pull_entry
 
     old = local_hub.create_repo("OpenVINO/p-ov", {"openvino_model.xml": b"<net/>", "tokenizer_config.json": cfg(TOOLS)})
     new = local_hub.commit("OpenVINO/p-ov", {"tokenizer_config.json": cfg(CHATML)})
@@ -369,14 +369,14 @@ async def test_verify_refuses_a_template_read_from_another_snapshot_commit(local
 
 
 def _bundled_openvino_entries() -> list[Entry]:
-    from pipeline.registry_file import load_registry
+    from hotfit.pipeline.registry_file import load_registry
 
     return [e for e in load_registry(None).entries if e.backend == "openvino"]
 
 
 def test_every_bundled_openvino_entry_takes_its_template_from_its_own_snapshot() -> None:
-    from core.model_files import SnapshotFile, SnapshotResult
-    from stages.fetch_template import in_snapshot
+    from hotfit.core.model_files import SnapshotFile, SnapshotResult
+    from hotfit.stages.fetch_template import in_snapshot
 
     entries = _bundled_openvino_entries()
     assert len(entries) >= 5
@@ -398,7 +398,7 @@ def test_every_bundled_openvino_entry_takes_its_template_from_its_own_snapshot()
 @pytest.mark.parametrize("name", [e.name for e in _bundled_openvino_entries()])
 async def test_each_bundled_openvino_entry_pulls_as_written(local_hub: LocalHub, tmp_path: Path, name: str) -> None:
     # The entry exactly as bundled, against a local Hub repository of the same name and file layout.
-    from pipeline.pull import pull_entry
+    from hotfit.pipeline.pull import pull_entry
 
     entry = next(e for e in _bundled_openvino_entries() if e.name == name)
     assert entry.chat_template is not None and entry.artifact is not None

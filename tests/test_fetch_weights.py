@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import structlog
 
-from core.errors import (
+from hotfit.core.errors import (
     DiskSpaceError,
     HubError,
     IntegrityError,
@@ -28,14 +28,14 @@ from core.errors import (
     RegistryError,
     TransferError,
 )
-from core.settings import Settings, load_settings
-from core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
-from core.model_files import FetchResult
-from stages.fetch_weights import fetch_weights
-from download import TransferOptions, partial_paths
-from stages.verify import verify
-from state.locks import FileLock
-from state.receipts import file_identity, read_receipt, receipt_path
+from hotfit.core.settings import Settings, load_settings
+from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
+from hotfit.core.model_files import FetchResult
+from hotfit.stages.fetch_weights import fetch_weights
+from hotfit.download import TransferOptions, partial_paths
+from hotfit.stages.verify import verify
+from hotfit.state.locks import FileLock
+from hotfit.state.receipts import file_identity, read_receipt, receipt_path
 from tests.e2e_support import sha256_of
 from tests.hubserver import LocalHub, free_port_closed, serve_handler
 
@@ -513,7 +513,7 @@ def ov_repo(local_hub: LocalHub) -> dict[str, Any]:
 @pytest.mark.anyio
 async def test_openvino_snapshot_fetches_every_file_and_records_the_commit(local_hub: LocalHub, tmp_path: Path,
                                                                           ov_repo: dict[str, Any]) -> None:
-    from stages.verify import verify
+    from hotfit.stages.verify import verify
 
     settings = settings_for(local_hub, tmp_path / "home")
     dest = settings.model_dir("ov")
@@ -566,7 +566,7 @@ async def test_corrupt_non_lfs_file_fails_its_blob_id_and_is_refetched(local_hub
 
 def test_snapshot_disk_check_counts_what_the_partials_already_hold(tmp_path: Path) -> None:
     # A resumed snapshot needs room only for the bytes still missing, like a single file's resume.
-    from stages.fetch_weights import _ListedFile, _snapshot_needed_bytes
+    from hotfit.stages.fetch_weights import _ListedFile, _snapshot_needed_bytes
 
     partial_dir = tmp_path / ".partial"
     partial_dir.mkdir()

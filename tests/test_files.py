@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import DiskSpaceError
+from hotfit.core.errors import DiskSpaceError
 
-from pipeline.registry_lock import write_atomic
-from state.files import finalize_file, write_text_atomic
+from hotfit.pipeline.registry_lock import write_atomic
+from hotfit.state.files import finalize_file, write_text_atomic
 
 
 @pytest.mark.parametrize("durable", [True, False])

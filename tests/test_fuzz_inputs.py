@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.errors import IntegrityError, TemplateError
-from stages.fetch_template import check_tool_capable, extract_template
-from stages.verify import read_gguf_header
+from hotfit.core.errors import IntegrityError, TemplateError
+from hotfit.stages.fetch_template import check_tool_capable, extract_template
+from hotfit.stages.verify import read_gguf_header
 from tests.test_fetch_weights import make_gguf
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

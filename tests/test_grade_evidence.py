@@ -32,18 +32,18 @@ from typing import Any
 import anyio
 import pytest
 
-import backends.select
-from backends.llama_server.backend import LlamaServerBackend
-from backends.llama_server.discovery import find_llama_server
-from core.errors import UsageError
-from core.plan import Device, ProbeResult
-from core.settings import Settings, load_settings
-from pipeline.cli import main
-from pipeline.grade import grade_model
-from registry.kv import parse_kv_cache_type
-from registry.select import device_budget, select_auto
-from stages.plan import Admission, build_plan
-from state.evidence import (
+import hotfit.backends.select
+from hotfit.backends.llama_server.backend import LlamaServerBackend
+from hotfit.backends.llama_server.discovery import find_llama_server
+from hotfit.core.errors import UsageError
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.core.settings import Settings, load_settings
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.grade import grade_model
+from hotfit.registry.kv import parse_kv_cache_type
+from hotfit.registry.select import device_budget, select_auto
+from hotfit.stages.plan import Admission, build_plan
+from hotfit.state.evidence import (
     AgenticEvidence,
     EvidenceFile,
     GradeFingerprint,
@@ -52,7 +52,7 @@ from state.evidence import (
     stale_reason,
     write_evidence_file,
 )
-from state.receipts import read_receipt
+from hotfit.state.receipts import read_receipt
 from tests import grade_scripts as gs
 from tests.e2e_support import (
     LARGE,
@@ -180,7 +180,7 @@ class ScriptedLlama:
     the preflight is the real binary search, so the grade's flags and build are what load would use."""
 
     name = "llama"
-    device_kinds = backends.select.backend_for("llama").device_kinds  # the planner asks it (stages/plan.py)
+    device_kinds = hotfit.backends.select.backend_for("llama").device_kinds  # the planner asks it (stages/plan.py)
 
     def __init__(self, agent: gs.Agent) -> None:
         self.agent = agent
@@ -226,7 +226,7 @@ def tool_chat_world(world: World, root: Path) -> World:
 
 
 def pull(e: Earned, name: str = LARGE) -> None:
-    done = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(e.home), "--log-format", "json", "pull",
+    done = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(e.home), "--log-format", "json", "pull",
                            name, "--registry", str(e.world.registry_path)], cwd=REPO,
                           env=env_for(e.hub, e.server), capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -245,7 +245,7 @@ def plan_json(e: Earned, *extra: str) -> tuple[int, dict[str, Any]]:
 def grade(e: Earned, agent: gs.Agent, tier: str) -> dict[str, Any]:
     """The real ``hotfit grade --model LARGE`` job, the model's answers scripted."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(backends.select.BACKENDS, "llama", ScriptedLlama(agent))
+        mp.setitem(hotfit.backends.select.BACKENDS, "llama", ScriptedLlama(agent))
         return anyio.run(lambda: grade_model(load_settings(), model=LARGE, registry_file=e.world.registry_path,
                                              tier=tier, budget_s=None, output=None, probe_file=e.probe))
 
@@ -403,7 +403,7 @@ def test_quick_passes_never_count_a_fail_removes_and_inconclusive_keeps(
     assert quick["evidence"]["recorded"] is False and "quick-tier pass is provisional" in quick["evidence"]["why"]
     assert not evidence_path(e.home).exists()
     with pytest.MonkeyPatch.context() as mp:  # the CLI says so too
-        mp.setitem(backends.select.BACKENDS, "llama", ScriptedLlama(gs.oracle))
+        mp.setitem(hotfit.backends.select.BACKENDS, "llama", ScriptedLlama(gs.oracle))
         code, text = run_text("grade", "--model", LARGE, "--registry", str(e.world.registry_path),
                               "--probe-file", str(e.probe), "--tier", "quick")
     assert code == 0 and "evidence: not recorded — a quick-tier pass is provisional" in text, text
@@ -477,7 +477,7 @@ def test_auto_admit_graded_provisions_the_earned_model_and_a_real_failed_grade_w
     # earned again (scripted), then withdrawn by a real `hotfit grade --tier full` of the provisioned model;
     # the next --admit-graded plan no longer admits it
     assert grade(e, gs.oracle, "full")["evidence"]["recorded"] is True
-    graded = subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "grade",
+    graded = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "grade",
                              "--tier", "full", "--json"], cwd=REPO, env=env_for(hub), capture_output=True, text=True,
                             timeout=300, check=False)
     assert graded.returncode == 8, graded.stderr[-3000:]

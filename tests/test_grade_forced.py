@@ -37,10 +37,10 @@ from typing import Any
 
 import pytest
 
-from grading.protocol import SAMPLING, ChatReply, ServerFacts
-from grading.report import GRADE_VERSION
-from grading.runner import run_scenario
-from grading.scenarios import (
+from hotfit.grading.protocol import SAMPLING, ChatReply, ServerFacts
+from hotfit.grading.report import GRADE_VERSION
+from hotfit.grading.runner import run_scenario
+from hotfit.grading.scenarios import (
     FORBID_ANY_CALL,
     FORBID_WRITES,
     SCENARIOS,
@@ -54,10 +54,10 @@ from grading.scenarios import (
     scenarios_for,
     state_differences,
 )
-from grading.schema import validate_arguments
-from grading.world import TOOLS, WRITE_TOOLS, ToolError, World, default_state
-from backends.http_chat import HttpChatEndpoint
-from stages.grade import grade_endpoint
+from hotfit.grading.schema import validate_arguments
+from hotfit.grading.world import TOOLS, WRITE_TOOLS, ToolError, World, default_state
+from hotfit.backends.http_chat import HttpChatEndpoint
+from hotfit.stages.grade import grade_endpoint
 from tests.gguf_fixtures import FixtureInfo, llama_server, write_tool_call_model
 
 

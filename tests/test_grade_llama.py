@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from backends.http_chat import HttpChatEndpoint
-from stages.grade import grade_endpoint
+from hotfit.backends.http_chat import HttpChatEndpoint
+from hotfit.stages.grade import grade_endpoint
 from tests.gguf_fixtures import FixtureInfo, llama_server, write_tool_call_model
 
 pytestmark = [pytest.mark.llama, pytest.mark.anyio]

@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from backends.http_chat import HttpChatEndpoint
-from core.errors import StageRecordError, UsageError
-from pipeline.cli import main
-from pipeline.manifest import read_manifest
-from pipeline.session_stages import GRADE_STAGE
-from stages.grade import GradeResult, grade_session
+from hotfit.backends.http_chat import HttpChatEndpoint
+from hotfit.core.errors import StageRecordError, UsageError
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.manifest import read_manifest
+from hotfit.pipeline.session_stages import GRADE_STAGE
+from hotfit.stages.grade import GradeResult, grade_session
 from tests import grade_scripts as gs
 from tests.e2e_support import LARGE, SMALL, World, write_probe
 from tests.hubserver import LocalHub
@@ -128,7 +128,7 @@ def test_auto_grade_flags_need_grade(hotfit_home: Path) -> None:
 
 
 def grade_cli(hub: LocalHub, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "grade",
+    return subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "grade",
                            "--tier", "quick", *args], cwd=REPO, env=env_for(hub), capture_output=True, text=True,
                           timeout=240, check=False)
 

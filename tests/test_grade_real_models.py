@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from backends.base import ModelFiles
-from core.settings import load_settings
-from grading.runner import STACK_FAILURES
-from grading.scenarios import QUICK, scenarios_for
-from stages.grade import grade_endpoint
-from stages.load import open_session, preflight
+from hotfit.backends.base import ModelFiles
+from hotfit.core.settings import load_settings
+from hotfit.grading.runner import STACK_FAILURES
+from hotfit.grading.scenarios import QUICK, scenarios_for
+from hotfit.stages.grade import grade_endpoint
+from hotfit.stages.load import open_session, preflight
 from tests.gguf_fixtures import require_llama_server
 from tests.real_models import GEMMA3, QWEN_CODER, SMOLLM2, planned, require_model
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from grading.runner import MODEL_FAILURES, NOT_RUN, STACK_FAILURES, STEP_LIMIT, find_call_markup
-from grading.scenarios import FORBID_ANY_CALL, FORBID_WRITES, SCENARIOS, scenarios_for
-from pipeline.cli import main
-from backends.http_chat import HttpChatEndpoint, facts_from
-from stages.grade import default_output_path, grade_endpoint
+from hotfit.grading.runner import MODEL_FAILURES, NOT_RUN, STACK_FAILURES, STEP_LIMIT, find_call_markup
+from hotfit.grading.scenarios import FORBID_ANY_CALL, FORBID_WRITES, SCENARIOS, scenarios_for
+from hotfit.pipeline.cli import main
+from hotfit.backends.http_chat import HttpChatEndpoint, facts_from
+from hotfit.stages.grade import default_output_path, grade_endpoint
 from tests import grade_scripts as gs
 from tests.grade_scripts import ScriptedServer, http_stub
 from tests.hubserver import free_port_closed

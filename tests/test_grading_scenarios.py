@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from grading.report import GRADE_VERSION
-from grading.scenarios import (
+from hotfit.grading.report import GRADE_VERSION
+from hotfit.grading.scenarios import (
     FORBID_ANY_CALL,
     FORBID_WRITES,
     QUICK,
@@ -18,7 +18,7 @@ from grading.scenarios import (
     scenarios_for,
     state_differences,
 )
-from grading.world import TOOLS, WRITE_TOOLS, ToolError, World
+from hotfit.grading.world import TOOLS, WRITE_TOOLS, ToolError, World
 
 # The only reference calls a tool refuses on purpose: the error-recovery scenario's first try.
 EXPECTED_REFUSALS = {("FS-2", "delete", "not_empty")}

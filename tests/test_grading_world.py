@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from grading.schema import validate_arguments
-from grading.world import TOOLS, WRITE_TOOLS, ToolError, World, default_state
+from hotfit.grading.schema import validate_arguments
+from hotfit.grading.world import TOOLS, WRITE_TOOLS, ToolError, World, default_state
 
 
 def world() -> World:

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from backends.llama_server.discovery import BuildInfo, ServerBinary, check_cpu_features
-from core.errors import BackendError
-from core.isa import cpu_feature_names, cpuinfo_flags, features_from_macros, ggml_cpu_variant
-from core.plan import ProbeResult
-from pipeline.cli import main
-from pipeline.cli.render import probe_text as describe
-from stages.probe import probe_devices, save_probe
+from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary, check_cpu_features
+from hotfit.core.errors import BackendError
+from hotfit.core.isa import cpu_feature_names, cpuinfo_flags, features_from_macros, ggml_cpu_variant
+from hotfit.core.plan import ProbeResult
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.cli.render import probe_text as describe
+from hotfit.stages.probe import probe_devices, save_probe
 from tests.hardware_matrix import (
     BUILD_MACHINE,
     MATRIX,
@@ -302,7 +302,7 @@ def test_a_gpu_nvml_cannot_read_is_a_hardware_error_with_a_hint(tmp_path: Path) 
 
     nvml.nvmlDeviceGetMemoryInfo = broken
     root = machine_root(row, tmp_path)
-    from core.errors import HardwareProbeError
+    from hotfit.core.errors import HardwareProbeError
 
     with pytest.raises(HardwareProbeError) as err:
         probe_devices(env={}, nvml=nvml, proc_root=root / "proc", sys_root=root / "sys", cgroup_root=root / "cgroup")
@@ -324,11 +324,11 @@ def test_a_gpu_in_mig_mode_without_instances_is_not_planned_as_the_whole_card(tm
 @pytest.mark.parametrize("row", [r for r in ROWS if r.expected["probe"]["devices"]], ids=lambda r: r.machine)
 def test_openvinos_preflight_accepts_what_the_planner_plans_on_a_gpu_machine(row: Row, tmp_path: Path) -> None:
     # Seen: the planner put qwen3-8b-ov on the GPU and this preflight refused it (exit 5).
-    from backends.select import backend_for
-    from core.settings import load_settings
-    from pipeline.registry_file import load_registry
-    from registry.kv import KV_CACHE_TYPES
-    from stages.plan import build_plan
+    from hotfit.backends.select import backend_for
+    from hotfit.core.settings import load_settings
+    from hotfit.pipeline.registry_file import load_registry
+    from hotfit.registry.kv import KV_CACHE_TYPES
+    from hotfit.stages.plan import build_plan
 
     outcome = build_plan(row_probe(row, tmp_path), load_registry().entries, KV_CACHE_TYPES["q8_0"], backend="openvino")
     assert outcome.plan is not None

@@ -14,8 +14,8 @@ import pytest
 import structlog
 from huggingface_hub import hf_hub_download
 
-from core.settings import default_hf_hub_cache, load_settings
-from download import CacheHit, CacheMiss, take_from_cache, take_into_partial
+from hotfit.core.settings import default_hf_hub_cache, load_settings
+from hotfit.download import CacheHit, CacheMiss, take_from_cache, take_into_partial
 from tests.conftest import REPO_ROOT
 from tests.e2e_support import SMALL, World, write_probe
 from tests.hubserver import LocalHub
@@ -226,8 +226,8 @@ def test_offline_auto_provisions_from_the_cache_with_zero_bytes_fetched(hub: Loc
 @pytest.mark.anyio
 async def test_an_openvino_snapshot_takes_its_cached_files_and_fetches_the_rest(local_hub: LocalHub,
                                                                                 tmp_path: Path) -> None:
-    from stages.fetch_weights import fetch_weights
-    from stages.verify import verify
+    from hotfit.stages.fetch_weights import fetch_weights
+    from hotfit.stages.verify import verify
     from tests.test_fetch_weights import FAST, _openvino_entry
 
     files: dict[str, str | bytes] = {"openvino_model.xml": "<net/>" * 100, "openvino_model.bin": os.urandom(600_000),

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from core.isa import AMX_CPUINFO, cpuinfo_flags
-from core.settings import LLAMA_SDIST_VERSION, default_llama_cache
+from hotfit.core.isa import AMX_CPUINFO, cpuinfo_flags
+from hotfit.core.settings import LLAMA_SDIST_VERSION, default_llama_cache
 from tests.conftest import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "install-llama-server"
@@ -140,7 +140,7 @@ def test_the_amx_exclusion_holds_on_a_cpu_that_has_amx() -> None:
     the script's flags leave no AMX macro (ggml compiles its AMX kernels under __AMX_INT8__)
     while AVX-512 and VNNI stay."""
     flags = re.search(r'cpu_flags="(-mno-amx[^"]*)"', SCRIPT.read_text()).group(1).split()
-    from core.isa import features_from_macros
+    from hotfit.core.isa import features_from_macros
 
     def features(*extra: str) -> set[str]:
         proc = subprocess.run(["c++", "-march=sapphirerapids", *extra, "-dM", "-E", "-x", "c++", "/dev/null"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.isa import (INTRINSIC_ONLY_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, executable_features,
+from hotfit.core.isa import (INTRINSIC_ONLY_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, executable_features,
                       features_from_macros, missing_features)
 
 HARDWARE = Path(__file__).parent / "data" / "hardware"

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.errors import UsageError
-from registry.kv import (
+from hotfit.core.errors import UsageError
+from hotfit.registry.kv import (
     KV_CACHE_TYPES,
     KVLayerShape,
     LayerKVProfile,
@@ -20,7 +20,7 @@ from registry.kv import (
     layer_profile,
     parse_kv_cache_type,
 )
-from core.entry import LayerGroup
+from hotfit.core.entry import LayerGroup
 from tests.entries import MINICPM5_2B, entry
 
 
@@ -178,7 +178,7 @@ def test_kv_bytes_is_monotonic(p: LayerKVProfile, a: int, b: int) -> None:
 
 
 def test_allocation_estimate_is_exact_per_group_not_conservative() -> None:
-    from registry.kv import allocation_kv_bytes
+    from hotfit.registry.kv import allocation_kv_bytes
 
     f16 = KV_CACHE_TYPES["f16"]
     # Qwen3.5-like hybrid: llama.cpp allocates KV for the 8 full-attention layers only.

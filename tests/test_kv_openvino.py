@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.registry_file import load_registry
-from registry.kv import (
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.registry.kv import (
     KV_CACHE_TYPES,
     OPENVINO_KV_BLOCK_TOKENS,
     PagedKV,
@@ -18,8 +18,8 @@ from registry.kv import (
     kv_bytes,
     layer_profile,
 )
-from core.entry import LayerGroup
-from registry.select import (
+from hotfit.core.entry import LayerGroup
+from hotfit.registry.select import (
     MIN_AGENTIC_HOT_CONTEXT,
     DeviceBudget,
     device_budget,
@@ -27,7 +27,7 @@ from registry.select import (
     required_memory,
     select_auto,
 )
-from backends.openvino.config import KV_PRECISIONS, kv_bytes_per_token_for_entry
+from hotfit.backends.openvino.config import KV_PRECISIONS, kv_bytes_per_token_for_entry
 from tests.entries import GiB, entry
 
 F16, Q8, Q4 = KV_CACHE_TYPES["f16"], KV_CACHE_TYPES["q8_0"], KV_CACHE_TYPES["q4_0"]

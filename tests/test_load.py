@@ -20,14 +20,14 @@ import anyio
 import httpx
 import pytest
 
-from backends.llama_server.discovery import BuildInfo, build_info_from_json
-from core.errors import LoadError
-from core.isa import MACRO_TO_CPUINFO, cpuinfo_flags
-from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
-from core.entry import Entry, LayerGroup, SourceConfig
-from backends.llama_server.crash import SIGNAL_LOG_TAIL_LINES, compare_isa, diagnose_signal_death
-from backends.llama_server.flags import (
+from hotfit.backends.llama_server.discovery import BuildInfo, build_info_from_json
+from hotfit.core.errors import LoadError
+from hotfit.core.isa import MACRO_TO_CPUINFO, cpuinfo_flags
+from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
+from hotfit.core.entry import Entry, LayerGroup, SourceConfig
+from hotfit.backends.llama_server.crash import SIGNAL_LOG_TAIL_LINES, compare_isa, diagnose_signal_death
+from hotfit.backends.llama_server.flags import (
     API_KEY_ENV,
     LLAMA_UBATCH_TOKENS,
     ServerFeatures,
@@ -38,8 +38,8 @@ from backends.llama_server.flags import (
     server_env,
     template_used,
 )
-from backends.llama_server.logs import LogLine, diagnose_load_failure, parse_log_lines, relevant_log_lines
-from backends.llama_server.process import open_server
+from hotfit.backends.llama_server.logs import LogLine, diagnose_load_failure, parse_log_lines, relevant_log_lines
+from hotfit.backends.llama_server.process import open_server
 from tests.gguf_fixtures import (
     FixtureInfo,
     require_llama_server,
@@ -420,7 +420,7 @@ async def test_the_started_server_runs_pinned_to_the_planned_nvidia_card(
     the nvidia plan's -ngl all offloads nothing; the pin is the point.)"""
     import dataclasses
 
-    from backends.llama_server.flags import child_env
+    from hotfit.backends.llama_server.flags import child_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     plan = fixture_plan(llama_model, 32768, device_kind="nvidia")
@@ -648,7 +648,7 @@ _HOLDER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests.test_load import fixture_plan
     from tests.gguf_fixtures import write_llama_model
-    from backends.llama_server.process import open_server
+    from hotfit.backends.llama_server.process import open_server
 
     async def main():
         info = write_llama_model({model!r})

@@ -14,15 +14,15 @@ from pathlib import Path
 import anyio
 import pytest
 
-from core.errors import LockedError
-from state.locks import FileLock, read_holder
+from hotfit.core.errors import LockedError
+from hotfit.state.locks import FileLock, read_holder
 
 
 def _hold_in_subprocess(path: Path) -> subprocess.Popen[str]:
     """A separate process that takes the lock, says so on stdout, then sleeps until killed."""
     code = textwrap.dedent(f"""
         import sys, time
-        from state.locks import FileLock
+        from hotfit.state.locks import FileLock
         lock = FileLock({str(path)!r}).acquire()
         print("held", flush=True)
         time.sleep(600)
@@ -114,7 +114,7 @@ def test_signal_while_auto_waits_for_the_home_lock_is_a_clean_interrupt(tmp_path
     home.mkdir()
     with FileLock(home / "pipeline.lock"):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "auto", "--wait",
+            [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "auto", "--wait",
              "--probe-file", str(tmp_path / "probe.json")],
             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         log_file = home / "logs" / "hotfit.jsonl"
@@ -142,7 +142,7 @@ def test_auto_without_wait_on_a_held_home_exits_6_naming_the_holder(tmp_path: Pa
     home.mkdir()
     with FileLock(home / "pipeline.lock"):
         proc = subprocess.run(
-            [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "auto",
+            [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "auto",
              "--probe-file", str(tmp_path / "probe.json")],
             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 6, proc.stderr

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from core import log
+from hotfit.core import log
 
 
 def test_json_events_go_to_stream_and_file_with_bound_context(tmp_path: Path) -> None:
@@ -62,8 +62,8 @@ def test_debug_events_reach_the_file_at_default_verbosity(tmp_path: Path) -> Non
 
 
 def test_cli_quiet_run_still_appends_its_info_events_to_the_home_log(tmp_path: Path) -> None:
-    from pipeline.cli import main
-    from core.plan import Device, ProbeResult
+    from hotfit.pipeline.cli import main
+    from hotfit.core.plan import Device, ProbeResult
 
     home = tmp_path / "home"
     probe = tmp_path / "probe.json"

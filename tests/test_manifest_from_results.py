@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from backends.llama_server.discovery import BuildInfo, ServerBinary
-from backends.openvino.backend import OpenVinoRuntime
-from core.plan import Plan
-from pipeline.auto import ProvisionedResults, build_manifest
-from pipeline.engine import PipelineOutcome
-from stages.load import LoadResult, decode_load_for_plan
-from stages.recheck import decode_recheck_for_plan
+from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary
+from hotfit.backends.openvino.backend import OpenVinoRuntime
+from hotfit.core.plan import Plan
+from hotfit.pipeline.auto import ProvisionedResults, build_manifest
+from hotfit.pipeline.engine import PipelineOutcome
+from hotfit.stages.load import LoadResult, decode_load_for_plan
+from hotfit.stages.recheck import decode_recheck_for_plan
 from tests.test_stage_records import (CALL, FETCH, LOAD_RECORD, OV_CALL, OV_LOAD_RECORD, OV_REPORT, REPORT,
                                       SNAPSHOT_FETCH, TEMPLATE, VERIFY, _cpu_plan)
 

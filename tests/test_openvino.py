@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import AllocationMismatch, LoadError, ToolCallProbeFailed
-from backends.openvino.allocation import OpenVinoAllocationReport
-from stages.probe_tool_call import probe_tool_call
-from stages.recheck import recheck_allocation
-from backends.openvino.config import SESSION_FILE
-from backends.openvino.session import open_openvino_session
+from hotfit.core.errors import AllocationMismatch, LoadError, ToolCallProbeFailed
+from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
+from hotfit.stages.probe_tool_call import probe_tool_call
+from hotfit.stages.recheck import recheck_allocation
+from hotfit.backends.openvino.config import SESSION_FILE
+from hotfit.backends.openvino.session import open_openvino_session
 from tests.gguf_fixtures import pinned_template
 from tests.openvino_fixtures import (
     CHATML_NO_TOOLS_TEMPLATE,
@@ -221,7 +221,7 @@ _HOLDER = """
 import sys, anyio
 from pathlib import Path
 from tests.openvino_fixtures import OvFixture, ov_plan
-from backends.openvino.session import open_openvino_session
+from hotfit.backends.openvino.session import open_openvino_session
 
 async def main() -> None:
     fx = OvFixture(Path(sys.argv[1]), "tool-call", 1, 1, 32, 0.0)

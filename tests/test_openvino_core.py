@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 
-from core.errors import BackendNotFound, LoadError
-from core.plan import Device, ProbeResult
-from backends.openvino import config as openvino_config
-from backends.openvino.toolcall import (
+from hotfit.core.errors import BackendNotFound, LoadError
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.backends.openvino import config as openvino_config
+from hotfit.backends.openvino.toolcall import (
     PARSERS,
     answer_from_text,
     structural_tag,
     tool_call_family,
 )
-from backends.openvino.allocation import judge_openvino_allocation
-from backends.openvino.config import (
+from hotfit.backends.openvino.allocation import judge_openvino_allocation
+from hotfit.backends.openvino.config import (
     IR_REQUIRED_FILES,
     KvShape,
     SessionConfig,
@@ -34,7 +34,7 @@ from backends.openvino.config import (
     require_openvino,
     session_config,
 )
-from stages.probe_tool_call import PROBE_TOOL, PROBE_TOOL_NAME, judge_answer
+from hotfit.stages.probe_tool_call import PROBE_TOOL, PROBE_TOOL_NAME, judge_answer
 from tests.openvino_fixtures import OvFixture, ov_plan
 
 ARGS = {"text": "ping"}
@@ -127,7 +127,7 @@ def test_tool_call_family(template: str | None, name: str, family: str) -> None:
 def test_structural_tag_forces_one_probe_call(family: str, arguments: str) -> None:
     import re
 
-    from backends.openvino.toolcall import PARSERS
+    from hotfit.backends.openvino.toolcall import PARSERS
 
     tag = json.loads(structural_tag(family, PROBE_TOOL))
     fmt = tag["format"]
@@ -335,7 +335,7 @@ def test_recheck_without_kv_states_cannot_verify() -> None:
     ],
 )
 def test_template_expresses_tools(template: str | None, prompt: str, ok: bool, needle: str) -> None:
-    from backends.openvino.toolcall import template_expresses_tools
+    from hotfit.backends.openvino.toolcall import template_expresses_tools
 
     got, why = template_expresses_tools(template, prompt, [PROBE_TOOL])
     assert got is ok and needle in why
@@ -356,6 +356,6 @@ def test_template_expresses_tools(template: str | None, prompt: str, ok: bool, n
 ])
 def test_a_tool_template_genai_did_not_render_is_named(files: dict[str, str], rendered: str,
                                                       expected: str | None) -> None:
-    from backends.openvino.toolcall import unrendered_tool_template
+    from hotfit.backends.openvino.toolcall import unrendered_tool_template
 
     assert unrendered_tool_template(files, rendered) == expected

@@ -30,12 +30,12 @@ from typing import Any
 import anyio
 import pytest
 
-from backends.openvino.allocation import OpenVinoAllocationReport
-from backends.base import ModelFiles
-from backends.openvino.backend import OpenVinoBackend
-from core.entry import Artifact, TemplateSource
-from core.settings import load_settings
-from stages.recheck import recheck_allocation
+from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
+from hotfit.backends.base import ModelFiles
+from hotfit.backends.openvino.backend import OpenVinoBackend
+from hotfit.core.entry import Artifact, TemplateSource
+from hotfit.core.settings import load_settings
+from hotfit.stages.recheck import recheck_allocation
 from tests.e2e_support import GiB, write_probe, write_registry
 from tests.hubserver import LocalHub
 from tests.openvino_fixtures import (

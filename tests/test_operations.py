@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from core.plan import Device, ProbeResult
-from pipeline.cli import main
-from pipeline.manifest import Manifest
-from pipeline.metrics import last_run, render
-from pipeline.status import last_run_failed
-from state.store import RunRecord
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.manifest import Manifest
+from hotfit.pipeline.metrics import last_run, render
+from hotfit.pipeline.status import last_run_failed
+from hotfit.state.store import RunRecord
 from tests.hubserver import LocalHub
 from tests.test_pull_cli import env_for, model  # noqa: F401 - the pull fixture (a pinned model on the local Hub)
 
@@ -56,7 +56,7 @@ def write_probe(path: Path) -> Path:
 
 _HOLDER = textwrap.dedent("""
     import sys, time
-    from state.locks import FileLock
+    from hotfit.state.locks import FileLock
     with FileLock(sys.argv[1]):
         print("held", flush=True)
         time.sleep(60)
@@ -251,14 +251,14 @@ def test_status_fails_on_a_run_killed_after_the_last_recorded_one() -> None:
 
 
 def test_version() -> None:
-    done = subprocess.run([sys.executable, "-m", "pipeline", "--version"], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "hotfit", "--version"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("hotfit ") and done.stdout.split()[1][0].isdigit()
 
 
 def test_quiet_pull_prints_nothing_on_success_and_the_error_on_failure(local_hub: LocalHub,
                                                                       model: dict[str, Any]) -> None:  # noqa: F811
-    base = [sys.executable, "-m", "pipeline", "--home", str(model["home"]), "-q", "pull"]
+    base = [sys.executable, "-m", "hotfit", "--home", str(model["home"]), "-q", "pull"]
     for _ in range(2):  # the download, then the already-present rerun cron would make
         done = subprocess.run([*base, "test-model", "--registry", str(model["registry"])], env=env_for(local_hub),
                               cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -285,9 +285,9 @@ def test_the_log_rotates_by_size_and_keeps_k_files(tmp_path: Path, monkeypatch: 
 @pytest.mark.anyio
 async def test_a_provisioning_run_prunes_old_runs_and_their_directories(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from core.settings import load_settings
-    from pipeline.auto import prune_runs
-    from state.store import StateStore
+    from hotfit.core.settings import load_settings
+    from hotfit.pipeline.auto import prune_runs
+    from hotfit.state.store import StateStore
 
     monkeypatch.setenv("HOTFIT_KEEP_RUNS", "3")
     settings = load_settings(home=tmp_path / "home")

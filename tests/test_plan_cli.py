@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from core.errors import UsageError
-from core.plan import Device, ProbeResult
-from pipeline.registry_file import load_registry
-from registry.catalog import Registry
-from registry.kv import KV_CACHE_TYPES
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
-from pipeline.cli.render import plan_text as describe
-from stages.plan import build_plan, outcome_json, resolve_kv_cache_type
+from hotfit.pipeline.cli import main
+from hotfit.core.errors import UsageError
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.registry.catalog import Registry
+from hotfit.registry.kv import KV_CACHE_TYPES
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
+from hotfit.pipeline.cli.render import plan_text as describe
+from hotfit.stages.plan import build_plan, outcome_json, resolve_kv_cache_type
 from tests.entries import MINICPM5_2B, GiB, entry
 
 F16 = KV_CACHE_TYPES["f16"]
@@ -271,7 +271,7 @@ def test_the_larger_model_wins_across_devices_and_ties_go_to_the_accelerator() -
 
 
 def test_previous_model_is_kept_on_its_device_while_it_qualifies_there() -> None:
-    from stages.plan import PreviousModel
+    from hotfit.stages.plan import PreviousModel
 
     entries = load_bundled().entries
     probe = probe_many(("nvidia", 8 * GiB, 8 * GiB), ("cpu", 64 * GiB, 60 * GiB))
@@ -386,9 +386,9 @@ def test_a_probe_without_a_device_the_backend_serves_is_a_usage_error(tmp_path: 
 
 
 def test_every_backend_names_the_device_kinds_it_serves() -> None:
-    from backends.openvino.config import OPENVINO_DEVICES
-    from backends.select import BACKENDS
-    from registry.select import DEVICE_KINDS
+    from hotfit.backends.openvino.config import OPENVINO_DEVICES
+    from hotfit.backends.select import BACKENDS
+    from hotfit.registry.select import DEVICE_KINDS
 
     assert BACKENDS["llama"].device_kinds == DEVICE_KINDS
     assert BACKENDS["openvino"].device_kinds == frozenset(OPENVINO_DEVICES) == {"cpu"}

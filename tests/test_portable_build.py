@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama_server.discovery import (BackendError, check_cpu_features, find_llama_server,
+from hotfit.backends.llama_server.discovery import (BackendError, check_cpu_features, find_llama_server,
                                              loaded_cpu_variant, with_loaded_variant)
-from core.isa import AMX_CPUINFO, cpuinfo_flags, features_from_macros, ggml_cpu_variant
-from core.settings import LLAMA_SDIST_VERSION, default_llama_cache, load_settings
+from hotfit.core.isa import AMX_CPUINFO, cpuinfo_flags, features_from_macros, ggml_cpu_variant
+from hotfit.core.settings import LLAMA_SDIST_VERSION, default_llama_cache, load_settings
 from tests.conftest import REPO_ROOT
 from tests.gguf_fixtures import REQUIRE_ENV
 from tests.real_models import require_model
@@ -144,7 +144,7 @@ def test_zen5_with_rdseed_masked_loads_the_zen4_variant_and_is_not_refused() -> 
     info = _info(bin_dir)
     zen5 = cpuinfo_flags((HARDWARE / "amd-zen5-epyc-rdseed-masked" / "proc-cpuinfo.txt").read_text())
     assert ggml_cpu_variant(info["cpu_variants"], zen5) == "zen4"
-    from backends.llama_server.discovery import build_info_from_json
+    from hotfit.backends.llama_server.discovery import build_info_from_json
     build = with_loaded_variant(build_info_from_json(info), info, None, zen5)
     assert build.cpu_variant == "zen4" and "rdseed" not in (build.cpu_features or ())
 
@@ -201,7 +201,7 @@ def test_under_qemu_haswell_an_avx512_build_dies_by_sigill_and_hotfit_refuses_it
     flags = emulated_cpu_flags("Haswell")
     assert "avx2" in flags and "avx512f" not in flags
     # hotfit's check, for the emulated CPU's feature set: refused before anything runs.
-    from backends.llama_server.discovery import ServerBinary, build_info_from_json
+    from hotfit.backends.llama_server.discovery import ServerBinary, build_info_from_json
     native = ServerBinary(bin_dir / "llama-server", "cache", build_info_from_json(info), None)
     with pytest.raises(BackendError, match="avx512"):
         check_cpu_features(native, f"flags\t: {' '.join(sorted(flags))}\n")

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.cli import main
-from core.errors import HardwareProbeError, UsageError
-from core.plan import ProbeResult
-from stages.probe import load_probe_file, probe_devices, save_probe
+from hotfit.pipeline.cli import main
+from hotfit.core.errors import HardwareProbeError, UsageError
+from hotfit.core.plan import ProbeResult
+from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -350,7 +350,7 @@ def _lister(tmp_path: Path, text: str, code: int = 0) -> Path:
 
 
 def test_list_devices_lines_are_parsed_in_bytes() -> None:
-    from stages.probe import parse_list_devices
+    from hotfit.stages.probe import parse_list_devices
 
     devices = parse_list_devices(LAVAPIPE_LISTING + "  CUDA0: NVIDIA H200 (143167 MiB, 142000 MiB free)\nnoise\n")
     assert [(d.name, d.backend, d.total_bytes, d.free_bytes) for d in devices] == [

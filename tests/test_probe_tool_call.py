@@ -16,10 +16,10 @@ from typing import Any
 import anyio
 import pytest
 
-from backends.llama_server.discovery import BuildInfo
-from core.errors import ToolCallProbeFailed
-from backends.llama_server.process import open_server
-from stages.probe_tool_call import (
+from hotfit.backends.llama_server.discovery import BuildInfo
+from hotfit.core.errors import ToolCallProbeFailed
+from hotfit.backends.llama_server.process import open_server
+from hotfit.stages.probe_tool_call import (
     CALL_SCAN_MAX_CHARS,
     PROBE_MAX_TOKENS,
     PROBE_REQUIRED_PARAM,

@@ -17,10 +17,10 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from core.errors import TransferError, UsageError
-from core.settings import load_settings
-from download import proxy_config
-from download.proxy import parse_proxy
+from hotfit.core.errors import TransferError, UsageError
+from hotfit.core.settings import load_settings
+from hotfit.download import proxy_config
+from hotfit.download.proxy import parse_proxy
 from tests.conftest import REPO_ROOT
 from tests.hubserver import LocalHub, free_port_closed
 from tests.proxyserver import TinyProxy
@@ -213,7 +213,7 @@ async def test_an_unreachable_proxy_is_named_in_the_error(local_hub: LocalHub, t
 
 def test_registry_lock_asks_the_hub_through_the_proxy(local_hub: LocalHub, model: dict[str, Any],
                                                       tinyproxy: TinyProxy) -> None:
-    cmd = [sys.executable, "-m", "pipeline", "--home", str(model["home"]), "registry", "lock",
+    cmd = [sys.executable, "-m", "hotfit", "--home", str(model["home"]), "registry", "lock",
            "--registry", str(model["registry"]), "--verify", "--json"]
     out = subprocess.run(cmd, env=_env(local_hub, HTTP_PROXY=tinyproxy.url), cwd=REPO_ROOT,
                          capture_output=True, timeout=120)
@@ -331,7 +331,7 @@ async def test_connect_tunnels_carry_the_proxy_credentials(tls_hub: LocalHub, au
 
 def test_registry_lock_names_a_proxy_that_wants_credentials(model: dict[str, Any], local_hub: LocalHub,
                                                             auth_proxy: TinyProxy) -> None:
-    cmd = [sys.executable, "-m", "pipeline", "--home", str(model["home"]), "registry", "lock",
+    cmd = [sys.executable, "-m", "hotfit", "--home", str(model["home"]), "registry", "lock",
            "--registry", str(model["registry"]), "--verify", "--json"]
     out = subprocess.run(cmd, env=_env(local_hub, HTTP_PROXY=auth_proxy.url), cwd=REPO_ROOT,
                          capture_output=True, timeout=120)
@@ -348,7 +348,7 @@ async def test_the_snapshot_listing_goes_through_the_proxy_too(local_hub: LocalH
     # process environment (once per client, so the shared client is rebuilt around the test).
     from huggingface_hub import close_session
 
-    from stages.fetch_weights import fetch_weights
+    from hotfit.stages.fetch_weights import fetch_weights
     from tests.test_fetch_weights import FAST, _openvino_entry
 
     files: dict[str, str | bytes] = {"openvino_model.xml": "<net/>", "openvino_model.bin": b"\0" * 300_000,

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from core.entry import Entry, TemplateSource
-from download import partial_paths
+from hotfit.core.entry import Entry, TemplateSource
+from hotfit.download import partial_paths
 from tests.conftest import REPO_ROOT
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import make_entry, make_gguf, sha256_of
@@ -40,7 +40,7 @@ def write_registry(path: Path, *entries: Entry) -> Path:
 
 
 def pull_cmd(home: Path, registry: Path, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "pull", name,
+    return [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "pull", name,
             "--registry", str(registry), "--json", *extra]
 
 
@@ -212,7 +212,7 @@ def test_gated_repo_then_token_from_the_huggingface_store(local_hub: LocalHub, m
 def test_human_output(local_hub: LocalHub, model: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    from pipeline.cli import main
+    from hotfit.pipeline.cli import main
 
     monkeypatch.setenv("HF_ENDPOINT", local_hub.endpoint)
     out = io.StringIO()

@@ -24,20 +24,20 @@ import gguf
 import gguf.gguf_reader
 import pytest
 
-import stages._gguf_header as gguf_header_mod
-import stages.verify as verify_mod
-from core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
-from registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
-from backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
-from backends.llama_server.process import open_server
-from stages.load import model_files
-from stages.plan import build_plan
-from stages.probe_tool_call import probe_tool_call
-from stages.recheck import recheck_allocation
-from core.model_files import FetchedFile, FetchResult
-from stages.verify import check_header_against_entry, read_gguf_header, verify
-from state.receipts import file_identity
+import hotfit.stages._gguf_header as gguf_header_mod
+import hotfit.stages.verify as verify_mod
+from hotfit.core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
+from hotfit.registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
+from hotfit.backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
+from hotfit.backends.llama_server.process import open_server
+from hotfit.stages.load import model_files
+from hotfit.stages.plan import build_plan
+from hotfit.stages.probe_tool_call import probe_tool_call
+from hotfit.stages.recheck import recheck_allocation
+from hotfit.core.model_files import FetchedFile, FetchResult
+from hotfit.stages.verify import check_header_against_entry, read_gguf_header, verify
+from hotfit.state.receipts import file_identity
 from tests.gguf_fixtures import require_llama_server
 from tests.real_models import (
     FETCH_SCRIPT,

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import structlog
 
-from core.errors import AllocationMismatch
-from backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
-from backends.llama_server.logs import LogLine
-from backends.llama_server.process import open_server
-from backends.llama_server.allocation import (
+from hotfit.core.errors import AllocationMismatch
+from hotfit.backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
+from hotfit.backends.llama_server.logs import LogLine
+from hotfit.backends.llama_server.process import open_server
+from hotfit.backends.llama_server.allocation import (
     LogAllocation,
     judge_allocation,
     mib_half_step_bytes,
     parse_log_allocation,
 )
-from stages.recheck import KV_EXCESS_TOLERANCE, MIN_AGENTIC_HOT_CONTEXT, recheck_allocation
+from hotfit.stages.recheck import KV_EXCESS_TOLERANCE, MIN_AGENTIC_HOT_CONTEXT, recheck_allocation
 from tests.gguf_fixtures import FixtureInfo, require_llama_server, write_gemma3_swa_model, write_llama_model
 from tests.test_load import estimate_kv_bytes, fixture_plan
 

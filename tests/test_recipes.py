@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from core.plan import Device, ProbeResult
-from pipeline.cli import main
-from pipeline.systemd_unit import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
-from pipeline.status import label_value, nfd_labels
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.systemd_unit import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
+from hotfit.pipeline.status import label_value, nfd_labels
 from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home
 from tests.gguf_fixtures import tool_template_text, write_standin_llama_server
 from tests.hubserver import LocalHub
@@ -123,7 +123,7 @@ def test_printed_unit_is_hardened_keeps_the_gpu_and_verifies(provisioned_home: d
 
 @pytest.mark.parametrize("kind", ["nvidia", "vulkan", "cpu"])
 def test_fleet_unit_under_var_lib_uses_a_state_directory(kind: str, tmp_path: Path) -> None:
-    spec = UnitSpec(hotfit_argv=[sys.executable, "-m", "pipeline", "--home", "/var/lib/hotfit", "serve"],
+    spec = UnitSpec(hotfit_argv=[sys.executable, "-m", "hotfit", "--home", "/var/lib/hotfit", "serve"],
                     env={}, description="hotfit test", user="hotfit", home=Path("/var/lib/hotfit"),
                     device_kind=kind, paths=(Path("/opt/hotfit/.venv/bin/hotfit"),))
     unit = systemd_unit(spec)
@@ -139,7 +139,7 @@ def test_fleet_unit_under_var_lib_uses_a_state_directory(kind: str, tmp_path: Pa
 def test_the_old_unit_was_unsafe_so_the_check_can_fail(tmp_path: Path) -> None:
     """The check above can fail: the unit hotfit printed before it ran as root, unhardened."""
     old = ("[Unit]\nDescription=x\nAfter=network-online.target\n\n[Service]\nType=exec\n"
-           f"ExecStart={sys.executable} -m pipeline serve\nRestart=on-failure\nRestartSec=5\n"
+           f"ExecStart={sys.executable} -m hotfit serve\nRestart=on-failure\nRestartSec=5\n"
            "RestartPreventExitStatus=3\n\n[Install]\nWantedBy=multi-user.target\n")
     exposure, _ = analyze_unit(old, tmp_path)
     assert exposure > EXPOSURE_MAX
@@ -257,7 +257,7 @@ def ansible_playbook(hub: LocalHub, world: World, home: Path, probe: Path, tmp_p
     """Run recipes/ansible/hotfit.yml on localhost for real; its json-callback report."""
     tool = require_tool("ansible-playbook", "ansible-core (PyPI)")
     extra = {
-        "hotfit_command": [sys.executable, "-m", "pipeline"],
+        "hotfit_command": [sys.executable, "-m", "hotfit"],
         "hotfit_home": str(home),
         "hotfit_auto_args": ["--registry", str(world.registry_path), "--probe-file", str(probe), *auto_args],
         "hotfit_environment": hub.env() | ({"HOTFIT_LLAMA_SERVER": str(server)} if server else {}),

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import LLAMA_SDIST_VERSION, default_llama_cache
-from pipeline.registry_file import load_registry
-from registry.catalog import Registry
+from hotfit.core.settings import LLAMA_SDIST_VERSION, default_llama_cache
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.registry.catalog import Registry
 
 REQUIRE_ENV = "HOTFIT_REQUIRE_LLAMA"
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.cli import main
-from core.errors import UsageError
-from pipeline.registry_file import bundled_registry_path, load_registry
-from pipeline.registry_lock import (
+from hotfit.pipeline.cli import main
+from hotfit.core.errors import UsageError
+from hotfit.pipeline.registry_file import bundled_registry_path, load_registry
+from hotfit.pipeline.registry_lock import (
     FileFacts,
     HubFacts,
     apply_hub_facts,
@@ -253,7 +253,7 @@ def test_write_atomic_replaces_whole_file_keeps_mode_and_leaves_no_temp(tmp_path
 def test_lock_against_a_server_that_is_not_a_hub_says_so_and_writes_nothing(tmp_path: Path, not_a_hub: str,
                                                                              hotfit_home: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from core.errors import HubError
+    from hotfit.core.errors import HubError
 
     src = _write(tmp_path, [_entry("open", artifact=_art("org/m-GGUF", None, "m.gguf"), template=None),
                             _entry("other", artifact=_art("org/n-GGUF", None, "n.gguf"), template=None)])

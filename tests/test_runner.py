@@ -22,11 +22,11 @@ from typing import Any, cast
 import anyio
 import pytest
 
-from core import log as hlog
-from core.errors import Interrupted, TransferError
-from core.settings import Settings
-from pipeline.engine import Runner, Stage, StageContext
-from state.store import StateStore, SyncStateStore
+from hotfit.core import log as hlog
+from hotfit.core.errors import Interrupted, TransferError
+from hotfit.core.settings import Settings
+from hotfit.pipeline.engine import Runner, Stage, StageContext
+from hotfit.state.store import StateStore, SyncStateStore
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -313,10 +313,10 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
     from contextlib import asynccontextmanager
     from pathlib import Path
     import anyio
-    from core import log
-    from core.errors import Interrupted
-    from pipeline.engine import Runner, Stage
-    from state.store import StateStore
+    from hotfit.core import log
+    from hotfit.core.errors import Interrupted
+    from hotfit.pipeline.engine import Runner, Stage
+    from hotfit.state.store import StateStore
 
     home = Path(sys.argv[1])
     log.configure("json", 0, home / "log.jsonl")
@@ -428,16 +428,16 @@ _LOAD_SIGNAL_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
     import anyio
-    from core import log
-    from backends.llama_server.discovery import find_llama_server
-    from core.errors import Interrupted
-    from core.plan import Device, ProbeResult
-    from pipeline.engine import Runner, Stage
-    from core.settings import load_settings
-    from registry.kv import parse_kv_cache_type
-    from backends.llama_server.process import open_server
-    from stages.plan import build_plan
-    from state.store import StateStore
+    from hotfit.core import log
+    from hotfit.backends.llama_server.discovery import find_llama_server
+    from hotfit.core.errors import Interrupted
+    from hotfit.core.plan import Device, ProbeResult
+    from hotfit.pipeline.engine import Runner, Stage
+    from hotfit.core.settings import load_settings
+    from hotfit.registry.kv import parse_kv_cache_type
+    from hotfit.backends.llama_server.process import open_server
+    from hotfit.stages.plan import build_plan
+    from hotfit.state.store import StateStore
     from tests.e2e_support import GiB, fixture_entry, sha256_of
     from tests.gguf_fixtures import pinned_template, write_tool_call_model
 
@@ -505,9 +505,9 @@ def test_signal_during_load_reaps_llama_server(tmp_path: Path, signum: int) -> N
 def test_disk_check_needs_artifact_projector_and_margin(tmp_path: Path) -> None:
     import dataclasses
 
-    from core.errors import DiskSpaceError
-    from download import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
-    from core.entry import Artifact
+    from hotfit.core.errors import DiskSpaceError
+    from hotfit.download import DISK_MARGIN_BYTES, check_disk, disk_needed_bytes
+    from hotfit.core.entry import Artifact
     from tests.e2e_support import fixture_entry
     from tests.gguf_fixtures import write_tool_call_model
 
@@ -531,7 +531,7 @@ def test_recorded_template_is_reused_only_while_its_text_is_unchanged(tmp_path: 
     truncated behind hotfit's back must not be skipped over (verify and load would trust it)."""
     import hashlib
 
-    from pipeline.provision import AutoOptions, provisioning_stages
+    from hotfit.pipeline.provision import AutoOptions, provisioning_stages
 
     stage = next(s for s in provisioning_stages(AutoOptions()) if s.name == "fetch-template")
     assert stage.still_valid is not None and stage.decode is not None
@@ -580,7 +580,7 @@ async def test_a_record_that_does_not_decode_is_named_and_its_stage_runs_again(
 @pytest.mark.anyio
 async def test_a_field_of_the_wrong_kind_names_the_field(world: World, events: io.StringIO) -> None:
     """A decoder from core.records names the damaged field's path in the logged error."""
-    from core.records import decode_record
+    from hotfit.core.records import decode_record
 
     stages = world.stages()
     fetch = next(s for s in stages if s.name == "fetch")

@@ -12,15 +12,15 @@ from typing import Any, Callable
 
 import pytest
 
-from core.errors import RegistryError, UsageError
-from core.plan import BudgetBreakdown, Device, Plan, ProbeResult
-from core.records import Fields
-from pipeline.cli import main
-from pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
-from pipeline.registry_file import load_registry
-from registry.catalog import entry_fields
-from registry.schema import decode_entry
-from stages.probe import load_probe_file
+from hotfit.core.errors import RegistryError, UsageError
+from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.core.records import Fields
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.registry.catalog import entry_fields
+from hotfit.registry.schema import decode_entry
+from hotfit.stages.probe import load_probe_file
 
 GiB = 1 << 30
 

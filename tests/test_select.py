@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.errors import NoModelQualifies, UsageError
-from pipeline.registry_file import load_registry
-from registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
-from core.entry import LayerGroup
-from registry.select import (
+from hotfit.core.errors import NoModelQualifies, UsageError
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
+from hotfit.core.entry import LayerGroup
+from hotfit.registry.select import (
     MAX_HOT_CONTEXT_TOKENS,
     MIN_AGENTIC_HOT_CONTEXT,
     DeviceBudget,
@@ -569,7 +569,7 @@ def test_a_budget_of_nothing_fails_closed_naming_what_would_fit(usable_bytes: in
 
 
 def test_input_errors_say_what_to_do() -> None:
-    from registry.select import normalize_backend
+    from hotfit.registry.select import normalize_backend
 
     with pytest.raises(UsageError) as exc:
         normalize_backend("vllm")

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.serve import decide_window
-from pipeline.systemd_unit import UnitSpec, systemd_unit
-from core.errors import NoModelQualifies
-from pipeline.manifest import Manifest, read_manifest, write_manifest
-from core.plan import Device, ProbeResult
-from registry.kv import parse_kv_cache_type
-from registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit
-from stages.plan import build_plan
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.serve import decide_window
+from hotfit.pipeline.systemd_unit import UnitSpec, systemd_unit
+from hotfit.core.errors import NoModelQualifies
+from hotfit.pipeline.manifest import Manifest, read_manifest, write_manifest
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.registry.kv import parse_kv_cache_type
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit
+from hotfit.stages.plan import build_plan
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import free_port, pinned_template, require_llama_server, tool_template_text
 
@@ -60,7 +60,7 @@ def free_for_tokens(entry, tokens: int) -> int:
 def test_manifest_round_trips_the_plan(provisioned: dict) -> None:
     read = read_manifest(provisioned["home"] / "manifest.json")
     assert read.to_json() == json.loads(json.dumps(provisioned["manifest"].to_json()))
-    from pipeline.manifest import plan_from_json
+    from hotfit.pipeline.manifest import plan_from_json
 
     assert plan_from_json(read.plan) == provisioned["plan"]
     assert plan_from_json(read.plan).plan_id == provisioned["plan"].plan_id
@@ -158,7 +158,7 @@ def test_serve_starts_llama_server_with_the_window(provisioned: dict, tmp_path: 
     pinned_template()  # the real server renders the provisioned template: the pinned one must be there
     port = free_port()
     probe = write_probe(tmp_path / "p.json", 8 * GiB)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "--home", str(provisioned["home"]), "--log-format",
+    proc = subprocess.Popen([sys.executable, "-m", "hotfit", "--home", str(provisioned["home"]), "--log-format",
                              "json", "serve", "--port", str(port), "--probe-file", str(probe)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -253,7 +253,7 @@ def nvidia_home(provisioned: dict, tmp_path_factory: pytest.TempPathFactory) -> 
         Device(2, "cpu", "host memory", 8 * GiB, 2 * GiB),
     ), selected=1)
     probe_path.write_text(json.dumps(probe.to_json()))
-    from stages.probe import load_probe_file
+    from hotfit.stages.probe import load_probe_file
 
     plan = build_plan(load_probe_file(probe_path), [provisioned["entry"]], F16).plan
     assert plan is not None and plan.probe.device.uuid == GPU_UUID
@@ -266,12 +266,12 @@ def nvidia_home(provisioned: dict, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_serve_and_load_pin_the_verified_nvidia_card_through_one_function(nvidia_home: dict,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     binary = require_llama_server()
-    import backends.llama_server.discovery
-    from backends.llama_server.flags import child_env, new_api_key
+    import hotfit.backends.llama_server.discovery
+    from hotfit.backends.llama_server.flags import child_env, new_api_key
 
     # Stand-in: this machine has only the CPU build, which serve rightly refuses for an nvidia
     # plan; the pinning under test does not depend on the build, so the check is waived here.
-    monkeypatch.setattr(backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
+    monkeypatch.setattr(hotfit.backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
     monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
 
     load_env = child_env(nvidia_home["plan"], new_api_key(), {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"})
@@ -289,7 +289,7 @@ def test_serve_and_load_pin_the_verified_nvidia_card_through_one_function(nvidia
 
 
 def test_child_env_strips_overrides_and_a_stale_key_and_pins_nothing_for_the_host(provisioned: dict) -> None:
-    from backends.llama_server.flags import API_KEY_ENV, child_env
+    from hotfit.backends.llama_server.flags import API_KEY_ENV, child_env
 
     base = {"PATH": "/bin", "LLAMA_ARG_CTX_SIZE": "4096", "LLAMA_API_KEY": "stale"}
     assert child_env(provisioned["plan"], None, base) == {"PATH": "/bin"}  # serve: key from --api-key-file

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from backends.llama_server.flags import ServerFeatures, llama_server_argv, parse_server_features
-from core.plan import Device, ProbeResult
+from hotfit.backends.llama_server.flags import ServerFeatures, llama_server_argv, parse_server_features
+from hotfit.core.plan import Device, ProbeResult
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
 
@@ -80,7 +80,7 @@ def served(home: dict) -> Iterator[dict[str, Any]]:
     key_file.write_text(key + "\n")
     port = free_port()
     probe = write_probe(home["root"] / "probe.json", 8 * GiB)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "--home", str(home["home"]), "--log-format", "json",
+    proc = subprocess.Popen([sys.executable, "-m", "hotfit", "--home", str(home["home"]), "--log-format", "json",
                              "serve", "--port", str(port), "--probe-file", str(probe), "--api-key-file",
                              str(key_file)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.openvino.backend import GB, OVMS_TOOL_PARSERS, ovms_cache_size_gb
+from hotfit.backends.openvino.backend import GB, OVMS_TOOL_PARSERS, ovms_cache_size_gb
 
 
 @pytest.mark.parametrize(("kv_bytes", "gb"), [(1, 1), (5 << 20, 1), (GB, 1), (GB + 1, 2),
@@ -16,7 +16,7 @@ def test_ovms_cache_size_is_whole_gb_covering_the_verified_kv(kv_bytes: int, gb:
 
 
 def test_every_probe_family_has_its_ovms_tool_parser() -> None:
-    from backends.openvino.toolcall import FAMILIES
+    from hotfit.backends.openvino.toolcall import FAMILIES
 
     assert set(OVMS_TOOL_PARSERS) == set(FAMILIES)
     assert OVMS_TOOL_PARSERS["hermes"] == "hermes3" and OVMS_TOOL_PARSERS["harmony"] == "gptoss"

@@ -36,7 +36,7 @@ def env_for(hub: LocalHub) -> dict[str, str]:
 
 
 def hotfit(hub: LocalHub, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", *args],
+    return subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", *args],
                           cwd=REPO, env=env_for(hub), capture_output=True, text=True, timeout=240)
 
 
@@ -88,7 +88,7 @@ def test_rerun_while_serving_keeps_the_served_model_and_changes_nothing(hub: Loc
     assert blind["model"] == SMALL and blind["would"] == "provision"  # the defect, with no worker running
 
     port = free_port()
-    serve = subprocess.Popen([sys.executable, "-m", "pipeline", "--home", str(home), "--log-format", "json", "serve",
+    serve = subprocess.Popen([sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "serve",
                               "--port", str(port), "--probe-file", str(roomy)],
                              cwd=REPO, env=env_for(hub), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

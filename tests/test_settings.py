@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import UsageError
-from core.settings import DEFAULT_HF_ENDPOINT, load_settings
+from hotfit.core.errors import UsageError
+from hotfit.core.settings import DEFAULT_HF_ENDPOINT, load_settings
 
 
 def test_defaults_follow_xdg() -> None:

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from core.plan import canonical_json
-from pipeline.engine import RunContext, Runner, Stage, StageContext, inputs_hash
-from pipeline.provision import STAGE_NAMES, AutoOptions, provisioning_stages
-from pipeline.session_stages import GradeOptions, grade_stage
-from stages.declaration import StageDeclaration
-from state.store import StateStore
+from hotfit.core.plan import canonical_json
+from hotfit.pipeline.engine import RunContext, Runner, Stage, StageContext, inputs_hash
+from hotfit.pipeline.provision import STAGE_NAMES, AutoOptions, provisioning_stages
+from hotfit.pipeline.session_stages import GradeOptions, grade_stage
+from hotfit.stages.declaration import StageDeclaration
+from hotfit.state.store import StateStore
 from tests.test_runner import fake_settings
 
 # every stages/<name>.py (the private helpers, _gguf_header and _snapshot_verify, are no stages)
@@ -33,7 +33,7 @@ def test_the_stage_modules_are_every_public_module_of_stages() -> None:
 
 @pytest.mark.parametrize("module", STAGE_MODULES)
 def test_every_stage_module_exports_its_declaration(module: str) -> None:
-    declared = importlib.import_module(f"stages.{module}").DECLARATION
+    declared = importlib.import_module(f"hotfit.stages.{module}").DECLARATION
     assert isinstance(declared, StageDeclaration)
     assert inspect.iscoroutinefunction(declared.fn), "the work is an async function of the stage context"
     assert isinstance(declared.version, int) and not isinstance(declared.version, bool) and declared.version >= 1
@@ -50,7 +50,7 @@ def test_the_order_is_the_declarations() -> None:
     stages = provisioning_stages(AutoOptions())
     assert tuple(s.name for s in stages) == STAGE_NAMES
     for stage in [*stages, grade_stage(GradeOptions("quick"))]:
-        module = importlib.import_module(f"stages.{stage.name.replace('-', '_').replace('re_check', 'recheck')}")
+        module = importlib.import_module(f"hotfit.stages.{stage.name.replace('-', '_').replace('re_check', 'recheck')}")
         declared = module.DECLARATION
         assert (stage.name, stage.fn, stage.decode, stage.fingerprint, stage.figures, stage.version) == (
             declared.name, declared.fn, declared.decode, declared.fingerprint, declared.figures, declared.version)

@@ -15,21 +15,21 @@ from typing import Any
 
 import pytest
 
-from core.errors import StageRecordError
-from core.plan import Device, Plan, ProbeResult
-from backends.llama_server.discovery import BuildInfo, ServerBinary
-from pipeline.provision import AutoOptions, provisioning_stages
-from backends.llama_server.allocation import AllocationReport
-from backends.openvino.allocation import OpenVinoAllocationReport
-from stages.load import decode_load
-from stages.probe_tool_call import decode_probe_call
-from stages.recheck import decode_recheck
-from stages.load import LoadResult
-from registry.kv import parse_kv_cache_type
-from core.model_files import (FetchedFile, FetchResult, FieldCheck, FileIdentity, GGUFFacts, SnapshotFile,
+from hotfit.core.errors import StageRecordError
+from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary
+from hotfit.pipeline.provision import AutoOptions, provisioning_stages
+from hotfit.backends.llama_server.allocation import AllocationReport
+from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
+from hotfit.stages.load import decode_load
+from hotfit.stages.probe_tool_call import decode_probe_call
+from hotfit.stages.recheck import decode_recheck
+from hotfit.stages.load import LoadResult
+from hotfit.registry.kv import parse_kv_cache_type
+from hotfit.core.model_files import (FetchedFile, FetchResult, FieldCheck, FileIdentity, GGUFFacts, SnapshotFile,
                                SnapshotResult, TemplateResult, VerifyResult)
-from stages.plan import PlannedRun, build_plan, decode_plan, decode_planned
-from stages.probe_tool_call import ProbeToolCallResult, ToolCallVerdict
+from hotfit.stages.plan import PlannedRun, build_plan, decode_plan, decode_planned
+from hotfit.stages.probe_tool_call import ProbeToolCallResult, ToolCallVerdict
 from tests.e2e_support import GiB, fixture_entry
 from tests.gguf_fixtures import write_tool_call_model
 

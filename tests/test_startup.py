@@ -14,8 +14,8 @@ from pathlib import Path
 
 import gguf
 
-from core.lazy_import import lazy_module
-from stages import _gguf_header
+from hotfit.core.lazy_import import lazy_module
+from hotfit.stages import _gguf_header
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,9 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from pipeline.cli import main
-from pipeline.manifest import Manifest, write_manifest
-from state.store import SyncStateStore
+from hotfit.pipeline.cli import main
+from hotfit.pipeline.manifest import Manifest, write_manifest
+from hotfit.state.store import SyncStateStore
 
 STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
 REPO = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_provisioned_model_and_missing_file_are_reported(tmp_path: Path) -> None
 
 _HOLDER = textwrap.dedent("""
     import sys, time
-    from state.locks import FileLock
+    from hotfit.state.locks import FileLock
     with FileLock(sys.argv[1]):
         print("held", flush=True)
         time.sleep(60)

@@ -1,4 +1,4 @@
-"""state.store: durable, transactional stage records."""
+"""hotfit.state.store: durable, transactional stage records."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from state.store import StateStore, SyncStateStore
+from hotfit.state.store import StateStore, SyncStateStore
 
 STAGES = ["probe", "plan", "fetch-weights", "verify"]
 
@@ -131,7 +131,7 @@ async def test_async_facade_runs_off_the_event_loop(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from state.store import SyncStateStore
+    from hotfit.state.store import SyncStateStore
     store = SyncStateStore(Path(sys.argv[1]))
     run = store.create_run(["s%d" % i for i in range(50)], run_id="crash")
     print("ready", flush=True)
@@ -170,7 +170,7 @@ def test_kill_9_mid_write_leaves_a_consistent_database(tmp_path: Path) -> None:
 
 
 def test_corrupt_database_is_a_usage_error_naming_the_file(tmp_path: Path) -> None:
-    from core.errors import UsageError
+    from hotfit.core.errors import UsageError
 
     path = tmp_path / "state.db"
     path.write_bytes(b"this is not an sqlite database" * 100)
@@ -182,7 +182,7 @@ def test_corrupt_database_is_a_usage_error_naming_the_file(tmp_path: Path) -> No
 
 
 def test_database_from_an_older_schema_is_refused_not_crashed_on(tmp_path: Path) -> None:
-    from core.errors import UsageError
+    from hotfit.core.errors import UsageError
 
     path = tmp_path / "state.db"
     conn = sqlite3.connect(path)
@@ -196,7 +196,7 @@ def test_database_from_an_older_schema_is_refused_not_crashed_on(tmp_path: Path)
 
 
 def test_database_with_a_newer_schema_number_is_refused(tmp_path: Path) -> None:
-    from core.errors import UsageError
+    from hotfit.core.errors import UsageError
 
     path = tmp_path / "state.db"
     SyncStateStore(path).close()
@@ -212,7 +212,7 @@ def test_database_with_a_newer_schema_number_is_refused(tmp_path: Path) -> None:
 _BUSY_HOLDER = textwrap.dedent("""
     import sqlite3, sys
     from pathlib import Path
-    from state.locks import FileLock
+    from hotfit.state.locks import FileLock
     home = Path(sys.argv[1])
     lock = FileLock(home / "pipeline.lock")
     lock.acquire()
@@ -225,9 +225,8 @@ _BUSY_HOLDER = textwrap.dedent("""
 
 @pytest.fixture
 def busy_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    import state.store
-
-    monkeypatch.setattr(state.store, "BUSY_TIMEOUT_MS", 200)  # the wait itself is not under test
+    import hotfit.state.store
+    monkeypatch.setattr(hotfit.state.store, "BUSY_TIMEOUT_MS", 200)  # the wait itself is not under test
     home = tmp_path / "home"
     home.mkdir()
     SyncStateStore(home / "state.db").close()
@@ -243,7 +242,7 @@ def busy_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_a_busy_database_at_open_names_the_holder_not_a_sqlite_traceback(busy_home: Any) -> None:
-    from core.errors import LockedError
+    from hotfit.core.errors import LockedError
 
     home, holder_pid = busy_home
     with pytest.raises(LockedError) as info:
@@ -257,10 +256,10 @@ def test_a_busy_database_on_write_names_the_process_that_has_it_open(tmp_path: P
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # No pipeline lock this time (another program, e.g. the sqlite3 shell, holds the write lock):
     # the holder is found among the processes that have the file open.
-    import state.store
-    from core.errors import LockedError
+    import hotfit.state.store
+    from hotfit.core.errors import LockedError
 
-    monkeypatch.setattr(state.store, "BUSY_TIMEOUT_MS", 200)
+    monkeypatch.setattr(hotfit.state.store, "BUSY_TIMEOUT_MS", 200)
     db = tmp_path / "state.db"
     store = SyncStateStore(db, lock_path=tmp_path / "pipeline.lock")
     run = store.create_run(STAGES)
@@ -284,7 +283,7 @@ def test_status_on_a_busy_database_exits_6_naming_the_holder(busy_home: Any) -> 
     import io
     import json
 
-    from pipeline.cli import main
+    from hotfit.pipeline.cli import main
 
     home, holder_pid = busy_home
     out = io.StringIO()

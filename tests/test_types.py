@@ -45,5 +45,5 @@ def test_every_package_is_checked_and_the_pure_layers_strictly() -> None:
     checked = set(config["tool"]["mypy"]["files"])
     packages = set(config["tool"]["importlinter"]["root_packages"])
     assert packages | {"tests"} <= checked, f"not type-checked: {sorted(packages | {'tests'} - checked)}"
-    strict = [o for o in config["tool"]["mypy"]["overrides"] if {"core.*", "registry.*"} <= set(o["module"])]
+    strict = [o for o in config["tool"]["mypy"]["overrides"] if {"hotfit.core.*", "hotfit.registry.*"} <= set(o["module"])]
     assert strict and all(strict[0].get(flag) is True for flag in STRICT_FLAGS), strict

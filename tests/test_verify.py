@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import structlog
 
-from core.entry import LayerGroup, TemplateSource
-from core.errors import IntegrityError, TemplateError
-from core.model_files import FetchResult
-from stages.fetch_template import fetch_template
-from stages.fetch_weights import fetch_weights, fetched_still_on_disk
-from stages.verify import (
+from hotfit.core.entry import LayerGroup, TemplateSource
+from hotfit.core.errors import IntegrityError, TemplateError
+from hotfit.core.model_files import FetchResult
+from hotfit.stages.fetch_template import fetch_template
+from hotfit.stages.fetch_weights import fetch_weights, fetched_still_on_disk
+from hotfit.stages.verify import (
     GGUFHeader,
     check_header_against_entry,
     check_integrity,
@@ -29,7 +29,7 @@ from stages.verify import (
     read_gguf_header,
     verify,
 )
-from state.receipts import decode_receipt, read_receipt, receipt_matches, receipt_path
+from hotfit.state.receipts import decode_receipt, read_receipt, receipt_matches, receipt_path
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
 
@@ -254,7 +254,7 @@ def test_a_real_gguf_with_a_string_key_length_is_an_integrity_error(tmp_path: Pa
 def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, manifest: dict[str, Any]) -> None:
     import json
 
-    from stages.verify import verify_snapshot_dir
+    from hotfit.stages.verify import verify_snapshot_dir
 
     (tmp_path / "snapshot").mkdir()
     (tmp_path / "snapshot" / "model.xml").write_bytes(b"x")
@@ -265,7 +265,7 @@ def test_a_tampered_snapshot_manifest_is_an_integrity_error(tmp_path: Path, mani
 
 
 def test_a_receipt_without_its_sha256_is_not_a_match(tmp_path: Path) -> None:
-    from core.entry import Artifact
+    from hotfit.core.entry import Artifact
 
     final = tmp_path / "m.gguf"
     final.write_bytes(b"x" * 10)

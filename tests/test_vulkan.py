@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
-from backends.llama_server.discovery import cache_bin_dir, find_llama_server
-from core.errors import AllocationMismatch, BackendError
-from core.plan import Device, ProbeResult
-from core.settings import load_settings
-from backends.llama_server.process import open_server
-from stages.probe import list_ggml_devices, probe_devices
-from stages.recheck import recheck_allocation
+from hotfit.backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
+from hotfit.backends.llama_server.discovery import cache_bin_dir, find_llama_server
+from hotfit.core.errors import AllocationMismatch, BackendError
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.core.settings import load_settings
+from hotfit.backends.llama_server.process import open_server
+from hotfit.stages.probe import list_ggml_devices, probe_devices
+from hotfit.stages.recheck import recheck_allocation
 from tests.gguf_fixtures import FixtureInfo, write_gemma3_swa_model, write_llama_model
 from tests.test_load import fixture_plan
 
@@ -164,7 +164,7 @@ def test_hotfit_auto_provisions_on_the_vulkan_device_end_to_end(tmp_path: Path) 
         env.update(hub.env())
         env.update(LAVAPIPE_ENV)
         proc = subprocess.run(
-            [sys.executable, "-m", "pipeline", "--home", str(home), "--llama-server", str(binary),
+            [sys.executable, "-m", "hotfit", "--home", str(home), "--llama-server", str(binary),
              "--log-format", "json", "auto", "--registry", str(world.registry_path), "--model", SMALL, "--device", "vulkan"],
             cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -199,8 +199,8 @@ def _fa_off_wrapper(binary: Path, directory: Path) -> Path:
 def _real_plan(name: str, device: Device):
     import dataclasses
 
-    from registry.kv import KV_CACHE_TYPES
-    from stages.plan import build_plan
+    from hotfit.registry.kv import KV_CACHE_TYPES
+    from hotfit.stages.plan import build_plan
     from tests.real_models import GEMMA3, planned, require_model
 
     m = require_model(name)

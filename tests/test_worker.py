@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.manifest import Manifest
-from core.plan import Device, ProbeResult
-from pipeline.worker import (
+from hotfit.pipeline.manifest import Manifest
+from hotfit.core.plan import Device, ProbeResult
+from hotfit.pipeline.worker import (
     WorkerFacts,
     WorkerRecord,
     find_worker,
@@ -26,10 +26,10 @@ from pipeline.worker import (
     worker_held_bytes,
     write_worker_record,
 )
-from registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
-from core.entry import LayerGroup
-from registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
-from stages.plan import PreviousModel, available_with_worker, build_plan
+from hotfit.registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
+from hotfit.core.entry import LayerGroup
+from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
+from hotfit.stages.plan import PreviousModel, available_with_worker, build_plan
 from tests.entries import GiB, MiB, entry
 
 F16 = KV_CACHE_TYPES["f16"]
@@ -205,7 +205,7 @@ def test_record_round_trips(tmp_path: Path) -> None:
 
 
 def test_a_damaged_record_names_the_file_and_the_field(tmp_path: Path) -> None:
-    from core.errors import IntegrityError
+    from hotfit.core.errors import IntegrityError
 
     good = _record(123, 456).to_json()
     path = tmp_path / "serve.pid"

@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import anyio
 
-from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
-from backends.llama_server.logs import LogLine, read_server_log
-from core.errors import AllocationMismatch
-from core.lazy_import import lazy_module
-from core.plan import Plan
-from registry.kv import allocation_kv_bytes
+from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
+from hotfit.backends.llama_server.logs import LogLine, read_server_log
+from hotfit.core.errors import AllocationMismatch
+from hotfit.core.lazy_import import lazy_module
+from hotfit.core.plan import Plan
+from hotfit.registry.kv import allocation_kv_bytes
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -51,7 +51,7 @@ else:
     httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
-    from backends.llama_server.process import LoadedServer
+    from hotfit.backends.llama_server.process import LoadedServer
 
 __all__ = [
     "AllocationReport",

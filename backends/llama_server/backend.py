@@ -12,17 +12,17 @@ from typing import Any, Literal
 
 import anyio
 
-from backends.base import BackendBinary, BuildUnavailable, ModelFiles, ServeCommand, ServicePin
-from backends.llama_server.allocation import AllocationReport
-from backends.llama_server.discovery import ServerBinary, find_llama_server, gpu_listing_binaries
-from backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
-from backends.llama_server.process import LoadedServer, open_server
-from core.entry import Entry
-from core.errors import HotfitError
-from core.plan import Plan
-from core.settings import Settings
-from registry.select import DEVICE_KINDS
-from state.receipts import sha256_file
+from hotfit.backends.base import BackendBinary, BuildUnavailable, ModelFiles, ServeCommand, ServicePin
+from hotfit.backends.llama_server.allocation import AllocationReport
+from hotfit.backends.llama_server.discovery import ServerBinary, find_llama_server, gpu_listing_binaries
+from hotfit.backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
+from hotfit.backends.llama_server.process import LoadedServer, open_server
+from hotfit.core.entry import Entry
+from hotfit.core.errors import HotfitError
+from hotfit.core.plan import Plan
+from hotfit.core.settings import Settings
+from hotfit.registry.select import DEVICE_KINDS
+from hotfit.state.receipts import sha256_file
 
 __all__ = ["LlamaServerBackend"]
 

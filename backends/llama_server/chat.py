@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from core.lazy_import import lazy_module
-from backends.base import ChatAnswer, ChatFailed
-from backends.llama_server.crash import signal_death_report
-from backends.llama_server.logs import relevant_log_lines
+from hotfit.core.lazy_import import lazy_module
+from hotfit.backends.base import ChatAnswer, ChatFailed
+from hotfit.backends.llama_server.crash import signal_death_report
+from hotfit.backends.llama_server.logs import relevant_log_lines
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -28,7 +28,7 @@ else:
     httpx = lazy_module("httpx")  # third-party, imported on first use (core.lazy_import says why)
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
-    from backends.llama_server.process import LoadedServer
+    from hotfit.backends.llama_server.process import LoadedServer
 
 __all__ = ["DYING_SERVER_WAIT_S", "call_tools", "supports_tools", "tool_call_fix"]
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from backends.llama_server.discovery import BUILD_INFO_NAME, BuildInfo, build_info_from_json, install_command
-from core.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, executable_features, missing_features
+from hotfit.backends.llama_server.discovery import BUILD_INFO_NAME, BuildInfo, build_info_from_json, install_command
+from hotfit.core.isa import AMX_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, executable_features, missing_features
 
 if TYPE_CHECKING:  # annotations only: process.py imports this module
-    from backends.llama_server.process import LoadedServer
+    from hotfit.backends.llama_server.process import LoadedServer
 
 __all__ = [
     "SIGNAL_LOG_TAIL_LINES",

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from backends.base import AllocationReport, ManifestFacts
-from core.records import decode_record
-from core.errors import BackendError, BackendNotFound
-from core.isa import cpuinfo_flags, executable_features, ggml_cpu_variant, missing_features
-from core.log import get_logger
-from core.settings import LLAMA_SDIST_VERSION, Settings
+from hotfit.backends.base import AllocationReport, ManifestFacts
+from hotfit.core.records import decode_record
+from hotfit.core.errors import BackendError, BackendNotFound
+from hotfit.core.isa import cpuinfo_flags, executable_features, ggml_cpu_variant, missing_features
+from hotfit.core.log import get_logger
+from hotfit.core.settings import LLAMA_SDIST_VERSION, Settings
 
 __all__ = [
     "INSTALL_HINT",

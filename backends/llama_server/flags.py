@@ -21,9 +21,9 @@ from typing import Literal, Mapping
 
 import anyio
 
-from core.errors import BackendError
-from core.plan import Plan
-from registry.kv import LLAMA_UBATCH_TOKENS
+from hotfit.core.errors import BackendError
+from hotfit.core.plan import Plan
+from hotfit.registry.kv import LLAMA_UBATCH_TOKENS
 
 __all__ = [
     "API_KEY_ENV",

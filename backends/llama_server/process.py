@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, ClassVar, Litera
 
 import anyio
 
-from backends.base import AllocationReport, ChatAnswer
-from backends.http_chat import HttpChatEndpoint
-from backends.llama_server import allocation, chat
-from backends.llama_server.crash import signal_death_report
-from backends.llama_server.discovery import BuildInfo
-from backends.llama_server.flags import (
+from hotfit.backends.base import AllocationReport, ChatAnswer
+from hotfit.backends.http_chat import HttpChatEndpoint
+from hotfit.backends.llama_server import allocation, chat
+from hotfit.backends.llama_server.crash import signal_death_report
+from hotfit.backends.llama_server.discovery import BuildInfo
+from hotfit.backends.llama_server.flags import (
     API_KEY_ENV,
     ServerFeatures,
     TemplateUsed,
@@ -49,7 +49,7 @@ from backends.llama_server.flags import (
     probe_server_features,
     template_used,
 )
-from backends.llama_server.logs import (
+from hotfit.backends.llama_server.logs import (
     STDERR_LOG,
     STDOUT_LOG_JSONL,
     STDOUT_LOG_TEXT,
@@ -58,11 +58,11 @@ from backends.llama_server.logs import (
     read_server_log,
     relevant_log_lines,
 )
-from core.errors import LoadError
-from core.lazy_import import lazy_module
-from core.log import get_logger
-from core.plan import Plan
-from grading.protocol import ChatEndpoint
+from hotfit.core.errors import LoadError
+from hotfit.core.lazy_import import lazy_module
+from hotfit.core.log import get_logger
+from hotfit.core.plan import Plan
+from hotfit.grading.protocol import ChatEndpoint
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx

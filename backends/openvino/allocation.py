@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
-from backends.openvino.config import KV_PRECISIONS, KvShape, SessionConfig, kv_bytes_per_token, parse_ir_kv_shape
-from backends.openvino.protocol import WorkerGone
-from core.errors import AllocationMismatch
-from core.plan import Plan
-from registry.select import MIN_AGENTIC_HOT_CONTEXT
+from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
+from hotfit.backends.openvino.config import KV_PRECISIONS, KvShape, SessionConfig, kv_bytes_per_token, parse_ir_kv_shape
+from hotfit.backends.openvino.protocol import WorkerGone
+from hotfit.core.errors import AllocationMismatch
+from hotfit.core.plan import Plan
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT
 
 if TYPE_CHECKING:  # annotations only: session.py imports this module
-    from backends.openvino.session import OpenVinoSession
+    from hotfit.backends.openvino.session import OpenVinoSession
 
 __all__ = ["METRICS_TIMEOUT_S", "OpenVinoAllocationReport", "judge_openvino_allocation", "read_allocation"]
 

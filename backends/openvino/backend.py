@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from backends.base import (AllocationReport, BackendBinary, BuildUnavailable, ManifestFacts, ModelFiles, ServeCommand,
+from hotfit.backends.base import (AllocationReport, BackendBinary, BuildUnavailable, ManifestFacts, ModelFiles, ServeCommand,
                            ServicePin)
-from backends.openvino.allocation import OpenVinoAllocationReport
-from backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
+from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
+from hotfit.backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
                                      require_openvino)
-from backends.openvino.session import OpenVinoSession, open_openvino_session
-from core.entry import Entry
-from core.errors import HotfitError, UsageError
-from core.records import decode_record, field_dict
-from core.plan import Plan
-from core.settings import Settings
+from hotfit.backends.openvino.session import OpenVinoSession, open_openvino_session
+from hotfit.core.entry import Entry
+from hotfit.core.errors import HotfitError, UsageError
+from hotfit.core.records import decode_record, field_dict
+from hotfit.core.plan import Plan
+from hotfit.core.settings import Settings
 
 __all__ = ["GB", "OVMS_TOOL_PARSERS", "OpenVinoBackend", "OpenVinoRuntime", "ovms_argv", "ovms_cache_size_gb"]
 

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from backends.base import ChatAnswer, ChatFailed
-from backends.openvino.protocol import WorkerGone
-from backends.openvino.toolcall import (
+from hotfit.backends.base import ChatAnswer, ChatFailed
+from hotfit.backends.openvino.protocol import WorkerGone
+from hotfit.backends.openvino.toolcall import (
     PARSERS,
     SNAPSHOT_TEMPLATE_FILES,
     answer_from_text,
@@ -31,7 +31,7 @@ from backends.openvino.toolcall import (
     tool_call_family,
     unrendered_tool_template,
 )
-from grading.protocol import (
+from hotfit.grading.protocol import (
     HTTP_ERROR,
     MAX_TOKENS_PER_STEP,
     SLOT_FRESH_PROMPT,
@@ -41,7 +41,7 @@ from grading.protocol import (
 )
 
 if TYPE_CHECKING:  # annotations only: session.py imports this module
-    from backends.openvino.session import OpenVinoSession
+    from hotfit.backends.openvino.session import OpenVinoSession
 
 __all__ = ["CHAT_TIMEOUT_S", "SessionChatEndpoint", "call_tools", "tool_call_fix"]
 

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core.errors import BackendNotFound, LoadError
-from core.plan import Plan
-from registry.kv import (
+from hotfit.core.errors import BackendNotFound, LoadError
+from hotfit.core.plan import Plan
+from hotfit.registry.kv import (
     OPENVINO_KV_BLOCK_TOKENS,
     OPENVINO_KV_PRECISIONS,
     openvino_state_bytes_per_token,

@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import anyio
 
-from backends.base import AllocationReport, ChatAnswer
-from backends.openvino import allocation, chat
-from backends.openvino.config import (
+from hotfit.backends.base import AllocationReport, ChatAnswer
+from hotfit.backends.openvino import allocation, chat
+from hotfit.backends.openvino.config import (
     CLOSE_GRACE_S,
     OPEN_TIMEOUT_S,
     SESSION_FILE,
@@ -38,11 +38,11 @@ from backends.openvino.config import (
     require_openvino,
     session_config,
 )
-from backends.openvino.protocol import WorkerGone, worker_request
-from core.errors import LoadError
-from core.log import get_logger
-from core.plan import Plan
-from grading.protocol import ChatEndpoint
+from hotfit.backends.openvino.protocol import WorkerGone, worker_request
+from hotfit.core.errors import LoadError
+from hotfit.core.log import get_logger
+from hotfit.core.plan import Plan
+from hotfit.grading.protocol import ChatEndpoint
 
 __all__ = ["OpenVinoSession", "open_openvino_session", "worker_env"]
 
@@ -182,9 +182,11 @@ async def open_openvino_session(
     def spawn() -> subprocess.Popen[bytes]:
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(
-                [python or sys.executable, "-m", "backends.openvino.worker", str(os.getpid())],
+                [python or sys.executable, "-m", f"{__package__}.worker", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
-                cwd=str(Path(__file__).resolve().parents[2]), env=worker_env(), start_new_session=True,
+                # the folder that holds the top-level package, so `-m` finds it from any interpreter
+                cwd=str(Path(__file__).parents[len(__package__.split("."))]), env=worker_env(),
+                start_new_session=True,
             )  # fmt: skip
 
     process = await anyio.to_thread.run_sync(spawn)

@@ -24,14 +24,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, NoReturn, TextIO
 
-from core import log
-from core.diskspace import from_os_error, is_disk_full
-from core.errors import HotfitError, Interrupted, UsageError
-from core.settings import Settings, load_settings
-from pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
-from pipeline.cli.context import CliContext
-from pipeline.metrics import last_run, record_run
-from state.files import checked_write_path, prepare_home, unusable_home
+from hotfit.core import log
+from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.errors import HotfitError, Interrupted, UsageError
+from hotfit.core.settings import Settings, load_settings
+from hotfit.pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.metrics import last_run, record_run
+from hotfit.state.files import checked_write_path, prepare_home, unusable_home
 
 _log = log.get_logger()
 

@@ -20,17 +20,17 @@ from typing import Any
 
 import anyio
 
-from backends.select import backend_for
-from core.errors import UsageError
-from core.plan import Plan
-from grading.scenarios import TIERS
-from pipeline.auto import AutoOutcome, provision
-from pipeline.cli.context import CliContext
-from pipeline.cli.grade import evidence_change
-from pipeline.cli.plan import add_plan_options
-from pipeline.manifest import Manifest
-from pipeline.provision import AutoOptions
-from pipeline.session_stages import GradeOptions
+from hotfit.backends.select import backend_for
+from hotfit.core.errors import UsageError
+from hotfit.core.plan import Plan
+from hotfit.grading.scenarios import TIERS
+from hotfit.pipeline.auto import AutoOutcome, provision
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.cli.grade import evidence_change
+from hotfit.pipeline.cli.plan import add_plan_options
+from hotfit.pipeline.manifest import Manifest
+from hotfit.pipeline.provision import AutoOptions
+from hotfit.pipeline.session_stages import GradeOptions
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

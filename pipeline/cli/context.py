@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from core.settings import Settings
+from hotfit.core.settings import Settings
 
 
 @dataclass

@@ -17,12 +17,12 @@ from typing import Any
 
 import anyio
 
-from core.errors import UsageError
-from grading.report import summary_text
-from grading.scenarios import TIERS
-from pipeline.cli.context import CliContext
-from pipeline.grade import grade_model, grade_server
-from stages.grade import brief
+from hotfit.core.errors import UsageError
+from hotfit.grading.report import summary_text
+from hotfit.grading.scenarios import TIERS
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.grade import grade_model, grade_server
+from hotfit.stages.grade import brief
 
 EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 8, 9
 _EXIT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE}

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.entry import BACKENDS, DEFAULT_BACKEND
-from pipeline.cli.context import CliContext
-from pipeline.provision import plan_machine
-from pipeline.cli.render import plan_text
-from stages.plan import outcome_json
+from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.provision import plan_machine
+from hotfit.pipeline.cli.render import plan_text
+from hotfit.stages.plan import outcome_json
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:

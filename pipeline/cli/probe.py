@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.context import CliContext
-from pipeline.cli.render import probe_text
-from pipeline.probe import probe_machine
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.cli.render import probe_text
+from hotfit.pipeline.probe import probe_machine
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

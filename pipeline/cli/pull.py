@@ -12,9 +12,9 @@ import argparse
 
 import anyio
 
-from core.errors import UsageError
-from pipeline.cli.context import CliContext
-from pipeline.pull import PullResult, find_entry, pull_entry
+from hotfit.core.errors import UsageError
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.pull import PullResult, find_entry, pull_entry
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.context import CliContext
-from pipeline.registry_file import load_registry
-from registry.catalog import download_blocker, entry_summary
-from pipeline.registry_lock import lock_registry
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.registry_file import load_registry
+from hotfit.registry.catalog import download_blocker, entry_summary
+from hotfit.pipeline.registry_lock import lock_registry
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from core.plan import ProbeResult
-from registry.select import MAX_HOT_CONTEXT_TOKENS, MIN_AGENTIC_HOT_CONTEXT, fmt_bytes
-from stages.plan import PlanOutcome, device_label, device_refusal
+from hotfit.core.plan import ProbeResult
+from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, MIN_AGENTIC_HOT_CONTEXT, fmt_bytes
+from hotfit.stages.plan import PlanOutcome, device_label, device_refusal
 
 __all__ = ["plan_text", "probe_text"]
 

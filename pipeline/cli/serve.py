@@ -12,8 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from pipeline.cli.context import CliContext
-from pipeline.serve import ServeOptions, prepare_serve, start_server
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.serve import ServeOptions, prepare_serve, start_server
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

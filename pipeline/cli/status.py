@@ -13,8 +13,8 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.context import CliContext
-from pipeline.status import Status, read_status
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.status import Status, read_status
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.context import CliContext
-from pipeline.verify import verify_installed
-from stages.verify import InstalledFile
+from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.verify import verify_installed
+from hotfit.stages.verify import InstalledFile
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
