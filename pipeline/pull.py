@@ -62,3 +62,9 @@ async def pull_entry(entry: Entry, settings: Settings, *, connections: int | Non
     assert isinstance(fetched, FetchResult) and isinstance(template, TemplateResult)
     assert isinstance(verified, VerifyResult)
     return PullResult(entry=entry.name, directory=str(dest), fetch=fetched, template=template, verify=verified)
+
+
+async def pull_named(name: str, registry_file: str | None, settings: Settings, *, connections: int | None = None,
+                     wait: bool = False) -> PullResult:
+    """``hotfit pull NAME``: the entry of that name (never another), then :func:`pull_entry`."""
+    return await pull_entry(find_entry(name, registry_file), settings, connections=connections, wait=wait)

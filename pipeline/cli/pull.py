@@ -14,7 +14,7 @@ import anyio
 
 from hotfit.core.errors import UsageError
 from hotfit.pipeline.cli.context import CliContext
-from hotfit.pipeline.pull import PullResult, find_entry, pull_entry
+from hotfit.pipeline.pull import PullResult, pull_named
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -60,7 +60,7 @@ def _human(result: PullResult) -> str:
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     if args.connections is not None and not 1 <= args.connections <= 32:
         raise UsageError(f"--connections {args.connections} is not from 1 to 32", hint="e.g. --connections 4")
-    entry = find_entry(args.name, args.registry)
-    result = anyio.run(lambda: pull_entry(entry, ctx.settings, connections=args.connections, wait=args.wait))
+    result = anyio.run(lambda: pull_named(args.name, args.registry, ctx.settings, connections=args.connections,
+                                          wait=args.wait))
     ctx.report(result.to_json(), _human(result))
     return 0
