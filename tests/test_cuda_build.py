@@ -126,8 +126,8 @@ def test_the_cuda_build_holds_its_module_the_cpu_variants_and_the_cuda_runtime()
     if info["driver"] is None:  # built without a driver: linked against the stub
         assert info["libcuda"].endswith("/stubs/libcuda.so")
     names = {p.name for p in bin_dir.iterdir()}
-    assert {"llama-server", "llama-fit-params", "build-info.json", "libggml-cuda.so", "libggml-base.so",
-            "libggml.so", "libllama.so.0"} | CUDA_RUNTIME <= names
+    assert {"llama-server", "llama-fit-params", "build-info.json", "libggml-cuda.so", "libggml-base.so.0",
+            "libggml.so.0", "libllama.so.0"} | CUDA_RUNTIME <= names
     assert "libcuda.so.1" not in names and "libcuda.so" not in names  # the driver's, never shipped
     # The CPU code is the portable build's modules, one per variant, none with AMX.
     variants = info["cpu_variants"]
