@@ -44,6 +44,9 @@ ARCHIVE_FORMAT = 1
 RUN_TIMEOUT_S = 60
 _LOADED_RE = re.compile(r"loaded (?P<kind>\w+) backend from (?P<path>\S+)")
 _VARIANT_OBJECT_RE = re.compile(r"ggml-cpu-(?P<tag>[A-Za-z0-9_.]+)\.dir/")
+# ggml-cuda's device line at start-up (logged with -v): "Device 0: NVIDIA H100 80GB HBM3, compute capability 9.0, ..."
+_CUDA_DEVICE_RE = re.compile(r"Device \d+: (?P<name>[^,\n]+), compute capability (?P<major>\d+)\.(?P<minor>\d)")
+_CUDA_ARCH_RE = re.compile(r"(?P<number>\d+)(?P<specific>[af]?)(?:-(?P<kind>real|virtual))?")
 
 
 class BuildArchiveError(Exception):
@@ -220,6 +223,43 @@ def loaded_cpu_variant(text: str) -> str | None:
     return None
 
 
+def cuda_arch_serves(archs: list[str], capability: int) -> bool:
+    """Whether code built for ``archs`` (CMAKE_CUDA_ARCHITECTURES entries: "90", "86-real",
+    "75-virtual", "90a", "100f") runs on a GPU of compute ``capability`` (major*10 + minor: 89).
+    Machine code (NN, NN-real) runs on the same major version at the same or a later minor; PTX
+    (NN, NN-virtual) is compiled by the driver for any later GPU; arch-specific code (NNa) runs on
+    its own capability only, family-specific (NNf) on its major version (NVIDIA's CUDA C++
+    Programming Guide, "Binary Compatibility" and "PTX Compatibility")."""
+    for arch in archs:
+        match = _CUDA_ARCH_RE.fullmatch(arch.strip())
+        if match is None:
+            continue
+        number, specific, kind = int(match["number"]), match["specific"], match["kind"]
+        if specific == "a":
+            served = capability == number
+        elif specific == "f" or kind == "real":
+            served = capability // 10 == number // 10 and capability >= number
+        else:  # PTX: "NN-virtual", or "NN" (machine code and PTX)
+            served = capability >= number
+        if served:
+            return True
+    return False
+
+
+def _module_load_error(module: Path) -> str | None:
+    """Why the dynamic loader refuses ``module`` (ggml skips a backend module it cannot load, and
+    says nothing): the missing library, e.g. the driver's libcuda.so.1. Asked in a child process,
+    so nothing of a GPU runtime is loaded into this one."""
+    if not module.is_file():
+        return f"the build has no {module.name}"
+    proc = subprocess.run([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1])", str(module)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return f"{module.name} does not load here: " + (lines[-1].removeprefix("OSError: ") if lines else f"exit {proc.returncode}")
+
+
 def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
     """Refuse a build that cannot run on this machine; returns a one-line summary."""
     flags = cpuinfo_flags(cpuinfo_text)
@@ -252,9 +292,20 @@ def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
         want = "CUDA" if backend == "cuda" else "Vulkan"
         listed = [line.strip() for line in out.splitlines() if re.match(rf"\s*{want}\d+:", line)]
         if not listed:
+            unloadable = _module_load_error(bin_dir / f"libggml-{backend}.so")
             raise BuildArchiveError(f"this {backend} build sees no {want} device here "
-                                    f"({' | '.join(out.strip().splitlines()[-3:]) or 'no output'}): install the driver, "
-                                    "or use a CPU build on this machine")
+                                    f"({' | '.join(out.strip().splitlines()[-3:]) or 'no output'})"
+                                    + (f"; {unloadable}" if unloadable else "")
+                                    + ": install the driver, or use a CPU build on this machine")
+    archs = [str(a) for a in info.get("cuda_architectures") or []]
+    if backend == "cuda" and archs:  # a GPU the build has no code for fails at its first kernel
+        unserved = [f"{m['name'].strip()} (compute capability {m['major']}.{m['minor']})"
+                    for m in _CUDA_DEVICE_RE.finditer(out)
+                    if not cuda_arch_serves(archs, int(m["major"]) * 10 + int(m["minor"]))]
+        if unserved:
+            raise BuildArchiveError(f"this cuda build has code for CUDA architectures {';'.join(archs)} only, "
+                                    f"not for {', '.join(unserved)}: build it with those GPUs' architectures "
+                                    "added to HOTFIT_CUDA_ARCHS (e.g. \"75;86;89;90\")")
     variant = loaded_cpu_variant(out)
     if variants:
         if variant is None:

@@ -106,7 +106,7 @@ def test_export_then_from_into_a_fresh_cache_installs_without_compiling(exported
     assert [p.name for p in (cache / LLAMA_SDIST_VERSION).iterdir()] == ["cpu"]  # no staging left
 
 
-def _refused(archive: Path, tmp_path: Path, match: str, **kw) -> None:
+def _refused(archive: Path, tmp_path: Path, match: str, **kw) -> subprocess.CompletedProcess[str]:
     cache = tmp_path / "target-cache"
     proc = _script("--from", str(archive), cache=cache, **kw)
     assert proc.returncode == 1, proc.stderr
@@ -114,6 +114,7 @@ def _refused(archive: Path, tmp_path: Path, match: str, **kw) -> None:
     assert "Traceback" not in proc.stderr
     version_dir = cache / LLAMA_SDIST_VERSION
     assert not version_dir.exists() or list(version_dir.iterdir()) == []
+    return proc
 
 
 def test_a_damaged_file_is_refused_naming_it_and_both_hashes(exported: Path, tmp_path: Path) -> None:

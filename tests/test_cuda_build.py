@@ -1,0 +1,193 @@
+"""The CUDA llama-server built on a build server without a GPU (``HOTFIT_CUDA_ARCHS=90
+scripts/install-llama-server --backend cuda``: the portable layout, ``libggml-cuda.so`` linked against
+a stub libcuda, the CUDA runtime beside it), exported, and refused by ``--from`` on a machine
+without an NVIDIA driver (docs/builds.md, "CUDA on a build server without a GPU").
+
+The build takes about an hour on 2 cores, so CI does not make it: the tests that need it skip,
+saying how to build it, and fail instead when ``HOTFIT_REQUIRE_CUDA_BUILD`` is set. On a machine with
+an NVIDIA driver the same tests expect the opposite answers (a CUDA device listed, the import
+accepted) — the part only a GPU machine can show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hotfit.backends.llama_server.discovery import find_llama_server
+from hotfit.core.isa import AMX_CPUINFO
+from hotfit.core.settings import load_settings
+from tests.test_build_archive import _llama_build, _refused, _script
+from tests.test_portable_build import HARDWARE, _bin_dir, _info, _require_build
+
+REQUIRE_CUDA_ENV = "HOTFIT_REQUIRE_CUDA_BUILD"
+HAS_DRIVER = Path("/proc/driver/nvidia/version").is_file()
+# What libggml-cuda.so loads from its own folder ($ORIGIN): NVIDIA's runtime and cuBLAS; the
+# driver's libcuda.so.1 comes from the machine.
+CUDA_RUNTIME = {"libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13"}
+
+
+def require_cuda_build() -> Path:
+    bin_dir = _bin_dir("cuda")
+    if not (bin_dir / "llama-server").is_file():
+        why = ("no cuda llama-server: HOTFIT_CUDA_ARCHS=90 scripts/install-llama-server --backend cuda "
+               "(about an hour on 2 cores; no GPU or driver needed with HOTFIT_CUDA_ARCHS set)")
+        if os.environ.get(REQUIRE_CUDA_ENV):
+            pytest.fail(f"{why} ({REQUIRE_CUDA_ENV} is set)")
+        pytest.skip(why)
+    return bin_dir
+
+
+def _needed(library: Path) -> list[str]:
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dynamic)
+
+
+# ------------------------------------------------------------------------------ without a build
+def test_without_a_driver_the_cuda_build_needs_named_architectures(tmp_path: Path) -> None:
+    """No driver and no HOTFIT_CUDA_ARCHS: refused before anything is downloaded, with the way to
+    build for export; an old driver stays refused whatever the archs."""
+    env = {"PATH": "/usr/bin:/bin", "HOTFIT_CUDA_ARCHS": ""}
+    proc = _script("--backend", "cuda", cache=tmp_path / "cache", root=tmp_path / "no-gpu", extra_env=env)
+    assert proc.returncode == 1
+    assert "no NVIDIA driver found" in proc.stderr and 'HOTFIT_CUDA_ARCHS="75;86;89;90"' in proc.stderr
+    old = tmp_path / "old" / "proc" / "driver" / "nvidia" / "version"
+    old.parent.mkdir(parents=True)
+    old.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  575.57.08  Release Build\n")
+    proc = _script("--backend", "cuda", cache=tmp_path / "cache", root=tmp_path / "old",
+                   extra_env={**env, "HOTFIT_CUDA_ARCHS": "90"})
+    assert proc.returncode == 1 and "older than 580" in proc.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+# ------------------------------------------------------------------------------ a mixed GPU fleet
+NVIDIA_ROWS = sorted(p.parent.name for p in HARDWARE.glob("nvidia-*/nvml.json"))
+
+
+def _fake_cuda_build(tmp_path: Path, gpus: list[dict]) -> Path:
+    """A bin folder whose llama-server answers as the real one does on a machine with ``gpus``
+    (ggml-cuda's start-up device lines, then the device list)."""
+    bin_dir = tmp_path / "cuda" / "bin"
+    bin_dir.mkdir(parents=True)
+    lines = [f"  Device {i}: {g['name']}, compute capability {g['compute_cap']}, VMM: yes, VRAM: "
+             f"{g['memory_total_mib']} MiB" for i, g in enumerate(gpus)]
+    listed = [f"  CUDA{i}: {g['name']} ({g['memory_total_mib']} MiB, {g['memory_free_mib']} MiB free)"
+              for i, g in enumerate(gpus)]
+    script = bin_dir / "llama-server"
+    script.write_text("#!/bin/sh\ncase \"$*\" in *--version*) echo 'version: 1 (abcdef0)'; exit 0 ;; esac\n"
+                      + "".join(f"echo '{line}' >&2\n" for line in lines)
+                      + "echo 'Available devices:'\n" + "".join(f"echo '{line}'\n" for line in listed))
+    script.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("row", NVIDIA_ROWS)
+def test_an_import_checks_the_build_has_code_for_each_gpu_here(tmp_path: Path, row: str) -> None:
+    """Each captured NVIDIA machine (T4 7.5, A10G 8.6, RTX 4090 8.9, H100 9.0, an H100 MIG slice):
+    a fleet build for "75;86;89;90" runs on every one; the one-architecture build made here ("90")
+    only on the H100s, and elsewhere the import says which GPU lacks code and how to build for it."""
+    gpus = json.loads((HARDWARE / row / "nvml.json").read_text())["gpus"]
+    bin_dir = _fake_cuda_build(tmp_path, gpus)
+    build = _llama_build()
+    check = build.check_runs_here
+    assert check(bin_dir, {"backend": "cuda", "cuda_architectures": ["75", "86", "89", "90"]}, "") \
+        == "cuda build runs here"
+    single = {"backend": "cuda", "cuda_architectures": ["90"]}
+    if all(g["compute_cap"] == "9.0" for g in gpus):
+        assert check(bin_dir, single, "") == "cuda build runs here"
+    else:
+        with pytest.raises(build.BuildArchiveError) as refused:
+            check(bin_dir, single, "")
+        assert f"not for {gpus[0]['name']} (compute capability {gpus[0]['compute_cap']})" in str(refused.value)
+        assert "HOTFIT_CUDA_ARCHS" in str(refused.value)
+
+
+@pytest.mark.parametrize(("archs", "capability", "runs"), [
+    (["90"], 90, True), (["90"], 100, True), (["90"], 89, False),  # machine code + PTX
+    (["80-real"], 86, True), (["86-real"], 90, False),             # machine code: same major, not older
+    (["75-virtual"], 120, True), (["90a"], 90, True), (["90a"], 100, False), (["100f"], 103, True),
+])
+def test_which_cuda_architectures_run_on_which_gpu(archs: list[str], capability: int, runs: bool) -> None:
+    assert _llama_build().cuda_arch_serves(archs, capability) is runs
+
+
+# ------------------------------------------------------------------------------ the real build
+def test_the_cuda_build_holds_its_module_the_cpu_variants_and_the_cuda_runtime() -> None:
+    bin_dir = require_cuda_build()
+    info = _info(bin_dir)
+    assert info["backend"] == "cuda" and info["variant"] == "portable" and info["ggml_backend_dl"] is True
+    assert info["cuda_architectures"] and info["cuda_toolkit"].endswith("==13.0.2")
+    if info["driver"] is None:  # built without a driver: linked against the stub
+        assert info["libcuda"].endswith("/stubs/libcuda.so")
+    names = {p.name for p in bin_dir.iterdir()}
+    assert {"llama-server", "llama-fit-params", "build-info.json", "libggml-cuda.so", "libggml-base.so.0",
+            "libggml.so.0", "libllama.so.0"} | CUDA_RUNTIME <= names
+    assert "libcuda.so.1" not in names and "libcuda.so" not in names  # the driver's, never shipped
+    # The CPU code is the portable build's modules, one per variant, none with AMX.
+    variants = info["cpu_variants"]
+    assert "x64" in variants and "haswell" in variants and "sapphirerapids" not in variants
+    assert {f"libggml-cpu-{tag}.so" for tag in variants} <= names
+    assert not {f for fs in variants.values() for f in fs} & AMX_CPUINFO
+    cpu_build = _bin_dir("cpu") / "build-info.json"
+    if cpu_build.is_file():
+        assert variants == _info(cpu_build.parent)["cpu_variants"]
+    # The module needs the driver's libcuda.so.1 (as linked against a real driver) and finds the
+    # rest beside it; nothing else it needs is missing here.
+    module = bin_dir / "libggml-cuda.so"
+    assert {"libcuda.so.1", "libcudart.so.13", "libcublas.so.13"} <= set(_needed(module))
+    assert "$ORIGIN" in subprocess.run(["readelf", "-d", str(module)], capture_output=True, text=True).stdout
+    ldd = subprocess.run(["ldd", str(module)], capture_output=True, text=True).stdout
+    missing = set(re.findall(r"^\s*(\S+) => not found", ldd, re.M))
+    assert missing == (set() if HAS_DRIVER else {"libcuda.so.1"}), ldd
+    for lib in CUDA_RUNTIME:
+        assert f"{lib} => {bin_dir}/{lib}" in ldd, ldd
+
+
+def test_the_cuda_build_runs_here_and_lists_a_cuda_device_only_with_a_driver() -> None:
+    bin_dir = require_cuda_build()
+    version = subprocess.run(["./llama-server", "--version"], cwd=bin_dir, capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and "version" in version.stdout + version.stderr
+    devices = subprocess.run(["./llama-server", "--list-devices"], cwd=bin_dir, capture_output=True, text=True,
+                             timeout=60)
+    assert devices.returncode == 0, devices.stderr
+    assert bool(re.search(r"^\s*CUDA\d+:", devices.stdout + devices.stderr, re.M)) == HAS_DRIVER
+
+
+def test_the_cuda_build_exports_and_from_without_a_driver_is_refused_leaving_the_cache(tmp_path: Path) -> None:
+    bin_dir = require_cuda_build()
+    before = {p.name: p.stat().st_mtime_ns for p in bin_dir.iterdir()}
+    archive = tmp_path / "llama-server-cuda.tar.gz"
+    proc = _script("--backend", "cuda", "--export", str(archive))
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        manifest = tar.extractfile("SHA256SUMS").read().decode()
+    assert {f"cuda/bin/{n}" for n in ("llama-server", "libggml-cuda.so", "libggml-cpu-x64.so", "build-info.json",
+                                      *CUDA_RUNTIME)} <= names
+    assert len(manifest.splitlines()) == len(names) - 1
+    if HAS_DRIVER:  # a GPU machine: the same archive installs (into a fresh cache) and sees its GPU
+        ok = _script("--from", str(archive), cache=tmp_path / "fresh")
+        assert ok.returncode == 0 and "cuda build runs here" in ok.stderr, ok.stderr
+    else:
+        proc = _refused(archive, tmp_path, "sees no CUDA device here")
+        assert "libggml-cuda.so does not load here: libcuda.so.1" in proc.stderr, proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in bin_dir.iterdir()} == before  # the build cache as it was
+
+
+def test_discovery_on_a_machine_without_a_gpu_never_picks_the_cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan here is for the host (no GPU): discovery looks for the CPU build only, and without a
+    plan (status, serve) the CPU build comes first."""
+    require_cuda_build()
+    _require_build("cpu")
+    if HAS_DRIVER:
+        pytest.skip("this machine has an NVIDIA driver: the cuda build may rightly be picked")
+    monkeypatch.delenv("HOTFIT_LLAMA_SERVER", raising=False)
+    for device_kind in ("cpu", None):
+        found = find_llama_server(load_settings(), path_env="", device_kind=device_kind)
+        assert found.build.backend == "cpu" and found.server_path.parent == _bin_dir("cpu"), device_kind
