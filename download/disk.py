@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hotfit.core.diskspace import DISK_FULL_ERRNOS, from_os_error
+from hotfit.core.diskspace import from_os_error
 from hotfit.core.entry import Artifact, Entry
 from hotfit.core.errors import DiskSpaceError
 from hotfit.core.log import get_logger

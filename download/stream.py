@@ -26,8 +26,9 @@ from typing import Any, Callable, TypeVar
 
 import anyio
 
+from hotfit.core.diskspace import DISK_FULL_ERRNOS
 from hotfit.core.errors import PinMismatch, TransferError
-from hotfit.download.disk import DISK_FULL_ERRNOS, disk_error
+from hotfit.download.disk import disk_error
 from hotfit.download.hashing import WRITE_QUEUE_BYTES, OrderedHasher
 from hotfit.download.hub import HubSession
 from hotfit.download.hub_errors import Retryable, hub_error_from_response

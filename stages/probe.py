@@ -54,7 +54,6 @@ from hotfit.core.errors import HardwareProbeError, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.plan import Device, ProbeResult, decode_probe
 from hotfit.core.records import Fields, parse_json
-from hotfit.core.settings import Settings
 from hotfit.registry.select import device_budget
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.state.files import read_text_document, write_text_atomic

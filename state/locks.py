@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Generator, Iterator
+from typing import AsyncIterator, Generator
 
 import anyio
 

@@ -264,7 +264,7 @@ def test_pull_then_auto_serve_and_status_use_the_verified_snapshot(hub: LocalHub
     assert shown["provisioned_problems"] == []
     human = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "status"], cwd=REPO,
                            capture_output=True, text=True, check=False, env=os.environ | hub.env())
-    assert f"provisioned: fx-ov-tokcfg (q8_0 KV" in human.stdout and f"→ {snapshot}" in human.stdout
+    assert "provisioned: fx-ov-tokcfg (q8_0 KV" in human.stdout and f"→ {snapshot}" in human.stdout
 
 
 def test_serve_prints_the_ovms_command_and_refuses_to_exec(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:
