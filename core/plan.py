@@ -38,6 +38,7 @@ class Device:
     uuid: str | None = None  # NVIDIA: pin llama-server to this device (CUDA_VISIBLE_DEVICES=<uuid>)
     processes_used_bytes: int | None = None  # held by other processes (NVML), informational
     ggml_device: str | None = None  # llama-server's name for it ("Vulkan0", "CUDA0"): load pins -dev to it
+    compute_capability: str | None = None  # NVIDIA: "8.9" (NVML): which CUDA builds have code for it
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class ProbeResult:
 
 
 _DEVICE_REQUIRED = ("index", "kind", "name", "total_bytes", "free_bytes")
-_DEVICE_OPTIONAL = ("uuid", "processes_used_bytes", "ggml_device")
+_DEVICE_OPTIONAL = ("uuid", "processes_used_bytes", "ggml_device", "compute_capability")
+_CAPABILITY_RE = re.compile(r"\d+\.\d")
 
 
 def decode_probe(data: Any, f: Fields) -> ProbeResult:
@@ -90,10 +92,14 @@ def decode_probe(data: Any, f: Fields) -> ProbeResult:
         ggml_device = d.matching(obj.get("ggml_device"), "ggml_device", _GGML_DEVICE_RE,
                                  "a device name such as 'Vulkan0'", "write llama-server's device name, or null",
                                  nullable=True)
+        capability = d.matching(obj.get("compute_capability"), "compute_capability", _CAPABILITY_RE,
+                                "a CUDA compute capability such as '8.9'", "write NVML's value, or null",
+                                nullable=True)
         if any(x.index == index for x in devices):
             raise d.fail("index", f"{index} appears twice", "give every device its own index")
         devices.append(Device(index=index, kind=kind, name=name, total_bytes=total, free_bytes=free,
-                              uuid=uuid, processes_used_bytes=used, ggml_device=ggml_device))
+                              uuid=uuid, processes_used_bytes=used, ggml_device=ggml_device,
+                              compute_capability=capability))
     selected = doc["selected"]
     if isinstance(selected, bool) or not isinstance(selected, int) or all(x.index != selected for x in devices):
         raise f.fail("selected", f"must be the index of a listed device, got {selected!r}",

@@ -36,6 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from hotfit.core.cuda_arch import compiled_archs, cuda_arch_serves  # noqa: E402
 from hotfit.core.isa import (AMX_CPUINFO, cpuinfo_flags, features_from_macros,  # noqa: E402
                       ggml_cpu_variant, missing_features)
 
@@ -46,7 +47,6 @@ _LOADED_RE = re.compile(r"loaded (?P<kind>\w+) backend from (?P<path>\S+)")
 _VARIANT_OBJECT_RE = re.compile(r"ggml-cpu-(?P<tag>[A-Za-z0-9_.]+)\.dir/")
 # ggml-cuda's device line at start-up (logged with -v): "Device 0: NVIDIA H100 80GB HBM3, compute capability 9.0, ..."
 _CUDA_DEVICE_RE = re.compile(r"Device \d+: (?P<name>[^,\n]+), compute capability (?P<major>\d+)\.(?P<minor>\d)")
-_CUDA_ARCH_RE = re.compile(r"(?P<number>\d+)(?P<specific>[af]?)(?:-(?P<kind>real|virtual))?")
 
 
 class BuildArchiveError(Exception):
@@ -103,7 +103,47 @@ def record(bin_dir: Path, build_dir: Path, fields: dict) -> None:
     info = {**fields, "cpu_features": features}
     if variants:
         info["cpu_variants"] = dict(sorted(variants.items()))
+    if fields.get("backend") == "cuda":
+        info["cuda_architectures_compiled"] = list(_checked_cuda_archs(bin_dir, fields))
     _write_json(bin_dir / "build-info.json", info)
+
+
+def _arch_numbers(archs: list[str]) -> set[str]:
+    """"86-real", "90a", "75-virtual" -> "86", "90", "75": what nvcc's arch list names."""
+    return {m[0] for a in archs if (m := re.match(r"\d+", a.strip()))}
+
+
+def reported_cuda_archs(bin_dir: Path, stub_libcuda: str | None = None) -> tuple[str, ...] | None:
+    """The CUDA architectures the build's ggml-cuda module was compiled for, as llama-server says
+    at start-up (system_info's "CUDA : ARCHS"; asked with an unloadable model, so it exits at once);
+    None when the module does not load here. ``stub_libcuda``: on a build server without a driver,
+    the stub the build linked against lets the module load (no device: nothing runs on it)."""
+    env = {**os.environ}
+    with tempfile.TemporaryDirectory(prefix="hotfit-libcuda-") as stub_dir:
+        if stub_libcuda:
+            os.symlink(stub_libcuda, Path(stub_dir) / "libcuda.so.1")
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [stub_dir, env.get("LD_LIBRARY_PATH")]))
+        try:
+            proc = subprocess.run([str(bin_dir / "llama-server"), "-lv", "4", "-m", os.devnull], capture_output=True,
+                                  text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL, env=env)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return compiled_archs(proc.stdout + proc.stderr)
+
+
+def _checked_cuda_archs(bin_dir: Path, fields: dict) -> tuple[str, ...]:
+    """Ask the new CUDA build which architectures it holds; refuse it unless they are the ones asked
+    for (HOTFIT_CUDA_ARCHS, or this machine's GPUs): a GPU it lacks code for fails at its first kernel."""
+    stub = fields.get("libcuda") if fields.get("driver") is None else None
+    reported = reported_cuda_archs(bin_dir, stub)
+    if reported is None:
+        raise BuildArchiveError(f"{bin_dir / 'libggml-cuda.so'} did not load (llama-server reported no CUDA "
+                                "architectures): the CUDA build is broken; its log is in the cache's work folder")
+    wanted = _arch_numbers(fields.get("cuda_architectures") or [])
+    if set(reported) != wanted:
+        raise BuildArchiveError(f"the CUDA module holds code for architectures {';'.join(reported)}, but "
+                                f"{';'.join(sorted(wanted))} were asked for: refusing the build")
+    return reported
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -223,29 +263,6 @@ def loaded_cpu_variant(text: str) -> str | None:
     return None
 
 
-def cuda_arch_serves(archs: list[str], capability: int) -> bool:
-    """Whether code built for ``archs`` (CMAKE_CUDA_ARCHITECTURES entries: "90", "86-real",
-    "75-virtual", "90a", "100f") runs on a GPU of compute ``capability`` (major*10 + minor: 89).
-    Machine code (NN, NN-real) runs on the same major version at the same or a later minor; PTX
-    (NN, NN-virtual) is compiled by the driver for any later GPU; arch-specific code (NNa) runs on
-    its own capability only, family-specific (NNf) on its major version (NVIDIA's CUDA C++
-    Programming Guide, "Binary Compatibility" and "PTX Compatibility")."""
-    for arch in archs:
-        match = _CUDA_ARCH_RE.fullmatch(arch.strip())
-        if match is None:
-            continue
-        number, specific, kind = int(match["number"]), match["specific"], match["kind"]
-        if specific == "a":
-            served = capability == number
-        elif specific == "f" or kind == "real":
-            served = capability // 10 == number // 10 and capability >= number
-        else:  # PTX: "NN-virtual", or "NN" (machine code and PTX)
-            served = capability >= number
-        if served:
-            return True
-    return False
-
-
 def _module_load_error(module: Path) -> str | None:
     """Why the dynamic loader refuses ``module`` (ggml skips a backend module it cannot load, and
     says nothing): the missing library, e.g. the driver's libcuda.so.1. Asked in a child process,
@@ -298,6 +315,12 @@ def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
                                     + (f"; {unloadable}" if unloadable else "")
                                     + ": install the driver, or use a CPU build on this machine")
     archs = [str(a) for a in info.get("cuda_architectures") or []]
+    if backend == "cuda":  # what the module holds, asked (build-info.json could be another build's)
+        reported = reported_cuda_archs(bin_dir)
+        if reported is not None and set(reported) != _arch_numbers(archs):
+            raise BuildArchiveError(f"its build-info.json says CUDA architectures {';'.join(archs) or 'none'}, but "
+                                    f"libggml-cuda.so holds code for {';'.join(reported)}: the archive does not "
+                                    "describe its build; export it again from the build server")
     if backend == "cuda" and archs:  # a GPU the build has no code for fails at its first kernel
         unserved = [f"{m['name'].strip()} (compute capability {m['major']}.{m['minor']})"
                     for m in _CUDA_DEVICE_RE.finditer(out)

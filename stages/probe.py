@@ -216,7 +216,8 @@ def probe_nvidia(nvml: Any, env: Mapping[str, str], notes: list[str]) -> list[De
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             devices.append(Device(index=-1, kind="nvidia", name=name, total_bytes=int(mem.total),
                                   free_bytes=int(mem.free), uuid=uuid,
-                                  processes_used_bytes=_processes_used(nvml, handle)))
+                                  processes_used_bytes=_processes_used(nvml, handle),
+                                  compute_capability=_compute_capability(nvml, handle)))
     except nvml.NVMLError as exc:
         raise _nvml_failure("reading device memory", exc) from exc
     finally:
@@ -227,6 +228,27 @@ def probe_nvidia(nvml: Any, env: Mapping[str, str], notes: list[str]) -> list[De
     if not devices and raw is None:
         notes.append("NVML found no NVIDIA device")
     return devices
+
+
+def _compute_capability(nvml: Any, handle: Any) -> str | None:
+    """The device's CUDA compute capability ("8.9"): the load stage's preflight refuses a CUDA build
+    without code for it before any download (core/cuda_arch.py). A MIG device answers through its
+    GPU. None when NVML does not say: informational, nothing is refused on it."""
+    def own() -> Any:
+        return nvml.nvmlDeviceGetCudaComputeCapability(handle)
+
+    def through_its_gpu() -> Any:
+        return nvml.nvmlDeviceGetCudaComputeCapability(nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle))
+
+    for ask in (own, through_its_gpu):
+        try:
+            major, minor = ask()
+            return f"{int(major)}.{int(minor)}"
+        except nvml.NVMLError:
+            continue  # a MIG device may answer only through its GPU
+        except (AttributeError, TypeError, ValueError):
+            return None  # bindings without the call, or not a (major, minor) pair
+    return None
 
 
 def _processes_used(nvml: Any, handle: Any) -> int | None:

@@ -137,6 +137,7 @@ class NVMLError(Exception):
         self.value = value
 
 
+NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NOT_FOUND = 6
 
@@ -145,7 +146,7 @@ def nvml_from(data: dict[str, Any]) -> SimpleNamespace:
     """A stand-in ``pynvml`` answering as NVML does on the captured machine: physical GPUs by
     index; a GPU in MIG mode has MIG device handles (by index and by MIG- UUID); memory in bytes."""
     gpus = [dict(g, mig=False) for g in data["gpus"]]
-    migs = [dict(m, mig=True, processes=[]) for g in data["gpus"] for m in g.get("mig_devices", ())]
+    migs = [dict(m, mig=True, processes=[], parent=g["uuid"]) for g in data["gpus"] for m in g.get("mig_devices", ())]
 
     def handle_by_uuid(uuid: str) -> dict[str, Any]:
         for h in gpus + migs:
@@ -164,6 +165,19 @@ def nvml_from(data: dict[str, Any]) -> SimpleNamespace:
         if i >= len(devices):
             raise NVMLError(NVML_ERROR_NOT_FOUND)
         return devices[i]
+
+    def compute_capability(h: dict[str, Any]) -> tuple[int, int]:
+        # A MIG device's handle is not asked here: hotfit must go through its GPU (no capture says
+        # what NVML answers for one, so the stand-in takes the stricter reading).
+        if h["mig"]:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        major, minor = h["compute_cap"].split(".")
+        return int(major), int(minor)
+
+    def parent_of(h: dict[str, Any]) -> dict[str, Any]:
+        if not h["mig"]:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return handle_by_uuid(h["parent"])
 
     def memory(h: dict[str, Any]) -> SimpleNamespace:
         total, free = h["memory_total_mib"] * MiB, h["memory_free_mib"] * MiB
@@ -185,6 +199,8 @@ def nvml_from(data: dict[str, Any]) -> SimpleNamespace:
         nvmlDeviceGetName=lambda h: h["name"],
         nvmlDeviceGetUUID=lambda h: h["uuid"],
         nvmlDeviceGetMemoryInfo=memory,
+        nvmlDeviceGetCudaComputeCapability=compute_capability,
+        nvmlDeviceGetDeviceHandleFromMigDeviceHandle=parent_of,
         nvmlDeviceGetMigMode=mig_mode,
         nvmlDeviceGetMaxMigDeviceCount=lambda h: 7 if h.get("mig_mode") == "Enabled" else 0,
         nvmlDeviceGetMigDeviceHandleByIndex=mig_by_index,

@@ -1,6 +1,7 @@
 """`hotfit auto` checks the binary that will serve the plan before it fetches a single weight byte
 : missing, not executable, not answering --version, built for ISA
-features this CPU lacks, or of a backend that cannot serve the plan's device. Each is a clear
+features this CPU lacks, of a backend that cannot serve the plan's device, or a CUDA build without
+code for the planned GPU's compute capability. Each is a clear
 error naming the fix, with the Hub's byte counter at zero."""
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ ANSWERS = 'echo "version: 0.5.0-dev (build 1, commit 0c1e570)" >&2\n'
 
 def _nvidia_probe(path: Path) -> Path:
     probe = ProbeResult(devices=(Device(index=0, kind="nvidia", name="NVIDIA RTX 4060", total_bytes=8 * GiB,
-                                        free_bytes=7 * GiB, uuid="GPU-1234"),
+                                        free_bytes=7 * GiB, uuid="GPU-1234", compute_capability="8.9"),
                                  Device(index=1, kind="cpu", name="host", total_bytes=16 * GiB,
                                         free_bytes=12 * GiB)), selected=0)
     path.write_text(json.dumps(probe.to_json()))
@@ -65,6 +66,9 @@ def _nvidia_probe(path: Path) -> Path:
          "scripts/install-llama-server --backend cuda"),
         ("GPU build for a host plan", ANSWERS, {"backend": "vulkan", "cpu_features": []}, 0o755, "cpu",
          "scripts/install-llama-server --backend cpu"),
+        ("CUDA build without code for the GPU", ANSWERS,
+         {"backend": "cuda", "cpu_features": [], "cuda_architectures": ["90"]}, 0o755, "nvidia",
+         "this GPU has compute capability 8.9"),
     ],
 )
 def test_an_unusable_binary_stops_auto_before_any_weight_is_fetched(

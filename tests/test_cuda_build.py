@@ -70,9 +70,10 @@ def test_without_a_driver_the_cuda_build_needs_named_architectures(tmp_path: Pat
 NVIDIA_ROWS = sorted(p.parent.name for p in HARDWARE.glob("nvidia-*/nvml.json"))
 
 
-def _fake_cuda_build(tmp_path: Path, gpus: list[dict]) -> Path:
+def _fake_cuda_build(tmp_path: Path, gpus: list[dict], compiled: str | None = None) -> Path:
     """A bin folder whose llama-server answers as the real one does on a machine with ``gpus``
-    (ggml-cuda's start-up device lines, then the device list)."""
+    (ggml-cuda's start-up device lines, then the device list; ``compiled``: the system_info line's
+    "CUDA : ARCHS" as ggml writes it, "750,860")."""
     bin_dir = tmp_path / "cuda" / "bin"
     bin_dir.mkdir(parents=True)
     lines = [f"  Device {i}: {g['name']}, compute capability {g['compute_cap']}, VMM: yes, VRAM: "
@@ -82,6 +83,8 @@ def _fake_cuda_build(tmp_path: Path, gpus: list[dict]) -> Path:
     script = bin_dir / "llama-server"
     script.write_text("#!/bin/sh\ncase \"$*\" in *--version*) echo 'version: 1 (abcdef0)'; exit 0 ;; esac\n"
                       + "".join(f"echo '{line}' >&2\n" for line in lines)
+                      + (f"echo 'system_info: n_threads = 2 | CUDA : ARCHS = {compiled} | USE_GRAPHS = 1 |' >&2\n"
+                         if compiled else "")
                       + "echo 'Available devices:'\n" + "".join(f"echo '{line}'\n" for line in listed))
     script.chmod(0o755)
     return bin_dir
@@ -108,16 +111,42 @@ def test_an_import_checks_the_build_has_code_for_each_gpu_here(tmp_path: Path, r
         assert "HOTFIT_CUDA_ARCHS" in str(refused.value)
 
 
-@pytest.mark.parametrize(("archs", "capability", "runs"), [
-    (["90"], 90, True), (["90"], 100, True), (["90"], 89, False),  # machine code + PTX
-    (["80-real"], 86, True), (["86-real"], 90, False),             # machine code: same major, not older
-    (["75-virtual"], 120, True), (["90a"], 90, True), (["90a"], 100, False), (["100f"], 103, True),
-])
-def test_which_cuda_architectures_run_on_which_gpu(archs: list[str], capability: int, runs: bool) -> None:
-    assert _llama_build().cuda_arch_serves(archs, capability) is runs
+def test_an_import_whose_module_holds_other_archs_than_its_record_says_is_refused(tmp_path: Path) -> None:
+    """build-info.json is the exporter's word; the module is asked (system_info's "CUDA : ARCHS")
+    and an archive whose record claims architectures its module lacks is refused."""
+    gpus = json.loads((HARDWARE / "nvidia-tesla-t4" / "nvml.json").read_text())["gpus"]
+    build = _llama_build()
+    check = build.check_runs_here
+    honest = _fake_cuda_build(tmp_path / "honest", gpus, compiled="750,860")
+    assert check(honest, {"backend": "cuda", "cuda_architectures": ["75", "86-real"]}, "") == "cuda build runs here"
+    mislabeled = _fake_cuda_build(tmp_path / "mislabeled", gpus, compiled="900")
+    with pytest.raises(build.BuildArchiveError) as refused:
+        check(mislabeled, {"backend": "cuda", "cuda_architectures": ["75", "90"]}, "")
+    assert "says CUDA architectures 75;90, but libggml-cuda.so holds code for 90" in str(refused.value)
 
 
 # ------------------------------------------------------------------------------ the real build
+def test_the_cuda_build_says_which_architectures_it_holds_and_its_record_agrees() -> None:
+    """Asked, not inferred: llama-server's system_info names the architectures nvcc compiled
+    (__CUDA_ARCH_LIST__). Without a driver the module loads against the stub libcuda the build
+    linked with (no device; nothing runs on it), and not at all without it."""
+    bin_dir = require_cuda_build()
+    info = _info(bin_dir)
+    build = _llama_build()
+    stub = info["libcuda"] if info["driver"] is None else None
+    reported = build.reported_cuda_archs(bin_dir, stub)
+    assert reported is not None
+    assert set(reported) == {re.match(r"\d+", a)[0] for a in info["cuda_architectures"]}
+    if "cuda_architectures_compiled" in info:  # recorded by builds since the check (docs/builds.md)
+        assert info["cuda_architectures_compiled"] == list(reported)
+    if not HAS_DRIVER:
+        assert build.reported_cuda_archs(bin_dir) is None  # the module does not load without libcuda
+    # The build step refuses a build whose module lacks an architecture that was asked for.
+    with pytest.raises(build.BuildArchiveError) as refused:
+        build._checked_cuda_archs(bin_dir, {**info, "cuda_architectures": [*info["cuda_architectures"], "61"]})
+    assert "were asked for: refusing the build" in str(refused.value)
+
+
 def test_the_cuda_build_holds_its_module_the_cpu_variants_and_the_cuda_runtime() -> None:
     bin_dir = require_cuda_build()
     info = _info(bin_dir)

@@ -103,7 +103,8 @@ def plan_json(probe: ProbeResult, tmp: Path, *args: str) -> tuple[int, dict[str,
 
 def probe_summary(probe: ProbeResult) -> dict[str, Any]:
     return {"devices": [{"kind": d.kind, "name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
-                         "uuid": d.uuid} for d in probe.devices if d.kind != "cpu"],
+                         "uuid": d.uuid, "compute_capability": d.compute_capability}
+                        for d in probe.devices if d.kind != "cpu"],
             "selected_kind": probe.device.kind}
 
 
@@ -180,6 +181,41 @@ def test_the_portable_build_loads_the_expected_cpu_variant(row: Row) -> None:
     bin_dir = _require_build("cpu") if cpuinfo_flags(cpuinfo) else require_arm64_build()
     variants = _info(bin_dir)["cpu_variants"]
     assert ggml_cpu_variant(variants, cpu_feature_names(cpuinfo)) == row.expected["ggml_cpu_variant"]
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if "cuda_preflight" in r.expected], ids=lambda r: r.machine)
+def test_the_preflight_refuses_a_cuda_build_without_code_for_the_planned_gpu(row: Row, tmp_path: Path) -> None:
+    """The load stage's preflight (before any download) on each captured NVIDIA machine, with the
+    probe's compute capability from NVML, for a CUDA build of each architecture list: the build made
+    here ("90"), the fleet build measured in docs/builds.md ("75;86": machine code and PTX) and one
+    with machine code only ("75-real;86-real", which no Hopper runs)."""
+    from hotfit.backends.select import backend_for
+    from hotfit.core.settings import load_settings
+    from hotfit.pipeline.registry_file import load_registry
+    from hotfit.registry.kv import KV_CACHE_TYPES
+    from hotfit.stages.plan import build_plan
+
+    probe = row_probe(row, tmp_path)
+    outcome = build_plan(probe, load_registry().entries, KV_CACHE_TYPES["f16"], backend="llama", device="nvidia")
+    assert outcome.plan is not None and outcome.plan.probe.device.kind == "nvidia"
+    capability = outcome.plan.probe.device.compute_capability
+    assert capability == row.nvml["gpus"][0]["compute_cap"]
+    for archs, verdict in row.expected["cuda_preflight"].items():
+        bin_dir = tmp_path / archs.replace(";", "_")
+        bin_dir.mkdir()
+        server = bin_dir / "llama-server"
+        server.write_text("#!/bin/sh\necho 'version: 0.5.0-dev (build 1, commit 0c1e570)'\n")
+        server.chmod(0o755)
+        (bin_dir / "build-info.json").write_text(json.dumps(
+            {"backend": "cuda", "cpu_features": [], "cuda_architectures": archs.split(";")}))
+        settings = load_settings(llama_server=server)
+        if verdict == "runs":
+            assert backend_for("llama").preflight(outcome.plan, settings).to_json()["server_path"] == str(server), archs
+            continue
+        with pytest.raises(BackendError) as refused:
+            backend_for("llama").preflight(outcome.plan, settings)
+        assert f"compute capability {capability}" in refused.value.what and archs in refused.value.what
+        assert f'HOTFIT_CUDA_ARCHS=\"{archs};{capability.replace(".", "")}\"' in (refused.value.hint or "")
 
 
 # ----------------------------------------------------------------------------- the captures, transcribed

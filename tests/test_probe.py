@@ -402,3 +402,33 @@ def test_a_probe_file_keeps_the_vulkan_device_name(tmp_path: Path, roots: Simple
     path.write_text(json.dumps(data))
     with pytest.raises(UsageError, match="ggml_device"):
         load_probe_file(path)
+
+
+def test_the_gpus_compute_capability_comes_from_nvml_and_is_none_when_nvml_does_not_say(
+        tmp_path: Path, roots: SimpleNamespace) -> None:
+    """The load stage's preflight checks a CUDA build has code for it (core/cuda_arch.py); an NVML
+    that cannot say leaves it unknown, never a probe error."""
+    nvml = fake_nvml([FakeGPU("NVIDIA L4", "GPU-aaaa", 24 * GiB, 23 * GiB)])
+    assert probe(roots, nvml).devices[0].compute_capability is None  # bindings without the call
+    nvml.nvmlDeviceGetCudaComputeCapability = lambda h: (8, 9)
+    found = probe(roots, nvml)
+    assert found.devices[0].compute_capability == "8.9"
+    path = tmp_path / "probe.json"
+    save_probe(found, path)
+    assert load_probe_file(path).devices[0].compute_capability == "8.9"
+
+    def unsupported(h: object) -> object:
+        raise NVMLError(3)
+
+    nvml.nvmlDeviceGetCudaComputeCapability = unsupported
+    nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle = unsupported
+    gpu = probe(roots, nvml).devices[0]
+    assert (gpu.kind, gpu.compute_capability) == ("nvidia", None)
+    nvml.nvmlDeviceGetCudaComputeCapability = lambda h: "garbage"
+    assert probe(roots, nvml).devices[0].compute_capability is None
+
+    data = json.loads(path.read_text())
+    data["devices"][0]["compute_capability"] = "8,9"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError, match="compute_capability"):
+        load_probe_file(path)

@@ -34,7 +34,8 @@ class LlamaServerBackend:
     def preflight(self, plan: Plan, settings: Settings) -> ServerBinary:
         """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and
         the plan's device; blocking (run it in a thread)."""
-        return find_llama_server(settings, device_kind=plan.probe.device.kind)
+        device = plan.probe.device
+        return find_llama_server(settings, device_kind=device.kind, gpu_capability=device.compute_capability)
 
     def decode_binary(self, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:
         return ServerBinary.decode(record, path=path)
@@ -67,7 +68,7 @@ class LlamaServerBackend:
             server = Path(settings.llama_server).absolute()
         else:
             try:
-                server = find_llama_server(settings, device_kind=plan.probe.device.kind).server_path
+                server = self.preflight(plan, settings).server_path
             except HotfitError:
                 server = None
         if server is None:

@@ -43,6 +43,7 @@ from typing import Any, Literal, Mapping
 from hotfit.backends.base import AllocationReport, ManifestFacts
 from hotfit.core.records import decode_record
 from hotfit.core.errors import BackendError, BackendNotFound
+from hotfit.core.cuda_arch import capability_number, unserved_reason
 from hotfit.core.isa import cpuinfo_flags, executable_features, ggml_cpu_variant, missing_features
 from hotfit.core.log import get_logger
 from hotfit.core.settings import LLAMA_SDIST_VERSION, Settings
@@ -477,10 +478,32 @@ def check_cpu_features(backend: ServerBinary, cpuinfo_text: str) -> None:
         )
 
 
+def check_cuda_architectures(backend: ServerBinary, gpu_capability: str | None) -> None:
+    """Refuse a CUDA build without code for the planned GPU (it fails at its first kernel, after the
+    download); docs/builds.md, "CUDA architectures"."""
+    archs = backend.build.cuda_architectures
+    if backend.build.backend != "cuda":
+        return
+    reason = unserved_reason(archs, gpu_capability)
+    if reason is None:
+        return
+    wanted = ";".join([*archs, str(capability_number(gpu_capability or "") or "")])
+    raise BackendError(
+        f"llama-server at {backend.server_path} cannot run on the planned GPU: {reason}",
+        hint=f"build one with code for it: `HOTFIT_CUDA_ARCHS=\"{wanted}\" {install_command('cuda')} --force` "
+             "(or install such a build with --from), or plan for the host with --device cpu",
+        path=str(backend.server_path),
+        cuda_architectures=list(archs),
+        compute_capability=gpu_capability,
+    )
+
+
 def find_llama_server(settings: Settings, *, path_env: str | None = None, device_kind: str | None = None,
+                      gpu_capability: str | None = None,
                       cpuinfo_path: Path = Path("/proc/cpuinfo")) -> ServerBinary:
     """Locate llama-server (order in the module docstring), check it suits this CPU and, given
-    ``device_kind``, the plan's device; log ``backend.found``.
+    ``device_kind``, the plan's device (an NVIDIA GPU of CUDA compute ``gpu_capability``, "8.9": a
+    CUDA build must hold code for it); log ``backend.found``.
 
     ``path_env`` replaces ``$PATH`` for the last step, ``cpuinfo_path`` the CPU's flags (tests)."""
     log = get_logger()
@@ -548,6 +571,7 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None, device
             message, hint = problem
             raise BackendError(f"{message} ({server}, {chosen.described})", hint=hint,
                                path=str(server), backend=build.backend, device_kind=device_kind)
+        check_cuda_architectures(backend, gpu_capability)
     log.info(
         "backend.found",
         path=str(server),
