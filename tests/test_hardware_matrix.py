@@ -154,6 +154,8 @@ def test_probe_reports_the_captured_devices(row: Row, tmp_path: Path) -> None:
     text = describe(probe)
     for d in want["devices"]:
         assert d["name"] in text
+        if d["compute_capability"]:
+            assert f"{d['name']}: " in text and f"compute capability {d['compute_capability']}" in text
     for note in want.get("notes_contain", ()):
         assert any(note in n for n in probe.notes), probe.notes
 

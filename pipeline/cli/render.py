@@ -15,6 +15,7 @@ def probe_text(result: ProbeResult) -> str:
     for d in result.devices:
         mark = "*" if d.index == result.selected else " "
         extra = "" if d.processes_used_bytes is None else f", {d.processes_used_bytes / (1 << 30):.2f} GiB held by other processes"
+        extra += "" if d.compute_capability is None else f", compute capability {d.compute_capability}"
         lines.append(f"{mark} [{d.index}] {d.kind:6} {d.name}: {d.free_bytes / (1 << 30):.2f} GiB free of "
                      f"{d.total_bytes / (1 << 30):.2f} GiB{extra}")
     lines += [f"  note: {n}" for n in result.notes]
