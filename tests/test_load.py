@@ -643,8 +643,11 @@ async def test_error_in_the_body_reaps_the_server(llama_model: FixtureInfo, tmp_
 
 _HOLDER = textwrap.dedent(
     """
-    import sys, anyio
+    import signal, sys, anyio
     from pathlib import Path
+    # Ctrl-C reaches a foreground process whose SIGINT is Python's default; a runner that started
+    # this test in the background (SIGINT ignored, inherited) must not make the holder deaf to it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
     from tests.test_load import fixture_plan
     from tests.gguf_fixtures import write_llama_model
