@@ -28,6 +28,7 @@ __all__ = [
     "cpuinfo_flags",
     "cpu_feature_names",
     "missing_features",
+    "loaded_cpu_variant",
 ]
 
 # GCC/Clang predefined macro -> /proc/cpuinfo flag. Only features a compiler can emit code for
@@ -196,3 +197,16 @@ def missing_features(required: Iterable[str], available: frozenset[str]) -> list
 if __name__ == "__main__":  # the install script: macros on stdin -> one cpuinfo name a line
     for name in features_from_macros(sys.stdin.read()):
         print(name)
+
+
+_LOADED_CPU_RE = re.compile(r"loaded CPU backend from (?P<path>\S+)")
+
+
+def loaded_cpu_variant(text: str) -> str | None:
+    """The CPU variant ggml reports loading (``load_backend: loaded CPU backend from
+    .../libggml-cpu-zen4.so``), None when the text names none."""
+    match = _LOADED_CPU_RE.search(text)
+    if match is None:
+        return None
+    tag = re.fullmatch(r"libggml-cpu-(.+)\.so", match.group("path").rsplit("/", 1)[-1])
+    return tag.group(1) if tag else None

@@ -38,12 +38,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from hotfit.core.cuda_arch import compiled_archs, cuda_arch_serves  # noqa: E402
 from hotfit.core.isa import (AMX_CPUINFO, cpuinfo_flags, features_from_macros,  # noqa: E402
-                      ggml_cpu_variant, missing_features)
+                             ggml_cpu_variant, loaded_cpu_variant, missing_features)
 
 MANIFEST = "SHA256SUMS"
 ARCHIVE_FORMAT = 1
 RUN_TIMEOUT_S = 60
-_LOADED_RE = re.compile(r"loaded (?P<kind>\w+) backend from (?P<path>\S+)")
+# The build's own ggml asked in a child process (the same file as hotfit's discovery runs).
+GGML_ASK = HERE.parent / "backends" / "llama_server" / "ggml_ask.py"
 _VARIANT_OBJECT_RE = re.compile(r"ggml-cpu-(?P<tag>[A-Za-z0-9_.]+)\.dir/")
 # ggml-cuda's device line at start-up (logged with -v): "Device 0: NVIDIA H100 80GB HBM3, compute capability 9.0, ..."
 _CUDA_DEVICE_RE = re.compile(r"Device \d+: (?P<name>[^,\n]+), compute capability (?P<major>\d+)\.(?P<minor>\d)")
@@ -113,22 +114,30 @@ def _arch_numbers(archs: list[str]) -> set[str]:
     return {m[0] for a in archs if (m := re.match(r"\d+", a.strip()))}
 
 
-def reported_cuda_archs(bin_dir: Path, stub_libcuda: str | None = None) -> tuple[str, ...] | None:
-    """The CUDA architectures the build's ggml-cuda module was compiled for, as llama-server says
-    at start-up (system_info's "CUDA : ARCHS"; asked with an unloadable model, so it exits at once);
-    None when the module does not load here. ``stub_libcuda``: on a build server without a driver,
-    the stub the build linked against lets the module load (no device: nothing runs on it)."""
+def ask_ggml(bin_dir: Path, stub_libcuda: str | None = None) -> str:
+    """What the build's own ggml says here (backends/llama_server/ggml_ask.py): the modules it loads,
+    ggml-cuda's device lines, each backend's features ("CUDA : ARCHS = 750,860"); empty when it
+    cannot say. llama-server logs the same lines through a logger thread its exit() may beat.
+    ``stub_libcuda``: on a build server without a driver, the stub the build linked against lets
+    the CUDA module load (no device: nothing runs on it)."""
     env = {**os.environ}
     with tempfile.TemporaryDirectory(prefix="hotfit-libcuda-") as stub_dir:
         if stub_libcuda:
             os.symlink(stub_libcuda, Path(stub_dir) / "libcuda.so.1")
             env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [stub_dir, env.get("LD_LIBRARY_PATH")]))
         try:
-            proc = subprocess.run([str(bin_dir / "llama-server"), "-lv", "4", "-m", os.devnull], capture_output=True,
-                                  text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL, env=env)
+            proc = subprocess.run([sys.executable, str(GGML_ASK), str(bin_dir)], capture_output=True, text=True,
+                                  timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL, env=env, cwd=bin_dir)
         except (OSError, subprocess.TimeoutExpired):
-            return None
-    return compiled_archs(proc.stdout + proc.stderr)
+            return ""
+    return proc.stdout + proc.stderr
+
+
+def reported_cuda_archs(bin_dir: Path, stub_libcuda: str | None = None) -> tuple[str, ...] | None:
+    """The CUDA architectures the build's ggml-cuda module was compiled for, as it reports them
+    (its "ARCHS" feature, what llama-server's system_info prints); None when the module does not
+    load here."""
+    return compiled_archs(ask_ggml(bin_dir, stub_libcuda))
 
 
 def _checked_cuda_archs(bin_dir: Path, fields: dict) -> tuple[str, ...]:
@@ -251,18 +260,6 @@ def _run(binary: Path, *args: str) -> subprocess.CompletedProcess[str]:
         raise BuildArchiveError(f"{binary} {' '.join(args)} did not answer within {RUN_TIMEOUT_S} s") from None
 
 
-def loaded_cpu_variant(text: str) -> str | None:
-    """The CPU variant ggml says it loaded (``load_backend: loaded CPU backend from .../libggml-cpu-zen4.so``).
-    The same reading as backends.llama_server.discovery's: this script runs with the system python3
-    before the virtualenv (and structlog, which discovery's package imports) exists."""
-    for match in _LOADED_RE.finditer(text):
-        if match.group("kind") == "CPU":
-            name = Path(match.group("path")).name
-            tag = re.fullmatch(r"libggml-cpu-(.+)\.so", name)
-            return tag.group(1) if tag else None
-    return None
-
-
 def _module_load_error(module: Path) -> str | None:
     """Why the dynamic loader refuses ``module`` (ggml skips a backend module it cannot load, and
     says nothing): the missing library, e.g. the driver's libcuda.so.1. Asked in a child process,
@@ -299,11 +296,15 @@ def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
         tail = (version.stderr or version.stdout).strip().splitlines()[-3:]
         raise BuildArchiveError(f"{server} --version failed here (exit {version.returncode}): {' | '.join(tail)} "
                                 "— a library it needs is missing on this machine, or the build is broken")
-    devices = _run(server, "-v", "--list-devices")  # -v: ggml logs the CPU variant it loads
+    devices = _run(server, "-v", "--list-devices")
     out = devices.stdout + devices.stderr
     if devices.returncode != 0:
         raise BuildArchiveError(f"{server} --list-devices failed here (exit {devices.returncode}): "
                                 f"{' | '.join(out.strip().splitlines()[-3:])}")
+    # ggml's own lines (the CPU variant loaded, ggml-cuda's devices with their compute capability),
+    # asked of the build's ggml: llama-server's log of them can be lost at its exit.
+    asked = ask_ggml(bin_dir)
+    said = out + "\n" + asked
     backend = info.get("backend", "cpu")
     if backend in ("cuda", "vulkan"):
         want = "CUDA" if backend == "cuda" else "Vulkan"
@@ -316,23 +317,24 @@ def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
                                     + ": install the driver, or use a CPU build on this machine")
     archs = [str(a) for a in info.get("cuda_architectures") or []]
     if backend == "cuda":  # what the module holds, asked (build-info.json could be another build's)
-        reported = reported_cuda_archs(bin_dir)
+        reported = compiled_archs(asked)
         if reported is not None and set(reported) != _arch_numbers(archs):
             raise BuildArchiveError(f"its build-info.json says CUDA architectures {';'.join(archs) or 'none'}, but "
                                     f"libggml-cuda.so holds code for {';'.join(reported)}: the archive does not "
                                     "describe its build; export it again from the build server")
     if backend == "cuda" and archs:  # a GPU the build has no code for fails at its first kernel
-        unserved = [f"{m['name'].strip()} (compute capability {m['major']}.{m['minor']})"
-                    for m in _CUDA_DEVICE_RE.finditer(out)
-                    if not cuda_arch_serves(archs, int(m["major"]) * 10 + int(m["minor"]))]
+        unserved = sorted({f"{m['name'].strip()} (compute capability {m['major']}.{m['minor']})"
+                           for m in _CUDA_DEVICE_RE.finditer(said)
+                           if not cuda_arch_serves(archs, int(m["major"]) * 10 + int(m["minor"]))})
         if unserved:
             raise BuildArchiveError(f"this cuda build has code for CUDA architectures {';'.join(archs)} only, "
                                     f"not for {', '.join(unserved)}: build it with those GPUs' architectures "
                                     "added to HOTFIT_CUDA_ARCHS (e.g. \"75;86;89;90\")")
-    variant = loaded_cpu_variant(out)
+    variant = loaded_cpu_variant(said)
     if variants:
         if variant is None:
-            raise BuildArchiveError(f"{server} loaded no CPU variant here ({' | '.join(out.strip().splitlines()[-3:])})")
+            raise BuildArchiveError(f"{server}'s ggml loaded no CPU variant here "
+                                    f"({' | '.join(said.strip().splitlines()[-3:])})")
         if flags:
             missing = missing_features(variants.get(variant, []), flags)
             if missing:

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,10 +71,9 @@ def test_without_a_driver_the_cuda_build_needs_named_architectures(tmp_path: Pat
 NVIDIA_ROWS = sorted(p.parent.name for p in HARDWARE.glob("nvidia-*/nvml.json"))
 
 
-def _fake_cuda_build(tmp_path: Path, gpus: list[dict], compiled: str | None = None) -> Path:
+def _fake_cuda_build(tmp_path: Path, gpus: list[dict]) -> Path:
     """A bin folder whose llama-server answers as the real one does on a machine with ``gpus``
-    (ggml-cuda's start-up device lines, then the device list; ``compiled``: the system_info line's
-    "CUDA : ARCHS" as ggml writes it, "750,860")."""
+    (ggml-cuda's start-up device lines, then the device list)."""
     bin_dir = tmp_path / "cuda" / "bin"
     bin_dir.mkdir(parents=True)
     lines = [f"  Device {i}: {g['name']}, compute capability {g['compute_cap']}, VMM: yes, VRAM: "
@@ -83,8 +83,7 @@ def _fake_cuda_build(tmp_path: Path, gpus: list[dict], compiled: str | None = No
     script = bin_dir / "llama-server"
     script.write_text("#!/bin/sh\ncase \"$*\" in *--version*) echo 'version: 1 (abcdef0)'; exit 0 ;; esac\n"
                       + "".join(f"echo '{line}' >&2\n" for line in lines)
-                      + (f"echo 'system_info: n_threads = 2 | CUDA : ARCHS = {compiled} | USE_GRAPHS = 1 |' >&2\n"
-                         if compiled else "")
+
                       + "echo 'Available devices:'\n" + "".join(f"echo '{line}'\n" for line in listed))
     script.chmod(0o755)
     return bin_dir
@@ -112,14 +111,21 @@ def test_an_import_checks_the_build_has_code_for_each_gpu_here(tmp_path: Path, r
 
 
 def test_an_import_whose_module_holds_other_archs_than_its_record_says_is_refused(tmp_path: Path) -> None:
-    """build-info.json is the exporter's word; the module is asked (system_info's "CUDA : ARCHS")
-    and an archive whose record claims architectures its module lacks is refused."""
+    """build-info.json is the exporter's word; the module is asked (its "ARCHS" feature, through
+    ggml_ask.py, answered here as the real one answers: test_the_cuda_build_says_which_...) and an
+    archive whose record claims architectures its module lacks is refused."""
     gpus = json.loads((HARDWARE / "nvidia-tesla-t4" / "nvml.json").read_text())["gpus"]
     build = _llama_build()
     check = build.check_runs_here
-    honest = _fake_cuda_build(tmp_path / "honest", gpus, compiled="750,860")
+
+    def ggml_says(archs: str) -> Callable[..., str]:
+        return lambda bin_dir, stub_libcuda=None: f"CUDA : ARCHS = {archs} | USE_GRAPHS = 1\nCPU : SSE3 = 1\n"
+
+    setattr(build, "ask_ggml", ggml_says("750,860"))  # noqa: B010 (a module loaded from a file)
+    honest = _fake_cuda_build(tmp_path / "honest", gpus)
     assert check(honest, {"backend": "cuda", "cuda_architectures": ["75", "86-real"]}, "") == "cuda build runs here"
-    mislabeled = _fake_cuda_build(tmp_path / "mislabeled", gpus, compiled="900")
+    setattr(build, "ask_ggml", ggml_says("900"))  # noqa: B010
+    mislabeled = _fake_cuda_build(tmp_path / "mislabeled", gpus)
     with pytest.raises(build.BuildArchiveError) as refused:
         check(mislabeled, {"backend": "cuda", "cuda_architectures": ["75", "90"]}, "")
     assert "says CUDA architectures 75;90, but libggml-cuda.so holds code for 90" in str(refused.value)

@@ -36,6 +36,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -44,7 +45,8 @@ from hotfit.backends.base import AllocationReport, ManifestFacts
 from hotfit.core.records import decode_record
 from hotfit.core.errors import BackendError, BackendNotFound
 from hotfit.core.cuda_arch import capability_number, unserved_reason
-from hotfit.core.isa import cpuinfo_flags, executable_features, ggml_cpu_variant, missing_features
+from hotfit.core.isa import (cpuinfo_flags, executable_features, ggml_cpu_variant, loaded_cpu_variant,
+                             missing_features)
 from hotfit.core.log import get_logger
 from hotfit.core.settings import LLAMA_SDIST_VERSION, Settings
 
@@ -305,19 +307,6 @@ def build_info_from_json(data: Mapping[str, Any]) -> BuildInfo:
     )
 
 
-_LOADED_CPU_RE = re.compile(r"loaded CPU backend from (?P<path>\S+)")
-
-
-def loaded_cpu_variant(text: str) -> str | None:
-    """The CPU variant ggml reports loading (``load_backend: loaded CPU backend from
-    .../libggml-cpu-zen4.so``), None when the text names none."""
-    match = _LOADED_CPU_RE.search(text)
-    if match is None:
-        return None
-    tag = re.fullmatch(r"libggml-cpu-(.+)\.so", Path(match.group("path")).name)
-    return tag.group(1) if tag else None
-
-
 def with_loaded_variant(build: BuildInfo, data: Mapping[str, Any], loaded: str | None,
                         cpu_flags: frozenset[str]) -> BuildInfo:
     """A portable build's record completed by what ggml loaded here (pure).
@@ -415,11 +404,16 @@ def _run_version(server: Path) -> str:
     return text
 
 
-def _run_list_devices(server: Path) -> str:
-    """``llama-server -v --list-devices`` (ggml logs which backend modules it loaded): its output,
-    empty when it cannot be run (the --version check before it already vouched for the binary)."""
+GGML_ASK = Path(__file__).with_name("ggml_ask.py")
+
+
+def ask_ggml(bin_dir: Path) -> str:
+    """What the build's own ggml says on this machine (:mod:`ggml_ask`, in a child process): the
+    modules it loads, by ggml's scoring, and each backend's features; empty when it cannot say (not
+    a portable build). llama-server's ``-v --list-devices`` logs the same lines through a logger
+    thread its exit() may beat, so a loaded machine can lose them; these are written as they happen."""
     try:
-        proc = subprocess.run([str(server), "-v", "--list-devices"], cwd=server.parent, stdin=subprocess.DEVNULL,
+        proc = subprocess.run([sys.executable, str(GGML_ASK), str(bin_dir)], cwd=bin_dir, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return ""
@@ -436,8 +430,8 @@ def _read_build_info(server: Path, cpu_flags: frozenset[str]) -> BuildInfo:
             data = None  # unreadable record: what the binary says and links
         if isinstance(data, dict):
             build = build_info_from_json(data)
-            if build.cpu_variants:  # ask the binary which CPU variant ggml loads on this machine
-                build = with_loaded_variant(build, data, loaded_cpu_variant(_run_list_devices(server)), cpu_flags)
+            if build.cpu_variants:  # ask the build's ggml which CPU variant it loads on this machine
+                build = with_loaded_variant(build, data, loaded_cpu_variant(ask_ggml(server.parent)), cpu_flags)
             return build
     parsed = parse_version_text(text)
     return dataclasses.replace(parsed, backend=_linked_backend(server))
