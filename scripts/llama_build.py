@@ -386,12 +386,37 @@ def import_archive(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Pa
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def cuda_rebuild_reason(info: dict, asked: str, gpu_caps: str) -> str:
+    """Why the cached CUDA build is not the one asked for now ("" when it is): HOTFIT_CUDA_ARCHS
+    (``asked``) names other architectures than it was built for, or, with none named, a GPU of
+    this machine (``gpu_caps``: "86;90", nvidia-smi's compute capabilities) has no code in it."""
+    recorded = [str(a).strip() for a in info.get("cuda_architectures") or []]
+    wanted = [a.strip() for a in asked.split(";") if a.strip()]
+    if wanted:
+        if sorted(wanted) == sorted(recorded):
+            return ""
+        return (f"it was built for CUDA architectures {';'.join(recorded) or 'none'}, "
+                f"HOTFIT_CUDA_ARCHS asks for {';'.join(wanted)}")
+    unserved = [int(c) for c in gpu_caps.split(";") if c.strip().isdigit()
+                and not cuda_arch_serves(recorded, int(c))]
+    if not unserved:
+        return ""
+    return (f"it has code for CUDA architectures {';'.join(recorded) or 'none'}, not for this machine's GPUs "
+            f"of compute capability {', '.join(f'{c // 10}.{c % 10}' for c in unserved)}")
+
+
 def main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["record"] and len(argv) == 4:
             record(Path(argv[1]), Path(argv[2]), json.loads(argv[3]))
         elif argv[:1] == ["export"] and len(argv) == 4:
             export(Path(argv[1]), argv[2], Path(argv[3]))
+        elif argv[:1] == ["cuda-rebuild-reason"] and len(argv) == 4:
+            try:
+                info = json.loads(Path(argv[1]).read_text())
+            except (OSError, ValueError):
+                info = {}
+            print(cuda_rebuild_reason(info if isinstance(info, dict) else {}, argv[2], argv[3]))
         elif argv[:1] == ["import"] and len(argv) == 4:
             cpuinfo = Path(os.environ.get("HOTFIT_DETECT_ROOT", "") + "/proc/cpuinfo")
             print(import_archive(Path(argv[1]), Path(argv[2]), json.loads(argv[3]), cpuinfo))

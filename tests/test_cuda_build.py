@@ -24,6 +24,7 @@ import pytest
 from hotfit.backends.llama_server.discovery import find_llama_server
 from hotfit.core.isa import AMX_CPUINFO
 from hotfit.core.settings import load_settings
+from tests.hardware_matrix import nvidia_smi_standin
 from tests.test_build_archive import _llama_build, _refused, _script
 from tests.test_portable_build import HARDWARE, _bin_dir, _info, _require_build
 
@@ -65,6 +66,49 @@ def test_without_a_driver_the_cuda_build_needs_named_architectures(tmp_path: Pat
                    extra_env={**env, "HOTFIT_CUDA_ARCHS": "90"})
     assert proc.returncode == 1 and "older than 580" in proc.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def _cached_cuda_build(cache: Path, archs: list[str]) -> None:
+    """A cache holding a finished cuda build for ``archs`` (stand-in binaries: only its record is read)."""
+    bin_dir = cache / "0.3.36" / "cuda" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("llama-server", "llama-fit-params"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "build-info.json").write_text(json.dumps(
+        {"sdist_sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e", "backend": "cuda",
+         "variant": "portable", "cuda_architectures": archs}, indent=2))
+
+
+@pytest.mark.parametrize(("asked", "gpu_row", "rebuild"), [
+    ("90", None, None),                      # what the cache holds: a no-op
+    ("75;86", None, "it was built for CUDA architectures 90, HOTFIT_CUDA_ARCHS asks for 75;86"),
+    ("", "nvidia-h100-80gb", None),          # this machine's GPU has code in it
+    ("", "nvidia-tesla-t4",
+     "it has code for CUDA architectures 90, not for this machine's GPUs of compute capability 7.5"),
+])
+def test_a_cached_cuda_build_is_reused_only_for_the_architectures_asked_now(
+        tmp_path: Path, asked: str, gpu_row: str | None, rebuild: str | None) -> None:
+    """A changed HOTFIT_CUDA_ARCHS, or a GPU here the cached build has no code for, rebuilds it
+    (said on stderr) instead of a silent no-op. The rebuild then stops at this test's old driver."""
+    cache = tmp_path / "cache"
+    _cached_cuda_build(cache, ["90"])
+    root = tmp_path / "root"
+    version = root / "proc" / "driver" / "nvidia" / "version"
+    version.parent.mkdir(parents=True)
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  575.57.08  Release Build\n")
+    path = "/usr/bin:/bin"
+    if gpu_row is not None:
+        nvidia_smi_standin(tmp_path / "bin", HARDWARE / gpu_row / "nvml.json")
+        path = f"{tmp_path / 'bin'}:{path}"
+    proc = _script("--backend", "cuda", cache=cache, root=root,
+                   extra_env={"HOTFIT_CUDA_ARCHS": asked, "PATH": path})
+    if rebuild is None:
+        assert proc.returncode == 0 and "already built" in proc.stderr, proc.stderr
+        assert "rebuilding" not in proc.stderr
+    else:
+        assert f"rebuilding the cached cuda build: {rebuild}" in proc.stderr, proc.stderr
+        assert proc.returncode == 1 and "older than 580" in proc.stderr
 
 
 # ------------------------------------------------------------------------------ a mixed GPU fleet
