@@ -529,7 +529,8 @@ def probe_devices(
         notes.append("no accelerator found: planning for host memory")
     for d in devices:
         log.info("probe.device", index=d.index, kind=d.kind, name=d.name, total_bytes=d.total_bytes,
-                 free_bytes=d.free_bytes, processes_used_bytes=d.processes_used_bytes)
+                 free_bytes=d.free_bytes, processes_used_bytes=d.processes_used_bytes,
+                 compute_capability=d.compute_capability)
     log.info("probe.selected", index=best.index, kind=best.kind, name=best.name)
     return ProbeResult(devices=devices, selected=best.index, notes=tuple(notes))
 

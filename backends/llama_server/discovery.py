@@ -475,9 +475,9 @@ def check_cpu_features(backend: ServerBinary, cpuinfo_text: str) -> None:
 def check_cuda_architectures(backend: ServerBinary, gpu_capability: str | None) -> None:
     """Refuse a CUDA build without code for the planned GPU (it fails at its first kernel, after the
     download); docs/builds.md, "CUDA architectures"."""
-    archs = backend.build.cuda_architectures
     if backend.build.backend != "cuda":
         return
+    archs = backend.build.cuda_architectures
     reason = unserved_reason(archs, gpu_capability)
     if reason is None:
         return
