@@ -18,6 +18,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,15 @@ def test_the_binary_names_the_variant_ggml_loads_and_hotfit_predicts_the_same() 
     # listing's exit() may beat (seen under load: the line missing), so discovery asks this way.
     loaded = loaded_cpu_variant(ask_ggml(bin_dir))
     assert loaded is not None and loaded == ggml_cpu_variant(_info(bin_dir)["cpu_variants"], flags)
+
+
+def test_ggml_ask_says_nothing_for_a_folder_without_the_portable_layout(tmp_path: Path) -> None:
+    """A static build (cpu-native, cpu-generic) has no libggml.so.0 to ask: exit 3 with the reason,
+    and discovery then takes ggml's scoring on /proc/cpuinfo (core.isa) for the variant."""
+    proc = subprocess.run([sys.executable, str(GGML_ASK), str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 3 and "not a portable build" in proc.stderr and "Traceback" not in proc.stderr
+    assert ask_ggml(tmp_path).strip().startswith("ggml_ask: no ")
 
 
 def test_discovery_reports_the_loaded_variant_and_judges_its_isa(monkeypatch: pytest.MonkeyPatch) -> None:
