@@ -192,6 +192,11 @@ def export(bin_dir: Path, flavour: str, archive: Path) -> None:
             tar.addfile(info, io.BytesIO(manifest_bytes))
             for p in files:
                 tar.add(p, arcname=f"{flavour}/bin/{p.name}", recursive=False)
+        # mkstemp makes the file 0600; the archive is for other machines (a web server, a shared
+        # folder), so it gets the mode any new file gets here: 0666 less the umask.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)
         os.replace(tmp_name, archive)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

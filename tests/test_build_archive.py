@@ -52,6 +52,19 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return archive
 
 
+def test_the_archive_is_readable_as_any_new_file_here(exported: Path, tmp_path: Path) -> None:
+    """Seen: the archive was 0600 (mkstemp's mode), so the web server or the other users a build
+    server shares it with could not read it. It gets 0666 less the umask, like any new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    assert exported.stat().st_mode & 0o777 == 0o666 & ~umask
+    archive = tmp_path / "group.tar.gz"
+    proc = subprocess.run(["sh", "-c", f'umask 002 && exec "{SCRIPT}" --backend cpu --export "{archive}"'],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert archive.stat().st_mode & 0o777 == 0o664
+
+
 def _repack(source: Path, into: Path, change) -> Path:
     """Unpack ``source``, let ``change(bin_dir)`` edit the files, and pack it again with a manifest
     that matches the edited files (so only the check under test can refuse it)."""
