@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-__all__ = ["capability_number", "compiled_archs", "cuda_arch_serves", "unserved_reason"]
+__all__ = ["arch_numbers", "capability_number", "compiled_archs", "cuda_arch_serves", "unserved_reason"]
 
 # CMAKE_CUDA_ARCHITECTURES entries: "90", "86-real", "75-virtual", "90a", "100f"
 _ARCH_RE = re.compile(r"(?P<number>\d+)(?P<specific>[af]?)(?:-(?P<kind>real|virtual))?")
@@ -26,6 +26,12 @@ def capability_number(text: str) -> int | None:
     """``"8.9"`` (NVML's, nvidia-smi's ``compute_cap``) as 89; None for anything else."""
     match = re.fullmatch(r"\s*(\d+)\.(\d)\s*", text)
     return None if match is None else int(match[1]) * 10 + int(match[2])
+
+
+def arch_numbers(archs: Iterable[str]) -> set[str]:
+    """``"86-real"``, ``"90a"``, ``"75-virtual"`` -> ``"86"``, ``"90"``, ``"75"``: the architectures
+    as nvcc's list (and :func:`compiled_archs`) names them; entries that are not one are left out."""
+    return {m["number"] for a in archs if (m := _ARCH_RE.fullmatch(a.strip()))}
 
 
 def cuda_arch_serves(archs: Iterable[str], capability: int) -> bool:

@@ -194,11 +194,6 @@ def missing_features(required: Iterable[str], available: frozenset[str]) -> list
     return sorted(set(required) - available)
 
 
-if __name__ == "__main__":  # the install script: macros on stdin -> one cpuinfo name a line
-    for name in features_from_macros(sys.stdin.read()):
-        print(name)
-
-
 _LOADED_CPU_RE = re.compile(r"loaded CPU backend from (?P<path>\S+)")
 
 
@@ -210,3 +205,8 @@ def loaded_cpu_variant(text: str) -> str | None:
         return None
     tag = re.fullmatch(r"libggml-cpu-(.+)\.so", match.group("path").rsplit("/", 1)[-1])
     return tag.group(1) if tag else None
+
+
+if __name__ == "__main__":  # the install script: macros on stdin -> one cpuinfo name a line
+    for name in features_from_macros(sys.stdin.read()):
+        print(name)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from hotfit.core.cuda_arch import compiled_archs, cuda_arch_serves  # noqa: E402
+from hotfit.core.cuda_arch import arch_numbers, compiled_archs, cuda_arch_serves  # noqa: E402
 from hotfit.core.isa import (AMX_CPUINFO, cpuinfo_flags, features_from_macros,  # noqa: E402
                              ggml_cpu_variant, loaded_cpu_variant, missing_features)
 
@@ -109,11 +109,6 @@ def record(bin_dir: Path, build_dir: Path, fields: dict) -> None:
     _write_json(bin_dir / "build-info.json", info)
 
 
-def _arch_numbers(archs: list[str]) -> set[str]:
-    """"86-real", "90a", "75-virtual" -> "86", "90", "75": what nvcc's arch list names."""
-    return {m[0] for a in archs if (m := re.match(r"\d+", a.strip()))}
-
-
 def ask_ggml(bin_dir: Path, stub_libcuda: str | None = None) -> str:
     """What the build's own ggml says here (backends/llama_server/ggml_ask.py): the modules it loads,
     ggml-cuda's device lines, each backend's features ("CUDA : ARCHS = 750,860"); empty when it
@@ -148,7 +143,7 @@ def _checked_cuda_archs(bin_dir: Path, fields: dict) -> tuple[str, ...]:
     if reported is None:
         raise BuildArchiveError(f"{bin_dir / 'libggml-cuda.so'} did not load (llama-server reported no CUDA "
                                 "architectures): the CUDA build is broken; its log is in the cache's work folder")
-    wanted = _arch_numbers(fields.get("cuda_architectures") or [])
+    wanted = arch_numbers(fields.get("cuda_architectures") or [])
     if set(reported) != wanted:
         raise BuildArchiveError(f"the CUDA module holds code for architectures {';'.join(reported)}, but "
                                 f"{';'.join(sorted(wanted))} were asked for: refusing the build")
@@ -323,7 +318,7 @@ def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
     archs = [str(a) for a in info.get("cuda_architectures") or []]
     if backend == "cuda":  # what the module holds, asked (build-info.json could be another build's)
         reported = compiled_archs(asked)
-        if reported is not None and set(reported) != _arch_numbers(archs):
+        if reported is not None and set(reported) != arch_numbers(archs):
             raise BuildArchiveError(f"its build-info.json says CUDA architectures {';'.join(archs) or 'none'}, but "
                                     f"libggml-cuda.so holds code for {';'.join(reported)}: the archive does not "
                                     "describe its build; export it again from the build server")
