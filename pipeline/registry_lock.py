@@ -8,6 +8,9 @@ file sizes, LFS sha256) and fill the nulls. Rules:
   (``mismatch``) and nothing of that artifact is written — a revision resolved from ``main`` must not
   be paired with bytes recorded from another snapshot;
 * an unpinned revision resolves to the repository's current ``main`` commit;
+* a template inside an OpenVINO snapshot (same repository, an artifact without a file) takes the
+  snapshot's revision, and stays unpinned while the snapshot does: pinned alone, it would name a commit
+  the snapshot's fetch no longer loads;
 * a file missing at the revision, an unknown repository or revision, a gated repository are reported
   (``error``) and leave the entry as it was;
 * an endpoint that does not answer like a Hub (a 404 without X-Error-Code, an HTML page where the
@@ -170,6 +173,29 @@ def apply_hub_facts(
             art[fld] = value
             changes.append(LockChange(name, f"{key}.{fld}", value))
     tpl = entry.get(TEMPLATE_KEY)
+    art = entry.get("artifact")
+    if tpl and art and art.get("file") is None and tpl["repo"] == art["repo"]:
+        # A template inside the snapshot goes with the snapshot's commit (registry/schema.py): pinned
+        # alone, while the snapshot follows main, it would name a commit the fetch no longer loads.
+        if art.get("revision") is None:
+            if tpl.get("revision") is None:
+                problems.append(LockProblem(
+                    name, f"{TEMPLATE_KEY}.revision", "error",
+                    f"left unpinned: it is a file of the {art['repo']} snapshot, whose revision was not pinned "
+                    "(see the artifact's problem); both are pinned together once it is"))
+            return changes, problems
+        if tpl.get("revision") is None:
+            facts = lookup(art["repo"], art["revision"])
+            if isinstance(facts, str):
+                problems.append(LockProblem(name, TEMPLATE_KEY, "error", facts))
+            elif tpl["file"] not in facts.files:
+                problems.append(LockProblem(
+                    name, f"{TEMPLATE_KEY}.file", "error",
+                    f"{tpl['file']} is not in {tpl['repo']} at {facts.commit}; correct the template source"))
+            else:
+                tpl["revision"] = art["revision"]
+                changes.append(LockChange(name, f"{TEMPLATE_KEY}.revision", art["revision"]))
+            return changes, problems
     if tpl and (tpl.get("revision") is None or verify_pinned):
         facts = lookup(tpl["repo"], tpl.get("revision"))
         if isinstance(facts, str):

@@ -225,6 +225,16 @@ def check_rules(f: Fields, e: Entry) -> None:
             and not e.artifact.file.endswith(layout.file_suffix):
         raise f.fail("artifact.file", f"is {e.artifact.file!r}, not a {layout.file_suffix} file",
                      f"{e.backend} entries download one {layout.file_format} file")
+    art, tpl = e.artifact, e.chat_template
+    # A template inside the snapshot is read from the snapshot fetch-weights brings (stages/fetch_template.py):
+    # pinned to another commit than the snapshot's it would be fetched from a snapshot that is not loaded.
+    if layout.snapshot and art is not None and tpl is not None and tpl.repo == art.repo \
+            and tpl.revision is not None and tpl.revision != art.revision:
+        raise f.fail("chat_template.revision",
+                     f"is {tpl.revision} while its snapshot ({art.repo}) is "
+                     + (f"pinned at {art.revision}" if art.revision else "unpinned (it follows main)"),
+                     "pin the template to the artifact's revision, or leave both null ('hotfit registry lock' "
+                     "pins them together)")
     if not e.auto_eligible:
         if e.ineligible_reason is None or e.ineligible_cause is None:
             field = "ineligible_reason" if e.ineligible_reason is None else "ineligible_cause"

@@ -196,6 +196,55 @@ def test_unreachable_hub_is_an_error_per_entry(tmp_path: Path) -> None:
     assert "cannot reach the Hub" in report.problems[0].message
 
 
+def _ov_entry(name: str, *, artifact: dict[str, Any], template_revision: str | None) -> dict[str, Any]:
+    """A not-auto-eligible OpenVINO entry whose template is a file of its own snapshot (as every
+    bundled OpenVINO entry's is)."""
+    base = copy.deepcopy(next(e for e in BUNDLED["entries"] if e["backend"] == "openvino"))
+    base.update(name=name, auto_eligible=False, ineligible_cause="unverified", ineligible_reason="not yet pinned",
+                artifact=artifact,
+                chat_template={"repo": artifact["repo"], "revision": template_revision,
+                               "file": "tokenizer_config.json"})
+    return base
+
+
+def test_a_template_in_its_snapshot_is_pinned_with_the_snapshot_never_alone(tmp_path: Path, local_hub: LocalHub,
+                                                                           repos: dict[str, str]) -> None:
+    pinned_first = repos["snap"]
+    main_now = local_hub.store.commit("org/snap", {"tokenizer_config.json": '{"chat_template": "new"}'})
+    src = _write(tmp_path, [
+        _ov_entry("open", artifact=_art("org/snap", None, None), template_revision=None),
+        _ov_entry("at-first", artifact=_art("org/snap", pinned_first, None, 5002), template_revision=None),
+        _ov_entry("size-moved", artifact=_art("org/snap", None, None, 999), template_revision=None),
+    ])
+    report = lock_registry(src, tmp_path / "out.json", endpoint=local_hub.endpoint)
+    locked = _by_name(tmp_path / "out.json")
+    # both to main's commit, together
+    assert locked["open"]["artifact"]["revision"] == locked["open"]["chat_template"]["revision"] == main_now
+    # the snapshot was pinned before: the template takes that commit, not main's
+    assert locked["at-first"]["chat_template"]["revision"] == pinned_first != main_now
+    # the snapshot disagrees with its recorded size: neither is pinned, and the template says why
+    assert locked["size-moved"]["artifact"]["revision"] is None
+    assert locked["size-moved"]["chat_template"]["revision"] is None
+    problems = {(p.entry, p.field, p.kind): p.message for p in report.problems}
+    assert set(problems) == {("size-moved", "artifact.size_bytes", "mismatch"),
+                             ("size-moved", "chat_template.revision", "error")}
+    assert "snapshot, whose revision was not pinned" in problems[("size-moved", "chat_template.revision", "error")]
+    assert report.exit_code == 4
+    assert load_registry(tmp_path / "out.json").get("at-first").chat_template.revision == pinned_first
+
+
+def test_the_schema_refuses_a_snapshot_template_pinned_apart_from_its_snapshot(tmp_path: Path) -> None:
+    for artifact_revision, said in ((None, "unpinned (it follows main)"), ("a" * 40, f"pinned at {'a' * 40}")):
+        src = _write(tmp_path, [_ov_entry("apart", artifact=_art("org/snap", artifact_revision, None, 5002),
+                                          template_revision="b" * 40)])
+        with pytest.raises(UsageError, match="chat_template.revision") as info:
+            load_registry(src)
+        assert said in str(info.value) and "pins them together" in (info.value.hint or "")
+    together = _write(tmp_path, [_ov_entry("together", artifact=_art("org/snap", "a" * 40, None, 5002),
+                                           template_revision="a" * 40)])
+    assert load_registry(together).get("together").chat_template.revision == "a" * 40
+
+
 # --------------------------------------------------------------------------- pure core
 
 
