@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -138,8 +140,6 @@ def test_a_damaged_or_foreign_bundle_is_refused(tmp_path: Path, exported: Path,
 
 
 def test_the_cli_says_what_it_left_out(exported: Path, tmp_path: Path) -> None:
-    import subprocess
-
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu_bundle.py"), "make", str(exported),
                            str(tmp_path / "b")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -154,3 +154,50 @@ def test_the_cli_says_what_it_left_out(exported: Path, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu_bundle.py"), "reassemble",
                            str(tmp_path / "b"), str(tmp_path / "x.tar.gz")], capture_output=True, text=True)
     assert proc.returncode == 1 and "refused" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _gpu_check(bundle_dir: Path, out: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOTFIT_MODEL_CACHE": str(tmp_path / "no-models"), "PYTHONUNBUFFERED": "1"}
+    env.pop("HOTFIT_LLAMA_CACHE", None)
+    return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu-check"), "--backend", "cpu",
+                           "--bundle", str(bundle_dir), "--out", str(out), "--budget-s", "600"],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT)
+
+
+def test_gpu_check_with_a_bundle_on_a_machine_without_real_models(bundle, tmp_path: Path) -> None:
+    """The path the lent GPU machine takes (its self-test with the CPU build): the build imported
+    from the bundle into a fresh cache, the fixture pipeline on it, the real-model steps skipped
+    and said to be; a step that fails makes the check fail."""
+    out_dir, original = bundle
+    lib = tmp_path / "machine-lib"
+    lib.mkdir()
+    for name in LEFT:
+        (lib / name).write_bytes(original[f"cpu/bin/{name}"])
+    usable = tmp_path / "usable-bundle"
+    shutil.copytree(out_dir, usable)
+    # the bundle's left-out files are found under /usr/local/cuda*/lib64, the system or the nvidia
+    # wheels; here none has them, so the check runs on a bundle that left nothing out
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu_bundle.py"), "reassemble", str(usable),
+                           str(tmp_path / "whole.tar.gz")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "is not on this machine" in proc.stderr
+    whole = gb.reassemble(usable, tmp_path / "whole.tar.gz", roots=[lib])
+    assert whole.substituted == {}
+    gb.make(tmp_path / "whole.tar.gz", usable, left_out=(), preset=0)
+
+    out = tmp_path / "out"
+    proc = _gpu_check(usable, out, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads((out / "gpu-check.json").read_text())
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert status == {"venv": "PASS", "import": "PASS", "probe": "PASS", "hub": "PASS", "pipeline": "PASS",
+                      "real": "SKIP", "speed": "SKIP"}
+    assert report["passed"] and report["skipped"] == ["real", "speed"]
+    assert "PASS (real, speed skipped)" in proc.stdout
+    steps = {s["name"]: s for s in report["steps"]}
+    assert steps["import"]["summary"].startswith("--from accepted it")
+    assert steps["pipeline"]["details"]["manifest"]["llama_cpp"]["server_path"].startswith(
+        steps["import"]["details"]["server"].rsplit("/llama-cache/", 1)[0] + "/llama-cache/")
+
+    proc = _gpu_check(out_dir, tmp_path / "out-failed", tmp_path)  # its left-out files are nowhere here
+    assert proc.returncode == 1
+    assert "| import | FAIL |" in proc.stdout and "is not on this machine" in proc.stdout
