@@ -173,31 +173,22 @@ def apply_hub_facts(
             art[fld] = value
             changes.append(LockChange(name, f"{key}.{fld}", value))
     tpl = entry.get(TEMPLATE_KEY)
+    if not tpl:
+        return changes, problems
     art = entry.get("artifact")
-    if tpl and art and art.get("file") is None and tpl["repo"] == art["repo"]:
+    ask_at = tpl.get("revision")
+    if ask_at is None and art and art.get("file") is None and tpl["repo"] == art["repo"]:
         # A template inside the snapshot goes with the snapshot's commit (registry/schema.py): pinned
         # alone, while the snapshot follows main, it would name a commit the fetch no longer loads.
         if art.get("revision") is None:
-            if tpl.get("revision") is None:
-                problems.append(LockProblem(
-                    name, f"{TEMPLATE_KEY}.revision", "error",
-                    f"left unpinned: it is a file of the {art['repo']} snapshot, whose revision was not pinned "
-                    "(see the artifact's problem); both are pinned together once it is"))
+            problems.append(LockProblem(
+                name, f"{TEMPLATE_KEY}.revision", "error",
+                f"left unpinned: it is a file of the {art['repo']} snapshot, whose revision was not pinned "
+                "(see the artifact's problem); both are pinned together once it is"))
             return changes, problems
-        if tpl.get("revision") is None:
-            facts = lookup(art["repo"], art["revision"])
-            if isinstance(facts, str):
-                problems.append(LockProblem(name, TEMPLATE_KEY, "error", facts))
-            elif tpl["file"] not in facts.files:
-                problems.append(LockProblem(
-                    name, f"{TEMPLATE_KEY}.file", "error",
-                    f"{tpl['file']} is not in {tpl['repo']} at {facts.commit}; correct the template source"))
-            else:
-                tpl["revision"] = art["revision"]
-                changes.append(LockChange(name, f"{TEMPLATE_KEY}.revision", art["revision"]))
-            return changes, problems
-    if tpl and (tpl.get("revision") is None or verify_pinned):
-        facts = lookup(tpl["repo"], tpl.get("revision"))
+        ask_at = art["revision"]
+    if tpl.get("revision") is None or verify_pinned:
+        facts = lookup(tpl["repo"], ask_at)
         if isinstance(facts, str):
             problems.append(LockProblem(name, TEMPLATE_KEY, "error", facts))
         elif tpl["file"] not in facts.files:

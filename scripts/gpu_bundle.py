@@ -22,7 +22,6 @@ import of a different cuBLAS than the build's, which the check reports rather th
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import importlib
 import io
 import json
@@ -35,7 +34,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-MANIFEST = "SHA256SUMS"  # scripts/llama_build.py's
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_build import MANIFEST, _sha256 as sha256_file  # noqa: E402 - the archive's own rules
 BUNDLE_FORMAT = 1
 # Carried as files the GPU machine already has (its Python's nvidia-cublas wheel): the two libraries
 # that make a CUDA archive too large to carry.
@@ -63,14 +63,6 @@ class Reassembled:
     members: int
     found: dict[str, str]  # member -> the path on this machine it was taken from
     substituted: dict[str, str]  # member -> the sha256 of this machine's copy (differs from the build's)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _manifest(text: str) -> dict[str, str]:
@@ -113,7 +105,7 @@ def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, pre
                 kept.append(m.name)
         os.replace(tmp, out_dir / "build.tar.xz")
     templates = _pack_templates(archive, out_dir, preset)
-    record = {"format": BUNDLE_FORMAT, "archive": archive.name, "templates": templates, "archive_sha256": _sha256_file(archive),
+    record = {"format": BUNDLE_FORMAT, "archive": archive.name, "templates": templates, "archive_sha256": sha256_file(archive),
               "archive_bytes": archive.stat().st_size, "kept": kept, "left_out": [asdict(d) for d in dropped],
               "packed_bytes": (out_dir / "build.tar.xz").stat().st_size}
     (out_dir / "bundle.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -226,7 +218,7 @@ def reassemble(bundle_dir: Path, archive: Path, roots: list[Path] | None = None)
         if not paths:
             raise BundleError(f"{name} (left out of the bundle) is not on this machine under "
                               f"{', '.join(map(str, roots)) or 'any search root'}: carry the whole archive instead")
-        digests = {p: _sha256_file(p) for p in paths}
+        digests = {p: sha256_file(p) for p in paths}
         same = [p for p, d in digests.items() if d == item["sha256"]]
         chosen = same[0] if same else paths[0]
         take[item["member"]], found[item["member"]] = chosen, str(chosen)

@@ -20,8 +20,7 @@ import pytest
 from hotfit.core.settings import LLAMA_SDIST_VERSION
 from tests.conftest import REPO_ROOT
 from tests.gguf_fixtures import QWEN3_TEMPLATE_NAME, pinned_template
-from tests.test_build_archive import _llama_build, _script
-from tests.test_portable_build import _require_build
+from tests.test_build_archive import _llama_build, _script, exported  # noqa: F401 - `exported` is a fixture
 
 LEFT = ("libggml-cpu-x64.so", "libggml-cpu-zen4.so")  # stand-ins for libcublas*.so.13
 
@@ -44,17 +43,8 @@ def _members(archive: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real portable CPU build, exported as a build server does."""
-    _require_build("cpu")
-    archive = tmp_path_factory.mktemp("export") / "llama-server-cpu.tar.gz"
-    proc = _script("--backend", "cpu", "--export", str(archive))
-    assert proc.returncode == 0, proc.stderr
-    return archive
-
-
-@pytest.fixture(scope="module")
-def bundle(exported: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+def bundle(exported: Path,  # noqa: F811
+           tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     out = tmp_path_factory.mktemp("bundle")
     record = gb.make(exported, out, left_out=LEFT, preset=1)  # the level only trades time for size
     assert sorted(Path(d["member"]).name for d in record["left_out"]) == sorted(LEFT)
@@ -96,7 +86,7 @@ def test_another_copy_is_used_named_as_substituted_and_the_manifest_says_so(bund
     done = gb.reassemble(out, archive, roots=[machine])
     member = f"cpu/bin/{LEFT[1]}"
     assert list(done.substituted) == [member]
-    assert done.substituted[member] == gb._sha256_file(machine / LEFT[1]) != \
+    assert done.substituted[member] == gb.sha256_file(machine / LEFT[1]) != \
         gb._manifest(original["SHA256SUMS"].decode())[member]
     got = _members(archive)
     assert got[member] == other
@@ -116,7 +106,7 @@ def test_a_library_this_machine_lacks_is_refused_naming_it(bundle, tmp_path: Pat
     assert not list(tmp_path.glob("x.tar.gz.*.tmp"))
 
 
-def test_a_damaged_or_foreign_bundle_is_refused(tmp_path: Path, exported: Path,
+def test_a_damaged_or_foreign_bundle_is_refused(tmp_path: Path, exported: Path,  # noqa: F811
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(gb.BundleError, match="bundle.json is missing"):
         gb.reassemble(tmp_path, tmp_path / "x.tar.gz", roots=[])
@@ -139,7 +129,7 @@ def test_a_damaged_or_foreign_bundle_is_refused(tmp_path: Path, exported: Path,
         gb.make(exported, tmp_path / "d", preset=0)
 
 
-def test_the_cli_says_what_it_left_out(exported: Path, tmp_path: Path) -> None:
+def test_the_cli_says_what_it_left_out(exported: Path, tmp_path: Path) -> None:  # noqa: F811
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu_bundle.py"), "make", str(exported),
                            str(tmp_path / "b")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
