@@ -147,10 +147,12 @@ def test_the_cli_says_what_it_left_out(exported: Path, tmp_path: Path) -> None: 
 
 
 def _gpu_check(bundle_dir: Path, out: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """gpu-check --bundle on the CPU build, installing into ``tmp_path/imported`` (its own cache)."""
     env = {**os.environ, "HOTFIT_MODEL_CACHE": str(tmp_path / "no-models"), "PYTHONUNBUFFERED": "1"}
     env.pop("HOTFIT_LLAMA_CACHE", None)
     return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu-check"), "--backend", "cpu",
-                           "--bundle", str(bundle_dir), "--out", str(out), "--budget-s", "600"],
+                           "--bundle", str(bundle_dir), "--out", str(out), "--budget-s", "600",
+                           "--import-cache", str(tmp_path / "imported")],
                           capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT)
 
 
@@ -185,8 +187,9 @@ def test_gpu_check_with_a_bundle_on_a_machine_without_real_models(bundle, tmp_pa
     assert "PASS (real, speed skipped)" in proc.stdout
     steps = {s["name"]: s for s in report["steps"]}
     assert steps["import"]["summary"].startswith("--from accepted it")
-    assert steps["pipeline"]["details"]["manifest"]["llama_cpp"]["server_path"].startswith(
-        steps["import"]["details"]["server"].rsplit("/llama-cache/", 1)[0] + "/llama-cache/")
+    imported = tmp_path / "imported" / LLAMA_SDIST_VERSION / "cpu" / "bin" / "llama-server"
+    assert steps["import"]["details"]["server"] == str(imported) and imported.is_file()
+    assert steps["pipeline"]["details"]["manifest"]["llama_cpp"]["server_path"] == str(imported)
 
     proc = _gpu_check(out_dir, tmp_path / "out-failed", tmp_path)  # its left-out files are nowhere here
     assert proc.returncode == 1
