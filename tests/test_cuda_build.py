@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import tarfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -195,6 +197,60 @@ def test_the_cuda_build_says_which_architectures_it_holds_and_its_record_agrees(
     with pytest.raises(build.BuildArchiveError) as refused:
         build._checked_cuda_archs(bin_dir, {**info, "cuda_architectures": [*info["cuda_architectures"], "61"]})
     assert "were asked for: refusing the build" in str(refused.value)
+
+
+FATBIN_MAGIC = 0xBA55ED50
+FATBIN_KINDS = {1: "ptx", 2: "sass"}
+
+
+def _fatbin_entries(library: Path) -> Counter[tuple[str, int]]:
+    """(kind, architecture) of each code object in a CUDA module's ``.nv_fatbin`` section: "ptx"
+    (the driver compiles it for that and any later GPU) or "sass" (machine code). Read from the
+    entry headers, the fields cuobjdump lists (no toolkit wheel the install script uses ships it):
+    a container is (u32 magic, u16 version, u16 header size, u64 size); an entry (u16 kind, u16,
+    u32 header size, u64 payload size, ..., u32 architecture at byte 28)."""
+    sections = subprocess.run(["readelf", "-S", "-W", str(library)], capture_output=True, text=True,
+                              check=True).stdout
+    fields = next(line.split() for line in sections.splitlines() if " .nv_fatbin " in line)
+    at = fields.index(".nv_fatbin")
+    offset, size = int(fields[at + 3], 16), int(fields[at + 4], 16)
+    with open(library, "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    found: Counter[tuple[str, int]] = Counter()
+    pos = 0
+    while pos + 16 <= len(data):
+        magic, _version, header_size, fat_size = struct.unpack_from("<IHHQ", data, pos)
+        if magic != FATBIN_MAGIC:  # containers are 8-byte aligned
+            pos += 8
+            continue
+        entry, end = pos + header_size, pos + header_size + fat_size
+        while entry < end:
+            kind, _, entry_header, payload = struct.unpack_from("<HHIQ", data, entry)
+            found[(FATBIN_KINDS.get(kind, str(kind)), struct.unpack_from("<I", data, entry + 28)[0])] += 1
+            entry += entry_header + payload
+        pos = end
+    return found
+
+
+def test_each_cuda_architecture_holds_the_code_its_name_promises() -> None:
+    """What the architectures check (core/cuda_arch.py) assumes, read from the module: a plain
+    ``NN`` holds machine code and PTX (so a later GPU runs it after the driver compiles the PTX,
+    as an H100 runs the fleet build's 86), ``NN-real`` machine code only, ``NN-virtual`` PTX
+    only; for every CUDA object of the module, and nothing for an architecture not asked for."""
+    bin_dir = require_cuda_build()
+    info = _info(bin_dir)
+    entries = _fatbin_entries(bin_dir / "libggml-cuda.so")
+    assert entries, "no code objects read from .nv_fatbin"
+    objects = max(entries.values())
+    assert objects >= 100, entries  # ggml-cuda's sources: 144 in the pinned tree
+    numbers = set()
+    for arch in info["cuda_architectures"]:
+        number = int(re.match(r"\d+", arch)[0])
+        numbers.add(number)
+        assert entries[("sass", number)] == (0 if arch.endswith("-virtual") else objects), (arch, entries)
+        assert entries[("ptx", number)] == (0 if arch.endswith("-real") else objects), (arch, entries)
+    assert {a for _, a in entries} == numbers, entries
 
 
 def test_the_cuda_build_holds_its_module_the_cpu_variants_and_the_cuda_runtime() -> None:
