@@ -93,21 +93,24 @@ def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, pre
         except KeyError:
             raise BundleError(f"{archive} has no {MANIFEST}: re-export it with --export") from None
         tmp = out_dir / "build.tar.xz.tmp"
-        with lzma.open(tmp, "wb", preset=preset) as packed, tarfile.open(fileobj=packed, mode="w") as xz:
-            for m in members:
-                name = Path(m.name).name
-                if m.isfile() and m.name != MANIFEST and any(fnmatch.fnmatch(name, p) for p in left_out):
-                    if m.name not in listed:
-                        raise BundleError(f"{archive}: {m.name} is not in its {MANIFEST}; re-export the build")
-                    dropped.append(LeftOut(m.name, listed[m.name], m.size))
-                    continue
-                xz.addfile(m, tar.extractfile(m) if m.isfile() else None)
-                kept.append(m.name)
-        os.replace(tmp, out_dir / "build.tar.xz")
+        try:
+            with lzma.open(tmp, "wb", preset=preset) as packed, tarfile.open(fileobj=packed, mode="w") as xz:
+                for m in members:
+                    name = Path(m.name).name
+                    if m.isfile() and m.name != MANIFEST and any(fnmatch.fnmatch(name, p) for p in left_out):
+                        if m.name not in listed:
+                            raise BundleError(f"{archive}: {m.name} is not in its {MANIFEST}; re-export the build")
+                        dropped.append(LeftOut(m.name, listed[m.name], m.size))
+                        continue
+                    xz.addfile(m, tar.extractfile(m) if m.isfile() else None)
+                    kept.append(m.name)
+            os.replace(tmp, out_dir / "build.tar.xz")
+        finally:
+            tmp.unlink(missing_ok=True)
     templates = _pack_templates(archive, out_dir, preset)
-    record = {"format": BUNDLE_FORMAT, "archive": archive.name, "templates": templates, "archive_sha256": sha256_file(archive),
-              "archive_bytes": archive.stat().st_size, "kept": kept, "left_out": [asdict(d) for d in dropped],
-              "packed_bytes": (out_dir / "build.tar.xz").stat().st_size}
+    record = {"format": BUNDLE_FORMAT, "archive": archive.name, "archive_sha256": sha256_file(archive),
+              "archive_bytes": archive.stat().st_size, "templates": templates, "kept": kept,
+              "left_out": [asdict(d) for d in dropped], "packed_bytes": (out_dir / "build.tar.xz").stat().st_size}
     (out_dir / "bundle.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
