@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_build import MANIFEST, _sha256 as sha256_file  # noqa: E402 - the archive's own rules
+from llama_build import MANIFEST, BuildArchiveError, parse_manifest, _sha256 as sha256_file  # noqa: E402
 BUNDLE_FORMAT = 1
 # Carried as files the GPU machine already has (its Python's nvidia-cublas wheel): the two libraries
 # that make a CUDA archive too large to carry.
@@ -46,8 +46,9 @@ MISSING_ON_GPU_MACHINE = ("gguf", "structlog", "tenacity")
 GPU_MACHINE_PYTHON = "3.12"
 
 
-class BundleError(Exception):
-    """A bundle that cannot be made or put back together; the message says why and what to do."""
+class BundleError(BuildArchiveError):
+    """A bundle that cannot be made or put back together; the message says why and what to do.
+    (The archive's own checks, scripts/llama_build.py, raise their BuildArchiveError.)"""
 
 
 @dataclass(frozen=True)
@@ -65,19 +66,10 @@ class Reassembled:
     substituted: dict[str, str]  # member -> the sha256 of this machine's copy (differs from the build's)
 
 
-def _manifest(text: str) -> dict[str, str]:
-    listed: dict[str, str] = {}
-    for line in text.splitlines():
-        digest, _, name = line.partition("  ")
-        if len(digest) != 64 or not name:
-            raise BundleError(f"malformed {MANIFEST} line '{line[:80]}': re-export the build")
-        listed[name] = digest
-    return listed
-
-
-def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, preset: int = 9) -> dict:
+def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, preset: int = 9,
+         wheels: tuple[str, ...] = ()) -> dict:
     """Split ``archive`` (an ``install-llama-server --export`` file) into ``out_dir`` (``preset``: xz's
-    level; 9 packs the CUDA module to about two thirds)."""
+    level; 9 packs the CUDA module to about two thirds); ``wheels``: the packages to add as wheels."""
     try:
         tar = tarfile.open(archive, "r:*")
     except (OSError, tarfile.TarError) as exc:
@@ -86,10 +78,11 @@ def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, pre
     out_dir.mkdir(parents=True, exist_ok=True)
     kept: list[str] = []
     dropped: list[LeftOut] = []
+    version = None
     with tar:
         members = tar.getmembers()
         try:
-            listed = _manifest(tar.extractfile(MANIFEST).read().decode())  # type: ignore[union-attr]
+            listed = parse_manifest(tar.extractfile(MANIFEST).read().decode(), archive)  # type: ignore[union-attr]
         except KeyError:
             raise BundleError(f"{archive} has no {MANIFEST}: re-export it with --export") from None
         tmp = out_dir / "build.tar.xz.tmp"
@@ -97,6 +90,8 @@ def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, pre
             with lzma.open(tmp, "wb", preset=preset) as packed, tarfile.open(fileobj=packed, mode="w") as xz:
                 for m in members:
                     name = Path(m.name).name
+                    if name == "build-info.json" and m.isfile():  # which pinned tree its templates come from
+                        version = json.loads(tar.extractfile(m).read()).get("sdist_version")  # type: ignore[union-attr]
                     if m.isfile() and m.name != MANIFEST and any(fnmatch.fnmatch(name, p) for p in left_out):
                         if m.name not in listed:
                             raise BundleError(f"{archive}: {m.name} is not in its {MANIFEST}; re-export the build")
@@ -107,10 +102,13 @@ def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, pre
             os.replace(tmp, out_dir / "build.tar.xz")
         finally:
             tmp.unlink(missing_ok=True)
-    templates = _pack_templates(archive, out_dir, preset)
+    if version is None:
+        raise BundleError(f"{archive} has no build-info.json naming its sdist_version: re-export the build")
+    templates = _pack_templates(str(version), out_dir, preset)
     record = {"format": BUNDLE_FORMAT, "archive": archive.name, "archive_sha256": sha256_file(archive),
               "archive_bytes": archive.stat().st_size, "templates": templates, "kept": kept,
-              "left_out": [asdict(d) for d in dropped], "packed_bytes": (out_dir / "build.tar.xz").stat().st_size}
+              "left_out": [asdict(d) for d in dropped], "packed_bytes": (out_dir / "build.tar.xz").stat().st_size,
+              "wheels": download_wheels(out_dir, wheels) if wheels else []}
     (out_dir / "bundle.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -126,15 +124,10 @@ def pinned_tree(sdist_version: str) -> Path:
 TEMPLATES = "models/templates"  # in the pinned tree: the chat templates the check's fixtures are served with
 
 
-def _pack_templates(archive: Path, out_dir: Path, preset: int) -> list[str]:
-    """The pinned tree's chat templates (tests/e2e_support serves its tool-call fixtures with one;
-    a GPU machine that builds nothing has no tree), packed as ``templates.tar.xz``."""
-    with tarfile.open(archive, "r:*") as tar:
-        info_member = next((m for m in tar.getmembers() if Path(m.name).name == "build-info.json"), None)
-        if info_member is None:
-            raise BundleError(f"{archive} has no build-info.json: re-export the build")
-        version = json.loads(tar.extractfile(info_member).read()).get("sdist_version")  # type: ignore[union-attr]
-    tree = pinned_tree(str(version))
+def _pack_templates(version: str, out_dir: Path, preset: int) -> list[str]:
+    """The chat templates of the pinned tree ``version`` (tests/e2e_support serves its tool-call
+    fixtures with one; a GPU machine that builds nothing has no tree), packed as ``templates.tar.xz``."""
+    tree = pinned_tree(version)
     files = sorted(p for p in (tree / TEMPLATES).glob("*") if p.is_file())
     if not files:
         raise BundleError(f"no chat templates under {tree / TEMPLATES}: the pinned llama.cpp tree "
@@ -238,8 +231,8 @@ def reassemble(bundle_dir: Path, archive: Path, roots: list[Path] | None = None)
             for m in src.getmembers():
                 data = src.extractfile(m) if m.isfile() else None
                 if m.name == MANIFEST and substituted:  # the manifest names what the archive now holds
-                    text = "".join(f"{substituted.get(n, d)}  {n}\n"
-                                   for n, d in _manifest(data.read().decode()).items())  # type: ignore[union-attr]
+                    listed = parse_manifest(data.read().decode(), bundle_dir)  # type: ignore[union-attr]
+                    text = "".join(f"{substituted.get(n, d)}  {n}\n" for n, d in listed.items())
                     m, data = _info(MANIFEST, len(text.encode()), m), io.BytesIO(text.encode())
                 dst.addfile(m, data)
                 count += 1
@@ -262,13 +255,10 @@ def _info(name: str, size: int, like: tarfile.TarInfo) -> tarfile.TarInfo:
 def main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["make"] and len(argv) in (3, 4) and argv[3:] in ([], ["--wheels"]):
-            record = make(Path(argv[1]), Path(argv[2]))
-            if argv[3:] == ["--wheels"]:
-                record["wheels"] = download_wheels(Path(argv[2]), tested_versions())
-                (Path(argv[2]) / "bundle.json").write_text(json.dumps(record, indent=2) + "\n")
+            record = make(Path(argv[1]), Path(argv[2]), wheels=tested_versions() if argv[3:] else ())
             left = ", ".join(f"{Path(d['member']).name} ({d['size_bytes']} B)" for d in record["left_out"])
             print(f"gpu_bundle: {argv[2]}/build.tar.xz {record['packed_bytes']} B from {record['archive_bytes']} B; "
-                  f"left out: {left or 'nothing'}; wheels: {', '.join(record.get('wheels', [])) or 'none'}",
+                  f"left out: {left or 'nothing'}; wheels: {', '.join(record['wheels']) or 'none'}",
                   file=sys.stderr)
         elif argv[:1] == ["reassemble"] and len(argv) == 3:
             done = reassemble(Path(argv[1]), Path(argv[2]))
@@ -276,7 +266,7 @@ def main(argv: list[str]) -> int:
         else:
             print(__doc__, file=sys.stderr)
             return 2
-    except BundleError as exc:
+    except BuildArchiveError as exc:  # BundleError, or the archive's own checks
         print(f"gpu_bundle: refused: {exc}", file=sys.stderr)
         return 1
     return 0

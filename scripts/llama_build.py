@@ -229,16 +229,22 @@ def _unpack(archive: Path, into: Path) -> str:
     return flavours.pop()
 
 
-def _check_manifest(root: Path, flavour: str, archive: Path) -> None:
-    manifest = root / MANIFEST
-    if not manifest.is_file():
-        raise BuildArchiveError(f"{archive} has no {MANIFEST}: re-export it with --export")
+def parse_manifest(text: str, archive: Path) -> dict[str, str]:
+    """An archive's ``SHA256SUMS`` ("<sha256>  <flavour>/bin/<name>" a line) -> {member: sha256}."""
     listed: dict[str, str] = {}
-    for line in manifest.read_text().splitlines():
+    for line in text.splitlines():
         digest, _, name = line.partition("  ")
         if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
             raise BuildArchiveError(f"{archive}: malformed {MANIFEST} line '{line[:80]}'")
         listed[name] = digest
+    return listed
+
+
+def _check_manifest(root: Path, flavour: str, archive: Path) -> None:
+    manifest = root / MANIFEST
+    if not manifest.is_file():
+        raise BuildArchiveError(f"{archive} has no {MANIFEST}: re-export it with --export")
+    listed = parse_manifest(manifest.read_text(), archive)
     present = {f"{flavour}/bin/{p.name}" for p in (root / flavour / "bin").iterdir()}
     if present != set(listed):
         raise BuildArchiveError(f"{archive}: {MANIFEST} and the files disagree "
