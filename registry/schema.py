@@ -248,7 +248,6 @@ def check_rules(f: Fields, e: Entry) -> None:
     if e.license not in PERMISSIVE_LICENSES:
         raise f.fail("license", f"is {e.license!r}; automatic selection requires {' or '.join(PERMISSIVE_LICENSES)}",
                      "set auto_eligible to false with the licence as its reason")
-    art = e.artifact
     if art is None:
         raise f.fail("artifact", "is null on an auto-eligible entry", "record the artifact or set auto_eligible to false")
     # Spec ("Publisher and artifact evidence"): GGUF downloads are pinned to verified revisions;

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from hotfit.backends.llama_server.discovery import find_llama_server
+from hotfit.core.cuda_arch import arch_numbers
 from hotfit.core.isa import AMX_CPUINFO
 from hotfit.core.settings import load_settings
 from tests.hardware_matrix import nvidia_smi_standin
@@ -188,7 +189,7 @@ def test_the_cuda_build_says_which_architectures_it_holds_and_its_record_agrees(
     stub = info["libcuda"] if info["driver"] is None else None
     reported = build.reported_cuda_archs(bin_dir, stub)
     assert reported is not None
-    assert set(reported) == {re.match(r"\d+", a)[0] for a in info["cuda_architectures"]}
+    assert set(reported) == arch_numbers(info["cuda_architectures"])
     if "cuda_architectures_compiled" in info:  # recorded by builds since the check (docs/builds.md)
         assert info["cuda_architectures_compiled"] == list(reported)
     if not HAS_DRIVER:
@@ -244,13 +245,12 @@ def test_each_cuda_architecture_holds_the_code_its_name_promises() -> None:
     assert entries, "no code objects read from .nv_fatbin"
     objects = max(entries.values())
     assert objects >= 100, entries  # ggml-cuda's sources: 144 in the pinned tree
-    numbers = set()
     for arch in info["cuda_architectures"]:
-        number = int(re.match(r"\d+", arch)[0])
-        numbers.add(number)
+        (number_text,) = arch_numbers([arch])
+        number = int(number_text)
         assert entries[("sass", number)] == (0 if arch.endswith("-virtual") else objects), (arch, entries)
         assert entries[("ptx", number)] == (0 if arch.endswith("-real") else objects), (arch, entries)
-    assert {a for _, a in entries} == numbers, entries
+    assert {str(a) for _, a in entries} == arch_numbers(info["cuda_architectures"]), entries
 
 
 def test_the_cuda_build_holds_its_module_the_cpu_variants_and_the_cuda_runtime() -> None:
