@@ -21,6 +21,8 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 PROJECT_PACKAGES = ("core", "registry", "state", "grading", "download", "backends", "stages", "pipeline")
 
@@ -135,15 +137,37 @@ def _bare_layer_imports(path: Path, root: Path = REPO) -> list[str]:
 
 
 def test_the_layers_are_imported_only_through_the_one_namespace() -> None:
-    # The distribution installs one package, hotfit (pyproject [tool.setuptools.packages.find]), whose
-    # folders link the repository's top-level ones: code, tests and scripts name hotfit.<layer>.
+    # The distribution installs one package, hotfit (pyproject [tool.setuptools.packages.find]); its
+    # layers are real folders under hotfit/ (the paths tracebacks print and git keeps), and the
+    # design card's top-level names link to them: code, tests and scripts name hotfit.<layer>.
     for package in PROJECT_PACKAGES:
-        link = REPO / "hotfit" / package
-        assert link.is_symlink() and link.resolve() == (REPO / package).resolve(), link
+        real, link = REPO / "hotfit" / package, REPO / package
+        assert real.is_dir() and not real.is_symlink(), real
+        assert link.is_symlink() and link.resolve() == real.resolve(), link
     files = [p for _, p in _modules()] + sorted((REPO / "tests").rglob("*.py"))
     files += [p for p in sorted((REPO / "scripts").iterdir()) if p.is_file()]
     offenders = [hit for path in files for hit in _bare_layer_imports(path)]
     assert offenders == [], "import the layers as hotfit.<layer>:\n" + "\n".join(offenders)
+
+
+def test_a_traceback_names_a_path_git_keeps() -> None:
+    # A traceback from the installed package prints hotfit/<layer>/<module>.py: git must know that
+    # path (git log, git blame), and grep/find must see the code there without following links.
+    code = "import hotfit.core.settings as s; s.endpoint_url('ftp://nowhere')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    frames = re.findall(r'File "([^"]+)"', proc.stderr)
+    ours = [Path(f) for f in frames if "/hotfit/" in f]
+    assert ours, proc.stderr
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.fail("git and the checkout's .git are needed to check the paths a traceback prints")
+    for frame in ours:
+        relative = frame.resolve().relative_to(REPO.resolve())
+        assert str(frame).endswith(str(relative)), (frame, relative)  # printed as git keeps it, no link between
+        blame = subprocess.run(["git", "blame", "-L", "1,1", "--", str(relative)], cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+        assert blame.returncode == 0, blame.stderr
+    defs = subprocess.run(["grep", "-rl", "^def \\|^class ", str(REPO / "hotfit")], capture_output=True, text=True)
+    assert len(defs.stdout.splitlines()) > 50, defs.stdout
 
 
 def test_the_namespace_check_sees_a_bare_import(tmp_path: Path) -> None:
