@@ -6,17 +6,36 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.conftest import LAYERS
+
 TESTS = Path(__file__).resolve().parent
-PROJECT_PACKAGES = ("pipeline", "registry", "stages", "state", "tests")
+# A project module is hotfit's (imported as hotfit.<layer>, CONTRIBUTING.md "Layout"), a layer under
+# its bare name (a second copy, which tests/conftest.py refuses) or a test helper.
+PROJECT_PACKAGES = ("hotfit", *LAYERS, "tests")
+_IMPORTORSKIP_OF_THE_PROJECT = re.compile(r"importorskip\(\s*[rbuf]?[\"'](?:" + "|".join(PROJECT_PACKAGES) + r")\b")
 
 
 def _test_sources() -> dict[str, str]:
     return {p.name: p.read_text(encoding="utf-8") for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name}
 
 
+def importorskips_of_the_project(text: str) -> list[int]:
+    """Line numbers of each ``importorskip`` of one of the project's own modules in ``text``."""
+    return [n for n, line in enumerate(text.splitlines(), 1) if _IMPORTORSKIP_OF_THE_PROJECT.search(line)]
+
+
+def test_the_importorskip_check_finds_what_it_forbids() -> None:
+    bad = ['pytest.importorskip("hotfit.stages.plan")', "importorskip( 'hotfit' )",
+           'pytest.importorskip("tests.openvino_fixtures")', 'pytest.importorskip("stages.plan")',
+           'pytest.importorskip(f"hotfit.backends.{name}")']
+    assert importorskips_of_the_project("\n".join(bad)) == [1, 2, 3, 4, 5]
+    good = ['pytest.importorskip("pynvml")', 'pytest.importorskip("openvino_genai")',
+            'pytest.importorskip("hotfitter")', 'import hotfit.stages.plan']
+    assert importorskips_of_the_project("\n".join(good)) == []
+
+
 def test_no_importorskip_of_the_projects_own_modules() -> None:
-    pattern = re.compile(r"importorskip\(\s*[\"'](" + "|".join(PROJECT_PACKAGES) + r")\b")
-    offenders = [name for name, text in _test_sources().items() if pattern.search(text)]
+    offenders = [f"{name}:{n}" for name, text in _test_sources().items() for n in importorskips_of_the_project(text)]
     assert offenders == [], f"importorskip of a project module hides a broken import: {offenders}"
 
 
