@@ -63,6 +63,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
+from tests.polling import connections_to_accept_at
+
 # The real Hub stores files above ~10 MB in LFS (its pre-receive hook); tests can force any file LFS.
 DEFAULT_LFS_THRESHOLD_BYTES = 10 * 1000 * 1000
 # Read and send file bodies in bounded chunks: a multi-GiB file never sits in memory.
@@ -539,6 +541,18 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128  # many parallel range connections must not wait on SYN retransmits
     hub: LocalHub
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        # accepted and tracked in one step under the hub's lock, so LocalHub.idle never sees a
+        # connection that has left the accept queue and is not tracked yet
+        with self.hub._lock:
+            conn, address = super().get_request()
+            self.hub._connections.add(conn)
+        return conn, address
+
+    def shutdown_request(self, request: Any) -> None:
+        self.hub._track(request, add=False)
+        super().shutdown_request(request)
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; every response carries Content-Length
@@ -548,16 +562,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # the request log is `LocalHub.requests`
-
-    def setup(self) -> None:
-        super().setup()
-        self.server.hub._track(self.connection, add=True)
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.hub._track(self.connection, add=False)
 
     def do_GET(self) -> None:
         self._serve("GET")
@@ -1076,6 +1080,12 @@ class LocalHub:
     def _track(self, conn: socket.socket, *, add: bool) -> None:
         with self._lock:
             (self._connections.add if add else self._connections.discard)(conn)
+
+    def idle(self) -> bool:
+        """No connection open or waiting to be accepted: every response has ended and is in the
+        request log (a killed client's last one is logged when the server notices it is gone)."""
+        with self._lock:
+            return not self._connections and connections_to_accept_at(self.port) == 0
 
     # ---- routing and auth
 

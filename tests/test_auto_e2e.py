@@ -27,6 +27,7 @@ import pytest
 from tests.e2e_support import LARGE, SMALL, GiB, World, sha256_of, write_probe
 from tests.gguf_fixtures import pinned_template, require_llama_server, write_standin_llama_server
 from tests.hubserver import LocalHub
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
@@ -90,29 +91,12 @@ def events(home: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def wait_for(predicate: Any, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def log_lines(home: Path) -> int:
     path = home / "logs" / "hotfit.jsonl"
     try:
         return path.read_bytes().count(b"\n")
     except FileNotFoundError:
         return 0
-
-
-def settle(hub: LocalHub, quiet_s: float = 0.3) -> None:
-    """Wait until the Hub's request log stops growing (in-flight responses have ended)."""
-    count, since = len(hub.requests), time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        time.sleep(0.05)
-        if len(hub.requests) != count:
-            count, since = len(hub.requests), time.monotonic()
 
 
 def sidecar_done_bytes(model_dir: Path) -> int:
@@ -303,8 +287,8 @@ def test_two_concurrent_runs_one_waits_or_exits_naming_the_holder(hub: LocalHub,
     hub.inject(file="*.gguf", throughput_bps=THROTTLE_BPS, times=None)
     first = start(hub, home, world, probe)
     try:
-        wait_for(lambda: (home / "pipeline.lock").exists()
-                 and (home / "pipeline.lock").read_text().startswith(f"{first.pid} "), what="the first run's lock")
+        wait_until(lambda: (home / "pipeline.lock").exists()
+                   and (home / "pipeline.lock").read_text().startswith(f"{first.pid} "), "the first run's lock")
         second = auto(hub, home, world, probe, "--json")
         assert second.returncode == 6
         assert f"PID {first.pid}" in second.stderr
@@ -334,12 +318,12 @@ def _interrupt_mid_download(hub: LocalHub, home: Path, world: World, probe: Path
     proc = start(hub, home, world, probe, "--json", server=server)
     # SIGTERM once a checkpoint claims bytes (state, not a sleep: a loaded machine starts late), while
     # most of the body is still to come (at 24 kB/s the rest takes seconds)
-    wait_for(lambda: sidecar_done_bytes(home / "models" / LARGE) > 0, what="a checkpoint to claim downloaded bytes")
+    wait_until(lambda: sidecar_done_bytes(home / "models" / LARGE) > 0, "a checkpoint to claim downloaded bytes")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert json.loads(out)["error"]["code"] == "interrupted"
-    settle(hub)
+    wait_until(hub.idle, "the Hub to log the interrupted run's last response")
     first_bytes = hub.bytes_sent(large.artifact.file)
     assert 0 < first_bytes < large.artifact.size_bytes
     status = json.loads(subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "status", "--json"],
@@ -421,7 +405,7 @@ def test_kill_9_at_many_points_then_rerun_completes(hub: LocalHub, world: World,
         hub.inject(file="*.gguf", throughput_bps=THROTTLE_BPS, times=None)
         hub.reset_counters()
         proc = start(hub, home, world, probe)
-        wait_for(lambda: log_lines(home) >= lines or proc.poll() is not None, what=f"event {lines}")
+        wait_until(lambda: log_lines(home) >= lines or proc.poll() is not None, f"event {lines}")
         time.sleep(delay_s)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -435,7 +419,7 @@ def test_kill_9_at_many_points_then_rerun_completes(hub: LocalHub, world: World,
                              for e in killed_events)
         if (home / final).exists():  # a final path never holds a partial or unverified file
             assert sha256_of(home / final) == large.artifact.sha256, (lines, delay_s)
-        settle(hub)  # the killed client's last response is logged when the server notices it is gone
+        wait_until(hub.idle, "the Hub to log the killed client's last response")
         checkpointed = sidecar_done_bytes(home / "models" / LARGE)
         hub.clear_faults()
         hub.reset_counters()

@@ -18,7 +18,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tests.conftest import REPO_ROOT
 from tests.e2e_support import GiB, World, write_probe
 from tests.gguf_fixtures import write_standin_llama_server
 from tests.hubserver import LocalHub
+from tests.polling import unread_request_bytes_at, wait_until
 
 
 def log_events(home: Path) -> list[dict]:
@@ -314,14 +314,6 @@ def sleeping_server(path: Path, started: Path) -> Path:
     return path
 
 
-def _wait_until(predicate, proc: subprocess.Popen[str], what: str, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s  # a hang guard, not a timing assertion
-    while not predicate():
-        assert proc.poll() is None, f"exited {proc.returncode} before {what}: {proc.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
-
-
 def _log_has(home: Path, event: str) -> bool:
     try:
         return any(e.get("event") == event for e in log_events(home))
@@ -375,16 +367,17 @@ def test_sigterm_is_exit_130_with_a_message_and_a_logged_failure_for_every_comma
         entry.update(auto_eligible=False, ineligible_reason="not yet pinned", ineligible_cause="unverified")
         unpinned.write_text(json.dumps(data))
         argv = ["registry", "lock", "--registry", str(unpinned)]
-        ready = lambda: _log_has(home, "registry.lock.query")  # noqa: E731
+        # inside the blocking call: the Hub is still dribbling the answer to the query it logged
+        ready = lambda: _log_has(home, "registry.lock.query") and not hub.idle()  # noqa: E731
     else:
         listener, url = silent_server()
         argv = ["grade", "--endpoint", url, "--tier", "quick"]
-        ready = lambda: _log_has(home, "grade.start")  # noqa: E731
+        # inside the blocking call: the request sits unread at the endpoint that never answers
+        ready = lambda: unread_request_bytes_at(listener.getsockname()[1]) > 0  # noqa: E731
     proc = subprocess.Popen([*base, *argv, "--json"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_until(ready, proc, f"{command} to reach its blocking point")
-        time.sleep(0.3)  # into the blocking call itself (either side of it must give 130 too)
+        wait_until(ready, f"{command} to reach its blocking call", proc=proc)
         os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from tests.gguf_fixtures import (
     write_truncated_copy,
     write_unsupported_arch_model,
 )
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -179,15 +179,6 @@ def children_of(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
             out.append(int(entry.name))
     return out
-
-
-def wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process_gone(pid):
-            return True
-        time.sleep(0.05)
-    return process_gone(pid)
 
 
 FULL_FEATURES = ServerFeatures(
@@ -685,7 +676,8 @@ def test_signal_to_hotfit_takes_the_server_down(tmp_path: Path, sig: signal.Sign
         assert not process_gone(server_pid)
         holder.send_signal(sig)
         holder.wait(timeout=30)
-        assert wait_gone(server_pid), f"llama-server {server_pid} outlived hotfit after {sig.name}"
+        wait_until(lambda: process_gone(server_pid), f"llama-server {server_pid} to end with hotfit after {sig.name}",
+                   timeout_s=15)
     finally:
         if holder.poll() is None:
             holder.kill()

@@ -8,14 +8,15 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import anyio
 import pytest
+import structlog.testing
 
 from hotfit.core.errors import LockedError
 from hotfit.state.locks import FileLock, read_holder
+from tests.polling import wait_until
 
 
 def _hold_in_subprocess(path: Path) -> subprocess.Popen[str]:
@@ -68,10 +69,11 @@ def test_wait_true_queues_until_the_holder_releases(tmp_path: Path) -> None:
         with FileLock(path, wait=True):
             got.append(read_holder(path).pid or 0)
 
-    t = threading.Thread(target=second)
-    t.start()
-    time.sleep(0.3)  # the waiter is polling, not holding
-    assert got == [] and read_holder(path).pid == os.getpid()
+    with structlog.testing.capture_logs() as events:
+        t = threading.Thread(target=second)
+        t.start()
+        wait_until(lambda: any(e["event"] == "lock.wait" for e in events), "the waiter to find the lock held")
+    assert got == [] and read_holder(path).pid == os.getpid()  # it waits, not holds
     first.release()
     t.join(timeout=10)
     assert got == [os.getpid()]
@@ -118,12 +120,9 @@ def test_signal_while_auto_waits_for_the_home_lock_is_a_clean_interrupt(tmp_path
              "--probe-file", str(tmp_path / "probe.json")],
             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         log_file = home / "logs" / "hotfit.jsonl"
-        deadline = time.monotonic() + 60
         try:
-            while not (log_file.exists() and '"lock.wait"' in log_file.read_text()):
-                assert proc.poll() is None, "auto --wait exited while the lock was held"
-                assert time.monotonic() < deadline, "no lock.wait event"
-                time.sleep(0.05)
+            wait_until(lambda: log_file.exists() and '"lock.wait"' in log_file.read_text(),
+                       "auto --wait to log lock.wait while the lock is held", proc=proc)
             os.kill(proc.pid, signum)
             out, err = proc.communicate(timeout=60)
         finally:

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from tests.openvino_fixtures import (
     ov_plan,
     require_openvino_genai,
 )
+from tests.polling import wait_until
 from tests.test_load import process_gone
 
 pytestmark = [pytest.mark.openvino, pytest.mark.anyio]
@@ -250,10 +250,7 @@ def test_the_worker_dies_with_hotfit(tool_ir: OvFixture, tmp_path: Path, sig: in
         assert not process_gone(worker_pid)
         holder.send_signal(sig)
         holder.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while not process_gone(worker_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_gone(worker_pid)
+        wait_until(lambda: process_gone(worker_pid), f"the worker {worker_pid} to end with its holder", timeout_s=10)
     finally:
         holder.kill()
         holder.wait()

@@ -33,6 +33,7 @@ from hotfit.stages.probe_tool_call import (
     probe_tool_call,
 )
 from tests.gguf_fixtures import FixtureInfo, pinned_template, require_llama_server, write_tool_call_model
+from tests.polling import unread_request_bytes_at, wait_until_async
 from tests.test_load import children_of, fixture_plan, process_gone
 
 
@@ -377,7 +378,8 @@ async def test_server_killed_mid_probe_is_a_clear_error_and_no_orphan(tool_model
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(probe)
-            await anyio.sleep(0.5)
+            await wait_until_async(lambda: unread_request_bytes_at(srv.port) > 0,
+                                   "the probe's request to wait at the stopped server")
             os.kill(pid, signal.SIGKILL)  # ...until the server dies mid-probe
     assert failure, "the probe must fail when the server dies"
     err = failure[0]

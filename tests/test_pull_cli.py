@@ -13,7 +13,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from hotfit.core.entry import Entry, TemplateSource
 from hotfit.download import partial_paths
 from tests.conftest import REPO_ROOT
 from tests.hubserver import LocalHub
+from tests.polling import wait_until
 from tests.test_fetch_weights import make_entry, make_gguf, sha256_of
 
 MiB = 1 << 20
@@ -76,18 +76,6 @@ def _done(sidecar: Path) -> int:
         return 0
 
 
-def _wait_for(predicate: Any, proc: subprocess.Popen[bytes], what: str, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s  # a hang guard, not a timing assertion
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stderr.read().decode()[-2000:]}"
-                                 if proc.stderr else f"process exited before {what}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_pull_end_to_end_json(local_hub: LocalHub, model: dict[str, Any]) -> None:
     out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env_for(local_hub),
                          cwd=REPO_ROOT, capture_output=True, timeout=120)
@@ -123,9 +111,11 @@ def test_kill_9_at_several_points_then_rerun_completes(local_hub: LocalHub, mode
                                          "--connections", str(connections)),
                                 env=env_for(local_hub), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
-        _wait_for(lambda: _done(model["sidecar"]) >= fraction * size, proc, f"{fraction:.0%} on disk")
-        proc.kill()  # SIGKILL: no handler, no cleanup
-        proc.wait()
+        try:
+            wait_until(lambda: _done(model["sidecar"]) >= fraction * size, f"{fraction:.0%} on disk", proc=proc)
+        finally:
+            proc.kill()  # SIGKILL: no handler, no cleanup
+            proc.wait()
         kills += 1
         assert not model["final"].exists()  # never a partial file at the final path
     before_rerun = _done(model["sidecar"])
@@ -177,7 +167,13 @@ def test_two_concurrent_pulls(local_hub: LocalHub, model: dict[str, Any]) -> Non
     first = subprocess.Popen(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lock = model["home"] / "models" / "test-model" / ".partial" / "pull.lock"
-    _wait_for(lambda: lock.exists() and lock.read_text().startswith(f"{first.pid} "), first, "the first to lock")
+    try:
+        wait_until(lambda: lock.exists() and lock.read_text().startswith(f"{first.pid} "), "the first to lock",
+                   proc=first)
+    except AssertionError:
+        first.kill()
+        first.wait()
+        raise
     second = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
                             capture_output=True, timeout=120)
     assert second.returncode == 6

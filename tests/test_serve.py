@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +25,7 @@ from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model
 from hotfit.stages.plan import build_plan
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import free_port, pinned_template, require_llama_server, tool_template_text
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 F16 = parse_kv_cache_type("f16")
@@ -152,6 +153,16 @@ def test_missing_model_file_is_reported(provisioned: dict, tmp_path: Path) -> No
     assert code == 2
 
 
+def _props(port: int, answers: list[dict[str, Any]]) -> bool:
+    """Whether the server on ``port`` answers /props (its answer appended to ``answers``)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=2) as resp:
+            answers.append(json.loads(resp.read()))
+            return True
+    except OSError:
+        return False
+
+
 @pytest.mark.llama
 def test_serve_starts_llama_server_with_the_window(provisioned: dict, tmp_path: Path) -> None:
     require_llama_server()
@@ -162,16 +173,9 @@ def test_serve_starts_llama_server_with_the_window(provisioned: dict, tmp_path: 
                              "json", "serve", "--port", str(port), "--probe-file", str(probe)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        props = None
-        while time.monotonic() < deadline and props is None:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=2) as resp:
-                    props = json.loads(resp.read())
-            except OSError:
-                time.sleep(0.1)
-        assert props is not None, "llama-server did not come up"
+        answers: list[dict[str, Any]] = []
+        wait_until(lambda: _props(port, answers), "llama-server to come up", proc=proc)
+        props = answers[0]
         assert props["default_generation_settings"]["n_ctx"] == 65536
         # serve exec'd llama-server: the process we started *is* the server, so signals reach it
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from hotfit.backends.llama_server.flags import ServerFeatures, llama_server_argv
 from hotfit.core.plan import Device, ProbeResult
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "fx-agent"
@@ -70,6 +70,14 @@ def test_argv_names_the_model_and_turns_metrics_on(home: dict) -> None:
 # ----------------------------------------------------------------------------- the real server
 
 
+def _healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.HTTPError):
+        return False
+
+
 @pytest.fixture(scope="module")
 def served(home: dict) -> Iterator[dict[str, Any]]:
     """`hotfit serve` on the fixture with an API key file; yields its base URL and key."""
@@ -85,17 +93,7 @@ def served(home: dict) -> Iterator[dict[str, Any]]:
                              str(key_file)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except (OSError, urllib.error.HTTPError):
-                pass
-            assert time.monotonic() < deadline, "hotfit serve did not come up"
-            time.sleep(0.2)
+        wait_until(lambda: _healthy(base), "hotfit serve to come up", timeout_s=90, proc=proc)
         yield {"base": base, "key": key}
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from tests.e2e_support import LARGE, SMALL, GiB, World, write_probe
 from tests.gguf_fixtures import free_port
 from tests.hubserver import LocalHub
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.llama
 REPO = Path(__file__).resolve().parent.parent
@@ -92,11 +92,7 @@ def test_rerun_while_serving_keeps_the_served_model_and_changes_nothing(hub: Loc
                               "--port", str(port), "--probe-file", str(roomy)],
                              cwd=REPO, env=env_for(hub), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while health(port) != 200:
-            assert serve.poll() is None, serve.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "llama-server did not come up"
-            time.sleep(0.1)
+        wait_until(lambda: health(port) == 200, "llama-server to come up", proc=serve)
         assert llama_servers_of(home) == {serve.pid}  # serve exec'd llama-server: same pid
         record = json.loads((home / "serve.pid").read_text())
         assert record["pid"] == serve.pid and record["port"] == port
