@@ -16,6 +16,8 @@ from tests.e2e_support import World, build_world
 from tests.gguf_fixtures import pinned_template, require_llama_server, tool_template_text
 from tests.hubserver import LocalHub, serve_handler
 
+pytest_plugins = ("tests.tiers",)  # each module's tier, and the unit tier's guard (CONTRIBUTING.md "Test tiers")
+
 # Never let huggingface_hub reach the real Hub or send Xet headers / telemetry from tests.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"

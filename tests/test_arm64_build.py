@@ -29,6 +29,8 @@ from hotfit.core.settings import LLAMA_SDIST_VERSION
 from tests.test_build_archive import _llama_build, _refused, _script
 from tests.test_portable_build import HARDWARE, _bin_dir, _info, _realmodels, _run_here
 
+TIER = "integration"
+
 FLAVOUR = "cpu-aarch64"
 REQUIRE_ARM64_ENV = "HOTFIT_REQUIRE_ARM64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")  # Debian's libc6-arm64-cross: the loader and libc qemu runs with

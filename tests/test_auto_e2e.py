@@ -29,6 +29,8 @@ from tests.gguf_fixtures import pinned_template, require_llama_server, write_sta
 from tests.hubserver import LocalHub
 from tests.polling import wait_until
 
+TIER = "e2e"
+
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
 ROOMY_FREE_BYTES = 8 * GiB  # both fixtures fit with their whole 65536-token window

@@ -33,6 +33,8 @@ from tests.openvino_fixtures import (
 )
 from tests.test_load import process_gone
 
+TIER = "e2e"
+
 pytestmark = pytest.mark.openvino
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]

@@ -24,6 +24,8 @@ from hotfit.core.errors import BackendError, BackendNotFound
 from hotfit.core.settings import LLAMA_SDIST_VERSION, load_settings
 from tests import gguf_fixtures as gf
 
+TIER = "integration"
+
 
 def _fake_server(directory: Path, *, version: str = "7.7.7", exit_code: int = 0, mode: int = 0o755) -> Path:
     """A real executable that answers --version the way llama-server does (on stderr)."""

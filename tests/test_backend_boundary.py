@@ -35,6 +35,8 @@ from tests.gguf_fixtures import pinned_template, require_llama_server, write_too
 from tests.openvino_fixtures import open_ov_fixture
 from tests.test_load import fixture_plan
 
+TIER = "unit"
+
 pytestmark = pytest.mark.anyio
 
 CALL = {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [

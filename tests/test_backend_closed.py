@@ -19,6 +19,8 @@ from hotfit.core.settings import load_settings
 from hotfit.pipeline.evidence import EvidenceUnavailable, backend_build
 from tests.entries import entry
 
+TIER = "unit"
+
 REPO = Path(__file__).resolve().parent.parent
 
 

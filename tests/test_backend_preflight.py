@@ -19,6 +19,8 @@ from hotfit.core.plan import Device, ProbeResult
 from tests.e2e_support import GiB, SMALL, World, write_probe
 from tests.hubserver import LocalHub
 
+TIER = "integration"
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -29,6 +29,8 @@ from tests.gguf_fixtures import write_gemma3_swa_model, write_llama_model
 from tests.real_models import GEMMA3, SMOLLM2, fetch_script, require_model
 from tests.test_load import process_gone
 
+TIER = "integration"
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 MiB = 1 << 20
 

@@ -22,6 +22,8 @@ from hotfit.core.settings import LLAMA_SDIST_VERSION, load_settings
 from tests.conftest import REPO_ROOT
 from tests.test_portable_build import _require_build
 
+TIER = "integration"
+
 SCRIPT = REPO_ROOT / "scripts" / "install-llama-server"
 
 

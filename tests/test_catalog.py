@@ -15,6 +15,8 @@ from hotfit.pipeline.registry_file import bundled_registry_path, load_registry
 from hotfit.registry.catalog import Registry, parse_registry, parse_registry_text
 from hotfit.core.entry import BACKENDS, INELIGIBLE_CAUSES, ORIGINS, PERMISSIVE_LICENSES
 
+TIER = "unit"
+
 BUNDLED_JSON = json.loads(bundled_registry_path().read_text(encoding="utf-8"))
 
 

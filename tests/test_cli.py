@@ -14,6 +14,8 @@ import pytest
 from hotfit.core import errors
 from hotfit.pipeline.cli import EXIT_CODES_HELP, build_parser, main
 
+TIER = "unit"
+
 COMMANDS = [["probe"], ["plan"], ["registry", "list"], ["registry", "lock"], ["pull", "x"], ["auto"], ["status"], ["serve"]]
 
 
@@ -61,6 +63,7 @@ def test_bad_env_is_reported_as_usage_error_with_json(monkeypatch: pytest.Monkey
     assert err["code"] == "usage" and "HOTFIT_DOWNLOAD_CONNECTIONS" in err["message"]
 
 
+@pytest.mark.integration
 def test_console_script_runs_as_module() -> None:
     proc = subprocess.run([sys.executable, "-m", "hotfit", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "exit codes" in proc.stdout
@@ -111,6 +114,7 @@ def test_an_unusable_home_from_the_environment_names_the_variable(tmp_path: Path
     assert f"HOTFIT_HOME={home}" in json.loads(out.getvalue())["error"]["message"]
 
 
+@pytest.mark.integration
 def test_an_unusable_home_exits_2_without_a_traceback_in_a_real_process(tmp_path: Path) -> None:
     home = tmp_path / "a-file"
     home.write_text("x")

@@ -7,6 +7,8 @@ import pytest
 
 from hotfit.core.cuda_arch import capability_number, compiled_archs, cuda_arch_serves, unserved_reason
 
+TIER = "unit"
+
 
 @pytest.mark.parametrize(("archs", "capability", "runs"), [
     (["90"], 90, True), (["90"], 100, True), (["90"], 89, False),  # machine code + PTX

@@ -31,6 +31,8 @@ from tests.hardware_matrix import nvidia_smi_standin
 from tests.test_build_archive import _llama_build, _refused, _script
 from tests.test_portable_build import HARDWARE, _bin_dir, _info, _require_build
 
+TIER = "integration"
+
 REQUIRE_CUDA_ENV = "HOTFIT_REQUIRE_CUDA_BUILD"
 HAS_DRIVER = Path("/proc/driver/nvidia/version").is_file()
 # What libggml-cuda.so loads from its own folder ($ORIGIN): NVIDIA's runtime and cuBLAS; the

@@ -50,6 +50,8 @@ from hotfit.download.sidecar import Block, decode_sidecar, read_sidecar
 from hotfit.download.stream import _Writer, parse_content_range
 from tests.hubserver import LocalHub
 
+TIER = "unit"
+
 
 @pytest.mark.parametrize("buffer_bytes", [1 << 30, 3000, 0])
 def test_ordered_hasher_out_of_order_with_spills(tmp_path: Path, buffer_bytes: int) -> None:
@@ -318,6 +320,7 @@ async def _download_model(session: HubSession, commit: str, data: bytes, partial
                                      expected_size=len(data), expected_sha256=None, partial_dir=partial_dir)
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_damaged_sidecar_restarts_the_file_from_byte_0(tmp_path: Path) -> None:
     """End to end on the local Hub: a partial whose sidecar is garbage is not trusted — the whole file
@@ -410,6 +413,7 @@ def test_the_hf_mapping_names_not_a_hub_unreachable_and_leaves_bugs_alone() -> N
     assert hub_error_from_hf_exception(KeyError("bug"), **kw) is None
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_one_retry_policy_for_heads_and_hub_api_calls(tmp_path: Path) -> None:
     opts = TransferOptions(backoff_initial_s=0.001, backoff_max_s=0.002, max_attempts_without_progress=3)
@@ -509,6 +513,7 @@ def test_a_thread_that_died_is_raised_by_the_next_write_not_retried_in_silence(t
         os.close(fd)
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_cancelled_stream_stops_at_once_keeps_its_bytes_and_resumes(tmp_path: Path) -> None:
     # The body is read in a worker thread (download.wire): cancelling (Ctrl-C) must unblock its recv,
@@ -536,6 +541,7 @@ async def test_a_cancelled_stream_stops_at_once_keeps_its_bytes_and_resumes(tmp_
     assert out.sha256 == hashlib.sha256(data).hexdigest()
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_ranged_gets_reuse_their_keep_alive_connections_between_blocks(tmp_path: Path) -> None:
     data = random.Random(12).randbytes(6 << 20)
@@ -548,6 +554,7 @@ async def test_ranged_gets_reuse_their_keep_alive_connections_between_blocks(tmp
     assert len({r.client_port for r in gets}) <= 2  # six blocks, two connections opened
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_link_cut_every_2_mib_on_one_connection_is_retried_at_once_each_time(tmp_path: Path) -> None:
     data = random.Random(5).randbytes(9 << 20)
@@ -567,6 +574,7 @@ async def test_a_link_cut_every_2_mib_on_one_connection_is_retried_at_once_each_
     assert [e["attempts_without_progress"] for e in retries] == [0] * 4
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_server_sending_one_byte_per_connection_is_given_up_on_with_exit_4(tmp_path: Path) -> None:
     data = random.Random(6).randbytes(3 << 20)

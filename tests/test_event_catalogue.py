@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+TIER = "unit"
+
 REPO = Path(__file__).resolve().parent.parent
 CATALOGUE = REPO / "docs" / "events.md"
 PACKAGES = ("core", "registry", "state", "grading", "download", "backends", "stages", "pipeline")

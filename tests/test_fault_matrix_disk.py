@@ -42,6 +42,8 @@ from tests.test_grade_model import cli_json
 from tests.test_pull_cli import env_for, pull_cmd, write_registry
 from tests.polling import wait_until
 
+TIER = "e2e"
+
 MiB = 1 << 20
 SLACK_BYTES = 16 * MiB  # room for receipts, sidecars, the log and the state database beside the file
 

@@ -33,6 +33,8 @@ from tests.gguf_fixtures import write_standin_llama_server
 from tests.hubserver import LocalHub
 from tests.polling import unread_request_bytes_at, wait_until
 
+TIER = "e2e"
+
 
 def log_events(home: Path) -> list[dict]:
     path = home / "logs" / "hotfit.jsonl"

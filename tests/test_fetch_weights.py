@@ -39,6 +39,8 @@ from hotfit.state.receipts import file_identity, read_receipt, receipt_path
 from tests.e2e_support import sha256_of
 from tests.hubserver import LocalHub, free_port_closed, serve_handler
 
+TIER = "integration"
+
 MiB = 1 << 20
 FAST = TransferOptions(connections=4, block_bytes=512 * 1024, backoff_initial_s=0.01, backoff_max_s=0.05,
                        checkpoint_interval_s=0.05, max_attempts_without_progress=4)

@@ -13,6 +13,8 @@ from hotfit.core.errors import DiskSpaceError
 from hotfit.pipeline.registry_lock import write_atomic
 from hotfit.state.files import finalize_file, write_text_atomic
 
+TIER = "unit"
+
 
 @pytest.mark.parametrize("durable", [True, False])
 def test_replace_keeps_mode_and_leaves_no_temp(tmp_path: Path, durable: bool) -> None:

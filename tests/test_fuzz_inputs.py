@@ -22,6 +22,8 @@ from hotfit.stages.fetch_template import check_tool_capable, extract_template
 from hotfit.stages.verify import read_gguf_header
 from tests.test_fetch_weights import make_gguf
 
+TIER = "unit"
+
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PEAK_LIMIT_BYTES = 32 << 20  # far below what a multi-GB declared length would cost if honoured
 

@@ -16,6 +16,8 @@ import pytest
 
 from tests import gguf_fixtures as gf
 
+TIER = "unit"
+
 MiB = 1024 * 1024
 
 

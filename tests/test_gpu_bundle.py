@@ -20,6 +20,8 @@ from tests.conftest import REPO_ROOT
 from tests.gguf_fixtures import QWEN3_TEMPLATE_NAME, pinned_template
 from tests.test_build_archive import _llama_build, _script, exported  # noqa: F401 - `exported` is a fixture
 
+TIER = "integration"
+
 LEFT = ("libggml-cpu-x64.so", "libggml-cpu-zen4.so")  # stand-ins for libcublas*.so.13
 
 

@@ -70,6 +70,8 @@ from tests.hubserver import LocalHub
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for
 from tests.test_grade_model import ScriptedSession, cli_json
 
+TIER = "integration"
+
 FP = GradeFingerprint(model_sha256="a" * 64, template_sha256="b" * 64, backend_build="c" * 64,
                       backend_build_described="llama.cpp 0.5.0-dev, commit 0c1e570, cpu backend, native build",
                       grade_version="grade-0.1", scenario_pack_sha256="d" * 64)

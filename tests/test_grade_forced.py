@@ -60,6 +60,8 @@ from hotfit.backends.http_chat import HttpChatEndpoint
 from hotfit.stages.grade import grade_endpoint
 from tests.gguf_fixtures import FixtureInfo, llama_server, write_tool_call_model
 
+TIER = "unit"
+
 
 def C(name: str, **args: Any) -> Call:
     return Call(name, args)

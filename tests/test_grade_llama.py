@@ -19,6 +19,8 @@ from hotfit.backends.http_chat import HttpChatEndpoint
 from hotfit.stages.grade import grade_endpoint
 from tests.gguf_fixtures import FixtureInfo, llama_server, write_tool_call_model
 
+TIER = "unit"
+
 pytestmark = [pytest.mark.llama, pytest.mark.anyio]
 
 

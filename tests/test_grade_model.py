@@ -35,6 +35,8 @@ from tests.openvino_fixtures import open_ov_fixture
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for, events
 from tests.test_backend_boundary import CALL, FakeSession, _report
 
+TIER = "unit"
+
 pytestmark = pytest.mark.anyio
 
 
@@ -109,6 +111,7 @@ def cli_error(*argv: str) -> tuple[int, dict[str, Any]]:
     return code, data["error"]
 
 
+@pytest.mark.integration
 def test_cli_grade_model_not_pulled_is_a_usage_error(hotfit_home: Path, plain_world: World, tmp_path: Path) -> None:
     probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
     code, error = cli_error("grade", "--model", SMALL, "--registry", str(plain_world.registry_path),

@@ -26,6 +26,8 @@ from hotfit.stages.load import open_session, preflight
 from tests.gguf_fixtures import require_llama_server
 from tests.real_models import GEMMA3, QWEN_CODER, SMOLLM2, planned, require_model
 
+TIER = "integration"
+
 pytestmark = [pytest.mark.llama, pytest.mark.anyio]
 BUDGET_S = 300.0  # a stuck server must end the test, not hang it (one scenario takes 8-40 s here)
 

@@ -23,6 +23,8 @@ from tests import grade_scripts as gs
 from tests.grade_scripts import ScriptedServer, http_stub
 from tests.hubserver import free_port_closed
 
+TIER = "unit"
+
 pytestmark = pytest.mark.anyio
 
 ALL = [s.id for s in SCENARIOS]
@@ -249,6 +251,7 @@ def test_markup_detection() -> None:
 # ---------------------------------------------------------------- a real HTTP stub on 127.0.0.1
 
 
+@pytest.mark.integration
 async def test_real_http_stub_gives_the_same_outcomes_and_hashes() -> None:
     in_process, _ = await grade(gs.oracle)
     server = ScriptedServer(gs.oracle, api_key="s3cret")
@@ -262,6 +265,7 @@ async def test_real_http_stub_gives_the_same_outcomes_and_hashes() -> None:
     assert report["fingerprint"]["model_sha256"] == "unknown" and report["fingerprint"]["flags"] == "unknown"
 
 
+@pytest.mark.integration
 async def test_real_http_stub_http_500_and_wrong_key() -> None:
     with http_stub(ScriptedServer(gs.http_500_on_turn_2)) as url:
         async with HttpChatEndpoint(url) as endpoint:
@@ -275,6 +279,7 @@ async def test_real_http_stub_http_500_and_wrong_key() -> None:
     assert report["verdict"]["verdict"] == "inconclusive"
 
 
+@pytest.mark.integration
 async def test_nothing_listening_is_an_inconclusive_http_error() -> None:
     url = f"http://127.0.0.1:{free_port_closed()}"
     async with HttpChatEndpoint(url) as endpoint:
@@ -293,6 +298,7 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+@pytest.mark.integration
 def test_cli_grades_an_endpoint_writes_the_record_and_logs_events(hotfit_home: Path, tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_text("s3cret\n")
@@ -314,6 +320,7 @@ def test_cli_grades_an_endpoint_writes_the_record_and_logs_events(hotfit_home: P
     assert "s3cret" not in (hotfit_home / "logs" / "hotfit.jsonl").read_text()
 
 
+@pytest.mark.integration
 def test_cli_exit_codes_and_default_output(hotfit_home: Path) -> None:
     with http_stub(ScriptedServer(gs.never_calls)) as url:
         code, out = run_cli("grade", "--endpoint", url, "--tier", "quick")

@@ -20,6 +20,8 @@ from hotfit.grading.scenarios import (
 )
 from hotfit.grading.world import TOOLS, WRITE_TOOLS, ToolError, World
 
+TIER = "unit"
+
 # The only reference calls a tool refuses on purpose: the error-recovery scenario's first try.
 EXPECTED_REFUSALS = {("FS-2", "delete", "not_empty")}
 REQUIRED_CATEGORIES = {"base", "ask", "no_call", "parallel", "missing_function", "long_result", "error_recovery"}

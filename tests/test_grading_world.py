@@ -9,6 +9,8 @@ import pytest
 from hotfit.grading.schema import validate_arguments
 from hotfit.grading.world import TOOLS, WRITE_TOOLS, ToolError, World, default_state
 
+TIER = "unit"
+
 
 def world() -> World:
     return World.from_state(default_state())

@@ -35,6 +35,8 @@ from tests.hardware_matrix import (
     rows,
 )
 
+TIER = "unit"
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "install-llama-server"
 ROWS = rows()
 ROW_IDS = [r.machine for r in ROWS]
@@ -127,6 +129,7 @@ def test_every_row_names_its_public_source() -> None:
         assert captured, f"{row.machine}: no captured file"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
 def test_detect_picks_the_backend(row: Row, tmp_path: Path) -> None:
     want = row.expected["detect"]
@@ -171,6 +174,7 @@ def test_plan_picks_a_model_and_a_device_the_backend_serves(row: Row, backend: s
         assert all(d["served"] is (d["kind"] == "cpu") for d in data["devices"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("row", [r for r in ROWS if r.file("proc-cpuinfo.txt")], ids=lambda r: r.machine)
 def test_the_portable_build_loads_the_expected_cpu_variant(row: Row) -> None:
     """Which of the portable build's CPU variants ggml's scoring loads on this machine (core.isa),
@@ -185,6 +189,7 @@ def test_the_portable_build_loads_the_expected_cpu_variant(row: Row) -> None:
     assert ggml_cpu_variant(variants, cpu_feature_names(cpuinfo)) == row.expected["ggml_cpu_variant"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("row", [r for r in ROWS if "cuda_preflight" in r.expected], ids=lambda r: r.machine)
 def test_the_preflight_refuses_a_cuda_build_without_code_for_the_planned_gpu(row: Row, tmp_path: Path) -> None:
     """The load stage's preflight (before any download) on each captured NVIDIA machine, with the
@@ -243,6 +248,7 @@ def test_nvml_json_is_what_the_capture_says(row: Row) -> None:
         assert [{k: m[k] for k in mkeys} for m in migs] == facts["mig_devices"]
 
 
+@pytest.mark.integration
 def test_the_nvidia_smi_standin_answers_like_nvidia_smi(tmp_path: Path) -> None:
     smi = nvidia_smi_standin(tmp_path / "bin", MATRIX / "nvidia-h100-80gb" / "nvml.json")
     out = subprocess.run([str(smi), "--query-gpu=name,memory.total,compute_cap", "--format=csv"],
@@ -273,6 +279,7 @@ def test_a_mig_slice_pinned_by_cuda_visible_devices_is_planned_on_its_own_memory
 # ----------------------------------------------------------------------------- machines the matrix does not cover
 
 
+@pytest.mark.integration
 def test_an_empty_cpuinfo_is_no_traceback(tmp_path: Path) -> None:
     root = machine_root(None, tmp_path, cpuinfo="")
     assert detect(root)[0] == "cpu"
@@ -289,6 +296,7 @@ def test_an_empty_cpuinfo_is_no_traceback(tmp_path: Path) -> None:
     ("\x00\x01 not a version", 0),
     ("", 0),
 ])
+@pytest.mark.integration
 def test_a_garbage_nvidia_smi_is_reported_not_read_as_a_driver(tmp_path: Path, garbage: str, code: int) -> None:
     root = machine_root(None, tmp_path, cpuinfo="")
     nvidia_smi_standin(tmp_path / "bin", garbage=garbage, exit_code=code)
@@ -297,6 +305,7 @@ def test_a_garbage_nvidia_smi_is_reported_not_read_as_a_driver(tmp_path: Path, g
     assert "nvidia-smi is on PATH but answered no driver version" in why
 
 
+@pytest.mark.integration
 def test_a_garbage_nvidia_smi_beside_an_nvidia_card_falls_back_to_vulkan(tmp_path: Path) -> None:
     root = machine_root(None, tmp_path, cpuinfo="")
     dev = root / "sys" / "class" / "drm" / "card0" / "device"
@@ -308,6 +317,7 @@ def test_a_garbage_nvidia_smi_beside_an_nvidia_card_falls_back_to_vulkan(tmp_pat
     assert backend == "vulkan" and "without a loaded NVIDIA driver" in why and "NVIDIA-SMI has failed" in why
 
 
+@pytest.mark.integration
 def test_an_unknown_display_vendor_and_unreadable_vram_counters_are_no_traceback(tmp_path: Path) -> None:
     root = machine_root(None, tmp_path, cpuinfo="flags\t\t: fpu sse sse2\n")
     bmc = root / "sys" / "class" / "drm" / "card0" / "device"  # a server's BMC display (ASPEED)

@@ -25,6 +25,8 @@ from tests.test_auto_e2e import env_for as auto_env
 from tests.test_fetch_weights import fetch_m, sha256_of
 from tests.test_pull_cli import env_for, model, pull_cmd  # noqa: F401 - `model` is a fixture
 
+TIER = "integration"
+
 
 def fill_cache(hub: LocalHub, cache: Path, repo: str, file: str, commit: str | None) -> Path:
     """``hf_hub_download`` from the local Hub into ``cache``; the Hub's counters are reset after."""

@@ -26,6 +26,8 @@ from huggingface_hub.errors import (
 from tests.conftest import REPO_ROOT
 from tests.hubserver import LocalHub, git_blob_sha1, lfs_pointer, parse_range
 
+TIER = "integration"
+
 CONFIG = b'{"architectures": ["LlamaForCausalLM"]}\n'
 WEIGHTS = bytes(range(256)) * 40  # 10240 bytes, forced LFS below
 

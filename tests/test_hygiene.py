@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tests.conftest import LAYERS
 
+TIER = "unit"
+
 TESTS = Path(__file__).resolve().parent
 # A project module is hotfit's (imported as hotfit.<layer>, CONTRIBUTING.md "Layout"), a layer under
 # its bare name (a second copy, which tests/conftest.py refuses) or a test helper.

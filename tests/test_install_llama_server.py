@@ -16,6 +16,8 @@ from hotfit.core.isa import AMX_CPUINFO, cpuinfo_flags
 from hotfit.core.settings import LLAMA_SDIST_VERSION, default_llama_cache
 from tests.conftest import REPO_ROOT
 
+TIER = "integration"
+
 SCRIPT = REPO_ROOT / "scripts" / "install-llama-server"
 
 

@@ -11,6 +11,8 @@ import pytest
 from hotfit.core.isa import (INTRINSIC_ONLY_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, executable_features,
                       features_from_macros, missing_features)
 
+TIER = "unit"
+
 HARDWARE = Path(__file__).parent / "data" / "hardware"
 ZEN5 = HARDWARE / "amd-zen5-epyc-rdseed-masked"
 

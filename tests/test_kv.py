@@ -23,6 +23,8 @@ from hotfit.registry.kv import (
 from hotfit.core.entry import LayerGroup
 from tests.entries import MINICPM5_2B, entry
 
+TIER = "unit"
+
 
 # ggml block sizes (ggml/src/ggml.c type traits), as bytes per element.
 @pytest.mark.parametrize("name, per_elem", [

@@ -30,6 +30,8 @@ from hotfit.registry.select import (
 from hotfit.backends.openvino.config import KV_PRECISIONS, kv_bytes_per_token_for_entry
 from tests.entries import GiB, entry
 
+TIER = "unit"
+
 F16, Q8, Q4 = KV_CACHE_TYPES["f16"], KV_CACHE_TYPES["q8_0"], KV_CACHE_TYPES["q4_0"]
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+TIER = "integration"
+
 REPO = Path(__file__).resolve().parent.parent
 PROJECT_PACKAGES = ("core", "registry", "state", "grading", "download", "backends", "stages", "pipeline")
 

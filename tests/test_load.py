@@ -49,6 +49,8 @@ from tests.gguf_fixtures import (
 )
 from tests.polling import wait_until
 
+TIER = "unit"
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -26,6 +26,8 @@ from tests.hubserver import LocalHub
 from tests.test_auto_e2e import REPO, cmd, env_for, events, stage_story
 from tests.test_load import real_build_info, write_crashing_stand_in
 
+TIER = "e2e"
+
 pytestmark = pytest.mark.llama
 
 

@@ -18,6 +18,8 @@ from hotfit.core.errors import LockedError
 from hotfit.state.locks import FileLock, read_holder
 from tests.polling import wait_until
 
+TIER = "integration"
+
 
 def _hold_in_subprocess(path: Path) -> subprocess.Popen[str]:
     """A separate process that takes the lock, says so on stdout, then sleeps until killed."""

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from hotfit.core import log
 
+TIER = "unit"
+
 
 def test_json_events_go_to_stream_and_file_with_bound_context(tmp_path: Path) -> None:
     stream = io.StringIO()

@@ -21,6 +21,8 @@ from hotfit.stages.recheck import decode_recheck_for_plan
 from tests.test_stage_records import (CALL, FETCH, LOAD_RECORD, OV_CALL, OV_LOAD_RECORD, OV_REPORT, REPORT,
                                       SNAPSHOT_FETCH, TEMPLATE, VERIFY, _cpu_plan)
 
+TIER = "unit"
+
 BINARY = ServerBinary(Path("/b/llama-server"), "cache", BuildInfo("build-info.json", "0.0.1", 7000, "abc1234", "0.3.36",
                                                                   backend="cpu", variant="native"), None)
 RUNTIME = OpenVinoRuntime("2026.4", "CPU", "u8")

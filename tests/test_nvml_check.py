@@ -14,6 +14,8 @@ import pytest
 
 from tests.hardware_matrix import MATRIX, nvidia_smi_standin
 
+TIER = "integration"
+
 REPO = Path(__file__).resolve().parent.parent
 # A pynvml module that is the matrix's stand-in for the machine named by HOTFIT_TEST_NVML_JSON.
 PYNVML_SHIM = """import json, os

@@ -35,6 +35,8 @@ from tests.openvino_fixtures import (
 from tests.polling import wait_until
 from tests.test_load import process_gone
 
+TIER = "unit"
+
 pytestmark = [pytest.mark.openvino, pytest.mark.anyio]
 
 

@@ -37,6 +37,8 @@ from hotfit.backends.openvino.config import (
 from hotfit.stages.probe_tool_call import PROBE_TOOL, PROBE_TOOL_NAME, judge_answer
 from tests.openvino_fixtures import OvFixture, ov_plan
 
+TIER = "unit"
+
 ARGS = {"text": "ping"}
 
 

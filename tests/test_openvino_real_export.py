@@ -49,6 +49,8 @@ from tests.openvino_fixtures import (
 from tests.real_models import SMOLLM2, RealModel, cache_dir, planned, require_model
 from tests.test_auto_openvino_e2e import auto, events, hotfit
 
+TIER = "integration"
+
 pytestmark = pytest.mark.openvino
 
 NAME = "smollm2-135m-ov"

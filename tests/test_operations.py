@@ -24,6 +24,8 @@ from hotfit.state.store import RunRecord
 from tests.hubserver import LocalHub
 from tests.test_pull_cli import env_for, model  # noqa: F401 - the pull fixture (a pinned model on the local Hub)
 
+TIER = "unit"
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -118,6 +120,7 @@ def test_a_bad_environment_variable_is_logged_in_an_existing_home(tmp_path: Path
     assert event["exit_code"] == 2 and "HOTFIT_DOWNLOAD_CONNECTIONS" in event["error"]["message"]
 
 
+@pytest.mark.integration
 def test_a_locked_home_is_logged_with_exit_6_and_fails_the_metrics(locked_home: Any, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     home, holder_pid = locked_home
@@ -196,6 +199,7 @@ def _manifest(**grade: Any) -> Manifest:
         grade=grade or None)
 
 
+@pytest.mark.integration
 def test_a_provisioning_run_renders_every_figure_and_passes_promtool(tmp_path: Path) -> None:
     seen: list[dict[str, object]] = [
         {"event": "run.start", "run_id": "r9"},
@@ -249,12 +253,14 @@ def test_status_fails_on_a_run_killed_after_the_last_recorded_one() -> None:
 # -- cron etiquette --------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_version() -> None:
     done = subprocess.run([sys.executable, "-m", "hotfit", "--version"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("hotfit ") and done.stdout.split()[1][0].isdigit()
 
 
+@pytest.mark.integration
 def test_quiet_pull_prints_nothing_on_success_and_the_error_on_failure(local_hub: LocalHub,
                                                                       model: dict[str, Any]) -> None:  # noqa: F811
     base = [sys.executable, "-m", "hotfit", "--home", str(model["home"]), "-q", "pull"]
@@ -304,6 +310,7 @@ async def test_a_provisioning_run_prunes_old_runs_and_their_directories(tmp_path
     assert sorted(p.name for p in settings.runs_dir.iterdir()) == sorted([ids[0], *ids[3:]])
 
 
+@pytest.mark.integration
 def test_serve_whose_exec_fails_is_exit_5_in_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.e2e_support import write_probe as write_host_probe
     from tests.gguf_fixtures import write_standin_llama_server

@@ -21,6 +21,8 @@ from hotfit.pipeline.cli.render import plan_text as describe
 from hotfit.stages.plan import build_plan, outcome_json, resolve_kv_cache_type
 from tests.entries import MINICPM5_2B, GiB, entry
 
+TIER = "unit"
+
 F16 = KV_CACHE_TYPES["f16"]
 
 

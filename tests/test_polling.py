@@ -12,6 +12,8 @@ import pytest
 from tests.hubserver import LocalHub
 from tests.polling import connections_to_accept_at, unread_request_bytes_at, wait_until
 
+TIER = "integration"
+
 
 def test_a_condition_that_never_holds_fails_naming_it() -> None:
     with pytest.raises(AssertionError, match="gave up after 0.1 s waiting for the moon"):

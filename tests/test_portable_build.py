@@ -31,6 +31,8 @@ from tests.conftest import REPO_ROOT
 from tests.gguf_fixtures import REQUIRE_ENV
 from tests.real_models import require_model
 
+TIER = "integration"
+
 
 def _realmodels():  # scripts/realmodels.py: the benchmarks' llama-server runner
     import sys

@@ -16,6 +16,8 @@ from hotfit.core.errors import HardwareProbeError, UsageError
 from hotfit.core.plan import ProbeResult
 from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 
+TIER = "unit"
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -359,6 +361,7 @@ def test_list_devices_lines_are_parsed_in_bytes() -> None:
     assert parse_list_devices("Available devices:\n") == []  # a CPU build lists none
 
 
+@pytest.mark.integration
 def test_a_vulkan_only_device_is_probed_through_the_binary(roots: SimpleNamespace, tmp_path: Path) -> None:
     binary = _lister(tmp_path, LAVAPIPE_LISTING)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
@@ -369,6 +372,7 @@ def test_a_vulkan_only_device_is_probed_through_the_binary(roots: SimpleNamespac
         "llvmpipe (LLVM 15.0.6, 256 bits)", 2 * GiB, 2 * GiB, "Vulkan0")
 
 
+@pytest.mark.integration
 def test_a_card_nvml_or_sysfs_reported_keeps_their_figures_and_gets_its_vulkan_name(
         roots: SimpleNamespace, tmp_path: Path) -> None:
     amd_card(roots, 0, 8 * GiB, 1 * GiB, name="Radeon RX 7600")
@@ -381,6 +385,7 @@ def test_a_card_nvml_or_sysfs_reported_keeps_their_figures_and_gets_its_vulkan_n
     assert any("planning with the amd figure" in n for n in r.notes)  # 7000 MiB vs 8 GiB: > 5 % apart
 
 
+@pytest.mark.integration
 def test_a_binary_that_cannot_list_devices_is_noted_not_fatal(roots: SimpleNamespace, tmp_path: Path) -> None:
     binary = _lister(tmp_path, "ggml_vulkan: no devices\n", code=1)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
@@ -389,6 +394,7 @@ def test_a_binary_that_cannot_list_devices_is_noted_not_fatal(roots: SimpleNames
     assert any("--list-devices exited with 1" in n for n in r.notes)
 
 
+@pytest.mark.integration
 def test_a_probe_file_keeps_the_vulkan_device_name(tmp_path: Path, roots: SimpleNamespace) -> None:
     binary = _lister(tmp_path, LAVAPIPE_LISTING)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,

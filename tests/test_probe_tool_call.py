@@ -36,6 +36,8 @@ from tests.gguf_fixtures import FixtureInfo, pinned_template, require_llama_serv
 from tests.polling import unread_request_bytes_at, wait_until_async
 from tests.test_load import children_of, fixture_plan, process_gone
 
+TIER = "unit"
+
 
 def _answer(calls: list[dict[str, Any]] | None = None, content: str | None = "") -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -245,6 +247,7 @@ def _stub_binary(tmp_path: Path, supports_tools: bool | None, message: dict[str,
         pytest.param(True, {"content": "I would rather not."}, "ignored_tools", True, id="prose-supported"),
     ],
 )
+@pytest.mark.integration
 async def test_probe_over_http_names_a_call_written_without_markers(
     tmp_path: Path, supports: bool, message: dict[str, Any], cause: str, api_key: bool
 ) -> None:
@@ -275,6 +278,7 @@ async def test_probe_over_http_names_a_call_written_without_markers(
     assert children_of(os.getpid()) == []
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_server_dying_by_signal_during_the_probe_names_the_build_and_the_causes(tmp_path: Path) -> None:
     """The stub really dies by SIGSEGV when the probe arrives (a stand-in for a crash at the first

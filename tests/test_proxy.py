@@ -27,6 +27,8 @@ from tests.proxyserver import TinyProxy
 from tests.test_fetch_weights import fetch_m, make_entry, make_gguf
 from tests.test_pull_cli import env_for, model, pull_cmd  # noqa: F401 - `model` is a fixture
 
+TIER = "e2e"
+
 PROXY_NAMES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 TOKEN = "hf_proxytesttoken0123456789"
 

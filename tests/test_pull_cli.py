@@ -25,6 +25,8 @@ from tests.hubserver import LocalHub
 from tests.polling import wait_until
 from tests.test_fetch_weights import make_entry, make_gguf, sha256_of
 
+TIER = "e2e"
+
 MiB = 1 << 20
 BLOCK = 1 * MiB  # the engine's smallest block: what one connection has in flight at most
 TOOL_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"

@@ -51,6 +51,8 @@ from tests.real_models import (
     require_model,
 )
 
+TIER = "integration"
+
 ALL = (GEMMA3, SMOLLM2, QWEN_CODER)
 # Few tokens: generation is ~70 tok/s for SmolLM2 on an idle 2-core host, a few tok/s under load.
 GENERATE_TOKENS = 8

@@ -25,6 +25,8 @@ from hotfit.stages.recheck import KV_EXCESS_TOLERANCE, MIN_AGENTIC_HOT_CONTEXT, 
 from tests.gguf_fixtures import FixtureInfo, require_llama_server, write_gemma3_swa_model, write_llama_model
 from tests.test_load import estimate_kv_bytes, fixture_plan
 
+TIER = "unit"
+
 MiB = 1 << 20
 
 # Lines in the exact formats of the pinned tree (src/llama-kv-cache.cpp, llama-kv-cache-iswa.cpp,

@@ -34,6 +34,8 @@ from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_
 from tests.gguf_fixtures import tool_template_text, write_standin_llama_server
 from tests.hubserver import LocalHub
 
+TIER = "integration"
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 VENV_BIN = Path(sys.executable).parent

@@ -23,6 +23,8 @@ from hotfit.core.settings import LLAMA_SDIST_VERSION, default_llama_cache
 from hotfit.pipeline.registry_file import load_registry
 from hotfit.registry.catalog import Registry
 
+TIER = "unit"
+
 REQUIRE_ENV = "HOTFIT_REQUIRE_LLAMA"
 
 # One row of the table: `    { LLM_ARCH_QWEN35, "qwen35" },`

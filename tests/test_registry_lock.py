@@ -26,6 +26,8 @@ from hotfit.pipeline.registry_lock import (
 )
 from tests.hubserver import LocalHub
 
+TIER = "integration"
+
 GGUF = b"GGUF" + bytes(range(256)) * 64  # content is irrelevant; the Hub reports its size and sha256
 TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 BUNDLED = json.loads(bundled_registry_path().read_text(encoding="utf-8"))

@@ -28,6 +28,8 @@ from hotfit.core.settings import Settings
 from hotfit.pipeline.engine import Runner, Stage, StageContext
 from hotfit.state.store import StateStore, SyncStateStore
 
+TIER = "unit"
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -365,6 +367,7 @@ def _start_holding(home: Path) -> tuple[subprocess.Popen[str], int]:
     return proc, int((home / "child.pid").read_text())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_reaps_child_and_marks_interrupted(tmp_path: Path, signum: int) -> None:
     home = tmp_path / "home"
@@ -384,6 +387,7 @@ def test_signal_reaps_child_and_marks_interrupted(tmp_path: Path, signum: int) -
     assert events[-1]["status"] == "interrupted"
 
 
+@pytest.mark.integration
 def test_kill_9_leaves_state_the_next_run_resumes(tmp_path: Path) -> None:
     home = tmp_path / "home"
     proc, child_pid = _start_holding(home)

@@ -22,6 +22,8 @@ from hotfit.registry.catalog import entry_fields
 from hotfit.registry.schema import decode_entry
 from hotfit.stages.probe import load_probe_file
 
+TIER = "unit"
+
 GiB = 1 << 30
 
 

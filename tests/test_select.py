@@ -28,6 +28,8 @@ from hotfit.registry.select import (
 )
 from tests.entries import MINICPM5_2B, GiB, MiB, entry
 
+TIER = "unit"
+
 F16 = KV_CACHE_TYPES["f16"]
 Q8 = KV_CACHE_TYPES["q8_0"]
 

@@ -27,6 +27,8 @@ from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisio
 from tests.gguf_fixtures import free_port, pinned_template, require_llama_server, tool_template_text
 from tests.polling import wait_until
 
+TIER = "unit"
+
 REPO = Path(__file__).resolve().parent.parent
 F16 = parse_kv_cache_type("f16")
 
@@ -105,6 +107,7 @@ def run_cli(home: Path, *args: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+@pytest.mark.integration
 def test_print_command_uses_the_verified_parameters(provisioned: dict, tmp_path: Path) -> None:
     require_llama_server()
     home = provisioned["home"]
@@ -267,6 +270,7 @@ def nvidia_home(provisioned: dict, tmp_path_factory: pytest.TempPathFactory) -> 
     return {"home": home, "plan": plan, "probe": probe_path}
 
 
+@pytest.mark.integration
 def test_serve_and_load_pin_the_verified_nvidia_card_through_one_function(nvidia_home: dict,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     binary = require_llama_server()

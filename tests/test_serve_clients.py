@@ -25,6 +25,8 @@ from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisio
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
 from tests.polling import wait_until
 
+TIER = "e2e"
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "fx-agent"
 FEATURES = ServerFeatures(log_jsonl=True, fit=True, ngl_all=True, api_key_env=True, api_key_file=True,

@@ -7,6 +7,8 @@ import pytest
 
 from hotfit.backends.openvino.backend import GB, OVMS_TOOL_PARSERS, ovms_cache_size_gb
 
+TIER = "unit"
+
 
 @pytest.mark.parametrize(("kv_bytes", "gb"), [(1, 1), (5 << 20, 1), (GB, 1), (GB + 1, 2),
                                               (1280 * 32 * 85_248, 4)])  # Qwen3-8B u8 at 40960 tokens: 3.25 GiB

@@ -24,6 +24,8 @@ from tests.gguf_fixtures import free_port
 from tests.hubserver import LocalHub
 from tests.polling import wait_until
 
+TIER = "e2e"
+
 pytestmark = pytest.mark.llama
 REPO = Path(__file__).resolve().parent.parent
 ROOMY_FREE_BYTES = 8 * GiB

@@ -9,6 +9,8 @@ import pytest
 from hotfit.core.errors import UsageError
 from hotfit.core.settings import DEFAULT_HF_ENDPOINT, load_settings
 
+TIER = "unit"
+
 
 def test_defaults_follow_xdg() -> None:
     s = load_settings({"HOME": "/home/op"})

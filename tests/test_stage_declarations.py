@@ -20,6 +20,8 @@ from hotfit.stages.declaration import StageDeclaration
 from hotfit.state.store import StateStore
 from tests.test_runner import fake_settings
 
+TIER = "unit"
+
 # every stages/<name>.py (the private helpers, _gguf_header and _snapshot_verify, are no stages)
 STAGE_MODULES = ("probe", "plan", "fetch_weights", "fetch_template", "verify", "load", "probe_tool_call",
                  "recheck", "grade")

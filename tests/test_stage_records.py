@@ -33,6 +33,8 @@ from hotfit.stages.probe_tool_call import ProbeToolCallResult, ToolCallVerdict
 from tests.e2e_support import GiB, fixture_entry
 from tests.gguf_fixtures import write_tool_call_model
 
+TIER = "unit"
+
 
 def stored(result: Any) -> dict[str, Any]:
     """What state.db hands back for ``result``: its JSON, written and read again."""

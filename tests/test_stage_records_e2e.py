@@ -18,6 +18,8 @@ from tests.e2e_support import World, write_probe
 from tests.hubserver import LocalHub
 from tests.test_auto_e2e import ROOMY_FREE_BYTES, auto, events, stage_story
 
+TIER = "e2e"
+
 
 @pytest.mark.llama
 def test_a_damaged_verify_record_is_named_and_verify_runs_again(hub: LocalHub, world: World, tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ import gguf
 from hotfit.core.lazy_import import lazy_module
 from hotfit.stages import _gguf_header
 
+TIER = "integration"
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Submodules a package's own __init__ imports: they appear only once it really ran (a lazy module

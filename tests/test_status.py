@@ -9,9 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.manifest import Manifest, write_manifest
 from hotfit.state.store import SyncStateStore
+
+TIER = "unit"
 
 STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
 REPO = Path(__file__).resolve().parent.parent
@@ -107,6 +111,7 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_lock_holder_is_named(tmp_path: Path) -> None:
     home = tmp_path / "home"
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(home / "pipeline.lock")], cwd=REPO,

@@ -16,6 +16,8 @@ import pytest
 
 from hotfit.state.store import StateStore, SyncStateStore
 
+TIER = "unit"
+
 STAGES = ["probe", "plan", "fetch-weights", "verify"]
 
 
@@ -144,6 +146,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_kill_9_mid_write_leaves_a_consistent_database(tmp_path: Path) -> None:
     """SIGKILL while committing in a loop: the file passes integrity_check and every record is
     whole (a done record always carries its outputs; no half-written row)."""
@@ -241,6 +244,7 @@ def busy_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         proc.wait()
 
 
+@pytest.mark.integration
 def test_a_busy_database_at_open_names_the_holder_not_a_sqlite_traceback(busy_home: Any) -> None:
     from hotfit.core.errors import LockedError
 
@@ -252,6 +256,7 @@ def test_a_busy_database_at_open_names_the_holder_not_a_sqlite_traceback(busy_ho
     assert info.value.hint and "--wait" in info.value.hint
 
 
+@pytest.mark.integration
 def test_a_busy_database_on_write_names_the_process_that_has_it_open(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # No pipeline lock this time (another program, e.g. the sqlite3 shell, holds the write lock):
@@ -279,6 +284,7 @@ def test_a_busy_database_on_write_names_the_process_that_has_it_open(tmp_path: P
     assert store.get_stage(run.run_id, "probe").status == "running"
 
 
+@pytest.mark.integration
 def test_status_on_a_busy_database_exits_6_naming_the_holder(busy_home: Any) -> None:
     import io
     import json

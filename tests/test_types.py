@@ -9,6 +9,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+TIER = "integration"
+
 ROOT = Path(__file__).resolve().parent.parent
 # What ``mypy --strict`` turns on that is settable per module (``strict`` itself is global only).
 STRICT_FLAGS = ("disallow_any_generics", "disallow_subclassing_any", "disallow_untyped_calls",

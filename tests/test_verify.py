@@ -33,6 +33,8 @@ from hotfit.state.receipts import decode_receipt, read_receipt, receipt_matches,
 from tests.hubserver import LocalHub
 from tests.test_fetch_weights import FAST, make_entry, make_gguf, settings_for, sha256_of
 
+TIER = "unit"
+
 SHA_A, SHA_B = "a" * 64, "b" * 64
 
 
@@ -142,6 +144,7 @@ def test_per_layer_kv_heads_with_recurrent_layers(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the stage
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_verify_stage_after_pull_and_after_tampering(local_hub: LocalHub, tmp_path: Path) -> None:
     weights = make_gguf(tmp_path / "model.gguf", pad_bytes=300_000)
@@ -318,6 +321,7 @@ async def _fetched_partial(local_hub: LocalHub, tmp_path: Path, repo: str = "org
     return entry, fetched, dest, weights
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_recorded_partial_is_verified_from_its_streamed_hash_after_a_restart(local_hub: LocalHub,
                                                                                       tmp_path: Path) -> None:
@@ -337,6 +341,7 @@ async def test_a_recorded_partial_is_verified_from_its_streamed_hash_after_a_res
     assert not fetched_still_on_disk(FetchResult.decode(record))
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_partial_touched_since_hashing_is_rehashed_and_a_damaged_one_discarded(local_hub: LocalHub,
                                                                                        tmp_path: Path) -> None:
@@ -364,6 +369,7 @@ async def test_a_partial_touched_since_hashing_is_rehashed_and_a_damaged_one_dis
     assert (await verify(entry, dest, fetched=again)).sha256 == sha256_of(weights)
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_partial_of_another_pin_is_refused(local_hub: LocalHub, tmp_path: Path) -> None:
     entry, fetched, dest, _weights = await _fetched_partial(local_hub, tmp_path)

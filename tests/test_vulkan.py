@@ -26,6 +26,8 @@ from hotfit.stages.recheck import recheck_allocation
 from tests.gguf_fixtures import FixtureInfo, write_gemma3_swa_model, write_llama_model
 from tests.test_load import fixture_plan
 
+TIER = "integration"
+
 GiB = 1 << 30
 LAVAPIPE_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
 

@@ -32,6 +32,8 @@ from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
 from hotfit.stages.plan import PreviousModel, available_with_worker, build_plan
 from tests.entries import GiB, MiB, entry
 
+TIER = "unit"
+
 F16 = KV_CACHE_TYPES["f16"]
 
 
@@ -168,6 +170,7 @@ def test_start_ticks_of_this_process() -> None:
     assert process_start_ticks(os.getpid()) is not None and process_start_ticks(os.getpid()) > 0
 
 
+@pytest.mark.integration
 def test_a_dead_process_is_not_a_worker(provisioned: tuple, tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     ticks = process_start_ticks(child.pid)
