@@ -1,8 +1,9 @@
 """The hardware matrix: each real machine under tests/data/hardware (captured files, their public
 source in SOURCE.md) drives what ``scripts/install-llama-server --detect`` picks, the ISA verdict for
-the native build of this project's build machine, what ``hotfit probe`` reports and what ``hotfit
-plan`` picks with the bundled registry and the default KV type, for both backends — each against
-the row's expected.json. Machines the matrix does not cover get a message, never a traceback.
+the native build of this project's build machine and what ``hotfit probe`` reports, each against the
+row's expected.json, and holds what ``hotfit plan`` picks with the bundled registry, for both
+backends, to the spec's rules (a curation change moves picks, not rules). Machines the matrix does
+not cover get a message, never a traceback.
 docs/hardware-matrix.md describes the rows."""
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from typing import Any
 import pytest
 
 from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary, check_cpu_features
+from hotfit.backends.select import backend_for
 from hotfit.core.errors import BackendError
 from hotfit.core.isa import cpu_feature_names, cpuinfo_flags, features_from_macros, ggml_cpu_variant
 from hotfit.core.plan import ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.cli.render import probe_text as describe
+from hotfit.pipeline.registry_file import bundled_registry_path
 from hotfit.stages.probe import probe_devices, save_probe
 from tests.hardware_matrix import (
     BUILD_MACHINE,
@@ -110,12 +113,6 @@ def probe_summary(probe: ProbeResult) -> dict[str, Any]:
             "selected_kind": probe.device.kind}
 
 
-def plan_summary(rc: int, data: dict[str, Any]) -> dict[str, Any]:
-    sel = data["selected"]
-    return {"exit": rc, "model": None if sel is None else sel["name"], "device_kind": data["device"]["kind"],
-            "kv_cache_type": data["kv_cache_type"]}
-
-
 # ----------------------------------------------------------------------------- the matrix
 
 
@@ -163,15 +160,197 @@ def test_probe_reports_the_captured_devices(row: Row, tmp_path: Path) -> None:
         assert any(note in n for n in probe.notes), probe.notes
 
 
+# What hotfit plan picks on a row depends on the bundled registry's curation, which changes as models
+# are added; what the tests hold it to are the spec's rules ("Selection and hot context"), read from
+# the plan's own figures, so that a curation change breaks none of them and a planner that breaks a
+# rule fails them (test_a_curation_change_moves_picks_and_breaks_no_rule,
+# test_each_rule_catches_its_break).
+RUNTIME_ALLOWANCE_FLOOR_BYTES = 256 << 20  # "the larger of one quarter of weight bytes or 256 MiB"
+
+
+def _spec_order(params_total_b: float, hot_context: int) -> tuple[float, int]:
+    """The spec's order among models that clear the gate: the larger one, then the larger hot
+    context (the name breaks a tie of both, which no rule here depends on)."""
+    return params_total_b, hot_context
+
+
+def pick_problems(data: dict[str, Any], probe: dict[str, Any]) -> list[str]:
+    """Every rule a successful plan (``hotfit plan --json``) breaks on the probe it was made from."""
+    sel, budget, won = data["selected"], data["budget"], data["device"]["index"]
+    device = next(d for d in data["devices"] if d["index"] == won)
+    probed = next(d for d in probe["devices"] if d["index"] == won)
+    problems = []
+    # it fits the device's budget: weights, runtime allowance and KV within what the free memory leaves
+    need = budget["weights_bytes"] + budget["allowance_bytes"] + budget["kv_bytes"]
+    if not need <= budget["usable_bytes"] <= probed["free_bytes"]:
+        problems.append(f"does not fit: needs {need} of usable {budget['usable_bytes']} (free {probed['free_bytes']})")
+    if budget["allowance_bytes"] != max(-(-budget["weights_bytes"] // 4), RUNTIME_ALLOWANCE_FLOOR_BYTES):
+        problems.append(f"runtime allowance {budget['allowance_bytes']} is not max(weights / 4, 256 MiB)")
+    if (sel["weights_bytes"], sel["hot_context"]) != (budget["weights_bytes"], budget["hot_context_tokens"]):
+        problems.append("the selected model's figures are not the budget's")
+    # it clears the agentic gate
+    if sel["agentic_tier"] != "agentic" or sel["hot_context"] < data["min_hot_context"]:
+        problems.append(f"below the gate: {sel['agentic_tier']}, {sel['hot_context']} tokens")
+    # the backend serves that device kind
+    if not device["served"] or device["kind"] not in backend_for(data["backend"]).device_kinds:
+        problems.append(f"planned on {device['kind']}, which the {data['backend']} backend does not serve")
+    # it ranks first among the eligible on its device, and its device's pick first among the devices
+    eligible = [c for c in data["candidates"] if c["verdict"] in ("qualifies", "selected")]
+    first = _spec_order(sel["params_total_b"], sel["hot_context"])
+    ahead = [c["name"] for c in eligible if _spec_order(c["params_total_b"], c["hot_context"]) > first]
+    ahead += [f"{d['selected']} on [{d['index']}] {d['kind']}" for d in data["devices"]
+              if d["considered"] and d["selected"] is not None
+              and _spec_order(d["params_total_b"], d["hot_context"]) > first]
+    if [c["name"] for c in eligible if c["verdict"] == "selected"] != [sel["name"]] or ahead:
+        problems.append(f"{sel['name']} does not rank first: ahead of it {ahead}")
+    return problems
+
+
+def plan_problems(rc: int, data: dict[str, Any], probe: dict[str, Any]) -> list[str]:
+    """The rules for whatever the plan answered: a pick by :func:`pick_problems`, or a refusal that
+    is justified — nothing of the backend holds the floor at any budget, or the smallest agentic
+    model needs more than the refused device has free."""
+    if rc == 0:
+        return pick_problems(data, probe)
+    if rc != 3 or data["error"]["code"] != "no_model_qualifies":
+        return [f"exit {rc}: {data.get('error')}"]
+    smallest = data["error"]["smallest"]
+    free = next(d["free_bytes"] for d in probe["devices"] if d["index"] == data["device"]["index"])
+    if smallest is not None and smallest["required_free_bytes"] <= free:
+        return [f"refused, though {smallest['name']} needs {smallest['required_free_bytes']} of {free} free"]
+    return []
+
+
+def refusal_problems(row: Row, probe: dict[str, Any], tmp: Path, *args: str) -> list[str]:
+    """What is wrong with how the plan refuses when every device of ``probe`` has 64 MiB free: it must
+    name the smallest agentic model and the exact memory it needs — that much free on the refused
+    device plans (or, beyond its total, an empty device of the size named), one byte less still
+    refuses naming the same model (so no other model needs less)."""
+    def plan_with(memory: dict[int, tuple[int, int]]) -> tuple[int, dict[str, Any]]:
+        changed = json.loads(json.dumps(probe))
+        for d in changed["devices"]:
+            d["free_bytes"], d["total_bytes"] = memory.get(d["index"], (64 << 20, d["total_bytes"]))
+        path = tmp / "probe-edited.json"
+        path.write_text(json.dumps(changed))
+        out = io.StringIO()
+        rc = main(["plan", "--json", "--probe-file", str(path), *args], out=out)
+        return rc, json.loads(out.getvalue())
+
+    rc, refused = plan_with({})
+    if rc != 3 or refused["error"]["code"] != "no_model_qualifies":
+        return [f"{row.machine}: 64 MiB free everywhere planned (exit {rc})"]
+    smallest, device = refused["error"]["smallest"], refused["device"]["index"]
+    if smallest is None:  # "no agentic model at any budget": not even every device wholly free plans
+        rc, _ = plan_with({d["index"]: (d["total_bytes"], d["total_bytes"]) for d in probe["devices"]})
+        return [] if rc == 3 else [f"{row.machine}: no model at any budget, yet whole devices plan (exit {rc})"]
+    total = next(d["total_bytes"] for d in probe["devices"] if d["index"] == device)
+    if smallest["required_free_bytes"] <= total:
+        need, what = smallest["required_free_bytes"], "free"
+        memory = {device: (need, total)}
+        less = {device: (need - 1, total)}
+    else:  # beyond the device (an APU's carve-out): the empty device of the size the refusal names
+        need, what = smallest["required_device_bytes"], "device"
+        memory = {device: (need, need)}
+        less = {device: (need - 1, need - 1)}
+    problems = []
+    rc, enough = plan_with(memory)
+    if rc != 0 or enough["device"]["index"] != device:
+        problems.append(f"{smallest['name']}'s stated {need} bytes ({what}) do not plan (exit {rc})")
+    rc, short = plan_with(less)
+    if rc != 3 or short["error"]["smallest"]["name"] != smallest["name"]:
+        problems.append(f"one byte less than {smallest['name']} needs ({what}) still plans (exit {rc}): "
+                        "it is not the smallest")
+    return problems
+
+
+def plan_of_row(row: Row, tmp: Path, *args: str) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """``hotfit plan --json`` on the row's probe: exit code, the plan, the probe file it read."""
+    rc, data = plan_json(row_probe(row, tmp), tmp, *args)
+    return rc, data, json.loads((tmp / "probe.json").read_text())
+
+
 @pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
 @pytest.mark.parametrize("backend", ["llama", "openvino"])
 def test_plan_picks_a_model_and_a_device_the_backend_serves(row: Row, backend: str, tmp_path: Path) -> None:
-    want = row.expected["plan"][backend]
-    rc, data = plan_json(row_probe(row, tmp_path), tmp_path, "--backend", backend)
-    assert plan_summary(rc, data) == want, data.get("device_choice")
+    rc, data, probe = plan_of_row(row, tmp_path, "--backend", backend)
+    assert data["kv_cache_type"] == "f16" and data["backend"] == backend
+    assert plan_problems(rc, data, probe) == [], data.get("device_choice")
     if backend == "openvino":  # OpenVINO serves host memory only: no GPU row plans a GPU for it
         assert all(d["selected"] is None for d in data["devices"] if d["kind"] != "cpu")
         assert all(d["served"] is (d["kind"] == "cpu") for d in data["devices"])
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_a_row_without_room_is_refused_naming_the_smallest_agentic_model(row: Row, backend: str,
+                                                                         tmp_path: Path) -> None:
+    probe = plan_of_row(row, tmp_path, "--backend", backend)[2]
+    assert refusal_problems(row, probe, tmp_path, "--backend", backend) == []
+
+
+def _registry_without(names: set[str], path: Path) -> Path:
+    data = json.loads(bundled_registry_path().read_text(encoding="utf-8"))
+    data["entries"] = [e for e in data["entries"] if e["name"] not in names]
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_curation_change_moves_picks_and_breaks_no_rule(tmp_path: Path) -> None:
+    """The bundled registry without every model it picks on the matrix today (the curation change
+    that moves the most picks: OpenVINO is then left with no model that holds the floor on 14 GiB):
+    every row still answers by the rules above, where a test pinning each row's model fails on all."""
+    picks = {}
+    for row in ROWS:
+        for backend in ("llama", "openvino"):
+            rc, data, _ = plan_of_row(row, tmp_path / row.machine / backend, "--backend", backend)
+            picks[row.machine, backend] = data["selected"]["name"]
+    curated = _registry_without(set(picks.values()), tmp_path / "curated.json")
+    moved = []
+    for row in ROWS:
+        for backend in ("llama", "openvino"):
+            tmp = tmp_path / "changed" / row.machine / backend
+            rc, data, probe = plan_of_row(row, tmp, "--backend", backend, "--registry", str(curated))
+            assert plan_problems(rc, data, probe) == [], (row.machine, backend)
+            assert refusal_problems(row, probe, tmp, "--backend", backend, "--registry", str(curated)) == []
+            moved.append((data["selected"] or {}).get("name") != picks[row.machine, backend])
+    assert all(moved)  # every row's answer changed: a test pinning them would fail 36 times
+
+
+def test_each_rule_catches_its_break(tmp_path: Path) -> None:
+    """The rules read from a real plan, broken one at a time as a faulty planner would: each is named."""
+    row = next(r for r in ROWS if r.machine == "nvidia-a10g")
+    rc, good, probe = plan_of_row(row, tmp_path, "--backend", "llama")
+    assert rc == 0 and pick_problems(good, probe) == []
+
+    def broken(change: Any) -> list[str]:
+        data = json.loads(json.dumps(good))
+        change(data)
+        return pick_problems(data, probe)
+
+    def smaller_pick(data: dict[str, Any]) -> None:  # a qualifying model ranked below the pick
+        lower = min((c for c in data["candidates"] if c["verdict"] in ("qualifies", "selected")),
+                    key=lambda c: _spec_order(c["params_total_b"], c["hot_context"]))
+        data["selected"].update({k: lower[k] for k in ("name", "params_total_b", "hot_context", "weights_bytes")})
+        data["budget"].update(weights_bytes=lower["weights_bytes"], hot_context_tokens=lower["hot_context"],
+                              allowance_bytes=lower["allowance_bytes"])
+
+    def no_allowance(data: dict[str, Any]) -> None:
+        data["budget"]["allowance_bytes"] = 0
+
+    def kv_past_the_budget(data: dict[str, Any]) -> None:
+        data["budget"]["kv_bytes"] = data["budget"]["usable_bytes"]
+
+    def unserved_device(data: dict[str, Any]) -> None:
+        next(d for d in data["devices"] if d["index"] == data["device"]["index"])["served"] = False
+
+    def below_the_gate(data: dict[str, Any]) -> None:
+        data["selected"]["agentic_tier"] = "tool-chat"
+
+    assert "does not rank first" in " ".join(broken(smaller_pick))
+    assert "runtime allowance" in " ".join(broken(no_allowance))
+    assert "does not fit" in " ".join(broken(kv_past_the_budget))
+    assert "does not serve" in " ".join(broken(unserved_device))
+    assert "below the gate" in " ".join(broken(below_the_gate))
 
 
 @pytest.mark.integration
