@@ -130,6 +130,7 @@ def test_print_command_uses_the_verified_parameters(provisioned: dict, tmp_path:
     assert data["argv"][data["argv"].index("-c") + 1] == str(data["context_tokens"])
 
 
+@pytest.mark.integration
 def test_systemd_unit_runs_hotfit_serve(provisioned: dict) -> None:
     code, out = run_cli(provisioned["home"], "--print-systemd-unit", "--port", "8181")
     assert code == 0
