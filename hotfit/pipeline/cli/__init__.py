@@ -256,11 +256,24 @@ def _finish(command: str | None, error: HotfitError | None, code: int, want_json
     if logged:
         _record(command, code, error.to_json() if error is not None else None, started)
     if metrics and settings is not None and logged:
-        run = last_run(code, error.to_json() if error is not None else None, log.events_seen(),
-                       started_at=started_wall, finished_at=time.time())
-        for path, exc in record_run(settings, run):
-            _log.warning("metrics.unwritable", path=str(path), error=exc.strerror or str(exc))
+        _write_metrics(settings, code, error, started_wall)
     return code
+
+
+def _write_metrics(settings: Settings, code: int, error: HotfitError | None, started_wall: float) -> None:
+    """``auto``'s metrics; a failure to write them is one ``metrics.unwritable`` warning and never
+    changes the exit code or hides the run's own error (docs/operations.md, "Metrics")."""
+    run = last_run(code, error.to_json() if error is not None else None, log.events_seen(),
+                   started_at=started_wall, finished_at=time.time())
+    try:
+        failed = record_run(settings, run)
+    except (OSError, HotfitError) as exc:  # the manifest unreadable, the metrics directory unusable
+        failed = [(settings.metrics_dir, getattr(exc, "what", None) or str(exc))]
+    if failed:
+        # the log may sit on the disk that failed: the warning then reaches stderr only (core/log.py)
+        with contextlib.suppress(OSError, HotfitError):
+            _log.warning("metrics.unwritable", path=str(failed[0][0]), error=failed[0][1],
+                         paths=[str(path) for path, _why in failed], exit_code=code)
 
 
 def _open_log_late(settings: Settings | None, home: str | None, log_format: str | None, verbosity: int) -> bool:
