@@ -9,11 +9,15 @@ error. A refused mount skips, and fails under ``HOTFIT_REQUIRE_TOOLS`` (tests/te
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import io
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +25,10 @@ import pytest
 
 from hotfit.core.plan import ProbeResult
 from hotfit.pipeline.cli import main
-from tests.e2e_support import GiB, World, write_probe, write_provisioned_home, write_registry
+from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home, write_registry
 from tests.gguf_fixtures import tool_template_text
-from tests.test_auto_e2e import env_for, events
-from tests.test_fault_matrix_disk import MiB, fill, tmpfs
+from tests.test_auto_e2e import auto, env_for, events, sidecar_done_bytes, standin_server, start, wait_for  # noqa: F401 - standin_server is a fixture
+from tests.test_fault_matrix_disk import REQUIRE_TOOLS_ENV, MiB, fill, tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,3 +113,93 @@ def test_an_unwritable_textfile_dir_after_a_successful_run_keeps_exit_0(textfile
         last = json.loads((made.home / "metrics" / "last-run.json").read_text())
         assert last["exit_code"] == 0 and last["outcome"] == "noop"
         assert [p.name for p in collector.iterdir() if p.name.endswith(".tmp")] == []  # no temp file left
+
+
+# --------------------------------------------------------------------------- a home turned read-only mid-run
+
+
+@contextlib.contextmanager
+def ext4_image(where: Path, size_bytes: int) -> Iterator[Path]:
+    """An ext4 filesystem in a file, loop-mounted at ``where`` with ``errors=remount-ro``: the mount a
+    kernel turns read-only after a disk error (:func:`disk_error`). Root only; skips where refused,
+    fails under HOTFIT_REQUIRE_TOOLS."""
+    image = where.with_name(where.name + ".img")
+    with open(image, "wb") as fh:
+        fh.truncate(size_bytes)
+    where.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    got = made if made.returncode else subprocess.run(
+        ["mount", "-o", "loop,errors=remount-ro", str(image), str(where)], capture_output=True, text=True)
+    if got.returncode != 0:
+        why = f"cannot make and loop-mount an ext4 image here ({got.stderr.strip()}): a read-only turn needs one (root)"
+        if os.environ.get(REQUIRE_TOOLS_ENV):
+            pytest.fail(f"{why}; {REQUIRE_TOOLS_ENV} is set, so this is a failure, not a skip")
+        pytest.skip(why)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+        image.unlink()
+
+
+def disk_error(mountpoint: Path) -> None:
+    """What a failing disk makes the kernel do: an ext4 error (its sysfs trigger), which under
+    ``errors=remount-ro`` turns the mounted filesystem read-only at once — open files included,
+    unlike ``mount -o remount,ro``, which refuses while a file is open for writing."""
+    device = next(line.split()[0] for line in Path("/proc/mounts").read_text().splitlines()
+                  if line.split()[1] == str(mountpoint))
+    Path(f"/sys/fs/ext4/{Path(os.path.realpath(device)).name}/trigger_fs_error").write_text("hotfit test\n")
+    with pytest.raises(OSError) as refused:  # the kernel says so (recent kernels: "emergency_ro" in the options)
+        (mountpoint / "probe-write").mkdir()
+    assert refused.value.errno == errno.EROFS
+
+
+def remount_read_write(mountpoint: Path) -> None:
+    """The operator's repair: unmount, mount again (the journal replays), as after a fsck."""
+    image = mountpoint.with_name(mountpoint.name + ".img")
+    subprocess.run(["umount", str(mountpoint)], check=True)
+    subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(mountpoint)], check=True)
+
+
+def test_a_home_turned_read_only_mid_download_is_exit_4_and_the_rerun_resumes(plain_world: World, hub: Any,
+                                                                              standin_server: Path,
+                                                                              tmp_path: Path) -> None:
+    large = plain_world.entry(LARGE)
+    probe = write_probe(tmp_path / "probe.json", 8 * GiB)
+    with ext4_image(tmp_path / "fs", 1024 * MiB) as fs:  # room for auto's 512 MiB margin (a sparse image)
+        home = fs / "home"
+        hub.inject(file="*.gguf", throughput_bps=24_000, times=None)
+        proc = start(hub, home, plain_world, probe, "--json", server=standin_server)
+        try:
+            wait_for(lambda: proc.poll() is not None or sidecar_done_bytes(home / "models" / LARGE) > 0,
+                     what="a checkpoint")
+            # ext4 commits its journal every 5 s; a disk error aborts the journal, losing what came
+            # after the last commit. The sync stands for that commit, then the download goes on.
+            os.sync()
+            synced = sidecar_done_bytes(home / "models" / LARGE)
+            wait_for(lambda: proc.poll() is not None or sidecar_done_bytes(home / "models" / LARGE) > synced,
+                     what="a checkpoint after the journal commit")
+            disk_error(fs)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            hub.clear_faults()
+        assert proc.returncode == 4, err[-4000:]
+        assert "Traceback" not in err and "During handling" not in err, err[-4000:]
+        assert err.count("hotfit: error:") == 1, err[-4000:]
+        error = json.loads(out)["error"]
+        assert error["code"] == "disk_unwritable" and error["details"]["errno"] == "EROFS"
+        assert error["details"]["path"].startswith(str(home / "models" / LARGE)), error  # the first write refused
+        assert error["details"]["mount"] == str(fs) and "read-only" in error["message"]
+        assert "downloaded bytes are kept" in error["hint"] and "remount" in error["hint"] and "resumes" in error["hint"]
+        remount_read_write(fs)  # the operator's repair
+        hub.reset_counters()
+        kept = sidecar_done_bytes(home / "models" / LARGE)
+        again = auto(hub, home, plain_world, probe, "--json", server=standin_server)
+        assert again.returncode == 5, again.stderr[-3000:]  # through verify; the stand-in cannot load
+        fetched = [e for e in events(home) if e["event"] == "stage.done" and e["stage"] == "fetch-weights"]
+        assert fetched[-1]["sha256"] == large.artifact.sha256
+        assert fetched[-1]["resumed_from_bytes"] == kept > 0, (fetched[-1], kept)
+        assert hub.bytes_sent(large.artifact.file) <= large.artifact.size_bytes - kept + 65536  # not the whole file again
+        print(f"read-only mid-download; {kept} of {large.artifact.size_bytes} bytes survived the disk error "
+              "and the rerun resumed from them")

@@ -11,6 +11,7 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   ├── HubError                   exit 4   the Hub answered with an error (repo, revision, entry, gated)
     │   ├── PinMismatch                exit 4   X-Repo-Commit or size differs from the pinned value
     │   ├── DiskSpaceError             exit 4   not enough free disk for what must be written
+    │   ├── DiskWriteError             exit 4   the filesystem refused a write: read-only (EROFS) or failing (EIO)
     │   ├── IntegrityError             exit 4   sha256 / size / GGUF header disagree with the registry
     │   └── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
     ├── BackendError                   exit 5   load / probe-tool-call / re-check
@@ -41,6 +42,7 @@ __all__ = [
     "HubError",
     "PinMismatch",
     "DiskSpaceError",
+    "DiskWriteError",
     "IntegrityError",
     "TemplateError",
     "BackendError",
@@ -116,6 +118,13 @@ class PinMismatch(TransferError):
 
 class DiskSpaceError(TransferError):
     code = "disk_space"
+
+
+class DiskWriteError(TransferError):
+    """The filesystem refused a write it has room for: turned read-only (EROFS; what the kernel does
+    after a disk error) or failing (EIO). What was written before is kept; the rerun resumes."""
+
+    code = "disk_unwritable"
 
 
 class IntegrityError(TransferError):

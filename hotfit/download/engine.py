@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import anyio
 
-from hotfit.core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError
+from hotfit.core.diskspace import write_failure
+from hotfit.core.errors import DiskSpaceError, DiskWriteError, HubError, IntegrityError, PinMismatch, TransferError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
 from hotfit.download.disk import bytes_held, check_disk_space, preallocate, release_unclaimed
@@ -273,9 +274,17 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
     lock = anyio.Lock()
     whole = len(blocks) == 1
 
+    def sync_partial() -> None:
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:  # a full, read-only or failing disk names the partial (core.diskspace)
+            if (mapped := write_failure(exc, partial, needed_bytes=None, what="the partial download")) is None:
+                raise
+            raise mapped from None
+
     def checkpoint() -> None:
         claimed = encode_sidecar(side, blocks)
-        os.fdatasync(fd)
+        sync_partial()
         write_sidecar(sidecar_path, claimed)
 
     async def fresh_url() -> str:
@@ -311,7 +320,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
         while True:
             await anyio.sleep(session.options.checkpoint_interval_s)
             claimed = encode_sidecar(side, blocks)
-            await anyio.to_thread.run_sync(os.fdatasync, fd)
+            await anyio.to_thread.run_sync(sync_partial)
             write_sidecar(sidecar_path, claimed)
 
     checkpoint()
@@ -324,7 +333,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
             tg.cancel_scope.cancel()
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
-            with contextlib.suppress(OSError, DiskSpaceError):  # the error being raised says more
+            with contextlib.suppress(OSError, DiskSpaceError, DiskWriteError):  # the error being raised says more
                 checkpoint()
         raise _unwrap(exc) from None
     checkpoint()

@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import anyio
 
 from hotfit.backends.base import AllocationReport, ManifestFacts
-from hotfit.core.errors import Interrupted, UsageError
+from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
 from hotfit.core.plan import Device, Plan, ProbeResult
@@ -298,6 +298,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)
         beside = _beside_worker(worker)
         store = await StateStore.open(settings.state_db, lock_path=settings.lock_path)
+        failed = True
         try:
             planned_now: list[PlanOutcome] = []
             stages = (provisioning_stages(opts, previous, on_plan=planned_now.append)
@@ -306,10 +307,14 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             runner = Runner(stages, store, settings, run_args=run_args,
                             force=(*SESSION_STAGES, GRADE_STAGE) if opts.recheck else ())
             outcome = await runner.run()
+            failed = False
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await prune_runs(store, settings, protect=(manifest.run_id,) if manifest else ())
+                    # housekeeping: after a failed run (a full or read-only disk) it must not replace
+                    # the run's own error (docs/faults.md)
+                    with contextlib.suppress(*((OSError, HotfitError) if failed else ())):
+                        await prune_runs(store, settings, protect=(manifest.run_id,) if manifest else ())
                 finally:
                     await store.aclose()
         new_manifest = build_manifest(ProvisionedResults.of(outcome))

@@ -242,17 +242,17 @@ class Runner:
                 raise failure
         except BaseException as exc:
             if isinstance(exc, HotfitError) and self.signal_received is None:
-                await self._finish(store, run_id, "failed", exc.to_json(), started)
+                await self._finish_failed(store, run_id, "failed", exc.to_json(), started)
                 raise
             if self.signal_received is not None:  # whatever the stage raised on its way out
                 name = signal.Signals(self.signal_received).name
                 err = Interrupted(f"interrupted by {name}; rerun the same command to resume",
                                   hint="completed stages and downloaded bytes are kept", signal=name)
-                await self._finish(store, run_id, "interrupted", err.to_json(), started)
+                await self._finish_failed(store, run_id, "interrupted", err.to_json(), started)
                 raise err from None
             status: RunStatus = "interrupted" if isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class())) \
                 else "failed"
-            await self._finish(store, run_id, status, {"code": "internal", "message": repr(exc)}, started)
+            await self._finish_failed(store, run_id, status, {"code": "internal", "message": repr(exc)}, started)
             raise
         if self.signal_received is not None:  # signal arrived after the last await
             name = signal.Signals(self.signal_received).name
@@ -263,6 +263,17 @@ class Runner:
         assert outcome is not None
         await self._finish(store, run_id, "done", None, started)
         return outcome
+
+    async def _finish_failed(self, store: StateStore, run_id: str, status: RunStatus, error: dict[str, Any],
+                             started: float) -> None:
+        """:meth:`_finish` while the run's own error unwinds: a store or log that cannot take the record
+        (the disk that failed the stage, full or read-only) must not replace that error
+        (docs/faults.md); the rerun finds the run 'running' and marks it interrupted."""
+        try:
+            await self._finish(store, run_id, status, error, started)
+        except (OSError, HotfitError):
+            if self.recorded:
+                unbind("run_id", "stage", "plan_id")
 
     async def _finish(self, store: StateStore, run_id: str, status: RunStatus, error: dict[str, Any] | None,
                       started: float) -> None:
@@ -382,10 +393,13 @@ class Runner:
             error, status = exc.to_json(), "failed"
         else:
             error, status = {"code": "internal", "message": repr(exc)}, "failed"
-        with anyio.CancelScope(shield=True):
+        # Recorded while the stage's error unwinds: a store or log the same failing disk refuses must
+        # not replace it (docs/faults.md); the rerun reruns the stage all the same.
+        with anyio.CancelScope(shield=True), contextlib.suppress(OSError, HotfitError):
             await store.stage_failed(run_id, stage.name, error, status)
         event = "stage.interrupted" if status == "interrupted" else "stage.fail"
-        self._event("error", event, duration_s=round(duration_s, 3), error=error)
+        with contextlib.suppress(OSError, HotfitError):
+            self._event("error", event, duration_s=round(duration_s, 3), error=error)
 
     async def _reusable(self, store: StateStore, stage: Stage[Any], digest: str, plan: Plan | None) -> _Reuse | None:
         if stage.always_run or stage.name in self.force or not self.recorded:

@@ -15,7 +15,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Literal, overload
 
-from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.diskspace import write_failure
 from hotfit.core.errors import UsageError
 from hotfit.core.records import DocumentFail
 
@@ -156,8 +156,8 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True, what: str 
         mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        if is_disk_full(exc):
-            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None
+        if (mapped := write_failure(exc, path, needed_bytes=len(data), what=what)) is not None:
+            raise mapped from None
         raise
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -170,8 +170,9 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True, what: str 
     except BaseException as exc:
         with suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        if is_disk_full(exc):
-            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None
+        if isinstance(exc, OSError) and (mapped := write_failure(exc, path, needed_bytes=len(data),
+                                                                 what=what)) is not None:
+            raise mapped from None
         raise
     if durable:
         fsync_dir(path.parent)
@@ -182,11 +183,16 @@ def finalize_file(partial: Path, final: Path) -> None:
     checked_write_path(partial)
     checked_write_path(final)
     checked_write_path(final.parent, kind="directory")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(partial, final)
-    fsync_dir(final.parent)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, final)
+        fsync_dir(final.parent)
+    except OSError as exc:  # the partial stays where it was: the rerun verifies it again
+        if (mapped := write_failure(exc, final, needed_bytes=None, what="the verified download")) is not None:
+            raise mapped from None
+        raise

@@ -37,8 +37,8 @@ from typing import Any, Iterator, Literal, Sequence
 
 import anyio.to_thread
 
-from hotfit.core.diskspace import disk_full_error, is_disk_full
-from hotfit.core.errors import DiskSpaceError, LockedError, UsageError
+from hotfit.core.diskspace import disk_full_error, is_disk_full, refused_errno, unwritable_error
+from hotfit.core.errors import DiskSpaceError, DiskWriteError, LockedError, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.records import field_dict
 from hotfit.state.locks import current_holder
@@ -145,6 +145,15 @@ def _is_full(exc: BaseException) -> bool:
         getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc))
 
 
+def _is_refused(exc: BaseException) -> bool:
+    """SQLite's SQLITE_READONLY ("attempt to write a readonly database") / SQLITE_IOERR ("disk I/O
+    error"): the filesystem refused a write — turned read-only under the run, or failing."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    return isinstance(exc, sqlite3.OperationalError) and (
+        name.startswith(("SQLITE_READONLY", "SQLITE_IOERR")) or "readonly database" in str(exc)
+        or "disk I/O error" in str(exc))
+
+
 def _is_damage(exc: BaseException) -> bool:
     """SQLite's "database disk image is malformed" / "file is not a database" (a garbled page)."""
     name = getattr(exc, "sqlite_errorname", "") or ""
@@ -217,6 +226,8 @@ class SyncStateStore:
             self._conn.close()
             if _is_full(exc) or is_disk_full(exc.__cause__ or exc.__context__ or exc):
                 raise self._full_error(exc) from None
+            if _is_refused(exc):
+                raise self._refused_error(exc) from None
             if _is_busy(exc):
                 raise self._busy_error(exc, time.monotonic() - started) from None
             raise self._unusable(exc) from None
@@ -265,6 +276,12 @@ class SyncStateStore:
             page = int(self._conn.execute("PRAGMA page_size").fetchone()[0])
         return disk_full_error(self.path, needed_bytes=page, what="the state database", sqlite_error=str(exc))
 
+    def _refused_error(self, exc: BaseException) -> DiskWriteError:
+        """The filesystem refused a write (read-only, or an I/O error): exit 4 naming the database and
+        the mount; the last committed transaction stands, so the rerun resumes from it."""
+        return unwritable_error(self.path, what="the state database", errno_=refused_errno(self.path),
+                                sqlite_error=str(exc))
+
     @contextlib.contextmanager
     def _mapped_errors(self) -> Iterator[None]:
         """A busy database is LockedError (exit 6, naming the holder); a damaged one (a garbled page
@@ -277,6 +294,8 @@ class SyncStateStore:
                 raise self._busy_error(exc, time.monotonic() - started) from None
             if _is_full(exc):
                 raise self._full_error(exc) from None
+            if _is_refused(exc):
+                raise self._refused_error(exc) from None
             if _is_damage(exc):
                 raise self._unusable(exc) from None
             raise

@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any, Literal, NoReturn, TextIO
 
 from hotfit.core import log
-from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.diskspace import write_failure
 from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.settings import Settings, load_settings
 from hotfit.pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
@@ -39,7 +39,8 @@ EXIT_CODES_HELP = """exit codes:
   0    success
   2    usage or configuration error (bad argument, env var, registry file)
   3    no model qualifies (fail closed; the message names what would)
-  4    download / verify failure (Hub error, pin or size mismatch, checksum, disk space, template)
+  4    download / verify failure (Hub error, pin or size mismatch, checksum, disk space, template,
+       a disk turned read-only or failing: EROFS/EIO)
   5    load / tool-call probe / hot-allocation re-check failure
   6    locked: another hotfit holds this --home (its PID is named)
   7    hardware probe failure (NVML present but failing)
@@ -192,15 +193,15 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
     except KeyboardInterrupt:
         error = _interrupted(received)
         code = error.exit_code
-    except OSError as exc:  # the writers map a full disk themselves; this is the net under them
-        if not is_disk_full(exc):
+    except OSError as exc:  # the writers map a full or refusing disk themselves; this is the net under them
+        home = args.home or os.environ.get("HOTFIT_HOME")
+        where = exc.filename or home or "?"
+        mapped = write_failure(exc, where, needed_bytes=None, what="a file" if exc.filename else "a file in the home")
+        if mapped is None:
             if logged:
                 _record(_command_name(args), 1, {"code": "internal", "message": repr(exc)}, started)
             raise
-        home = args.home or os.environ.get("HOTFIT_HOME")
-        where = exc.filename or home or "?"
-        what = "a file" if exc.filename else "a file in the home"
-        error = from_os_error(exc, where, needed_bytes=None, what=what)
+        error = mapped
         code = error.exit_code
     except Exception as exc:  # a bug: logged with exit 1, then Python's traceback
         if logged:
