@@ -15,6 +15,7 @@ import errno
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -203,3 +204,40 @@ def test_a_home_turned_read_only_mid_download_is_exit_4_and_the_rerun_resumes(pl
         assert hub.bytes_sent(large.artifact.file) <= large.artifact.size_bytes - kept + 65536  # not the whole file again
         print(f"read-only mid-download; {kept} of {large.artifact.size_bytes} bytes survived the disk error "
               "and the rerun resumed from them")
+
+
+# --------------------------------------------------------------------------- an ssh session that drops
+
+
+def test_sighup_mid_download_is_exit_130_with_a_message_and_the_rerun_resumes(plain_world: World, hub: Any,
+                                                                               standin_server: Path,
+                                                                               tmp_path: Path) -> None:
+    """SIGHUP (the ssh session or terminal went away) ends `auto` as SIGTERM does: exit 130, the
+    message, a `command.failed` event naming the signal, the stage recorded interrupted; the rerun
+    resumes the bytes (was: Python's default, exit 129, no message, no event)."""
+    large = plain_world.entry(LARGE)
+    home = tmp_path / "home"
+    probe = write_probe(tmp_path / "probe.json", 8 * GiB)
+    hub.inject(file="*.gguf", throughput_bps=24_000, times=None)
+    proc = start(hub, home, plain_world, probe, "--json", server=standin_server)
+    try:
+        wait_for(lambda: proc.poll() is not None or sidecar_done_bytes(home / "models" / LARGE) > 0,
+                 what="a checkpoint")
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        hub.clear_faults()
+    assert proc.returncode == 130, err[-3000:]
+    assert "hotfit: error: interrupted by SIGHUP; rerun the same command to resume" in err
+    assert json.loads(out)["error"]["details"]["signal"] == "SIGHUP"
+    failed = named(events(home), "command.failed")
+    assert [(e["exit_code"], e["signal"]) for e in failed] == [(130, "SIGHUP")]
+    stages = {e["stage"]: e["event"] for e in events(home) if e["event"].startswith("stage.")}
+    assert stages["fetch-weights"] == "stage.interrupted"
+    kept = sidecar_done_bytes(home / "models" / LARGE)
+    again = auto(hub, home, plain_world, probe, "--json", server=standin_server)
+    assert again.returncode == 5, again.stderr[-3000:]  # through verify; the stand-in cannot load
+    fetched = named(events(home), "stage.done")
+    weights = [e for e in fetched if e["stage"] == "fetch-weights"][-1]
+    assert weights["resumed_from_bytes"] == kept > 0 and weights["sha256"] == large.artifact.sha256

@@ -21,7 +21,7 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   └── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
     ├── LockedError                    exit 6   another hotfit holds the lock (its PID is named)
     ├── HardwareProbeError             exit 7   NVML (or another probe) present but failing
-    └── Interrupted                    exit 130 SIGINT/SIGTERM; state marked interrupted, rerun resumes
+    └── Interrupted                    exit 130 SIGINT/SIGTERM/SIGHUP; state marked interrupted, rerun resumes
 
 Each error carries ``what`` happened, ``hint`` (what to do) and ``details`` (machine-readable
 facts for ``--json``). Messages never contain secrets.

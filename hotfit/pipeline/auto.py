@@ -33,7 +33,7 @@ from hotfit.core.log import get_logger
 from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
 from hotfit.core.plan import Device, Plan, ProbeResult
 from hotfit.core.settings import Settings
-from hotfit.pipeline.engine import PipelineOutcome, Runner, signal_receiver
+from hotfit.pipeline.engine import STOP_SIGNALS, PipelineOutcome, Runner, signal_receiver
 from hotfit.pipeline.evidence import record_grade
 from hotfit.pipeline.manifest import (
     Manifest,
@@ -367,12 +367,12 @@ def _admitted_json(opts: AutoOptions, planned: PlanOutcome) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def held_interruptibly(lock: FileLock) -> AsyncIterator[FileLock]:
-    """Hold the home lock. SIGINT/SIGTERM while queued behind another run (--wait) ends with
+    """Hold the home lock. SIGINT/SIGTERM/SIGHUP while queued behind another run (--wait) ends with
     Interrupted (exit 130) and a ``lock.wait_interrupted`` event; nothing was written, since
     state belongs to the lock holder. (Once held, the runner handles signals itself.)"""
     received: list[int] = []
     failure: Exception | None = None
-    with signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with signal_receiver(*STOP_SIGNALS) as signals:
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
                 async for signum in signals:

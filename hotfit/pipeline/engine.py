@@ -19,7 +19,7 @@ and returning a frozen result with ``to_json()``. The engine owns everything eff
 * live resources: stages in one ``session`` (load → probe-tool-call → re-check share a running
   llama-server) are skipped together or run together; what a stage enters through
   ``ctx.enter_context`` is closed when the pipeline ends, fails or is interrupted;
-* signals: SIGINT/SIGTERM cancel the runner's task group; the running stage is recorded as
+* signals: SIGINT/SIGTERM/SIGHUP cancel the runner's task group; the running stage is recorded as
   ``interrupted``, entered contexts are closed (llama-server reaped) under a shield, and
   :class:`~core.errors.Interrupted` is raised (exit 130). ``kill -9`` leaves a ``running``
   record that the next run, holding the lock, turns into ``interrupted`` and resumes;
@@ -58,11 +58,15 @@ from hotfit.stages.declaration import EnterContext, StageContext
 from hotfit.stages.declaration import StageDeclaration as Stage
 from hotfit.state.store import RunStatus, StageRecord, StageStatus, StateStore
 
-__all__ = ["PipelineOutcome", "RunContext", "Runner", "Stage", "StageContext", "inputs_hash", "signal_receiver"]
+__all__ = ["STOP_SIGNALS", "PipelineOutcome", "RunContext", "Runner", "Stage", "StageContext", "inputs_hash",
+           "signal_receiver"]
 
 T = TypeVar("T")
 log = get_logger()
 
+# The signals that stop a command the way Ctrl-C does (cancelled, cleaned up, exit 130, resumable):
+# SIGHUP is an ssh session or terminal that went away (docs/faults-state.md).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How long closing entered contexts (reaping llama-server) may take after a signal.
 CLEANUP_TIMEOUT_S = 30.0
 # sqlite's name for a private in-memory database: an ephemeral run's store
@@ -285,7 +289,7 @@ class Runner:
             unbind("run_id", "stage", "plan_id")
 
     async def _watch_signals(self, scope: anyio.CancelScope, *, task_status: Any) -> None:
-        with signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with signal_receiver(*STOP_SIGNALS) as signals:
             task_status.started()
             async for signum in signals:
                 self.signal_received = signum

@@ -30,6 +30,7 @@ from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.settings import Settings, load_settings
 from hotfit.pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
 from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.engine import STOP_SIGNALS
 from hotfit.pipeline.metrics import last_run, record_run
 from hotfit.state.files import checked_write_path, prepare_home, unusable_home
 
@@ -47,7 +48,7 @@ EXIT_CODES_HELP = """exit codes:
   8    grade: the model failed the multi-turn tool-use grade
   9    grade: inconclusive (a stack problem, named, or --budget-s ran out)
   10   status: the last `hotfit auto` failed or was interrupted (for alerting checks)
-  130  interrupted (SIGINT/SIGTERM); a rerun resumes
+  130  interrupted (SIGINT, SIGTERM or SIGHUP); a rerun resumes
 """
 
 
@@ -214,11 +215,12 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
 
 @contextlib.contextmanager
 def _sigterm_is_an_interrupt() -> Iterator[list[int]]:
-    """SIGTERM (a supervisor stopping hotfit) ends a command as Ctrl-C does: what runs is cancelled
-    and cleaned up, and the command exits 130 with a message, not the default 143 with none. The
-    SIGINT handler in force is called, so inside ``anyio.run`` asyncio cancels the main task and the
-    command unwinds through its ``finally`` blocks. (The stage runner and the lock wait catch both
-    signals themselves while they run, and say which one came.)"""
+    """SIGTERM (a supervisor stopping hotfit) and SIGHUP (the ssh session or terminal went away) end
+    a command as Ctrl-C does: what runs is cancelled and cleaned up, and the command exits 130 with a
+    message and its ``command.failed`` event, not the default 143 / 129 with none. The SIGINT
+    handler in force is called, so inside ``anyio.run`` asyncio cancels the main task and the command
+    unwinds through its ``finally`` blocks. (The stage runner and the lock wait catch these signals
+    themselves while they run, and say which one came: STOP_SIGNALS.)"""
     received: list[int] = []
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -229,15 +231,17 @@ def _sigterm_is_an_interrupt() -> Iterator[list[int]]:
         else:  # SIGINT ignored or left to the default: still an interrupt
             raise KeyboardInterrupt
 
+    stops = [s for s in STOP_SIGNALS if s != signal.SIGINT]
     try:
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        previous = {signum: signal.signal(signum, on_sigterm) for signum in stops}
     except ValueError:  # not the main thread (an embedding caller): signals are left alone
         yield received
         return
     try:
         yield received
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _interrupted(received: list[int]) -> Interrupted:
@@ -251,7 +255,9 @@ def _finish(command: str | None, error: HotfitError | None, code: int, want_json
             home: str | None = None, log_format: str | None = None, verbosity: int = 0, metrics: bool = False,
             prefix: str = "hotfit: error: ") -> int:
     if error is not None:
-        _report(error, want_json, out, prefix)
+        # a hung-up terminal (SIGHUP) fails the write (EIO); the log below still gets the outcome
+        with contextlib.suppress(OSError):
+            _report(error, want_json, out, prefix)
     if not logged:  # failed before the log was open (argv, environment, home): open it if the home exists
         logged = _open_log_late(settings, home, log_format, verbosity)
     if logged:
