@@ -26,6 +26,7 @@ import pytest
 
 from hotfit.core.plan import ProbeResult
 from hotfit.pipeline.cli import main
+from hotfit.state.store import SyncStateStore
 from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home, write_registry
 from tests.gguf_fixtures import tool_template_text
 from tests.test_auto_e2e import auto, env_for, events, sidecar_done_bytes, standin_server, start, wait_for  # noqa: F401 - standin_server is a fixture
@@ -241,3 +242,36 @@ def test_sighup_mid_download_is_exit_130_with_a_message_and_the_rerun_resumes(pl
     fetched = named(events(home), "stage.done")
     weights = [e for e in fetched if e["stage"] == "fetch-weights"][-1]
     assert weights["resumed_from_bytes"] == kept > 0 and weights["sha256"] == large.artifact.sha256
+
+
+# --------------------------------------------------------------------------- status on a read-only home
+
+
+def test_status_reads_a_read_only_home_and_auto_says_to_remount(tmp_path: Path) -> None:
+    """The operator's first look after a disk error turned the home read-only: `status` reads it
+    (the run, the provisioned model; exit 0 here) and writes nothing; `auto` refuses with exit 4
+    naming EROFS and the remount (was: both exit 2, "cannot be used as hotfit's home")."""
+    with tmpfs(tmp_path / "fs", 64 * MiB) as fs:
+        made = noop_home(fs)
+        assert hotfit(made.home, "--json", *made.argv).returncode == 0  # a real no-op: log, metrics
+        store = SyncStateStore(made.home / "state.db")  # and a recorded run, as a provisioning leaves one
+        run_id = store.create_run(["probe"], {}).run_id
+        store.finish_run(run_id, "done")
+        store.close()
+        before = sorted((p.relative_to(fs), p.stat().st_size) for p in fs.rglob("*") if p.is_file())
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        done = hotfit(made.home, "status", "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        status = json.loads(done.stdout)
+        assert status["provisioned"]["entry_name"] == "fx-agent" and status["last_auto"]["outcome"] == "noop"
+        assert status["run"]["run_id"] == run_id and status["run"]["status"] == "done"
+        assert [json.loads(line)["event"] for line in done.stderr.splitlines() if line.startswith("{")] == [
+            "home.read_only"]
+        text = hotfit(made.home, "status")
+        assert text.returncode == 0 and "fx-agent" in text.stdout, text.stderr[-2000:]
+        refused = hotfit(made.home, "--json", *made.argv)
+        assert refused.returncode == 4, refused.stderr[-3000:]
+        error = json.loads(refused.stdout)["error"]
+        assert error["code"] == "disk_unwritable" and error["details"]["errno"] == "EROFS"
+        assert f"remount {fs} read-write" in error["hint"] and "Traceback" not in refused.stderr
+        assert sorted((p.relative_to(fs), p.stat().st_size) for p in fs.rglob("*") if p.is_file()) == before

@@ -182,7 +182,8 @@ def read_status(settings: Settings, *, registry_file: str | None, nfd_features: 
     run: RunRecord | None = None
     stages: list[StageRecord] = []
     if settings.state_db.exists():
-        store = SyncStateStore(settings.state_db, lock_path=settings.lock_path)
+        # read-only: status writes nothing, and must read a home whose filesystem turned read-only
+        store = SyncStateStore(settings.state_db, lock_path=settings.lock_path, read_only=True)
         try:
             run = store.latest_run()
             stages = store.stages(run.run_id) if run else []

@@ -15,7 +15,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Literal, overload
 
-from hotfit.core.diskspace import write_failure
+from hotfit.core.diskspace import refused_errno, unwritable_error, write_failure
 from hotfit.core.errors import UsageError
 from hotfit.core.records import DocumentFail
 
@@ -43,6 +43,9 @@ def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
     """
     if home.exists() and not home.is_dir():
         raise unusable_home(home, named, "it is not a directory", errno=errno.ENOTDIR)
+    if home_is_read_only(home) and refused_errno(home) == errno.EROFS:
+        # a filesystem turned read-only (after a disk error): the same exit 4 and repair as mid-run
+        raise unwritable_error(home, what="hotfit's home", errno_=errno.EROFS)
     try:
         logs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -54,6 +57,12 @@ def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
                             errno=errno.EACCES)
     confine_writes_to(home)
     checked_write_path(logs_dir, kind="directory")
+
+
+def home_is_read_only(home: Path) -> bool:
+    """The home is a directory this user cannot write: its filesystem is read-only (after a disk
+    error), or permissions. A reader (``hotfit status``) still reads it (docs/faults-state.md)."""
+    return home.is_dir() and not os.access(home, os.W_OK | os.X_OK)
 
 
 def confine_writes_to(home: Path | None) -> None:

@@ -30,6 +30,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,20 +207,27 @@ class SyncStateStore:
     ``lock_path`` is the home's pipeline lock: when the database stays busy past the wait, the
     error names that lock's holder (or else the processes that have the file open)."""
 
-    def __init__(self, path: Path, *, lock_path: Path | None = None) -> None:
+    def __init__(self, path: Path, *, lock_path: Path | None = None, read_only: bool = False) -> None:
         self.path = Path(path)
         self.lock_path = lock_path
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        started = time.monotonic()
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a transaction takes the
         # write lock up front instead of failing half-way on an upgrade.
-        started = time.monotonic()
         self._conn = sqlite3.connect(
-            str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            self._read_only_uri() if read_only else str(self.path), uri=read_only,
+            timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
         self._conn.row_factory = sqlite3.Row
         try:
-            self._init_schema()
+            if read_only:  # a reader (``hotfit status``): the same checks, nothing created or written
+                with self._lock:
+                    self._check_layout()
+                    self._check_pages()
+            else:
+                self._init_schema()
         except sqlite3.DatabaseError as exc:
             # A damaged file or one from another hotfit version: say which file and what to do,
             # instead of a traceback (or a "no such column" half-way through a run).
@@ -234,6 +242,19 @@ class SyncStateStore:
         except BaseException:
             self._conn.close()
             raise
+
+    def _read_only_uri(self) -> str:
+        """``mode=ro``; on a filesystem mounted read-only with no write-ahead log beside the database
+        (hotfit's last connection checkpointed it away), ``immutable=1`` — SQLite cannot create the
+        ``-shm`` index a WAL reader needs there, and nothing can change the file under the reader."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            read_only_fs = bool(os.statvfs(self.path.parent).f_flag & os.ST_RDONLY)
+            wal_bytes = wal.stat().st_size if wal.exists() else 0
+        except OSError:
+            read_only_fs, wal_bytes = False, 0
+        mode = "immutable=1" if read_only_fs and wal_bytes == 0 else "mode=ro"
+        return f"file:{urllib.parse.quote(str(self.path))}?{mode}"
 
     def _unusable(self, exc: BaseException) -> UsageError:
         """Exit 2 naming the file and the fix (move it aside), for a database that cannot be read."""
@@ -319,23 +340,30 @@ class SyncStateStore:
                 self._conn.execute(
                     "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
                 )
-                found = self._conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0]
-                if found != str(SCHEMA_VERSION):
-                    raise sqlite3.DatabaseError(f"schema version {found}, this hotfit reads {SCHEMA_VERSION}")
-                for table, wanted in _COLUMNS.items():
-                    have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
-                    if not wanted <= have:
-                        raise sqlite3.DatabaseError(
-                            f"table {table} lacks {', '.join(sorted(wanted - have))} (an older layout)")
+                self._check_layout()
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._rollback()
                 raise
-            # A garbled page is found here, before a run starts, not by a write half-way through it
-            # (milliseconds: the database holds a few rows per run).
-            problems = [r[0] for r in self._conn.execute("PRAGMA quick_check(3)")]
-            if problems != ["ok"]:
-                raise sqlite3.DatabaseError("damaged: " + "; ".join(str(p) for p in problems))
+            self._check_pages()
+
+    def _check_layout(self) -> None:
+        row = self._conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        found = row[0] if row is not None else None
+        if found != str(SCHEMA_VERSION):
+            raise sqlite3.DatabaseError(f"schema version {found}, this hotfit reads {SCHEMA_VERSION}")
+        for table, wanted in _COLUMNS.items():
+            have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            if not wanted <= have:
+                raise sqlite3.DatabaseError(
+                    f"table {table} lacks {', '.join(sorted(wanted - have))} (an older layout)")
+
+    def _check_pages(self) -> None:
+        # A garbled page is found here, before a run starts, not by a write half-way through it
+        # (milliseconds: the database holds a few rows per run).
+        problems = [r[0] for r in self._conn.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("damaged: " + "; ".join(str(p) for p in problems))
 
     def close(self) -> None:
         with self._lock:

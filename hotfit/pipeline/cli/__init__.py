@@ -32,7 +32,7 @@ from hotfit.pipeline.cli import auto, grade, plan, probe, pull, registry, serve,
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.engine import STOP_SIGNALS
 from hotfit.pipeline.metrics import last_run, record_run
-from hotfit.state.files import checked_write_path, prepare_home, unusable_home
+from hotfit.state.files import checked_write_path, home_is_read_only, prepare_home, unusable_home
 
 _log = log.get_logger()
 
@@ -167,23 +167,29 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
     error: HotfitError | None
     try:
         settings = load_settings(home=args.home, llama_server=args.llama_server)
-        prepare_home(settings.home, settings.home_named, settings.log_path.parent)
-        targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
-            (settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
-            # SQLite opens these beside the database itself, following a symlink
-            (settings.state_db.with_name(settings.state_db.name + "-wal"), "file"),
-            (settings.state_db.with_name(settings.state_db.name + "-shm"), "file"),
-            (settings.manifest_path, "file"), (settings.models_dir, "directory"))
-        for path, kind in targets:
-            checked_write_path(path, kind=kind)
+        # a reader (status) reads a home it cannot write — the operator's first look after a disk
+        # error turned it read-only — and logs to stderr only
+        read_only = bool(getattr(args, "reads_home_only", False)) and home_is_read_only(settings.home)
+        if not read_only:
+            prepare_home(settings.home, settings.home_named, settings.log_path.parent)
+            targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
+                (settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
+                # SQLite opens these beside the database itself, following a symlink
+                (settings.state_db.with_name(settings.state_db.name + "-wal"), "file"),
+                (settings.state_db.with_name(settings.state_db.name + "-shm"), "file"),
+                (settings.manifest_path, "file"), (settings.models_dir, "directory"))
+            for path, kind in targets:
+                checked_write_path(path, kind=kind)
         try:
-            log.configure(args.log_format, verbosity, settings.log_path, max_bytes=settings.log_max_bytes,
-                          keep=settings.log_keep)
-            logged = True
+            log.configure(args.log_format, verbosity, None if read_only else settings.log_path,
+                          max_bytes=settings.log_max_bytes, keep=settings.log_keep)
+            logged = not read_only
         except OSError as exc:
             raise unusable_home(settings.home, settings.home_named,
                                 f"cannot append to {settings.log_path}: {exc.strerror or exc}",
                                 errno=exc.errno) from None
+        if read_only:
+            _log.warning("home.read_only", home=str(settings.home), command=_command_name(args))
         ctx = CliContext(settings=settings, json=want_json, log_format=args.log_format,
                          verbosity=verbosity, out=out)
         handler: Callable[[argparse.Namespace, CliContext], int] = args.handler
