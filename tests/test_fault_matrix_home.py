@@ -16,15 +16,19 @@ import io
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from hotfit.core.errors import CertificateError
 from hotfit.core.plan import ProbeResult
+from hotfit.download.hub_errors import hub_error_from_hf_exception, is_retryable_hf_exception
 from hotfit.pipeline.cli import main
 from hotfit.state.store import SyncStateStore
 from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home, write_registry
@@ -275,3 +279,92 @@ def test_status_reads_a_read_only_home_and_auto_says_to_remount(tmp_path: Path) 
         assert error["code"] == "disk_unwritable" and error["details"]["errno"] == "EROFS"
         assert f"remount {fs} read-write" in error["hint"] and "Traceback" not in refused.stderr
         assert sorted((p.relative_to(fs), p.stat().st_size) for p in fs.rglob("*") if p.is_file()) == before
+
+
+# --------------------------------------------------------------------------- a certificate that cannot be trusted
+
+_CA_CONFIG = """[ca]
+default_ca = hub
+[hub]
+database = index.txt
+new_certs_dir = .
+serial = serial
+default_md = sha256
+policy = any
+copy_extensions = copy
+[any]
+commonName = supplied
+"""
+
+
+def throwaway_certificate(where: Path, *, not_before: str | None = None) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost and its key (openssl); ``not_before`` (YYYYMMDDHHMMSSZ)
+    dates it in the future: what a machine whose clock is wrong sees."""
+    where.mkdir(parents=True, exist_ok=True)
+    cert, key = where / "hub.pem", where / "hub.key"
+    san = "subjectAltName=DNS:localhost,IP:127.0.0.1"
+    if not_before is None:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                        "/CN=localhost", "-addext", san, "-keyout", str(key), "-out", str(cert)],
+                       check=True, capture_output=True, timeout=60)
+        return cert, key
+    (where / "ca.cnf").write_text(_CA_CONFIG)
+    (where / "index.txt").write_text("")
+    (where / "serial").write_text("01\n")
+    subprocess.run(["openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
+                    "-addext", san, "-keyout", str(key), "-out", str(where / "hub.csr")],
+                   check=True, capture_output=True, timeout=60)
+    subprocess.run(["openssl", "ca", "-batch", "-config", "ca.cnf", "-selfsign", "-keyfile", str(key), "-in",
+                    "hub.csr", "-out", str(cert), "-startdate", not_before, "-enddate", "21000101000000Z"],
+                   check=True, capture_output=True, timeout=60, cwd=where)
+    return cert, key
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("not yet valid", "certificate is not yet valid"),
+    ("not trusted", "self-signed certificate"),
+])
+def test_a_certificate_that_fails_verification_is_not_retried_and_named(fault: str, reason: str,
+                                                                         tmp_path: Path) -> None:
+    from tests.test_fetch_weights import make_entry, make_gguf, sha256_of
+    from tests.test_proxy import _TlsHub
+    from tests.test_pull_cli import pull_cmd, write_registry as write_pull_registry
+
+    cert, key = throwaway_certificate(tmp_path / "tls", not_before="20991231000000Z" if fault == "not yet valid"
+                                      else None)
+    (tmp_path / "src").mkdir()
+    weights = make_gguf(tmp_path / "src" / "model.gguf")
+    with _TlsHub(tmp_path / "tlshub", cert, key) as hub:
+        commit = hub.create_repo("org/m", {"model.gguf": weights}, lfs=["model.gguf"])
+        entry = dataclasses.replace(make_entry("m", "org/m", commit, "model.gguf", weights.stat().st_size,
+                                               sha256_of(weights)), auto_eligible=False,
+                                    ineligible_cause="tool-parser", ineligible_reason="test: no template")
+        registry = write_pull_registry(tmp_path / "registry.json", entry)
+        env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HF_TOKEN", "SSL_CERT_DIR")}
+        env.update(hub.env())
+        env.pop("SSL_CERT_FILE", None)
+        if fault == "not yet valid":  # trusted, but dated after this machine's clock
+            env["SSL_CERT_FILE"] = str(cert)
+        done = subprocess.run(pull_cmd(tmp_path / "home", registry, "m"), env=env, cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        # the Hub API calls (registry lock, OpenVINO snapshots) go through huggingface_hub's httpx: the
+        # same refusal, not retried
+        trust = ssl.create_default_context(cafile=str(cert)) if fault == "not yet valid" else ssl.create_default_context()
+        api_url = f"{hub.endpoint}/api/models/org/m"
+        with pytest.raises(httpx.ConnectError) as real:
+            httpx.get(api_url, verify=trust)
+        assert not is_retryable_hf_exception(real.value)
+        mapped = hub_error_from_hf_exception(real.value, repo="org/m", revision=commit, endpoint=hub.endpoint,
+                                             url=api_url)
+        assert isinstance(mapped, CertificateError) and mapped.details["reason"] == reason
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "download.retry" not in done.stderr  # one attempt, no retry
+    error = json.loads(done.stdout)["error"]
+    assert error["code"] == "tls_certificate" and error["details"]["reason"] == reason
+    assert f"failed verification: {reason}" in error["message"] and "127.0.0.1" in error["message"]
+    if fault == "not yet valid":
+        assert "clock" in error["hint"] and "timedatectl" in error["hint"]
+    else:
+        assert "SSL_CERT_FILE" in error["hint"] and "CA bundle" in error["hint"]
+    assert "network" not in error["hint"]
+    assert len([r for r in hub.requests if r.method == "HEAD"]) == 0  # no request got through TLS

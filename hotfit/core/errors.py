@@ -13,6 +13,7 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   ├── DiskSpaceError             exit 4   not enough free disk for what must be written
     │   ├── DiskWriteError             exit 4   the filesystem refused a write: read-only (EROFS) or failing (EIO)
     │   ├── IntegrityError             exit 4   sha256 / size / GGUF header disagree with the registry
+    │   ├── CertificateError           exit 4   a server's TLS certificate failed verification (never retried)
     │   └── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
     ├── BackendError                   exit 5   load / probe-tool-call / re-check
     │   ├── BackendNotFound            exit 5   no llama-server binary could be found
@@ -44,6 +45,7 @@ __all__ = [
     "DiskSpaceError",
     "DiskWriteError",
     "IntegrityError",
+    "CertificateError",
     "TemplateError",
     "BackendError",
     "BackendNotFound",
@@ -129,6 +131,14 @@ class DiskWriteError(TransferError):
 
 class IntegrityError(TransferError):
     code = "integrity"
+
+
+class CertificateError(TransferError):
+    """The TLS certificate of the Hub, a mirror or a TLS-inspecting proxy failed verification (not yet
+    valid, expired, not trusted, another name): permanent until the clock, the trust store or the
+    endpoint changes, so it is never retried; the message carries the verifier's reason."""
+
+    code = "tls_certificate"
 
 
 class TemplateError(TransferError):

@@ -18,7 +18,8 @@ from urllib.parse import quote, urljoin, urlsplit
 from hotfit.core.errors import HubError, PinMismatch
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.settings import Settings, endpoint_url
-from hotfit.download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
+from hotfit.download.hub_errors import (Retryable, answer_text, certificate_error, certificate_failure,
+                                        hub_error_from_response, not_a_hub_error)
 from hotfit.download.options import TransferOptions
 from hotfit.download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
 from hotfit.download.wire import ConnectionPool
@@ -172,6 +173,8 @@ class HubSession:
             except httpx.TransportError as exc:
                 if proxy is not None and is_proxy_auth_failure(exc):
                     raise proxy_refused(proxy, f"HEAD {repo}/{path}") from exc
+                if (failure := certificate_failure(exc)) is not None:  # permanent: never retried
+                    raise certificate_error(failure, url, proxy=proxy) from None
                 via = f" (through proxy {proxy.named})" if proxy else ""
                 raise Retryable(f"HEAD {repo}/{path}: {exc.__class__.__name__}: {exc}{via}", proxy=proxy) from exc
             if resp.status_code == 407 and proxy is not None:

@@ -34,7 +34,7 @@ from urllib.parse import urljoin, urlsplit
 
 from hotfit.core.errors import HubError
 from hotfit.core.lazy_import import lazy_module
-from hotfit.download.hub_errors import Retryable
+from hotfit.download.hub_errors import Retryable, certificate_error, certificate_failure
 from hotfit.download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
@@ -59,9 +59,12 @@ def _target(url: str) -> str:
 
 
 def transport_error(what: str, exc: BaseException, *, connecting: bool = False,
-                    proxy: Proxy | None = None) -> Retryable:
+                    proxy: Proxy | None = None, url: str | None = None) -> Exception:
     """A socket or protocol failure as a Retryable whose text names it the way httpx did (and the
-    proxy the connection went through)."""
+    proxy the connection went through); a failed certificate verification as the CertificateError
+    that is never retried."""
+    if url is not None and (failure := certificate_failure(exc)) is not None:
+        return certificate_error(failure, url, proxy=proxy)
     if connecting:
         name = "ConnectTimeout" if isinstance(exc, TimeoutError) else "ConnectError"
     elif isinstance(exc, TimeoutError):
@@ -164,7 +167,7 @@ def _connect(conn: http.client.HTTPConnection, pool: ConnectionPool, url: str, w
         proxy = pool.proxy_for(url)
         if proxy is not None and is_proxy_auth_failure(exc):
             raise proxy_refused(proxy, what) from exc
-        raise transport_error(what, exc, connecting=True, proxy=proxy) from exc
+        raise transport_error(what, exc, connecting=True, proxy=proxy, url=url) from exc
     if conn.sock is not None:
         conn.sock.settimeout(pool.read_timeout_s)  # the connect timeout was for connecting only
 
