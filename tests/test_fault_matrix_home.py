@@ -62,6 +62,7 @@ class NoopHome:
 
 
 def noop_home(root: Path) -> NoopHome:
+    root.mkdir(parents=True, exist_ok=True)
     probe = write_probe(root / "probe.json", 8 * GiB)
     made = write_provisioned_home(root / "home", ProbeResult.decode(json.loads(probe.read_text())),
                                   template_text=tool_template_text())
@@ -368,3 +369,46 @@ def test_a_certificate_that_fails_verification_is_not_retried_and_named(fault: s
         assert "SSL_CERT_FILE" in error["hint"] and "CA bundle" in error["hint"]
     assert "network" not in error["hint"]
     assert len([r for r in hub.requests if r.method == "HEAD"]) == 0  # no request got through TLS
+
+
+# --------------------------------------------------------------------------- a home copied with cp -a
+
+
+def test_a_home_copied_with_cp_a_serves_its_own_files(standin_server: Path, tmp_path: Path) -> None:
+    """`cp -a` of a provisioned home (a bigger disk, an image cloned to many machines): the copy's
+    manifest and stage records name the original home's files. Read in the copy they are re-rooted
+    there: `serve` runs the copy's model, `status` shows it, `auto` keeps it and writes the manifest
+    anew, and a reopened state.db re-roots its records once (was: the original's files, silently)."""
+    original = noop_home(tmp_path / "a")
+    model = json.loads((original.home / "manifest.json").read_text())["model_path"]
+    store = SyncStateStore(original.home / "state.db")
+    run_id = store.create_run(["fetch-weights"], {}).run_id
+    store.stage_running(run_id, "fetch-weights", "h1", None)
+    store.stage_done(run_id, "fetch-weights", {"weights": {"path": model, "sha256": "x"}, "url": "https://hub/x"})
+    store.close()
+    copy = tmp_path / "b" / "home"
+    copy.parent.mkdir()
+    subprocess.run(["cp", "-a", str(original.home), str(copy)], check=True)
+    moved = model.replace(str(original.home), str(copy))
+    env = {**os.environ, "HOTFIT_LLAMA_SERVER": str(standin_server)}
+    probe = original.argv[original.argv.index("--probe-file") + 1]
+
+    served = hotfit(copy, "serve", "--print-command", "--probe-file", probe, env=env)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert moved in served.stdout and str(original.home) not in served.stdout, served.stdout
+    status = json.loads(hotfit(copy, "status", "--json").stdout)
+    assert status["provisioned"]["model_path"] == moved
+    done = hotfit(copy, "--json", *original.argv)
+    assert done.returncode == 0 and json.loads(done.stdout)["model_path"] == moved, done.stderr[-3000:]
+    assert json.loads((copy / "manifest.json").read_text())["model_path"] == moved  # written anew
+    assert json.loads((original.home / "manifest.json").read_text())["model_path"] == model  # untouched
+    copied = named(events(copy), "home.copied")
+    assert [(e["from_home"], e["file"]) for e in copied] == [(str(original.home), str(copy / "manifest.json"))]
+
+    store = SyncStateStore(copy / "state.db")
+    outputs = store.stages(run_id)[0].outputs
+    store.close()
+    assert outputs == {"weights": {"path": moved, "sha256": "x"}, "url": "https://hub/x"}
+    store = SyncStateStore(original.home / "state.db")
+    assert store.stages(run_id)[0].outputs["weights"]["path"] == model  # the original keeps its own
+    store.close()

@@ -28,7 +28,8 @@ Environment variables (all optional):
 On-disk layout under the home directory (the one place it is written down)::
 
     <home>/
-      state.db                 SQLite (WAL) stage state, one row per (run, stage)
+      state.db                 SQLite (WAL) stage state, one row per (run, stage); meta records the home
+                               (a copied home re-roots its records: docs/faults-state.md)
       pipeline.lock            flock held by the running pipeline (holder PID inside)
       logs/hotfit.jsonl        JSON event log, appended by every command (+ .1 … .N, rotated by size)
       metrics/hotfit.prom      Prometheus textfile of the last `hotfit auto` (docs/operations.md)

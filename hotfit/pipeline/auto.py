@@ -285,6 +285,11 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
     lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
     async with held_interruptibly(lock):
         manifest, previous, worker = await _standing(opts, settings, worker_wanted=True)
+        if manifest is not None and manifest.rehomed_from is not None:
+            # a copied home: its manifest names this home's files from now on (docs/faults-state.md)
+            await anyio.to_thread.run_sync(write_manifest, settings.manifest_path, manifest)
+            log.info("home.copied", from_home=manifest.rehomed_from, home=str(settings.home),
+                     file=str(settings.manifest_path), records=1)
         if manifest is not None and not opts.recheck and not opts.refresh:
             _probe, planned = await plan_only(opts, settings, previous)
             assert planned.plan is not None

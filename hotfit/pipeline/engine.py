@@ -56,7 +56,7 @@ from hotfit.core.plan import Plan, canonical_json
 from hotfit.core.settings import Settings
 from hotfit.stages.declaration import EnterContext, StageContext
 from hotfit.stages.declaration import StageDeclaration as Stage
-from hotfit.state.store import RunStatus, StageRecord, StageStatus, StateStore
+from hotfit.state.store import IN_MEMORY_PATH, RunStatus, StageRecord, StageStatus, StateStore
 
 __all__ = ["STOP_SIGNALS", "PipelineOutcome", "RunContext", "Runner", "Stage", "StageContext", "inputs_hash",
            "signal_receiver"]
@@ -69,8 +69,6 @@ log = get_logger()
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How long closing entered contexts (reaping llama-server) may take after a signal.
 CLEANUP_TIMEOUT_S = 30.0
-# sqlite's name for a private in-memory database: an ephemeral run's store
-IN_MEMORY = Path(":memory:")
 
 
 @contextlib.contextmanager
@@ -203,7 +201,7 @@ class Runner:
     async def run(self) -> PipelineOutcome:
         if self.store is not None:
             return await self._run(self.store)
-        store = await StateStore.open(IN_MEMORY)
+        store = await StateStore.open(IN_MEMORY_PATH)
         try:
             return await self._run(store)
         finally:

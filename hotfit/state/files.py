@@ -13,7 +13,7 @@ import stat
 import tempfile
 from contextlib import suppress
 from pathlib import Path
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 from hotfit.core.diskspace import refused_errno, unwritable_error, write_failure
 from hotfit.core.errors import UsageError
@@ -57,6 +57,31 @@ def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
                             errno=errno.EACCES)
     confine_writes_to(home)
     checked_write_path(logs_dir, kind="directory")
+
+
+def rehome_paths(value: Any, old_home: str, new_home: str) -> Any:
+    """``value`` (a JSON document) with every path under ``old_home`` moved under ``new_home``: what a
+    home copied with ``cp -a`` (or moved) recorded about itself — the manifest's files, a stage's
+    results — names its own files again, not the original home's (docs/faults-state.md)."""
+    if isinstance(value, str):
+        if value == old_home or value.startswith(old_home.rstrip("/") + "/"):
+            return new_home + value[len(old_home.rstrip("/")):]
+        return value
+    if isinstance(value, list):
+        return [rehome_paths(v, old_home, new_home) for v in value]
+    if isinstance(value, dict):
+        return {k: rehome_paths(v, old_home, new_home) for k, v in value.items()}
+    return value
+
+
+def same_directory(a: str | Path, b: str | Path) -> bool:
+    """``a`` and ``b`` name one directory (equal, or one a symlink to the other); False when either is gone."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def home_is_read_only(home: Path) -> bool:

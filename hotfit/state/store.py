@@ -42,9 +42,12 @@ from hotfit.core.diskspace import disk_full_error, is_disk_full, refused_errno, 
 from hotfit.core.errors import DiskSpaceError, DiskWriteError, LockedError, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.records import field_dict
+from hotfit.state.files import rehome_paths, same_directory
 from hotfit.state.locks import current_holder
 
 log = get_logger()
+# sqlite's name for a private in-memory database (an ephemeral run's store): it has no home
+IN_MEMORY_PATH = Path(":memory:")
 
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
 RunStatus = Literal["running", "done", "failed", "interrupted"]
@@ -341,11 +344,44 @@ class SyncStateStore:
                     "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
                 )
                 self._check_layout()
+                moved = self._rehome()
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._rollback()
                 raise
             self._check_pages()
+        if moved is not None:
+            log.info("home.copied", from_home=moved[0], home=str(self.path.parent), file=str(self.path),
+                     records=moved[1])
+
+    def _rehome(self) -> tuple[str, int] | None:
+        """A database copied (``cp -a``) or moved with its home: its stage records name the original
+        home's files, and a reused record would load them from there. Each is re-rooted here, once, in
+        the open's transaction (docs/faults-state.md, "A copied home"); the home is recorded in
+        ``meta`` for the next open. Returns (the original home, records changed) when it moved."""
+        if self.path == IN_MEMORY_PATH:
+            return None
+        here = os.path.abspath(self.path.parent)
+        row = self._conn.execute("SELECT value FROM meta WHERE key='home'").fetchone()
+        if row is None:
+            self._conn.execute("INSERT INTO meta(key, value) VALUES ('home', ?)", (here,))
+            return None
+        if same_directory(row[0], here):
+            return None
+        changed = 0
+        for record in list(self._conn.execute("SELECT run_id, stage, outputs_json FROM stages "
+                                              "WHERE outputs_json IS NOT NULL")):
+            try:
+                outputs = json.loads(record[2])
+            except (TypeError, ValueError):  # a damaged record stays as it is: never trusted (state.record_damaged)
+                continue
+            moved = rehome_paths(outputs, row[0], here)
+            if moved != outputs:
+                self._conn.execute("UPDATE stages SET outputs_json=? WHERE run_id=? AND stage=?",
+                                   (json.dumps(moved), record[0], record[1]))
+                changed += 1
+        self._conn.execute("UPDATE meta SET value=? WHERE key='home'", (here,))
+        return row[0], changed
 
     def _check_layout(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
