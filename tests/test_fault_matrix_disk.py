@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import pytest
@@ -49,6 +49,14 @@ REQUIRE_TOOLS_ENV = "HOTFIT_REQUIRE_TOOLS"  # scripts/run-tests sets it: a refus
 # --------------------------------------------------------------------------- a real small filesystem
 
 
+def skip_unless_required(why: str) -> NoReturn:
+    """Skip a fault test the machine cannot stage (no root, no loop device) — a failure under
+    HOTFIT_REQUIRE_TOOLS, which scripts/run-tests sets."""
+    if os.environ.get(REQUIRE_TOOLS_ENV):
+        pytest.fail(f"{why}; {REQUIRE_TOOLS_ENV} is set, so this is a failure, not a skip")
+    pytest.skip(why)
+
+
 @contextlib.contextmanager
 def tmpfs(where: Path, size_bytes: int) -> Iterator[Path]:
     """A tmpfs of ``size_bytes`` mounted at ``where`` (root only; skips where mount is refused)."""
@@ -56,10 +64,8 @@ def tmpfs(where: Path, size_bytes: int) -> Iterator[Path]:
     got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
                          capture_output=True, text=True)
     if got.returncode != 0:
-        why = f"cannot mount a tmpfs here ({got.stderr.strip()}): these faults need a real small filesystem (root)"
-        if os.environ.get(REQUIRE_TOOLS_ENV):
-            pytest.fail(f"{why}; {REQUIRE_TOOLS_ENV} is set, so this is a failure, not a skip")
-        pytest.skip(why)
+        skip_unless_required(f"cannot mount a tmpfs here ({got.stderr.strip()}): these faults need a real small "
+                             "filesystem (root)")
     try:
         yield where
     finally:

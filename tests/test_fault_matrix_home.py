@@ -2,9 +2,12 @@
 cannot be written after a run, a home the kernel turns read-only mid-run, a hang-up, a copied home,
 a certificate the Hub's client cannot trust.
 
-Real filesystems where the fault is a filesystem's: a tmpfs the test mounts (root), filled, or
-remounted read-only under a running ``hotfit`` — what the kernel does to a filesystem after a disk
-error. A refused mount skips, and fails under ``HOTFIT_REQUIRE_TOOLS`` (tests/test_fault_matrix_disk.py).
+Real parts where the fault is theirs: a tmpfs the test mounts (root), filled, or remounted read-only
+while nothing is open; an ext4 image loop-mounted with ``errors=remount-ro`` whose error trigger turns
+it read-only under a running ``hotfit`` — what the kernel does after a disk error (``mount -o
+remount,ro`` refuses while a file is open for writing); the local Hub behind TLS with certificates
+openssl makes. A mount the machine refuses skips, and fails under ``HOTFIT_REQUIRE_TOOLS``
+(tests/test_fault_matrix_disk.skip_unless_required).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from hotfit.state.store import SyncStateStore
 from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home, write_registry
 from tests.gguf_fixtures import tool_template_text
 from tests.test_auto_e2e import auto, env_for, events, sidecar_done_bytes, standin_server, start, wait_for  # noqa: F401 - standin_server is a fixture
-from tests.test_fault_matrix_disk import REQUIRE_TOOLS_ENV, MiB, fill, tmpfs
+from tests.test_fault_matrix_disk import MiB, fill, skip_unless_required, tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -138,10 +141,8 @@ def ext4_image(where: Path, size_bytes: int) -> Iterator[Path]:
     got = made if made.returncode else subprocess.run(
         ["mount", "-o", "loop,errors=remount-ro", str(image), str(where)], capture_output=True, text=True)
     if got.returncode != 0:
-        why = f"cannot make and loop-mount an ext4 image here ({got.stderr.strip()}): a read-only turn needs one (root)"
-        if os.environ.get(REQUIRE_TOOLS_ENV):
-            pytest.fail(f"{why}; {REQUIRE_TOOLS_ENV} is set, so this is a failure, not a skip")
-        pytest.skip(why)
+        skip_unless_required(f"cannot make and loop-mount an ext4 image here ({got.stderr.strip()}): a read-only "
+                             "turn needs one (root)")
     try:
         yield where
     finally:
@@ -155,7 +156,10 @@ def disk_error(mountpoint: Path) -> None:
     unlike ``mount -o remount,ro``, which refuses while a file is open for writing."""
     device = next(line.split()[0] for line in Path("/proc/mounts").read_text().splitlines()
                   if line.split()[1] == str(mountpoint))
-    Path(f"/sys/fs/ext4/{Path(os.path.realpath(device)).name}/trigger_fs_error").write_text("hotfit test\n")
+    trigger = Path(f"/sys/fs/ext4/{Path(os.path.realpath(device)).name}/trigger_fs_error")
+    if not trigger.exists():
+        skip_unless_required(f"this kernel has no {trigger} (ext4's error trigger): no real read-only turn")
+    trigger.write_text("hotfit test\n")
     with pytest.raises(OSError) as refused:  # the kernel says so (recent kernels: "emergency_ro" in the options)
         (mountpoint / "probe-write").mkdir()
     assert refused.value.errno == errno.EROFS
