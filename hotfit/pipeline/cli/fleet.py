@@ -1,16 +1,22 @@
-"""hotfit fleet plan: a fleet's saved probes planned with ``hotfit plan``'s selection, and what the
-fleet needs once — the artifacts to mirror and the builds to make (docs/fleet.md)."""
+"""hotfit fleet plan | mirror: a fleet's saved probes planned with ``hotfit plan``'s selection, and what
+the fleet needs once — the artifacts to mirror and the builds to make; and the mirror filled
+(docs/fleet.md)."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 from pathlib import Path
 
+import anyio
+
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.cli.plan import add_origin_previous_options, add_selection_options, selection_from_args
+from hotfit.core.errors import UsageError
 from hotfit.pipeline.fleet import FleetPlan, plan_fleet
+from hotfit.pipeline.mirror import MirrorResult, entries_named, fill_mirror, wanted_from_plan
 from hotfit.registry.select import fmt_bytes
 
 CSV_TABLES = ("machines", "artifacts", "builds")
@@ -32,6 +38,20 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     plan.add_argument("--csv", choices=CSV_TABLES, metavar="TABLE",
                       help=f"print one table as CSV instead of text ({', '.join(CSV_TABLES)})")
     plan.set_defaults(handler=run_plan)
+    mirror = fsub.add_parser(
+        "mirror", parents=parents, help="fill a directory any static server can serve as the fleet's HF_ENDPOINT",
+        description="Fetch each artifact once (from HF_ENDPOINT or the Hugging Face cache), verified against the "
+                    "registry's pins, into DIR/{repo}/resolve/{commit}/{file}; place the builds' export archives in "
+                    "DIR/builds/ with their sha256.")
+    mirror.add_argument("directory", metavar="DIR", help="the mirror's root (a static server serves it as HF_ENDPOINT)")
+    mirror.add_argument("names", nargs="*", metavar="NAME", help="registry entries to mirror (instead of --plan)")
+    mirror.add_argument("--plan", metavar="PLAN.json", help="the JSON of `hotfit --json fleet plan`: its machines' models "
+                                                           "and its builds")
+    mirror.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one): the "
+                                                           "only pins trusted")
+    mirror.add_argument("--builds", metavar="DIR", help="where the export archives are (llama-server-<flavour>.tar.gz, "
+                                                        "as fleet plan's export commands name them)")
+    mirror.set_defaults(handler=run_mirror)
 
 
 def run_plan(args: argparse.Namespace, ctx: CliContext) -> int:
@@ -43,6 +63,39 @@ def run_plan(args: argparse.Namespace, ctx: CliContext) -> int:
     else:
         ctx.emit(fleet.to_json(), fleet_text(fleet))
     return fleet.exit_code
+
+
+def run_mirror(args: argparse.Namespace, ctx: CliContext) -> int:
+    registry = Path(args.registry) if args.registry else None
+    if bool(args.plan) == bool(args.names):
+        raise UsageError("fleet mirror: give --plan PLAN.json or entry names (one of the two)",
+                         hint="e.g. hotfit fleet mirror /srv/mirror --plan plan.json")
+    if args.plan:
+        wanted, builds = wanted_from_plan(Path(args.plan), registry)
+    else:
+        wanted, builds = entries_named({n: 1 for n in args.names}, registry), []
+    result = anyio.run(functools.partial(fill_mirror, ctx.settings, Path(args.directory), wanted, builds=builds,
+                                         builds_from=Path(args.builds) if args.builds else None))
+    ctx.report(result.to_json(), mirror_text(result))
+    return result.exit_code
+
+
+def mirror_text(result: MirrorResult) -> str:
+    lines = [f"mirror {result.directory}:"]
+    for f in result.files:
+        a = f.artifact
+        what = f"{a.repo}/resolve/{a.revision or '?'}/{a.file or '*'}"
+        extra = f" ({f.fetched_bytes} bytes fetched)" if f.status == "fetched" else ""
+        lines.append(f"  {f.status:8} {what}{extra}" + (f"\n           {f.reason}" if f.reason else ""))
+    for b in result.builds:
+        if b.status == "missing":
+            lines.append(f"  missing  build {b.flavour}: make it with `{b.export_command}`, then pass --builds DIR")
+        else:
+            lines.append(f"  {b.status:8} build {b.flavour}: {b.path} sha256 {b.sha256}")
+    data = result.to_json()
+    lines.append(f"{data['fetched_bytes']} bytes fetched; the mirror holds {data['mirror_bytes']} bytes. Serve "
+                 f"{result.directory} with any static file server and set HF_ENDPOINT to its URL (docs/fleet.md).")
+    return "\n".join(lines)
 
 
 def fleet_csv(fleet: FleetPlan, table: str) -> str:
