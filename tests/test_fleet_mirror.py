@@ -9,6 +9,7 @@ transport and trust, which a real model's bytes would not change."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from hotfit.core.entry import Entry, TemplateSource
 from tests.e2e_support import sha256_of, write_registry
 from tests.gguf_fixtures import free_port
 from tests.hubserver import LocalHub
@@ -38,6 +40,11 @@ def hotfit(home: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedP
                           env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
+def by_name_only(e: Entry) -> Entry:
+    """Not auto-eligible: pulled by name, so it may name no chat template."""
+    return dataclasses.replace(e, ineligible_reason="fixture", ineligible_cause="unverified", auto_eligible=False)
+
+
 @pytest.fixture
 def world(local_hub: LocalHub, tmp_path: Path) -> dict[str, Any]:
     """Two pinned entries sharing nothing, one sharing the first's file (fetched once), and one
@@ -50,15 +57,22 @@ def world(local_hub: LocalHub, tmp_path: Path) -> dict[str, Any]:
     cb = local_hub.create_repo("org/b-GGUF", {"b.gguf": b}, lfs=["b.gguf"])
     # pulled by name: no chat template to fetch (a template pinned by commit alone is refused from a
     # static mirror, like any file without a sha256 pin)
-    by_name = {"ineligible_reason": "fixture", "ineligible_cause": "unverified", "auto_eligible": False}
-    entries = [dataclasses.replace(e, **by_name) for e in (
+    entries = [by_name_only(e) for e in (
         make_entry("ma", "org/a-GGUF", ca, "a.gguf", a.stat().st_size, sha256_of(a)),
         make_entry("ma-alias", "org/a-GGUF", ca, "a.gguf", a.stat().st_size, sha256_of(a)),
         make_entry("mb", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b)),
         make_entry("nosha", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, None))]
+    # auto-eligible entries name their chat template: pinned by size and sha256 (a static mirror may
+    # serve it), or by commit alone (it may not)
+    template = b"{% for m in messages %}{{ m.content }}{% endfor %}{# tools <tool_call> #}"
+    tc = local_hub.create_repo("org/tpl", {"chat_template.jinja": template})
+    pinned = TemplateSource("org/tpl", tc, "chat_template.jinja", len(template), hashlib.sha256(template).hexdigest())
+    entries += [make_entry("mt", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b), template=pinned),
+                make_entry("mt-commit-only", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b),
+                           template=TemplateSource("org/tpl", tc, "chat_template.jinja"))]
     registry = tmp_path / "registry.json"
     write_registry(registry, entries)
-    return {"registry": registry, "sizes": {"a.gguf": a.stat().st_size, "b.gguf": b.stat().st_size},
+    return {"registry": registry, "template_bytes": len(template), "sizes": {"a.gguf": a.stat().st_size, "b.gguf": b.stat().st_size},
             "files": {"a.gguf": a, "b.gguf": b}, "commits": {"a.gguf": ca, "b.gguf": cb}}
 
 
@@ -90,7 +104,8 @@ class Nginx:
                 break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"nginx did not start: {self.proc.stderr.read() if self.proc.stderr else ''}")
+                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                    raise RuntimeError(f"nginx did not start: {err}")
 
     @property
     def url(self) -> str:
@@ -107,7 +122,7 @@ class Nginx:
 @pytest.fixture
 def filled(local_hub: LocalHub, world: dict[str, Any], tmp_path: Path) -> Iterator[dict[str, Any]]:
     mirror = tmp_path / "mirror"
-    out = hotfit(tmp_path / "filler", "--json", "fleet", "mirror", str(mirror), "ma", "ma-alias", "mb",
+    out = hotfit(tmp_path / "filler", "--json", "fleet", "mirror", str(mirror), "ma", "ma-alias", "mb", "mt",
                  "--registry", str(world["registry"]), env={**env_for(local_hub), "HF_TOKEN": TOKEN})
     assert out.returncode == 0, out.stderr[-3000:]
     yield {"mirror": mirror, "result": json.loads(out.stdout)}
@@ -118,12 +133,13 @@ def test_filling_fetches_each_artifact_once_verified_and_a_rerun_fetches_nothing
     result, mirror = filled["result"], filled["mirror"]
     # ma and ma-alias share org/a-GGUF's file: one entry in the list, one transfer at the upstream
     assert sorted((f["repo"], f["status"]) for f in result["files"]) == [("org/a-GGUF", "fetched"),
-                                                                        ("org/b-GGUF", "fetched")]
+                                                                        ("org/b-GGUF", "fetched"),
+                                                                        ("org/tpl", "fetched")]
     for name, size in world["sizes"].items():
         assert local_hub.bytes_sent(name) == size  # each byte once
         path = mirror / ("org/a-GGUF" if name == "a.gguf" else "org/b-GGUF") / "resolve" / world["commits"][name] / name
         assert sha256_of(path) == sha256_of(world["files"][name])
-    assert result["fetched_bytes"] == sum(world["sizes"].values())
+    assert result["fetched_bytes"] == sum(world["sizes"].values()) + world["template_bytes"]
     before = len(local_hub.requests)
     again = hotfit(tmp_path / "filler", "--json", "fleet", "mirror", str(mirror), "ma", "mb",
                    "--registry", str(world["registry"]), env=env_for(local_hub))
@@ -153,14 +169,15 @@ def test_machines_provision_from_nginx_serving_the_read_only_mirror_with_0_upstr
     try:
         upstream = len(local_hub.requests)
         env = {**env_for(local_hub), "HF_ENDPOINT": nginx.url, "HF_TOKEN": TOKEN}
-        for i, name in enumerate(("ma", "mb", "ma-alias")):  # three machines, three homes
+        for i, name in enumerate(("ma", "mb", "ma-alias", "mt")):  # four machines, four homes
             home = tmp_path / f"machine{i}"
             out = hotfit(home, "--json", "pull", name, "--registry", str(world["registry"]), env=env)
             assert out.returncode == 0, out.stderr[-3000:]
             pulled = json.loads(out.stdout)
-            weights = home / "models" / name / ("a.gguf" if name != "mb" else "b.gguf")
+            weights = home / "models" / name / ("a.gguf" if name.startswith("ma") else "b.gguf")
             assert sha256_of(weights) == sha256_of(world["files"][weights.name]), pulled
             assert '"download.static_mirror"' in out.stderr
+        assert (tmp_path / "machine3" / "models" / "mt" / "chat_template.jinja").is_file()
         assert len(local_hub.requests) == upstream  # 0 requests to the upstream Hub
         served = nginx.requests()
         assert served and all(line.endswith("auth=-") for line in served)  # the token never went there
@@ -169,6 +186,11 @@ def test_machines_provision_from_nginx_serving_the_read_only_mirror_with_0_upstr
         assert out.returncode == 4
         err = json.loads(out.stdout)["error"]
         assert "static mirror" in err["message"] and "sha256" in err["message"]
+        out = hotfit(tmp_path / "machine7", "--json", "pull", "mt-commit-only", "--registry", str(world["registry"]),
+                     env=env)  # its template is pinned by commit only
+        assert out.returncode == 4
+        err = json.loads(out.stdout)["error"]
+        assert "chat template" in err["message"] and "size and sha256" in err["message"], err
         # asked for, the token goes there too
         out = hotfit(tmp_path / "machine8", "--json", "pull", "mb", "--registry", str(world["registry"]),
                      env={**env, "HOTFIT_MIRROR_TOKEN": "1"})
@@ -188,8 +210,7 @@ def test_a_hub_mirror_gets_the_token_once_it_answered_like_a_hub(local_hub: Loca
     # with the token.
     data = world["files"]["b.gguf"]
     commit = local_hub.create_repo("org/gated", {"g.gguf": data}, lfs=["g.gguf"], gated_token=TOKEN)
-    entry = dataclasses.replace(make_entry("g", "org/gated", commit, "g.gguf", data.stat().st_size, sha256_of(data)),
-                                ineligible_reason="fixture", ineligible_cause="unverified", auto_eligible=False)
+    entry = by_name_only(make_entry("g", "org/gated", commit, "g.gguf", data.stat().st_size, sha256_of(data)))
     registry = tmp_path / "gated.json"
     write_registry(registry, [entry])
     out = hotfit(tmp_path / "m", "--json", "pull", "g", "--registry", str(registry),

@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 import anyio
 
 from hotfit.backends.base import AllocationReport, ManifestFacts
+from hotfit.core.entry import template_json
 from hotfit.core.errors import Interrupted, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
@@ -103,8 +104,7 @@ def noop_problems(manifest: Manifest, plan: Plan) -> list[str]:
     now = dataclasses.asdict(plan.entry.artifact) if plan.entry.artifact else None
     if pinned != now:
         problems.append("the registry pins a different artifact for this entry")
-    if (manifest.plan.get("entry") or {}).get("chat_template") != (
-            dataclasses.asdict(plan.entry.chat_template) if plan.entry.chat_template else None):
+    if (manifest.plan.get("entry") or {}).get("chat_template") != template_json(plan.entry.chat_template):
         problems.append("the registry names a different chat template for this entry")
     problems += manifest.files_in_place()
     return problems

@@ -298,7 +298,7 @@ def entry_artifacts(entry: Entry) -> list[tuple[str, str, str | None, str | None
         out.append(("projector", p.repo, p.revision, p.file, p.size_bytes, p.sha256))
     if entry.chat_template is not None:
         t = entry.chat_template
-        out.append(("template", t.repo, t.revision, t.file, None, None))
+        out.append(("template", t.repo, t.revision, t.file, t.size_bytes, t.sha256))
     return out
 
 
