@@ -52,7 +52,7 @@ def world(local_hub: LocalHub, tmp_path: Path) -> dict[str, Any]:
     src = tmp_path / "src"
     src.mkdir()
     a = make_gguf(src / "a.gguf", seed=1)
-    b = make_gguf(src / "b.gguf", seed=2)
+    b = make_gguf(src / "b.gguf", seed=2, ctx=65536)  # holds the 32768-token floor: fleet plan picks it
     ca = local_hub.create_repo("org/a-GGUF", {"a.gguf": a}, lfs=["a.gguf"])
     cb = local_hub.create_repo("org/b-GGUF", {"b.gguf": b}, lfs=["b.gguf"])
     # pulled by name: no chat template to fetch (a template pinned by commit alone is refused from a
@@ -60,15 +60,16 @@ def world(local_hub: LocalHub, tmp_path: Path) -> dict[str, Any]:
     entries = [by_name_only(e) for e in (
         make_entry("ma", "org/a-GGUF", ca, "a.gguf", a.stat().st_size, sha256_of(a)),
         make_entry("ma-alias", "org/a-GGUF", ca, "a.gguf", a.stat().st_size, sha256_of(a)),
-        make_entry("mb", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b)),
-        make_entry("nosha", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, None))]
+        make_entry("mb", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b), ctx=65536),
+        make_entry("nosha", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, None, ctx=65536))]
     # auto-eligible entries name their chat template: pinned by size and sha256 (a static mirror may
     # serve it), or by commit alone (it may not)
     template = b"{% for m in messages %}{{ m.content }}{% endfor %}{# tools <tool_call> #}"
     tc = local_hub.create_repo("org/tpl", {"chat_template.jinja": template})
     pinned = TemplateSource("org/tpl", tc, "chat_template.jinja", len(template), hashlib.sha256(template).hexdigest())
-    entries += [make_entry("mt", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b), template=pinned),
-                make_entry("mt-commit-only", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b),
+    entries += [make_entry("mt", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b), template=pinned,
+                           ctx=65536),
+                make_entry("mt-commit-only", "org/b-GGUF", cb, "b.gguf", b.stat().st_size, sha256_of(b), ctx=65536,
                            template=TemplateSource("org/tpl", tc, "chat_template.jinja"))]
     registry = tmp_path / "registry.json"
     write_registry(registry, entries)
@@ -247,3 +248,58 @@ def test_mirror_from_a_fleet_plan_places_the_builds_and_names_the_missing(
     assert placed["cpu"]["status"] == "placed" and placed["cuda"]["status"] == "missing"
     sums = (tmp_path / "m" / "builds" / "SHA256SUMS").read_text()
     assert f"{sha256_of(builds / 'llama-server-cpu.tar.gz')}  llama-server-cpu.tar.gz" in sums
+
+
+def test_filling_from_the_hugging_face_cache_makes_no_request(local_hub: LocalHub, world: dict[str, Any],
+                                                              tmp_path: Path) -> None:
+    from tests.test_hf_cache import fill_cache
+
+    cache = tmp_path / "hf-cache"
+    for name in ("a.gguf", "b.gguf"):
+        fill_cache(local_hub, cache, "org/a-GGUF" if name == "a.gguf" else "org/b-GGUF", name, world["commits"][name])
+    local_hub.reset_counters()
+    out = hotfit(tmp_path / "filler", "--json", "fleet", "mirror", str(tmp_path / "m"), "ma", "mb",
+                 "--registry", str(world["registry"]),
+                 env={**env_for(local_hub), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert {f["status"] for f in json.loads(out.stdout)["files"]} == {"hf-cache"}
+    assert local_hub.requests == []
+    for name, repo in (("a.gguf", "org/a-GGUF"), ("b.gguf", "org/b-GGUF")):
+        path = tmp_path / "m" / repo / "resolve" / world["commits"][name] / name
+        assert sha256_of(path) == sha256_of(world["files"][name])
+
+
+def test_a_cut_transfer_is_resumed_not_restarted(local_hub: LocalHub, world: dict[str, Any], tmp_path: Path) -> None:
+    size = world["sizes"]["a.gguf"]
+    cut = local_hub.inject(file="a.gguf", method="GET", close_after_bytes=size // 3, times=1)
+    out = hotfit(tmp_path / "filler", "--json", "fleet", "mirror", str(tmp_path / "m"), "ma",
+                 "--registry", str(world["registry"]), env=env_for(local_hub))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert cut.hits == 1  # the stream was cut once, and the transfer went on from where it was:
+    assert size <= local_hub.bytes_sent("a.gguf") < size + size // 3
+    path = tmp_path / "m" / "org/a-GGUF/resolve" / world["commits"]["a.gguf"] / "a.gguf"
+    assert sha256_of(path) == sha256_of(world["files"]["a.gguf"])
+
+
+def test_fleet_plan_output_is_what_fleet_mirror_reads(local_hub: LocalHub, world: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    for i in range(3):
+        (probes / f"m{i}.json").write_text(json.dumps({
+            "schema": 1, "selected": 0, "machine": {"name": f"m{i}", "arch": "x86_64"},
+            "devices": [{"index": 0, "kind": "cpu", "name": "host memory", "total_bytes": 16 << 30,
+                         "free_bytes": (14 << 30) - i}]}))
+    out = hotfit(tmp_path / "h", "--json", "fleet", "plan", str(probes), "--registry", str(world["registry"]),
+                 env=env_for(local_hub))
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads(out.stdout)
+    assert {m["model"] for m in plan["machines"]} == {"mt"} and [b["flavour"] for b in plan["builds"]] == ["cpu"]
+    (tmp_path / "plan.json").write_text(out.stdout)
+    out = hotfit(tmp_path / "h", "--json", "fleet", "mirror", str(tmp_path / "m"), "--plan", str(tmp_path / "plan.json"),
+                 "--registry", str(world["registry"]), env=env_for(local_hub))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert sorted(f["repo"] for f in result["files"]) == ["org/b-GGUF", "org/tpl"]
+    assert [(f["machines"], f["status"]) for f in result["files"]] == [(3, "fetched"), (3, "fetched")]
+    assert [(b["flavour"], b["status"]) for b in result["builds"]] == [("cpu", "missing")]
