@@ -303,3 +303,39 @@ def test_fleet_plan_output_is_what_fleet_mirror_reads(local_hub: LocalHub, world
     assert sorted(f["repo"] for f in result["files"]) == ["org/b-GGUF", "org/tpl"]
     assert [(f["machines"], f["status"]) for f in result["files"]] == [(3, "fetched"), (3, "fetched")]
     assert [(b["flavour"], b["status"]) for b in result["builds"]] == [("cpu", "missing")]
+
+
+@pytest.mark.llama
+def test_machines_run_hotfit_auto_from_the_static_mirror(local_hub: LocalHub, tmp_path: Path) -> None:
+    # The whole pipeline (fetch, template, verify, load in the real llama-server, tool-call probe,
+    # re-check) on two machines with their own probe files and homes, from nginx serving the read-only
+    # mirror: 0 requests upstream.
+    from tests.e2e_support import SMALL, build_world, write_probe
+    from tests.gguf_fixtures import require_llama_server
+    from tests.test_auto_e2e import ROOMY_FREE_BYTES
+    from tests.test_auto_e2e import cmd as auto_cmd
+    from tests.test_auto_e2e import env_for as auto_env
+
+    require_llama_server()
+    world = build_world(tmp_path / "world", local_hub, pin_template=True)
+    mirror = tmp_path / "mirror"
+    out = hotfit(tmp_path / "filler", "--json", "fleet", "mirror", str(mirror), *world.entries,
+                 "--registry", str(world.registry_path), env=env_for(local_hub))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for p in [mirror, *mirror.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    nginx = Nginx(mirror, tmp_path / "nginx")
+    try:
+        upstream = len(local_hub.requests)
+        env = {**auto_env(local_hub), "HF_ENDPOINT": nginx.url}
+        for i, free in enumerate((ROOMY_FREE_BYTES, ROOMY_FREE_BYTES - (1 << 30))):
+            probe = write_probe(tmp_path / f"probe{i}.json", free)
+            done = subprocess.run(auto_cmd(tmp_path / f"home{i}", world, probe, "--json", "--model", SMALL),
+                                  cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert json.loads(done.stdout)["entry_name"] == SMALL
+        assert len(local_hub.requests) == upstream
+    finally:
+        nginx.stop()
+        for p in [mirror, *mirror.rglob("*")]:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
