@@ -222,3 +222,33 @@ def test_probe_save_names_the_machine(tmp_path: Path) -> None:
     assert doc["machine"] == {"name": socket.gethostname(), "arch": platform.machine()}
     _rc, fleet = fleet_json(str(path))
     assert fleet["machines"][0]["name"] == socket.gethostname()
+
+
+def test_a_saved_manifest_keeps_that_machines_previous_model(tmp_path: Path) -> None:
+    from hotfit.pipeline.manifest import Manifest, write_manifest
+    from hotfit.pipeline.registry_file import load_registry
+    from hotfit.registry.kv import KV_CACHE_TYPES
+    from hotfit.stages.plan import build_plan
+    from hotfit.stages.probe import load_probe_file
+
+    d = tmp_path / "p"
+    host = [("cpu", "host memory", 32 * GiB, 30 * GiB, None)]
+    saved_probe(d / "a.json", host, name="a")
+    saved_probe(d / "b.json", host, name="b")
+    _rc, before = fleet_json(str(d))
+    best = before["machines"][0]["model"]
+    small = next(e for e in load_registry().entries if e.name == "minicpm5-2b")
+    assert best != small.name
+    plan = build_plan(load_probe_file(d / "a.json"), [small], KV_CACHE_TYPES["f16"]).plan
+    assert plan is not None
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    write_manifest(manifests / "a.json", Manifest(
+        run_id="r1", plan_id=plan.plan_id, written_at="2026-12-01T00:00:00Z", entry_name=small.name,
+        model_path="/x", model_size_bytes=1, model_sha256="0" * 64, template_path=None, projector_path=None,
+        kv_cache_type="f16", planned_hot_context_tokens=plan.hot_context_tokens, measured={}, probe_verdict={},
+        llama_cpp={}, device={}, plan=plan.to_json()))
+    _rc, fleet = fleet_json(str(d), "--manifests", str(manifests))
+    a, b = fleet["machines"]
+    assert a["model"] == small.name and a["reused_previous"] and a["previous_from"] == str(manifests / "a.json")
+    assert b["model"] == best and not b["reused_previous"]  # no manifest: planned afresh
