@@ -167,7 +167,8 @@ async def _download_to_partial(
     # One deadline for the whole file: retries of every block and HEAD share it.
     counters: dict[str, Any] = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
 
-    remote = await head_retrying(session, repo, revision, path, expected_size=expected_size, pinned=True,
+    remote = await head_retrying(session, repo, revision, path, expected_size=expected_size,
+                                 expected_sha256=expected_sha256, pinned=True,
                                  deadline=counters["deadline"], counters=counters,
                                  done_bytes=lambda: _claimed(partial_dir, repo, path))
     size = remote.size_bytes if remote.size_bytes is not None else expected_size
@@ -290,7 +291,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
     async def fresh_url() -> str:
         """Re-HEAD before a resume (CDN links expire); re-checks the pin and size each time."""
         async with lock:
-            again = await session.head_pinned(side.repo, side.revision, side.file, expected_size)
+            again = await session.head_pinned(side.repo, side.revision, side.file, expected_size, side.expected_sha256)
             state["url"] = again.download_url
             return again.download_url
 

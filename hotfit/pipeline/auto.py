@@ -28,16 +28,17 @@ from typing import Any, Literal, cast
 import anyio
 
 from hotfit.backends.base import AllocationReport, ManifestFacts
+from hotfit.core.entry import template_json
 from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.core.plan import Plan, ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.pipeline.engine import STOP_SIGNALS, PipelineOutcome, Runner, signal_receiver
 from hotfit.pipeline.evidence import record_grade
 from hotfit.pipeline.manifest import (
     Manifest,
-    plan_from_json,
+    provisioned_device,
     read_manifest,
     utc_now_iso,
     write_manifest,
@@ -103,20 +104,10 @@ def noop_problems(manifest: Manifest, plan: Plan) -> list[str]:
     now = dataclasses.asdict(plan.entry.artifact) if plan.entry.artifact else None
     if pinned != now:
         problems.append("the registry pins a different artifact for this entry")
-    if (manifest.plan.get("entry") or {}).get("chat_template") != (
-            dataclasses.asdict(plan.entry.chat_template) if plan.entry.chat_template else None):
+    if (manifest.plan.get("entry") or {}).get("chat_template") != template_json(plan.entry.chat_template):
         problems.append("the registry names a different chat template for this entry")
     problems += manifest.files_in_place()
     return problems
-
-
-def _provisioned_device(manifest: Manifest) -> Device | None:
-    """The device the manifest's plan was made for (None when the plan is unreadable: then the
-    previous model is kept on whichever device it still qualifies)."""
-    try:
-        return plan_from_json(manifest.plan).probe.device
-    except UsageError:  # plan_from_json names the damaged field
-        return None
 
 
 @dataclass(frozen=True)
@@ -227,7 +218,7 @@ async def _standing(opts: AutoOptions, settings: Settings, *,
             held = worker_held_bytes(manifest, worker)
         except (UsageError, KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan
             log.info("worker.unjudged", reason=str(exc))
-    return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest),
+    return manifest, PreviousModel(manifest.entry_name, device=provisioned_device(manifest),
                                    worker_held_bytes=held), worker
 
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Plan
+from hotfit.core.plan import Device, Plan
 from hotfit.core.records import Fields, parse_json
 from hotfit.stages.plan import REPROVISION_HINT, decode_plan_fields
 from hotfit.state.files import read_text_document, rehome_paths, same_directory, write_text_atomic
@@ -224,3 +224,12 @@ def plan_from_json(data: Any, *, source: str = "the manifest") -> Plan:
                           hint=REPROVISION_HINT, field=field_path)
 
     return decode_plan_fields(data, Fields(fail, noun="plan"))
+
+
+def provisioned_device(manifest: Manifest) -> Device | None:
+    """The device the manifest's plan was made for (None when the plan is unreadable: then the
+    previous model is kept on whichever device it still qualifies)."""
+    try:
+        return plan_from_json(manifest.plan).probe.device
+    except UsageError:  # plan_from_json names the damaged field
+        return None

@@ -28,7 +28,7 @@ from hotfit.core import log
 from hotfit.core.diskspace import write_failure
 from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.settings import Settings, load_settings
-from hotfit.pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
+from hotfit.pipeline.cli import auto, fleet, grade, plan, probe, pull, registry, serve, status, verify
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.engine import STOP_SIGNALS
 from hotfit.pipeline.metrics import last_run, record_run
@@ -53,7 +53,7 @@ EXIT_CODES_HELP = """exit codes:
 
 
 def _commands() -> list[Any]:
-    return [probe, plan, registry, pull, auto, status, serve, grade, verify]
+    return [probe, plan, registry, pull, auto, status, serve, grade, verify, fleet]
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -313,7 +313,8 @@ def _open_log_late(settings: Settings | None, home: str | None, log_format: str 
 
 def _command_name(args: argparse.Namespace) -> str:
     """The command as the log names it: ``auto``, ``registry lock``, ..."""
-    return " ".join(filter(None, (args.command, getattr(args, "registry_command", None))))
+    return " ".join(filter(None, (args.command, getattr(args, "registry_command", None),
+                                  getattr(args, "fleet_command", None))))
 
 
 def _record(command: str | None, code: int, error: dict[str, Any] | None, started: float) -> None:
