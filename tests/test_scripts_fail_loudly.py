@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML (huggingface_hub needs it) ships no stubs
 
 from tests.conftest import REPO_ROOT
 from tests.test_recipes import require_tool
