@@ -4,9 +4,11 @@ runs with the system python3 before any virtualenv exists). docs/builds.md descr
 
     llama_build.py record  BIN_DIR BUILD_DIR FIELDS_JSON   write BIN_DIR/build-info.json
     llama_build.py export  BIN_DIR FLAVOUR ARCHIVE         pack a finished build (+ sha256 manifest)
-    llama_build.py import  ARCHIVE CACHE_VERSION_DIR PIN_JSON
+    llama_build.py import  ARCHIVE|URL CACHE_VERSION_DIR PIN_JSON [SHA256]
                                                            check an archive and install it; prints
-                                                           the installed llama-server path
+                                                           the installed llama-server path. A URL
+                                                           (http/https) is downloaded first, resumably,
+                                                           and checked against SHA256 or URL.sha256
 
 ``record`` reads the exact compile commands of ggml-cpu (compile_commands.json) and asks the
 compiler which ISA macros they define, so ``cpu_features`` (what the binary itself needs) and, for
@@ -25,6 +27,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import http.client
 import io
 import json
 import os
@@ -35,6 +38,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 import zlib
 from pathlib import Path
 
@@ -59,6 +65,10 @@ MAX_MEMBER_BYTES = 4 << 30
 MAX_TOTAL_BYTES = 8 << 30
 # Free space asked beyond the unpacked size (the rename and the file system's own bookkeeping).
 UNPACK_MARGIN_BYTES = 64 << 20
+# --from URL: each socket operation's timeout; the download resumes from its .part on a rerun.
+HTTP_TIMEOUT_S = 60
+DOWNLOAD_CHUNK_BYTES = 1 << 20
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # The build's own ggml asked in a child process (the same file as hotfit's discovery runs).
 GGML_ASK = HERE.parent / "backends" / "llama_server" / "ggml_ask.py"
 _VARIANT_OBJECT_RE = re.compile(r"ggml-cpu-(?P<tag>[A-Za-z0-9_.]+)\.dir/")
@@ -561,17 +571,121 @@ class _ImportLock:
         os.close(self.fd)
 
 
-def import_archive(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Path) -> Path:
-    if not archive.is_file():
+def is_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def import_archive(archive: Path | str, version_dir: Path, pin: dict, cpuinfo_path: Path,
+                   sha256: str | None = None) -> Path:
+    """Install the build in ``archive`` (a file, or an http(s) URL downloaded first) into
+    ``version_dir``; ``sha256``: the archive's, checked before anything is unpacked."""
+    url = str(archive) if is_url(str(archive)) else None
+    if url is None and not Path(archive).is_file():
         raise BuildArchiveError(f"no build archive at {archive}")
     try:
         version_dir.mkdir(parents=True, exist_ok=True)
         with _ImportLock(version_dir):
             for what in _recover(version_dir):
                 _say(f"a previous import was interrupted: {what}")
-            return _import_locked(archive, version_dir, pin, cpuinfo_path)
+            if url is None:
+                local = Path(archive)
+                if sha256 is not None and _sha256(local) != sha256:
+                    raise BuildArchiveError(f"{local} has sha256 {_sha256(local)}, not {sha256} (--sha256): "
+                                            "copy it again, or check which build the sum names")
+                return _import_locked(local, version_dir, pin, cpuinfo_path)
+            downloaded = fetch_archive(url, version_dir.parent / "downloads", sha256)
+            installed = _import_locked(downloaded, version_dir, pin, cpuinfo_path)
+            downloaded.unlink()  # installed: the download has served (a refused one is kept for the rerun)
+            return installed
     except OSError as exc:
         raise _unwritable(version_dir, exc, "the build cache") from None
+
+
+# ----------------------------------------------------------------------------------- --from URL
+def _http_error(url: str, exc: Exception) -> BuildArchiveError:
+    if isinstance(exc, urllib.error.HTTPError):
+        why = f"HTTP {exc.code} {exc.reason}"
+    elif isinstance(exc, urllib.error.URLError):
+        why = str(exc.reason)
+    else:
+        why = f"{type(exc).__name__}: {exc}"
+    return BuildArchiveError(f"could not download {url}: {why}; check the URL and that the mirror is "
+                             "reachable from here, then run it again (a partial download is resumed)")
+
+
+def _expected_sha256(url: str, given: str | None) -> str:
+    """The archive's sha256: --sha256 when given, else the first word of URL.sha256 (the format
+    `sha256sum FILE > FILE.sha256` writes)."""
+    if given is not None:
+        return given
+    try:
+        with urllib.request.urlopen(url + ".sha256", timeout=HTTP_TIMEOUT_S) as answer:
+            text = answer.read(4096).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise BuildArchiveError(f"no checksum beside {url} ({url}.sha256: HTTP 404): publish one "
+                                    "(sha256sum FILE > FILE.sha256) or pass --sha256 HEX") from None
+        raise _http_error(url + ".sha256", exc) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise _http_error(url + ".sha256", exc) from None
+    word = (text.split() or [""])[0].lower()
+    if not SHA256_RE.fullmatch(word):
+        raise BuildArchiveError(f"{url}.sha256 does not start with a sha256 ('{text[:80].strip()}'): publish "
+                                "the output of sha256sum, or pass --sha256 HEX")
+    return word
+
+
+def fetch_archive(url: str, downloads: Path, sha256: str | None) -> Path:
+    """Download ``url`` into ``downloads`` (resuming a ``.part`` left by an interrupted run), check
+    its sha256, and return the checked file (renamed from ``.part`` only once it matches)."""
+    expected = _expected_sha256(url, sha256)
+    name = Path(urllib.parse.urlsplit(url).path).name or "llama-server.tar.gz"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    downloads.mkdir(parents=True, exist_ok=True)
+    final = downloads / f"{expected[:16]}-{name}"  # the sum names the file: another build never resumes it
+    if final.is_file() and _sha256(final) == expected:
+        _say(f"using {final} (downloaded before, sha256 checked)")
+        return final
+    part = final.with_name(final.name + ".part")
+    for attempt in ("resume", "fresh"):
+        have = part.stat().st_size if part.is_file() else 0
+        _download(url, part, have)
+        got = _sha256(part)
+        if got == expected:
+            os.replace(part, final)
+            return final
+        part.unlink()
+        if have == 0 or attempt == "fresh":
+            raise BuildArchiveError(f"{url} has sha256 {got}, expected {expected}"
+                                    f"{' (--sha256)' if sha256 else f' ({url}.sha256)'}: the mirror holds another "
+                                    "file than the sum names; nothing was installed")
+        _say(f"the resumed download of {url} did not match its sha256: downloading it again from the start")
+    raise AssertionError("unreachable")
+
+
+def _download(url: str, part: Path, have: int) -> None:
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as answer:
+            resumed = have > 0 and answer.status == 206
+            if have and not resumed:
+                _say(f"{url}: the server does not resume (HTTP {answer.status}); downloading from the start")
+            _say(f"downloading {url}" + (f" from byte {have}" if resumed else ""))
+            with open(part, "ab" if resumed else "wb") as out:
+                while block := answer.read(DOWNLOAD_CHUNK_BYTES):
+                    out.write(block)
+                out.flush()
+                os.fsync(out.fileno())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 416 and have:  # the .part is already whole: its sha256 decides
+            return
+        raise _http_error(url, exc) from None
+    except OSError as exc:
+        if isinstance(exc, urllib.error.URLError) or exc.errno is None or isinstance(exc, (TimeoutError, ConnectionError)):
+            raise _http_error(url, exc) from None
+        raise _unwritable(part.parent, exc, "the download folder") from None
+    except (ValueError, http.client.HTTPException) as exc:
+        raise _http_error(url, exc) from None
 
 
 def _import_locked(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Path) -> Path:
@@ -636,9 +750,10 @@ def main(argv: list[str]) -> int:
             except (OSError, ValueError):
                 info = {}
             print(cuda_rebuild_reason(info if isinstance(info, dict) else {}, argv[2], argv[3]))
-        elif argv[:1] == ["import"] and len(argv) == 4:
+        elif argv[:1] == ["import"] and len(argv) in (4, 5):
             cpuinfo = Path(os.environ.get("HOTFIT_DETECT_ROOT", "") + "/proc/cpuinfo")
-            print(import_archive(Path(argv[1]), Path(argv[2]), json.loads(argv[3]), cpuinfo))
+            source = argv[1] if is_url(argv[1]) else Path(argv[1])
+            print(import_archive(source, Path(argv[2]), json.loads(argv[3]), cpuinfo, argv[4] if len(argv) == 5 else None))
         else:
             print(__doc__, file=sys.stderr)
             return 2
