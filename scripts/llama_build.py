@@ -260,13 +260,13 @@ def _checked_members(archive: Path, tar: tarfile.TarFile) -> tuple[str, list[tar
     total = 0
     for m in tar:
         if len(members) >= MAX_MEMBERS:
-            raise BuildArchiveError(f"{archive} has more than {MAX_MEMBERS} members (a build has a few dozen): "
-                                    "refused; re-export the build")
+            raise BuildArchiveError(f"{archive} has more than {MAX_MEMBERS} members (a build has a few dozen); "
+                                    "re-export the build")
         parts = Path(m.name).parts
         members.append(m)
         if m.size > MAX_MEMBER_BYTES or total + m.size > MAX_TOTAL_BYTES:
             raise BuildArchiveError(f"{archive}: member '{m.name[:120]}' declares {m.size} bytes (limits: "
-                                    f"{MAX_MEMBER_BYTES} a file, {MAX_TOTAL_BYTES} in all): refused; re-export the build")
+                                    f"{MAX_MEMBER_BYTES} a file, {MAX_TOTAL_BYTES} in all); re-export the build")
         total += m.size
         if m.name == MANIFEST and m.isfile():
             continue
@@ -286,7 +286,7 @@ def _checked_members(archive: Path, tar: tarfile.TarFile) -> tuple[str, list[tar
     flavour = flavours.pop()
     if flavour not in FLAVOURS:
         raise BuildArchiveError(f"{archive}: folder '{flavour[:60]}' is not a build install-llama-server makes "
-                                f"({', '.join(FLAVOURS)}): refused")
+                                f"({', '.join(FLAVOURS)}); re-export a build made by it")
     if not any(m.isfile() and Path(m.name).parts[1:2] == ("bin",) for m in members):
         raise BuildArchiveError(f"{archive} has no files under {flavour}/bin/: re-export the build")
     return flavour, members
