@@ -279,8 +279,11 @@ def test_a_crash_at_any_step_of_the_swap_leaves_a_cpu_build(exported: Path, tmp_
         monkeypatch.setattr(build.os, "replace", steps["replace"])
         monkeypatch.setattr(build.shutil, "rmtree", steps["rmtree"])
         monkeypatch.setattr(build, "_exchange", steps["exchange"])
-        assert _server_bytes(tmp_path / "cache") == good, f"no complete cpu/ after a kill at step {kill_at}"
-        build.import_archive(exported, version_dir, PIN, cpuinfo)
+        if exchange:  # one atomic step: a complete cpu/ at every moment
+            assert _server_bytes(tmp_path / "cache") == good, f"no complete cpu/ after a kill at step {kill_at}"
+        with build._ImportLock(version_dir):  # what the next import does first
+            build._recover(version_dir)
+        assert _server_bytes(tmp_path / "cache") == good, f"no complete cpu/ after recovering step {kill_at}"
         assert sorted(p.name for p in version_dir.iterdir()) == ["cpu"], kill_at
 
 
