@@ -59,7 +59,8 @@ FLAVOURS = ("cpu", "cpu-native", "cpu-generic", "vulkan", "cuda", "cpu-aarch64")
 BACKENDS = ("cpu", "vulkan", "cuda")
 VARIANTS = ("portable", "native", "generic")
 # Bounds on an archive, checked on each header before any data is read: a real build is a few dozen
-# files (the CUDA one: cuBLASLt alone 542 MB, the folder 668-772 MB; docs/builds.md "CUDA on a build server without a GPU").
+# files (the CUDA one: cuBLASLt alone 542 MB, the folder 668-772 MB; docs/builds.md, "CUDA on a
+# build server without a GPU").
 MAX_MEMBERS = 512
 MAX_MEMBER_BYTES = 4 << 30
 MAX_TOTAL_BYTES = 8 << 30
