@@ -677,6 +677,9 @@ def _download(url: str, part: Path, have: int) -> None:
                     out.write(block)
                 out.flush()
                 os.fsync(out.fileno())
+            if answer.length:  # http.client ends a body cut short quietly: the bytes it still expected
+                raise _http_error(url, ConnectionError(f"the transfer was cut short, {answer.length} bytes "
+                                                       f"missing ({part.stat().st_size} kept in {part.name})"))
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and have:  # the .part is already whole: its sha256 decides
             return
