@@ -26,7 +26,7 @@ from hotfit.core.plan import Device, Plan, ProbeResult
 from hotfit.registry.kv import parse_kv_cache_type
 from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
-from tests.gguf_fixtures import FixtureInfo, pinned_template, write_tool_call_model
+from tests.gguf_fixtures import FixtureInfo, pinned_template, shipped_qwen3_template_text, write_tool_call_model
 from tests.hubserver import LocalHub
 from hotfit.pipeline.manifest import Manifest, write_manifest
 from hotfit.stages.plan import build_plan
@@ -177,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("root", type=Path)
     ap.add_argument("--free-gib", type=float, default=8.0, help="free memory the saved probe reports")
     args = ap.parse_args(argv)
+    try:  # the shipped copy of the pinned template: the demo needs no llama.cpp source tree
+        template_text = shipped_qwen3_template_text()
+    except (OSError, ValueError) as exc:
+        print(f"e2e_support: error: {exc}", file=sys.stderr)
+        return 1
     with LocalHub(args.root / "hub") as hub:
-        world = build_world(args.root, hub)
+        world = build_world(args.root, hub, template_text)
         probe = write_probe(args.root / "probe.json", int(args.free_gib * GiB))
         print(json.dumps({"endpoint": hub.endpoint, "registry": str(world.registry_path), "probe": str(probe),
                           "models": sorted(world.entries)}), flush=True)
