@@ -22,7 +22,8 @@ from hotfit.backends.base import ChatAnswer, ChatFailed, ModelFiles, ServeComman
 from hotfit.backends.llama_server.backend import LlamaServerBackend
 from hotfit.backends.llama_server.flags import API_KEY_ENV
 from hotfit.core.errors import AllocationMismatch, ToolCallProbeFailed
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.plan import Placement
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import load_settings
 from hotfit.grading.protocol import SLOT_FRESH_PROMPT
 from hotfit.registry.kv import parse_kv_cache_type
@@ -145,7 +146,7 @@ def cpu_plan(tmp_path: Path) -> Any:
     info = write_tool_call_model(tmp_path / "m.gguf")
     entry = fixture_entry("fx-boundary", info, repo="hotfit-fixtures/fx-boundary-GGUF", revision="b" * 40,
                           sha256=sha256_of(info.path), params_b=0.02, template=None)
-    probe = ProbeResult(devices=(Device(0, "cpu", "host memory", 64 * GiB, 48 * GiB),), selected=0)
+    probe = ProbeResult(devices=(Device(0, "cpu", "host memory", 64 * GiB, 48 * GiB),))
     plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
     assert plan is not None and plan.backend == "llama"
     return plan
@@ -238,8 +239,8 @@ async def test_serve_pins_the_device_the_way_load_does(cpu_plan: Any, tmp_path: 
     # test does not depend on the build, so that check is waived here.
     monkeypatch.setattr(hotfit.backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
     monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
-    probe = dataclasses.replace(cpu_plan.probe, devices=(device,), selected=device.index)
-    plan = dataclasses.replace(cpu_plan, probe=probe)
+    probe = dataclasses.replace(cpu_plan.probe, devices=(device,))
+    plan = dataclasses.replace(cpu_plan, probe=probe, placement=Placement.single(device))
     llama = LlamaServerBackend()
     command = await llama.serve_command(plan, ModelFiles(tmp_path / "m.gguf"), host="127.0.0.1", port=8080,
                                         api_key_file=tmp_path / "key", binary=None, settings=load_settings())

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT_PACKAGES = ("core", "registry", "state", "grading", "download", "backends", "stages", "pipeline")
+PROJECT_PACKAGES = ("core", "registry", "state", "grading", "planner", "download", "backends", "stages", "pipeline")
 
 
 def _modules() -> list[tuple[str, Path]]:

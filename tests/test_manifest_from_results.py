@@ -13,7 +13,7 @@ import pytest
 
 from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary
 from hotfit.backends.openvino.backend import OpenVinoRuntime
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.pipeline.auto import ProvisionedResults, build_manifest
 from hotfit.pipeline.engine import PipelineOutcome
 from hotfit.stages.load import LoadResult, decode_load_for_plan

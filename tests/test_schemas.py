@@ -13,7 +13,8 @@ from typing import Any, Callable
 import pytest
 
 from hotfit.core.errors import RegistryError, UsageError
-from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.planner.plan import BudgetBreakdown, Placement, Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.records import Fields
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
@@ -67,11 +68,11 @@ def test_object_names_a_missing_and_an_unknown_key() -> None:
 def _plan_for(entry: Any) -> Plan:
     probe = ProbeResult(devices=(Device(0, "nvidia", "card", 24 * GiB, 20 * GiB, uuid="GPU-1",
                                         ggml_device="CUDA0"), Device(1, "cpu", "host", 64 * GiB, 30 * GiB)),
-                        selected=0, notes=("a note",))
+                        notes=("a note",))
     budget = BudgetBreakdown(free_bytes=20 * GiB, reserve_bytes=GiB, headroom_bytes=GiB, usable_bytes=18 * GiB,
                              weights_bytes=entry.weights_bytes or 0, allowance_bytes=GiB, kv_budget_bytes=-5,
                              hot_context_tokens=32768)
-    return Plan(entry=entry, probe=probe, kv_cache_type="q8_0", kv_cache_type_source="env",
+    return Plan(entry=entry, probe=probe, placement=Placement.single(probe.devices[0]), kv_cache_type="q8_0", kv_cache_type_source="env",
                 hot_context_tokens=32768, estimated_kv_bytes=123, budget=budget, origin="eu",
                 reused_previous=True, explicit_model=True)
 

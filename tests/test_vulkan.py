@@ -18,7 +18,8 @@ import pytest
 from hotfit.backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
 from hotfit.backends.llama_server.discovery import cache_bin_dir, find_llama_server
 from hotfit.core.errors import AllocationMismatch, BackendError
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.plan import Placement
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import load_settings
 from hotfit.backends.llama_server.process import open_server
 from hotfit.stages.probe import list_ggml_devices, probe_devices
@@ -66,7 +67,8 @@ def vulkan_plan(info: FixtureInfo, tokens: int, kv: str, device: Device):
     import dataclasses
 
     plan = fixture_plan(info, tokens, kv, device_kind="vulkan")
-    return dataclasses.replace(plan, probe=ProbeResult(devices=(device,), selected=0))
+    return dataclasses.replace(plan, probe=ProbeResult(devices=(device,)),
+                               placement=Placement.single(device))
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +207,12 @@ def _real_plan(name: str, device: Device):
 
     m = require_model(name)
     entry = m.entry()
-    probe = ProbeResult(devices=(device,), selected=0)
+    probe = ProbeResult(devices=(device,))
     if name == GEMMA3:  # the planner itself, on the probed device
         plan = build_plan(probe, [entry], KV_CACHE_TYPES["f16"], model=entry.name).plan
         assert plan is not None and plan.hot_context_tokens == 32768
     else:  # SmolLM2 is below the floor, never planned: its whole 8192 window, estimated by the planner
-        plan = dataclasses.replace(planned(entry, "f16")[0], probe=probe)
+        plan = dataclasses.replace(planned(entry, "f16")[0], probe=probe, placement=Placement.single(device))
     return m, plan
 
 

@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.core.records import JsonRecord
 from hotfit.core.settings import Settings
 from hotfit.grading.protocol import ChatEndpoint

@@ -31,7 +31,8 @@ from hotfit.backends.base import AllocationReport, ManifestFacts
 from hotfit.core.errors import Interrupted, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.pipeline.engine import PipelineOutcome, Runner, signal_receiver
 from hotfit.pipeline.evidence import record_grade
@@ -52,7 +53,7 @@ from hotfit.pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stag
 from hotfit.pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
 from hotfit.stages.grade import GradeResult
 from hotfit.stages.load import LoadResult
-from hotfit.stages.plan import PlanOutcome, PreviousModel, outcome_json
+from hotfit.planner.devices import PlanOutcome, PreviousModel, outcome_json
 from hotfit.stages.probe_tool_call import ProbeToolCallResult
 from hotfit.state.locks import FileLock
 from hotfit.state.store import StateStore
@@ -114,7 +115,7 @@ def _provisioned_device(manifest: Manifest) -> Device | None:
     """The device the manifest's plan was made for (None when the plan is unreadable: then the
     previous model is kept on whichever device it still qualifies)."""
     try:
-        return plan_from_json(manifest.plan).probe.device
+        return plan_from_json(manifest.plan).placement.device
     except UsageError:  # plan_from_json names the damaged field
         return None
 
@@ -150,7 +151,7 @@ def build_manifest(results: ProvisionedResults) -> Manifest:
     plan = results.plan
     verified, template, fetched, loaded = results.verified, results.template, results.fetched, results.loaded
     call, report = results.call, results.report
-    device = plan.probe.device
+    device = plan.placement.device
     model_path = verified.weights_path
     assert model_path is not None  # the load stage refuses a verify result without weights (stages/load.py)
     # what the load ran says what the manifest keeps of its session (its runtime's own figures…)
@@ -273,8 +274,8 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             "kv_cache_type": plan.kv_cache_type,
             "estimated_hot_context_tokens": plan.hot_context_tokens,
             "previous_model": manifest.entry_name if manifest else None,
-            "device": {"index": plan.probe.device.index, "kind": plan.probe.device.kind,
-                       "name": plan.probe.device.name},
+            "device": {"index": plan.placement.device.index, "kind": plan.placement.device.kind,
+                       "name": plan.placement.device.name},
             "reused": plan.reused_previous,
             "would": ("nothing (provisioned and still valid)"
                       if manifest and not opts.recheck and not noop_problems(manifest, plan)
@@ -325,7 +326,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
         graded = outcome.outputs.get(GRADE_STAGE)
         if graded and GRADE_STAGE not in outcome.skipped:  # a reused grade was recorded when it ran
             data["grade_evidence"] = await anyio.to_thread.run_sync(
-                lambda: record_grade(settings, plan.entry, plan.probe.device.kind, graded,
+                lambda: record_grade(settings, plan.entry, plan.placement.device.kind, graded,
                                      grade_record=str(graded.get("path"))))
         return AutoOutcome("provisioned", data, plan, new_manifest,
                            resumed=outcome.resumed, skipped=outcome.skipped)

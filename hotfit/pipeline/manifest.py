@@ -24,9 +24,9 @@ from typing import Any, Mapping
 
 from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.core.records import Fields, parse_json
-from hotfit.stages.plan import REPROVISION_HINT, decode_plan_fields
+from hotfit.planner.plan import REPROVISION_HINT, decode_plan_fields
 from hotfit.state.files import read_text_document, write_text_atomic
 
 SCHEMA = 1

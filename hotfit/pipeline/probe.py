@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hotfit.backends.select import gpu_listing_binaries
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 

@@ -23,7 +23,7 @@ from hotfit.backends.base import BackendBinary, ModelFiles, Session
 from hotfit.backends.select import backend_for
 from hotfit.core.errors import IntegrityError
 from hotfit.core.model_files import VerifyResult
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.core.records import decode_record
 from hotfit.core.settings import Settings
 from hotfit.stages.declaration import StageContext, StageDeclaration

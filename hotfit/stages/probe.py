@@ -52,9 +52,8 @@ import anyio
 from hotfit.backends.select import gpu_listing_binaries
 from hotfit.core.errors import HardwareProbeError, UsageError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Device, ProbeResult, decode_probe
+from hotfit.planner.probe import Device, ProbeResult, decode_probe
 from hotfit.core.records import Fields, parse_json
-from hotfit.registry.select import device_budget
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.state.files import read_text_document, write_text_atomic
 
@@ -522,17 +521,16 @@ def probe_devices(
         found = merge_ggml_devices(found, list_ggml_devices(binary, notes, env), notes)
     host = probe_host(proc_root, cgroup_root, notes)
     devices = tuple(replace(d, index=i) for i, d in enumerate([*found, host]))
-    accelerators = [d for d in devices if d.kind != "cpu"]
-    pool = accelerators or [devices[-1]]
-    best = max(pool, key=lambda d: (device_budget(d.kind, d.total_bytes, d.free_bytes).usable_bytes, -d.index))
-    if not accelerators:
+    result = ProbeResult(devices=devices, notes=tuple(notes))
+    best = result.preferred
+    if all(d.kind == "cpu" for d in devices):
         notes.append("no accelerator found: planning for host memory")
     for d in devices:
         log.info("probe.device", index=d.index, kind=d.kind, name=d.name, total_bytes=d.total_bytes,
                  free_bytes=d.free_bytes, processes_used_bytes=d.processes_used_bytes,
                  compute_capability=d.compute_capability)
     log.info("probe.selected", index=best.index, kind=best.kind, name=best.name)
-    return ProbeResult(devices=devices, selected=best.index, notes=tuple(notes))
+    return replace(result, notes=tuple(notes))
 
 
 # --------------------------------------------------------------------------- saved probes
@@ -588,7 +586,7 @@ async def probe_work(ctx: StageContext) -> ProbeResult:
 
 
 def probe_figures(probe: ProbeResult) -> dict[str, Any]:
-    d = probe.device
+    d = probe.preferred
     return {"device_kind": d.kind, "device_name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes}
 
 

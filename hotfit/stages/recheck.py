@@ -21,7 +21,7 @@ from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, A
 from hotfit.backends.select import BACKENDS, backend_for
 from hotfit.core.errors import AllocationMismatch, StageRecordError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.load import SERVER_SESSION, LoadResult

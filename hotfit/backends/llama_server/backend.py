@@ -19,7 +19,7 @@ from hotfit.backends.llama_server.flags import API_KEY_ENV, child_env, device_en
 from hotfit.backends.llama_server.process import LoadedServer, open_server
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.core.settings import Settings
 from hotfit.registry.select import DEVICE_KINDS
 from hotfit.state.receipts import sha256_file
@@ -34,7 +34,7 @@ class LlamaServerBackend:
     def preflight(self, plan: Plan, settings: Settings) -> ServerBinary:
         """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and
         the plan's device; blocking (run it in a thread)."""
-        device = plan.probe.device
+        device = plan.placement.device
         return find_llama_server(settings, device_kind=device.kind, gpu_capability=device.compute_capability)
 
     def decode_binary(self, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:

@@ -24,7 +24,7 @@ from hotfit.backends.openvino.session import OpenVinoSession, open_openvino_sess
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError, UsageError
 from hotfit.core.records import decode_record, field_dict
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.core.settings import Settings
 
 __all__ = ["GB", "OVMS_TOOL_PARSERS", "OpenVinoBackend", "OpenVinoRuntime", "ovms_argv", "ovms_cache_size_gb"]
