@@ -147,7 +147,7 @@ def write_provisioned_home(home: Path, probe: ProbeResult, *, name: str = "fx-ag
         template_path=str(template), projector_path=None, kv_cache_type=kv_cache_type,
         planned_hot_context_tokens=plan.hot_context_tokens,
         measured={"opened_context_tokens": opened_context_tokens or plan.hot_context_tokens},
-        probe_verdict={"passed": True}, llama_cpp={}, device=device or {}, plan=plan.to_json(),
+        probe_verdict={"passed": True}, backend_build={}, device=device or {}, plan=plan.to_json(),
     )
     write_manifest(home / "manifest.json", manifest)
     return ProvisionedHome(home, entry, plan, manifest, info.path, template)

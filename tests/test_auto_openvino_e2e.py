@@ -156,7 +156,7 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     assert ov["genai_version"].startswith("2026.4.1") and ov["tool_call_family"] == "hermes"
     assert ov["session"]["num_kv_blocks"] == tokens // 32 and ov["session"]["kv_precision"] == precision
     assert ov["snapshot_commit"]
-    assert manifest["llama_cpp"] == {}
+    assert manifest["backend_build"] == {}
     # nothing left running once hotfit exited
     pids = _worker_pids(home)
     assert len(pids) == 1 and process_gone(pids[0])

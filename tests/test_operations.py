@@ -192,7 +192,7 @@ def _manifest(**grade: Any) -> Manifest:
         model_size_bytes=10, model_sha256=None, template_path=None, projector_path=None, kv_cache_type="q8_0",
         planned_hot_context_tokens=40000,
         measured={"opened_context_tokens": 40192, "estimated_kv_bytes": 2_000_000, "actual_kv_bytes": 1_900_000},
-        probe_verdict={"passed": True}, llama_cpp={}, device={"kind": "cuda"}, plan={},
+        probe_verdict={"passed": True}, backend_build={}, device={"kind": "cuda"}, plan={},
         grade=grade or None)
 
 

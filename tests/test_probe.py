@@ -14,6 +14,7 @@ import pytest
 from hotfit.pipeline.cli import main
 from hotfit.core.errors import HardwareProbeError, UsageError
 from hotfit.planner.probe import ProbeResult
+from hotfit.backends.llama_server.devices import list_ggml_devices, parse_list_devices
 from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 
 GiB = 1 << 30
@@ -350,10 +351,8 @@ def _lister(tmp_path: Path, text: str, code: int = 0) -> Path:
 
 
 def test_list_devices_lines_are_parsed_in_bytes() -> None:
-    from hotfit.stages.probe import parse_list_devices
-
     devices = parse_list_devices(LAVAPIPE_LISTING + "  CUDA0: NVIDIA H200 (143167 MiB, 142000 MiB free)\nnoise\n")
-    assert [(d.name, d.backend, d.total_bytes, d.free_bytes) for d in devices] == [
+    assert [(d.name, d.api, d.total_bytes, d.free_bytes) for d in devices] == [
         ("Vulkan0", "vulkan", 2048 * MiB, 2048 * MiB), ("CUDA0", "cuda", 143167 * MiB, 142000 * MiB)]
     assert devices[0].description == "llvmpipe (LLVM 15.0.6, 256 bits)"
     assert parse_list_devices("Available devices:\n") == []  # a CPU build lists none
@@ -362,7 +361,7 @@ def test_list_devices_lines_are_parsed_in_bytes() -> None:
 def test_a_vulkan_only_device_is_probed_through_the_binary(roots: SimpleNamespace, tmp_path: Path) -> None:
     binary = _lister(tmp_path, LAVAPIPE_LISTING)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     assert [d.kind for d in r.devices] == ["vulkan", "cpu"]
     vk = r.devices[0]
     assert (vk.name, vk.total_bytes, vk.free_bytes, vk.ggml_device) == (
@@ -374,7 +373,7 @@ def test_a_card_nvml_or_sysfs_reported_keeps_their_figures_and_gets_its_vulkan_n
     amd_card(roots, 0, 8 * GiB, 1 * GiB, name="Radeon RX 7600")
     binary = _lister(tmp_path, "  Vulkan0: AMD Radeon RX 7600 (RADV NAVI33) (7000 MiB, 6000 MiB free)\n")
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     assert [d.kind for d in r.devices] == ["amd", "cpu"]
     amd = r.devices[0]
     assert (amd.total_bytes, amd.free_bytes, amd.ggml_device) == (8 * GiB, 7 * GiB, "Vulkan0")
@@ -384,7 +383,7 @@ def test_a_card_nvml_or_sysfs_reported_keeps_their_figures_and_gets_its_vulkan_n
 def test_a_binary_that_cannot_list_devices_is_noted_not_fatal(roots: SimpleNamespace, tmp_path: Path) -> None:
     binary = _lister(tmp_path, "ggml_vulkan: no devices\n", code=1)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     assert [d.kind for d in r.devices] == ["cpu"]
     assert any("--list-devices exited with 1" in n for n in r.notes)
 
@@ -392,7 +391,7 @@ def test_a_binary_that_cannot_list_devices_is_noted_not_fatal(roots: SimpleNames
 def test_a_probe_file_keeps_the_vulkan_device_name(tmp_path: Path, roots: SimpleNamespace) -> None:
     binary = _lister(tmp_path, LAVAPIPE_LISTING)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     path = tmp_path / "probe.json"
     save_probe(r, path)
     again = load_probe_file(path)

@@ -9,6 +9,7 @@ result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary
 from hotfit.pipeline.provision import AutoOptions, provisioning_stages
 from hotfit.backends.llama_server.allocation import AllocationReport
 from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
-from hotfit.stages.load import decode_load
+from hotfit.stages.load import decode_load, decode_load_as
 from hotfit.stages.probe_tool_call import decode_probe_call
 from hotfit.stages.recheck import decode_recheck
 from hotfit.stages.load import LoadResult
@@ -192,6 +193,7 @@ def test_a_load_record_decodes_without_a_live_server_and_re_encodes_the_same() -
         load.live()
     ov = decode_load(OV_LOAD_RECORD)
     assert isinstance(ov, LoadResult) and ov.to_json() == OV_LOAD_RECORD
+    assert (load.backend, ov.backend) == ("llama", "openvino")  # each accepted by its own backend
 
 
 def test_every_hotfit_stage_names_a_decoder() -> None:
@@ -210,8 +212,10 @@ def test_every_hotfit_stage_names_a_decoder() -> None:
     (FetchResult.decode, stored(FETCH) | {"weights": stored(WEIGHTS) | {"verified_against": "registry"}},
      "weights.verified_against", "must be a list, got str"),
     (TemplateResult.decode, stored(TEMPLATE) | {"unexpected": 1}, None, "has keys TemplateResult does not: unexpected"),
-    (decode_load, LOAD_RECORD | {"argv": [1]}, "argv[0]", "must be a string, got int"),
-    (decode_load, OV_LOAD_RECORD | {"config": None}, "config", "must be an object, got null"),
+    (functools.partial(decode_load_as, backend="llama"), LOAD_RECORD | {"argv": [1]}, "argv[0]",
+     "must be a string, got int"),
+    (functools.partial(decode_load_as, backend="openvino"), OV_LOAD_RECORD | {"config": None}, "config",
+     "must be an object, got null"),
     (decode_recheck, stored(REPORT) | {"offloaded_layers": [19]}, "offloaded_layers", "must hold 2 items, got 1"),
     (ProbeResult.decode, ["not", "an", "object"], None, "must be an object, got list"),
 ])

@@ -56,7 +56,7 @@ def manifest_for(plan, *, opened: int, actual_kv: int | None, ratio: float | Non
         template_path=None, projector_path=None, kv_cache_type=plan.kv_cache_type,
         planned_hot_context_tokens=plan.hot_context_tokens,
         measured={"opened_context_tokens": opened, "actual_kv_bytes": actual_kv, "kv_ratio": ratio},
-        probe_verdict={"passed": True}, llama_cpp={}, device={}, plan=plan.to_json())
+        probe_verdict={"passed": True}, backend_build={}, device={}, plan=plan.to_json())
 
 
 @pytest.fixture(scope="module")

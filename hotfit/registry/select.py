@@ -9,7 +9,7 @@ candidates — is the planner's (planner/select.py, planner/rank.py).
 
 from __future__ import annotations
 
-from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, ORIGINS
+from hotfit.core.entry import DEFAULT_BACKEND, ORIGINS, backend_names
 from hotfit.core.errors import UsageError
 
 # The planner's surface: registry.select re-exports the budget, verdict and refusal names its
@@ -83,7 +83,8 @@ def normalize_origin(raw: str | None) -> str | None:
 
 def normalize_backend(raw: str | None) -> str:
     key = (raw or DEFAULT_BACKEND).strip().lower()
-    if key in BACKENDS:
+    names = backend_names()
+    if key in names:
         return key
-    raise UsageError(f"unknown backend {raw!r} (valid: {', '.join(BACKENDS)})",
-                     hint=f"use --backend {' or --backend '.join(BACKENDS)}", backend=raw, valid=list(BACKENDS))
+    raise UsageError(f"unknown backend {raw!r} (valid: {', '.join(names)})",
+                     hint=f"use --backend {' or --backend '.join(names)}", backend=raw, valid=list(names))

@@ -210,6 +210,9 @@ class AllocationReport(AllocationVerdict):
         """The smallest window a slot opened (None: /slots reported none)."""
         return min(self.opened_n_ctx_per_slot) if self.opened_n_ctx_per_slot else None
 
+    def opened_figure(self) -> list[int]:
+        return list(self.opened_n_ctx_per_slot)  # the window per slot
+
     def event_facts(self) -> dict[str, Any]:
         return dict(
             verdict=self.verdict,

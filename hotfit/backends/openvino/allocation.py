@@ -56,6 +56,9 @@ class OpenVinoAllocationReport(AllocationVerdict):
     kv_states: int
     tolerance: float
 
+    def opened_figure(self) -> int | None:
+        return self.opened_context_tokens  # the one window its bytes hold
+
     def event_facts(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict,

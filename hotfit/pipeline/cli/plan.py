@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND
+from hotfit.core.entry import DEFAULT_BACKEND, backend_names
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.provision import plan_machine
 from hotfit.pipeline.cli.render import plan_text
@@ -16,7 +16,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-file", metavar="FILE", help="use a saved probe (hotfit probe --json) instead of probing")
     p.add_argument("--kv-cache-type", metavar="TYPE",
                    help="KV cache type to plan for (default: $CONTENOX_LLAMA_KV_CACHE_TYPE, unset = f16)")
-    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
+    p.add_argument("--backend", choices=backend_names(), default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
     p.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one)")
     p.add_argument("--device", metavar="KIND|INDEX",
                    help="plan only this device: a kind (nvidia, amd, cpu, ...) or a probe index "
