@@ -67,6 +67,7 @@ from tests.e2e_support import (
     write_registry,
 )
 from tests.entries import GiB, entry
+from tests.test_backend_boundary import CALL, FakeBackend, _report
 from tests.gguf_fixtures import write_standin_llama_server, write_tool_call_model
 from tests.hubserver import LocalHub
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for
@@ -248,6 +249,7 @@ def grade(e: Earned, agent: gs.Agent, tier: str) -> dict[str, Any]:
     """The real ``hotfit grade --model LARGE`` job, the model's answers scripted."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(hotfit.backends.select.BACKENDS, "llama", ScriptedLlama(agent))
+        mp.setitem(hotfit.backends.select.BACKENDS, "fake", FakeBackend(answer=CALL, report=_report()))  # the sessions'
         return anyio.run(lambda: grade_model(load_settings(), model=LARGE, registry_file=e.world.registry_path,
                                              tier=tier, budget_s=None, output=None, probe_file=e.probe))
 
@@ -406,6 +408,7 @@ def test_quick_passes_never_count_a_fail_removes_and_inconclusive_keeps(
     assert not evidence_path(e.home).exists()
     with pytest.MonkeyPatch.context() as mp:  # the CLI says so too
         mp.setitem(hotfit.backends.select.BACKENDS, "llama", ScriptedLlama(gs.oracle))
+        mp.setitem(hotfit.backends.select.BACKENDS, "fake", FakeBackend(answer=CALL, report=_report()))  # the sessions'
         code, text = run_text("grade", "--model", LARGE, "--registry", str(e.world.registry_path),
                               "--probe-file", str(e.probe), "--tier", "quick")
     assert code == 0 and "evidence: not recorded — a quick-tier pass is provisional" in text, text

@@ -114,6 +114,18 @@ def test_the_backend_boundary_contract_closes_every_concrete_backend() -> None:
     assert set(boundary[0]["source_modules"]) == {f"hotfit.{p}" for p in PROJECT_PACKAGES} - {"hotfit.backends"}
 
 
+def test_the_planner_is_declared_pure() -> None:
+    # planner/ decides from data (CONTRIBUTING.md "Layout"): a contract forbids it, directly or through
+    # what it imports, every effectful layer, the log, and the standard and third-party modules that
+    # do I/O, run processes or reach the network (test_import_linter_contracts_hold runs it).
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config.get("include_external_packages") is True  # else the external names are not checked
+    pure = [c for c in config["contracts"] if c["type"] == "forbidden" and c["source_modules"] == ["hotfit.planner"]]
+    assert len(pure) == 1 and not pure[0].get("allow_indirect_imports", False)
+    assert {"hotfit.state", "hotfit.download", "hotfit.backends", "hotfit.stages", "hotfit.pipeline", "hotfit.core.log",
+            "subprocess", "socket", "httpx", "anyio", "asyncio"} <= set(pure[0]["forbidden_modules"])
+
+
 def _bare_layer_imports(path: Path, root: Path = REPO) -> list[str]:
     """Imports of a layer by its bare folder name (``from core.x import``, ``-m pipeline``)."""
     text = path.read_text(errors="replace")

@@ -20,8 +20,7 @@ from hotfit.core.errors import NoModelQualifies, UsageError
 from hotfit.planner.rank import Candidate, rank_key
 from hotfit.registry.budget import MIN_AGENTIC_HOT_CONTEXT, DeviceBudget, fmt_bytes, model_fit
 from hotfit.registry.kv import KVCacheType, UnknownKV
-from hotfit.registry.refusal import build_refusal, required_memory, words_for
-from hotfit.registry.refusal import Refusal
+from hotfit.registry.refusal import Refusal, build_refusal, required_memory, words_for
 from hotfit.registry.select import normalize_backend, normalize_origin
 from hotfit.registry.verdict import Verdict, eligibility_problem, evaluate
 

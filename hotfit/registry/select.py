@@ -41,7 +41,6 @@ from hotfit.registry.budget import (
     reserve_bytes,
     runtime_allowance,
 )
-from hotfit.registry.kv import KVCacheType, UnknownKV
 from hotfit.registry.refusal import (
     ORIGIN_ALL,
     Refusal,
@@ -50,7 +49,6 @@ from hotfit.registry.refusal import (
     origins_with_agentic_models,
     required_memory,
     smallest_agentic,
-    words_for,
 )
 from hotfit.registry.verdict import ReasonCode, Verdict, eligibility_problem, evaluate
 
