@@ -18,7 +18,7 @@ from hotfit.registry.catalog import Registry
 from hotfit.registry.kv import KV_CACHE_TYPES
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
 from hotfit.pipeline.cli.render import plan_text as describe
-from hotfit.planner.devices import outcome_json
+from hotfit.planner.document import outcome_json
 from hotfit.stages.plan import build_plan, resolve_kv_cache_type
 from tests.entries import MINICPM5_2B, GiB, entry
 

@@ -53,7 +53,8 @@ from hotfit.pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stag
 from hotfit.pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
 from hotfit.stages.grade import GradeResult
 from hotfit.stages.load import LoadResult
-from hotfit.planner.devices import PlanOutcome, PreviousModel, outcome_json
+from hotfit.planner.devices import PlanOutcome, PreviousModel
+from hotfit.planner.document import outcome_json
 from hotfit.stages.probe_tool_call import ProbeToolCallResult
 from hotfit.state.locks import FileLock
 from hotfit.state.store import StateStore

@@ -9,7 +9,7 @@ from hotfit.core.entry import DEFAULT_BACKEND, backend_names
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.provision import plan_machine
 from hotfit.pipeline.cli.render import plan_text
-from hotfit.planner.devices import outcome_json
+from hotfit.planner.document import outcome_json
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:

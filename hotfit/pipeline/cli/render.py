@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from hotfit.planner.probe import ProbeResult
 from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, MIN_AGENTIC_HOT_CONTEXT, fmt_bytes
-from hotfit.planner.devices import PlanOutcome, device_label, device_refusal
+from hotfit.planner.devices import PlanOutcome, device_label
+from hotfit.planner.document import device_refusal
 
 __all__ = ["plan_text", "probe_text"]
 
