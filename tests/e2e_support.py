@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.registry.kv import parse_kv_cache_type
 from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
@@ -150,7 +151,7 @@ def write_provisioned_home(home: Path, probe: ProbeResult, *, name: str = "fx-ag
         template_path=str(template), projector_path=None, kv_cache_type=kv_cache_type,
         planned_hot_context_tokens=plan.hot_context_tokens,
         measured={"opened_context_tokens": opened_context_tokens or plan.hot_context_tokens},
-        probe_verdict={"passed": True}, llama_cpp={}, device=device or {}, plan=plan.to_json(),
+        probe_verdict={"passed": True}, backend_build={}, device=device or {}, plan=plan.to_json(),
     )
     write_manifest(home / "manifest.json", manifest)
     return ProvisionedHome(home, entry, plan, manifest, info.path, template)
@@ -165,7 +166,7 @@ def write_registry(path: Path, entries: Any) -> None:
 
 def write_probe(path: Path, free_bytes: int, total_bytes: int = HOST_TOTAL_BYTES) -> Path:
     probe = ProbeResult(devices=(Device(index=0, kind="cpu", name="fixture host", total_bytes=total_bytes,
-                                        free_bytes=free_bytes),), selected=0)
+                                        free_bytes=free_bytes),))
     path.write_text(json.dumps(probe.to_json(), indent=2) + "\n", encoding="utf-8")
     return path
 

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from hotfit.core.errors import CertificateError
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
 from hotfit.download.hub_errors import hub_error_from_hf_exception, is_retryable_hf_exception
 from hotfit.pipeline.cli import main
 from hotfit.state.store import SyncStateStore

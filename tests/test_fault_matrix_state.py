@@ -338,7 +338,7 @@ def provisioned(home: Path, entry: str) -> None:
         run_id="r1", plan_id="p1", written_at="2026-11-29T00:00:00Z", entry_name=entry,
         model_path=str(home / "models" / entry / "m.gguf"), model_size_bytes=10, model_sha256=None,
         template_path=None, projector_path=None, kv_cache_type="f16", planned_hot_context_tokens=40000,
-        measured={"opened_context_tokens": 40192}, probe_verdict={"passed": True}, llama_cpp={}, device={},
+        measured={"opened_context_tokens": 40192}, probe_verdict={"passed": True}, backend_build={}, device={},
         plan={}))
 
 

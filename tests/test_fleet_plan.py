@@ -247,7 +247,7 @@ def test_a_saved_manifest_keeps_that_machines_previous_model(tmp_path: Path) -> 
         run_id="r1", plan_id=plan.plan_id, written_at="2026-12-01T00:00:00Z", entry_name=small.name,
         model_path="/x", model_size_bytes=1, model_sha256="0" * 64, template_path=None, projector_path=None,
         kv_cache_type="f16", planned_hot_context_tokens=plan.hot_context_tokens, measured={}, probe_verdict={},
-        llama_cpp={}, device={}, plan=plan.to_json()))
+        backend_build={}, device={}, plan=plan.to_json()))
     _rc, fleet = fleet_json(str(d), "--manifests", str(manifests))
     a, b = fleet["machines"]
     assert a["model"] == small.name and a["reused_previous"] and a["previous_from"] == str(manifests / "a.json")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.systemd_unit import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
 from hotfit.pipeline.status import label_value, nfd_labels
@@ -62,7 +62,7 @@ def provisioned_home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     """A home as `hotfit auto` leaves it for an NVIDIA card: model, template, manifest."""
     root = tmp_path_factory.mktemp("recipes")
     probe = ProbeResult(devices=(Device(0, "nvidia", "big card", 24 * GiB, 20 * GiB,
-                                        uuid="GPU-8a1c2f0e-0000-4000-8000-000000000001"),), selected=0)
+                                        uuid="GPU-8a1c2f0e-0000-4000-8000-000000000001"),))
     made = write_provisioned_home(root / "home", probe, kv_cache_type="q8_0", template_text=tool_template_text(),
                                   opened_context_tokens=49152,
                                   device={"index": 0, "kind": "nvidia", "name": "big card"})

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from hotfit.backends.llama_server.flags import ServerFeatures, llama_server_argv, parse_server_features
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
 
@@ -48,7 +48,7 @@ def test_alias_and_metrics_are_read_from_help() -> None:
 def home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A home as `hotfit auto` leaves it, for the tool-call fixture on the host (CPU)."""
     root = tmp_path_factory.mktemp("serve-clients")
-    probe = ProbeResult(devices=(Device(0, "cpu", "fixture host", HOST_TOTAL_BYTES, 8 * GiB),), selected=0)
+    probe = ProbeResult(devices=(Device(0, "cpu", "fixture host", HOST_TOTAL_BYTES, 8 * GiB),))
     made = write_provisioned_home(root / "home", probe, name=MODEL)
     return {"home": made.home, "root": root, "plan": made.plan, "model": made.model, "template": made.template}
 

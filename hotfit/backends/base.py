@@ -37,7 +37,8 @@ from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError
-from hotfit.core.plan import Device, Plan
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device
 from hotfit.core.records import JsonRecord
 from hotfit.core.settings import Settings
 from hotfit.grading.protocol import ChatEndpoint
@@ -55,6 +56,8 @@ __all__ = [
     "BuildUnavailable",
     "ChatAnswer",
     "ChatFailed",
+    "DeviceListing",
+    "ListedDevice",
     "ModelFiles",
     "ServeCommand",
     "ServicePin",
@@ -103,11 +106,34 @@ class BackendBinary(Protocol):
 @dataclass(frozen=True)
 class ManifestFacts:
     """A backend's own part of the manifest (pipeline/manifest.py): its figures in ``measured``
-    beside the shared KV figures, the ``llama_cpp`` section, and what it adds to ``extra``."""
+    beside the shared KV figures, its build (the manifest's ``backend_build``: llama-server's path,
+    version, commit…), and what it adds to ``extra``."""
 
     measured: Mapping[str, Any]
-    llama_cpp: Mapping[str, Any] = field(default_factory=dict)
+    build: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ListedDevice:
+    """A GPU a backend's runtime says it sees, as the probe merges it with NVML and sysfs."""
+
+    name: str  # the runtime's name for it, what a session is pinned to ("Vulkan0", "CUDA0")
+    api: str  # what it is reached through: "vulkan", "cuda"
+    description: str  # "llvmpipe (LLVM 15.0.6, 256 bits)", "NVIDIA H200"
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class DeviceListing:
+    """The GPUs a backend's runtimes list, and why a listing is missing (the probe's notes)."""
+
+    devices: tuple[ListedDevice, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __add__(self, other: DeviceListing) -> DeviceListing:
+        return DeviceListing(self.devices + other.devices, self.notes + other.notes)
 
 
 @dataclass(frozen=True)
@@ -238,6 +264,11 @@ class AllocationReport(Protocol):
     @property
     def opened_context_tokens(self) -> int | None: ...  # the window the session holds (None: unread)
 
+    def opened_figure(self) -> Any:
+        """How the re-check's figures show the opened window (llama-server: the window per slot;
+        OpenVINO: the one window its bytes hold)."""
+        ...
+
     def event_facts(self) -> dict[str, Any]:
         """The fields of the ``recheck.*`` events."""
         ...
@@ -320,8 +351,24 @@ class Backend(Protocol):
         """The allocation report back from its ``to_json()`` (the re-check's record)."""
         ...
 
-    def device_listing_binaries(self, settings: Settings) -> tuple[Path, ...]:
-        """This backend's programs the probe asks which GPUs they see (none: it asks none)."""
+    def decode_load(self, record: Mapping[str, Any]) -> None:
+        """Check a load record (its :meth:`Session.to_json` plus ``backend``, the binary's record) has
+        this backend's shape; StageRecordError names a damaged field. The stage keeps it opaque."""
+        ...
+
+    def load_fingerprint(self, record: Mapping[str, Any]) -> Any:
+        """What downstream stages hash of a load record: how the session was started, without what
+        changes every start (a port, the pid, timings)."""
+        ...
+
+    def launch_flags(self, record: Mapping[str, Any]) -> Any:
+        """The settings a load record says the session was started with, for a grade's fingerprint
+        (its ``flags``): what a server cannot report of itself. Falsy: unknown."""
+        ...
+
+    def list_devices(self, settings: Settings, env: Mapping[str, str]) -> DeviceListing:
+        """The GPUs this backend's runtimes see, before any plan names a backend (blocking: it may
+        run a program). None listed: the probe has NVML, sysfs and host memory."""
         ...
 
     def device_env(self, plan: Plan) -> dict[str, str]:

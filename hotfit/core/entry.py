@@ -54,6 +54,13 @@ WEIGHTS_LAYOUTS: dict[str, WeightsLayout] = {
     "openvino": WeightsLayout(snapshot=True, file_format=None, paged_kv=True, architecture_required=False),
 }
 BACKENDS: tuple[str, ...] = tuple(WEIGHTS_LAYOUTS)
+
+
+def backend_names() -> tuple[str, ...]:
+    """The backend names :data:`WEIGHTS_LAYOUTS` holds when asked: what the decoders (registry,
+    manifest) and ``--backend`` accept, so a backend is registered in one place per layer
+    (CONTRIBUTING.md "Adding a backend")."""
+    return tuple(WEIGHTS_LAYOUTS)
 DEFAULT_BACKEND: Backend = "llama"  # what a plan, a manifest and --backend mean when they name none
 
 

@@ -32,7 +32,8 @@ from hotfit.core.entry import template_json
 from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
-from hotfit.core.plan import Plan, ProbeResult
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.pipeline.engine import STOP_SIGNALS, PipelineOutcome, Runner, signal_receiver
 from hotfit.pipeline.evidence import record_grade
@@ -53,7 +54,8 @@ from hotfit.pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stag
 from hotfit.pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
 from hotfit.stages.grade import GradeResult
 from hotfit.stages.load import LoadResult
-from hotfit.stages.plan import PlanOutcome, PreviousModel, outcome_json
+from hotfit.planner.devices import PlanOutcome, PreviousModel
+from hotfit.planner.document import outcome_json
 from hotfit.stages.probe_tool_call import ProbeToolCallResult
 from hotfit.state.locks import FileLock
 from hotfit.state.store import StateStore
@@ -141,7 +143,7 @@ def build_manifest(results: ProvisionedResults) -> Manifest:
     plan = results.plan
     verified, template, fetched, loaded = results.verified, results.template, results.fetched, results.loaded
     call, report = results.call, results.report
-    device = plan.probe.device
+    device = plan.placement.device
     model_path = verified.weights_path
     assert model_path is not None  # the load stage refuses a verify result without weights (stages/load.py)
     # what the load ran says what the manifest keeps of its session (its runtime's own figures…)
@@ -180,12 +182,12 @@ def build_manifest(results: ProvisionedResults) -> Manifest:
             "prompt_tokens_per_s": call.prompt_tokens_per_s,
             "generation_tokens_per_s": call.generation_tokens_per_s,
         },
-        llama_cpp=dict(own.llama_cpp),
+        backend_build=dict(own.build),
         device={"index": device.index, "kind": device.kind, "name": device.name,
                 "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes,
                 "ggml_device": device.ggml_device},
         plan=plan.to_json(),
-        extra={"vision": fetched.vision, "load_argv": loaded.record.get("argv")} | dict(own.extra),
+        extra={"vision": fetched.vision} | dict(own.extra),
         backend=plan.backend,
         grade=grade_summary(results.graded.to_json(), run_id=results.run_id) if results.graded else None,
     )
@@ -264,8 +266,8 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             "kv_cache_type": plan.kv_cache_type,
             "estimated_hot_context_tokens": plan.hot_context_tokens,
             "previous_model": manifest.entry_name if manifest else None,
-            "device": {"index": plan.probe.device.index, "kind": plan.probe.device.kind,
-                       "name": plan.probe.device.name},
+            "device": {"index": plan.placement.device.index, "kind": plan.placement.device.kind,
+                       "name": plan.placement.device.name},
             "reused": plan.reused_previous,
             "would": ("nothing (provisioned and still valid)"
                       if manifest and not opts.recheck and not noop_problems(manifest, plan)
@@ -326,7 +328,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
         graded = outcome.outputs.get(GRADE_STAGE)
         if graded and GRADE_STAGE not in outcome.skipped:  # a reused grade was recorded when it ran
             data["grade_evidence"] = await anyio.to_thread.run_sync(
-                lambda: record_grade(settings, plan.entry, plan.probe.device.kind, graded,
+                lambda: record_grade(settings, plan.entry, plan.placement.device.kind, graded,
                                      grade_record=str(graded.get("path"))))
         return AutoOutcome("provisioned", data, plan, new_manifest,
                            resumed=outcome.resumed, skipped=outcome.skipped)

@@ -52,7 +52,8 @@ import anyio
 
 from hotfit.core.errors import HotfitError, Interrupted, StageRecordError
 from hotfit.core.log import bind, get_logger, unbind
-from hotfit.core.plan import Plan, canonical_json
+from hotfit.core.records import canonical_json
+from hotfit.planner.plan import Plan
 from hotfit.core.settings import Settings
 from hotfit.stages.declaration import EnterContext, StageContext
 from hotfit.stages.declaration import StageDeclaration as Stage

@@ -68,7 +68,7 @@ class MachinePlan:
         out: dict[str, Any] = {"name": self.name, "probe_file": self.probe_file, "arch": self.arch,
                                "status": self.status, "reason": self.reason}
         plan = None if self.outcome is None else self.outcome.plan
-        device = None if self.outcome is None else self.outcome.probe.device
+        device = None if self.outcome is None else self.outcome.placement.device
         out |= {
             "model": None if plan is None else plan.entry.name,
             "backend": None if plan is None else plan.backend,
@@ -261,7 +261,7 @@ def _plan_one(settings: Settings, prepared: PreparedSelection, path: Path, taken
         log.unbind("machine")
     build = None
     if outcome.plan is not None:
-        build = backend_for(outcome.plan.backend).build_for(outcome.probe.device, arch or DEFAULT_ARCH)
+        build = backend_for(outcome.plan.backend).build_for(outcome.placement.device, arch or DEFAULT_ARCH)
     return MachinePlan(name, str(path), arch, outcome=outcome, build=build, previous_from=previous_from)
 
 

@@ -24,19 +24,34 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, Mapping
 
-from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
+from hotfit.core.entry import DEFAULT_BACKEND, WEIGHTS_LAYOUTS, backend_names
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Device, Plan
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device
 from hotfit.core.records import Fields, parse_json
-from hotfit.stages.plan import REPROVISION_HINT, decode_plan_fields
+from hotfit.planner.plan import REPROVISION_HINT, decode_plan_fields
 from hotfit.state.files import read_text_document, rehome_paths, same_directory, write_text_atomic
 
 SCHEMA = 1
+_OLD_BUILD_FIELD = "llama_cpp"
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
                "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
-               "measured", "probe_verdict", "llama_cpp", "device", "plan")
-# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model
-_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade")
+               "measured", "probe_verdict", "device", "plan")
+# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model.
+# backend_build: the backend's build facts, written as "llama_cpp" before a third backend could
+# have any (a manifest with that name still reads)
+_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade", "backend_build", _OLD_BUILD_FIELD)
+
+
+def _build(doc: Mapping[str, Any], f: Fields) -> Mapping[str, Any]:
+    """The backend's build facts, under either name (one of them is required, not both)."""
+    names = [k for k in ("backend_build", _OLD_BUILD_FIELD) if k in doc]
+    if not names:
+        raise f.fail("backend_build", "is missing", "record every field; use null for a fact that could not be verified")
+    if len(names) > 1:
+        raise f.fail(_OLD_BUILD_FIELD, "is the old name of backend_build; a manifest has one of them",
+                     "remove one; `hotfit auto` rewrites the manifest")
+    return f.mapping(doc[names[0]], names[0], nullable=True)
 
 
 @dataclass(frozen=True)
@@ -54,7 +69,7 @@ class Manifest:
     planned_hot_context_tokens: int
     measured: Mapping[str, Any]  # opened window, KV bytes estimated/actual/ratio (a measurement)
     probe_verdict: Mapping[str, Any]  # tool-call probe: passed, tool, speeds
-    llama_cpp: Mapping[str, Any]  # binary, version, commit
+    backend_build: Mapping[str, Any]  # what the backend says of its build (llama-server: path, version, commit)
     device: Mapping[str, Any]  # what the plan was made for
     plan: Mapping[str, Any]  # the full frozen plan (entry facts serve needs to re-plan)
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -82,7 +97,7 @@ class Manifest:
             "planned_hot_context_tokens": self.planned_hot_context_tokens,
             "measured": dict(self.measured),
             "probe_verdict": dict(self.probe_verdict),
-            "llama_cpp": dict(self.llama_cpp),
+            "backend_build": dict(self.backend_build),
             "device": dict(self.device),
             "plan": dict(self.plan),
             **({"extra": dict(self.extra)} if self.extra else {}),
@@ -115,13 +130,13 @@ class Manifest:
             planned_hot_context_tokens=f.integer(doc["planned_hot_context_tokens"], "planned_hot_context_tokens"),
             measured=f.mapping(doc["measured"], "measured", nullable=True),
             probe_verdict=f.mapping(doc["probe_verdict"], "probe_verdict", nullable=True),
-            llama_cpp=f.mapping(doc["llama_cpp"], "llama_cpp", nullable=True),
+            backend_build=_build(doc, f),
             device=f.mapping(doc["device"], "device", nullable=True),
             plan=f.mapping(doc["plan"], "plan", nullable=True),
             extra=f.mapping(doc.get("extra"), "extra", nullable=True),
             template_sha256=text("template_sha256", nullable=True),
             # manifests written before OpenVINO have no backend: llama's
-            backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or DEFAULT_BACKEND,
+            backend=f.choice(doc.get("backend"), "backend", backend_names(), nullable=True) or DEFAULT_BACKEND,
             grade=f.mapping(doc.get("grade"), "grade", nullable=True) if doc.get("grade") is not None else None,
         )
 
@@ -230,6 +245,6 @@ def provisioned_device(manifest: Manifest) -> Device | None:
     """The device the manifest's plan was made for (None when the plan is unreadable: then the
     previous model is kept on whichever device it still qualifies)."""
     try:
-        return plan_from_json(manifest.plan).probe.device
+        return plan_from_json(manifest.plan).placement.device
     except UsageError:  # plan_from_json names the damaged field
         return None

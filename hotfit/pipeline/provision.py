@@ -23,7 +23,7 @@ from typing import Any
 from hotfit.core.entry import DEFAULT_BACKEND
 from hotfit.core.errors import NoModelQualifies
 from hotfit.core.log import get_logger
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.pipeline.engine import Stage
 from hotfit.pipeline.evidence import admission
@@ -33,9 +33,10 @@ from hotfit.pipeline.session_stages import SESSION_STAGES, session_stages
 from hotfit.registry.select import normalize_origin
 from hotfit.stages import fetch_template, fetch_weights, plan, probe, verify
 from hotfit.stages.fetch_weights import FetchJob
+from hotfit.planner.devices import KVSource, PlanOutcome, PreviousModel
 from hotfit.registry.catalog import Registry
 from hotfit.registry.kv import KVCacheType
-from hotfit.stages.plan import KVSource, PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
+from hotfit.stages.plan import PlanJob, build_plan, resolve_kv_cache_type
 from hotfit.stages.probe import ProbeJob
 
 log = get_logger()

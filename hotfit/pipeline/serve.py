@@ -35,7 +35,8 @@ from hotfit.backends.base import Backend, ModelFiles, ServeCommand
 from hotfit.backends.select import backend_for
 from hotfit.core.errors import LoadError, NoModelQualifies, UsageError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest
 from hotfit.pipeline.probe import probe_machine
@@ -104,7 +105,7 @@ def decide_window(manifest: Manifest, plan: Plan, probe_now: ProbeResult) -> Win
     """Pure: the window to open now. Verified window when the device still holds it; else the
     largest the device holds now, if that is ≥ the floor; else NoModelQualifies."""
     verified = manifest.opened_context_tokens or manifest.planned_hot_context_tokens
-    device = _matching_device(probe_now, plan.probe.device)
+    device = _matching_device(probe_now, plan.placement.device)
     budget = device_budget(device.kind, device.total_bytes, device.free_bytes, device.name)
     cache_type = parse_kv_cache_type(manifest.kv_cache_type, source="manifest kv_cache_type")
     fit = model_fit(plan.entry, budget.usable_bytes, cache_type)
@@ -189,7 +190,7 @@ def _unit_spec(backend: Backend, settings: Settings, opts: ServeOptions, manifes
     home = Path(settings.home).absolute()
     paths = tuple(Path(p) for p in (argv[0], os.path.realpath(argv[0]), sys.prefix) if p) + pin.paths
     return UnitSpec(hotfit_argv=argv, env=env, description=f"hotfit: {pin.server} serving {manifest.entry_name}",
-                    user=unit_user(home, opts.unit_user), home=home, device_kind=plan.probe.device.kind,
+                    user=unit_user(home, opts.unit_user), home=home, device_kind=plan.placement.device.kind,
                     paths=paths)
 
 
@@ -229,7 +230,7 @@ def start_server(settings: Settings, job: ServeJob, *, announce: str | None) -> 
     opts, manifest = job.options, job.manifest
     record = record_for_self(host=opts.host, port=opts.port, model_path=manifest.model_path,
                              entry_name=manifest.entry_name, context_tokens=job.decision.context_tokens,
-                             kv_cache_type=manifest.kv_cache_type, device=job.plan.probe.device,
+                             kv_cache_type=manifest.kv_cache_type, device=job.plan.placement.device,
                              api_key_file=str(opts.api_key_file) if opts.api_key_file else None)
     try:
         write_worker_record(settings.serve_pid_path, record)

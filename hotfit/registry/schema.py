@@ -27,7 +27,6 @@ from typing import Any
 
 from hotfit.core.entry import (
     AGENTIC_TIERS,
-    BACKENDS,
     INELIGIBLE_CAUSES,
     ORIGINS,
     PERMISSIVE_LICENSES,
@@ -38,6 +37,7 @@ from hotfit.core.entry import (
     LayerGroup,
     SourceConfig,
     TemplateSource,
+    backend_names,
     safe_relpath,
 )
 from hotfit.core.records import Fields
@@ -81,7 +81,7 @@ def decode_entry(raw: Any, f: Fields, *, rules: bool = True) -> Entry:
     entry = Entry(
         name=name,
         display_name=f.string(obj["display_name"], "display_name"),
-        backend=f.choice(obj["backend"], "backend", BACKENDS),
+        backend=f.choice(obj["backend"], "backend", backend_names()),
         origin=f.choice(obj["origin"], "origin", ORIGINS),
         license=f.string(obj["license"], "license", nullable=True),
         params_total_b=params_total,

@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND
+from hotfit.core.entry import DEFAULT_BACKEND, backend_names
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.provision import SelectionOptions, plan_machine
 from hotfit.pipeline.cli.render import plan_text
-from hotfit.stages.plan import outcome_json
+from hotfit.planner.document import outcome_json
 
 
 def add_selection_options(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_selection_options(p: argparse.ArgumentParser) -> None:
     ``selection_from_args`` reads them (with ``--origin``/``--previous`` where the command has them)."""
     p.add_argument("--kv-cache-type", metavar="TYPE",
                    help="KV cache type to plan for (default: $CONTENOX_LLAMA_KV_CACHE_TYPE, unset = f16)")
-    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
+    p.add_argument("--backend", choices=backend_names(), default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
     p.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one)")
 
 
