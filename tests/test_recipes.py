@@ -242,11 +242,155 @@ def test_cloud_init_user_data_is_valid(tmp_path: Path) -> None:
     assert done.returncode == 0 and "Valid cloud-config" in done.stdout, done.stdout + done.stderr
     text = user_data.read_text()
     assert text.startswith("#cloud-config\n")
-    # it provisions as the service account and installs the unit hotfit prints
-    assert "hotfit -q auto" in text and "serve --print-systemd-unit > /etc/systemd/system/hotfit.service" in text
+    # what it runs is run below (test_cloud_init_cron_keeps_every_setting_…)
     broken = tmp_path / "broken.yaml"
     broken.write_text(text.replace("package_update: true", "package_update: maybe"))
     assert cloud_init_schema(broken).returncode != 0
+
+
+STANDIN_HOTFIT = """#!/bin/sh
+# stand-in for hotfit: records its argv and the settings it was given; auto exits with the code
+# in $RECIPE_TEST/auto-rc; serve --print-systemd-unit prints a unit naming the KV type it saw
+log="$RECIPE_TEST/hotfit.log"
+printf '%s\\t%s\\t%s\\t%s\\t%s\\n' "$*" "${HF_ENDPOINT:-}" "${CONTENOX_LLAMA_KV_CACHE_TYPE:-}" \\
+  "${HTTPS_PROXY:-}" "${HOTFIT_LLAMA_CACHE:-}" >> "$log"
+case "$*" in
+  *" auto"*) exit "$(cat "$RECIPE_TEST/auto-rc")" ;;
+  *"--print-systemd-unit"*) printf '[Service]\\nEnvironment=CONTENOX_LLAMA_KV_CACHE_TYPE=%s\\n' \\
+       "${CONTENOX_LLAMA_KV_CACHE_TYPE:-f16}" ;;
+esac
+"""
+RECORDER = """#!/bin/sh
+# stand-in: records its name and argv
+printf '%s %s\\n' "$(basename "$0")" "$*" >> "$RECIPE_TEST/calls.log"
+"""
+
+
+class CloudInitNode:
+    """The files cloud-init writes from the user-data, under a scratch root instead of /, and the
+    commands this container cannot run for real (no systemd as PID 1, no service account, no git
+    server) as recording stand-ins; the shell programs themselves run for real with /bin/sh."""
+
+    ROOTED = re.compile(r"(?<![\w.])/(etc|opt|usr/local/sbin|var)/")
+
+    def __init__(self, where: Path, settings: str) -> None:
+        self.where = where
+        self.root = where / "root"
+        self.bin = where / "bin"
+        self.bin.mkdir(parents=True)
+        for there in ("var/log", "etc/systemd/system"):  # on every Debian machine
+            (self.root / there).mkdir(parents=True)
+        user_data = __import__("yaml").safe_load((RECIPES / "cloud-init" / "user-data.yaml").read_text())
+        self.files = {item["path"]: item for item in user_data["write_files"]}
+        for path, item in self.files.items():
+            target = self.rooted_path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            content = self.rooted(item["content"]) + (settings if path == "/etc/default/hotfit" else "")
+            target.write_text(content)
+            target.chmod(int(item["permissions"], 8))
+        self.runcmd = user_data["runcmd"]
+        for name in ("git", "runuser", "systemctl", "install"):
+            tool = self.bin / name
+            tool.write_text(RECORDER + {"git": 'mkdir -p "$6/.git"\n', "runuser": 'shift 3; exec "$@"\n',
+                                        "install": "", "systemctl": ""}[name])
+            tool.chmod(0o755)
+        hotfit = self.root / "opt/hotfit/.venv/bin/hotfit"
+        hotfit.parent.mkdir(parents=True)
+        hotfit.write_text(STANDIN_HOTFIT)
+        installer = self.root / "opt/hotfit/scripts/install-llama-server"
+        installer.parent.mkdir(parents=True)
+        installer.write_text(RECORDER)
+        for made in (hotfit, installer):
+            made.chmod(0o755)
+
+    def rooted(self, text: str) -> str:
+        return self.ROOTED.sub(lambda m: f"{self.root}/{m.group(1)}/", text)
+
+    def rooted_path(self, path: str) -> Path:
+        return self.root / path.lstrip("/")
+
+    def env(self) -> dict[str, str]:
+        return {"PATH": f"{self.bin}:/usr/bin:/bin", "RECIPE_TEST": str(self.where), "HOME": str(self.where)}
+
+    def run(self, argv: list[str], env: dict[str, str], auto_rc: int) -> subprocess.CompletedProcess[str]:
+        (self.where / "auto-rc").write_text(str(auto_rc))
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+    def first_boot(self, auto_rc: int) -> subprocess.CompletedProcess[str]:
+        (command,) = self.runcmd
+        return self.run([self.rooted(part) for part in command], self.env(), auto_rc)
+
+    def cron(self, auto_rc: int) -> subprocess.CompletedProcess[str]:
+        """The cron entry as cron runs it: its user field, its variables (SHELL, PATH; the stand-ins
+        first on PATH), ``$SHELL -c`` on the command, and nothing else of this environment."""
+        lines = [ln for ln in self.rooted(self.files["/etc/cron.d/hotfit"]["content"]).splitlines()
+                 if ln.strip() and not ln.startswith("#")]
+        env = self.env()
+        for line in lines:
+            if re.match(r"^[A-Z_]+=", line):
+                name, value = line.split("=", 1)
+                env[name] = value if name != "PATH" else f"{self.bin}:{value}"
+        (entry,) = [ln for ln in lines if not re.match(r"^[A-Z_]+=", ln)]
+        fields = entry.split(None, 6)
+        assert fields[5] == "root", "the provisioning installs a unit: it runs as root"
+        return self.run([env["SHELL"], "-c", fields[6]], env, auto_rc)
+
+    def hotfit_calls(self) -> list[list[str]]:
+        log = self.where / "hotfit.log"
+        return [line.split("\t") for line in log.read_text().splitlines()] if log.exists() else []
+
+    def calls(self) -> list[str]:
+        log = self.where / "calls.log"
+        return log.read_text().splitlines() if log.exists() else []
+
+    @property
+    def unit(self) -> Path:
+        return self.rooted_path("/etc/systemd/system/hotfit.service")
+
+
+MIRROR_SETTINGS = ("HF_ENDPOINT=https://mirror.example.internal\n"
+                   "HOTFIT_BUILD_URL=https://mirror.example.internal/builds/llama-server-cpu.tar.gz\n"
+                   "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0\nHTTPS_PROXY=http://proxy.example.internal:3128\n")
+
+
+def test_cloud_init_cron_keeps_every_setting_and_installs_the_unit_a_failed_first_boot_left_out(
+        tmp_path: Path) -> None:
+    node = CloudInitNode(tmp_path, MIRROR_SETTINGS)
+    # first boot: a network blip makes auto fail (11): no unit, nothing started
+    boot = node.first_boot(auto_rc=11)
+    assert boot.returncode == 11, boot.stdout + boot.stderr
+    assert not node.unit.exists() and not [c for c in node.calls() if c.startswith("systemctl")]
+    # the build came from the mirror (no compiler), once
+    assert node.calls().count(f"install-llama-server --from {MIRROR_SETTINGS.split()[1].split('=', 1)[1]}") == 1
+
+    # the daily cron run, as cron runs it: every setting reaches hotfit, and the unit is installed
+    cron = node.cron(auto_rc=0)
+    assert cron.returncode == 0, cron.stdout + cron.stderr
+    auto = [c for c in node.hotfit_calls() if c[0].endswith(" -q auto")][-1]
+    assert auto[1:] == ["https://mirror.example.internal", "q8_0", "http://proxy.example.internal:3128",
+                        f"{node.root}/opt/hotfit-cache/llama.cpp"], auto
+    assert "Environment=CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0" in node.unit.read_text()
+    systemctl = [c for c in node.calls() if c.startswith("systemctl")]
+    assert systemctl == ["systemctl daemon-reload", "systemctl enable hotfit.service",
+                         "systemctl restart hotfit.service"]
+    assert [c for c in node.calls() if c.startswith("install-llama-server")] == [
+        node.calls()[[c.startswith("install-llama-server") for c in node.calls()].index(True)]]  # not again
+
+    # the next day: nothing changed, the service is kept running and not restarted
+    again = node.cron(auto_rc=0)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [c for c in node.calls() if c.startswith("systemctl")][3:] == ["systemctl enable --now hotfit.service"]
+
+
+def test_cloud_init_without_a_mirror_builds_here(tmp_path: Path) -> None:
+    node = CloudInitNode(tmp_path, "")
+    bootstrap = node.root / "opt/hotfit/scripts/bootstrap"
+    bootstrap.write_text(RECORDER)
+    bootstrap.chmod(0o755)
+    boot = node.first_boot(auto_rc=0)
+    assert boot.returncode == 0, boot.stdout + boot.stderr
+    assert "bootstrap " in node.calls() and not [c for c in node.calls() if c.startswith("install-llama-server")]
+    assert node.unit.exists()
 
 
 # ----------------------------------------------------------------------------- Ansible
