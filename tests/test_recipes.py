@@ -14,6 +14,7 @@ A missing tool skips its tests unless ``HOTFIT_REQUIRE_TOOLS`` is set (scripts/r
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from hotfit.core import errors
 from hotfit.core.plan import Device, ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.systemd_unit import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
@@ -226,6 +228,71 @@ def test_kubernetes_job_is_valid_and_publishes_the_nfd_file(tmp_path: Path) -> N
     broken = tmp_path / "broken.yaml"
     broken.write_text(text.replace("restartPolicy: Never", "restartPolicy: Never\n      restartPolicyy: x"))
     assert kubernetes_validate(broken).returncode != 0
+
+
+def pod_failure_action(job: dict[str, Any], container: str, exit_code: int) -> str:
+    """What Kubernetes does with a pod of ``job`` whose ``container`` exited ``exit_code``: the first
+    podFailurePolicy rule that matches (onExitCodes, In / NotIn), else Count (the Job's back-off)."""
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        codes = rule.get("onExitCodes")
+        if codes is None or codes.get("containerName", container) != container:
+            continue
+        if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+            return str(rule["action"])
+    return "Count"
+
+
+def test_kubernetes_job_retries_a_passing_fault_and_stops_on_a_permanent_one() -> None:
+    (job,) = __import__("yaml").safe_load_all((RECIPES / "kubernetes" / "hotfit-job.yaml").read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    act = functools.partial(pod_failure_action, job, container["name"])
+    # before: 4 covered a network blip too, and the Job failed for good on it
+    assert act(errors.TransientTransferError.exit_code) == act(errors.HubUnreachable.exit_code) == "Count"
+    assert act(errors.LockedError.exit_code) == act(errors.HardwareProbeError.exit_code) == "Count"
+    for permanent in (errors.UsageError, errors.NoModelQualifies, errors.IntegrityError, errors.PinMismatch,
+                      errors.DiskSpaceError, errors.BackendNotFound):
+        assert act(permanent.exit_code) == "FailJob", permanent.__name__
+    assert job["spec"]["backoffLimit"] >= 3
+
+
+def test_kubernetes_serve_daemonset_runs_hotfit_serve_where_the_job_labelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = RECIPES / "kubernetes" / "hotfit-serve.yaml"
+    done = kubernetes_validate(path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    docs = {d["kind"]: d for d in __import__("yaml").safe_load_all(path.read_text())}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    # a home as the Job leaves it (a CPU plan: the stand-in llama-server is a CPU build)
+    probe_file = write_probe(tmp_path / "probe.json", 8 * GiB)
+    home = write_provisioned_home(tmp_path / "home", ProbeResult.decode(json.loads(probe_file.read_text())),
+                                  template_text=tool_template_text()).home
+    # scheduled on exactly the nodes the Job's features file labels provisioned
+    code, _ = cli(home, "status", "--nfd-features", str(tmp_path / "hotfit"))
+    assert code == 0
+    written = dict(ln.split("=", 1) for ln in (tmp_path / "hotfit").read_text().splitlines() if "=" in ln)
+    assert pod["nodeSelector"].items() <= written.items()
+    (container,) = pod["containers"]
+    command = container["command"]
+    # hotfit's own parser accepts the command (on a provisioned home, with the key file in place)
+    key = tmp_path / "api-key"
+    key.write_text("k" * 32)
+    monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(write_standin_llama_server(tmp_path / "llama-server")))
+    argv = [str(home) if a == "/var/lib/hotfit" else str(key) if a == "/etc/hotfit/api-key"
+            else a for a in command[1:]]
+    out = io.StringIO()
+    assert main([*argv, "--print-command", "--probe-file", str(probe_file)], out=out) == 0
+    port = command[command.index("--port") + 1]
+    assert f"--port {port}" in out.getvalue() and "--host 0.0.0.0" in out.getvalue()
+    (named,) = container["ports"]
+    assert named["containerPort"] == int(port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": named["name"]}, probe
+    # the home the Job provisioned, and a headless Service: one address per node (models differ)
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["home"]["hostPath"]["path"] == mounts["home"] == "/var/lib/hotfit"
+    assert docs["Service"]["spec"]["clusterIP"] == "None"
+    assert docs["Service"]["spec"]["selector"] == docs["DaemonSet"]["spec"]["selector"]["matchLabels"]
 
 
 # ----------------------------------------------------------------------------- cloud-init
