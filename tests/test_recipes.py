@@ -466,7 +466,6 @@ def test_cloud_init_without_a_mirror_builds_here(tmp_path: Path) -> None:
 def ansible_playbook(hub: LocalHub, world: World, home: Path, probe: Path, tmp_path: Path, server: Path | None,
                      *auto_args: str) -> tuple[int, dict[str, Any]]:
     """Run recipes/ansible/hotfit.yml on localhost for real; its json-callback report."""
-    tool = require_tool("ansible-playbook", "ansible-core (PyPI)")
     extra = {
         "hotfit_command": [sys.executable, "-m", "hotfit"],
         "hotfit_home": str(home),
@@ -475,6 +474,12 @@ def ansible_playbook(hub: LocalHub, world: World, home: Path, probe: Path, tmp_p
         "hotfit_fact_path": str(tmp_path / "facts.d"),
         "ansible_python_interpreter": sys.executable,
     }
+    return run_playbook(RECIPES / "ansible" / "hotfit.yml", extra, tmp_path)
+
+
+def run_playbook(playbook: Path, extra: dict[str, Any], tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    """``ansible-playbook -c local -i localhost,`` on ``playbook`` with ``extra`` vars; the report."""
+    tool = require_tool("ansible-playbook", "ansible-core (PyPI)")
     vars_file = tmp_path / "vars.json"
     vars_file.write_text(json.dumps(extra))
     env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HOTFIT_LLAMA_SERVER")}
@@ -485,8 +490,8 @@ def ansible_playbook(hub: LocalHub, world: World, home: Path, probe: Path, tmp_p
             "ANSIBLE_HOME": str(tmp_path / "ansible-home"),
             "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_RETRY_FILES_ENABLED": "0", "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"}
-    done = subprocess.run([tool, "-c", "local", "-i", "localhost,", str(RECIPES / "ansible" / "hotfit.yml"),
-                           "-e", f"@{vars_file}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([tool, "-c", "local", "-i", "localhost,", str(playbook), "-e", f"@{vars_file}", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     if not report_path.exists():
         raise AssertionError(f"ansible-playbook wrote no report (rc {done.returncode}): "
                              f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -541,3 +546,103 @@ def test_ansible_provisions_changed_then_unchanged_with_local_facts(hub: LocalHu
     assert rc == 0 and results[AUTO_TASK]["changed"] is False  # hotfit's no-op
     assert json.loads(results[AUTO_TASK]["stdout"])["noop"] is True
     assert report["stats"]["localhost"]["changed"] == 0  # and the fact file is already in place
+
+
+# ----------------------------------------------------------------------------- Ansible: the fleet flow
+
+FLEET_PLAYBOOK = RECIPES / "ansible" / "hotfit-fleet.yml"
+
+
+def fleet_commands_exist() -> bool:
+    return main(["fleet", "plan", "--help"], out=io.StringIO()) == 0
+
+
+def plan_row_from_hotfit_plan(probe: Path, name: str, plan_args: list[str]) -> dict[str, Any]:
+    """Where `hotfit fleet plan` is not on this branch: one machine's row in its documented shape
+    (docs/recipes.md), from `hotfit plan` on the gathered probe — the rules fleet plan applies."""
+    out = io.StringIO()
+    code = main(["--json", "plan", "--probe-file", str(probe), *plan_args], out=out)
+    planned = json.loads(out.getvalue())
+    chosen = planned.get("selected")
+    return {"name": name, "probe_file": str(probe), "status": "planned" if code == 0 and chosen else "refused",
+            "reason": None if chosen else planned["error"]["message"].splitlines()[0],
+            "model": chosen and chosen["name"], "kv_cache_type": planned.get("kv_cache_type"),
+            "hot_context_tokens": chosen and planned["budget"]["hot_context_tokens"], "build": None}
+
+
+def fleet_flow(hub: LocalHub, world: World, tmp_path: Path, server: Path | None,
+               plan_args: list[str]) -> tuple[dict[str, Any], dict[str, Any], int, dict[str, Any]]:
+    """The playbook's three plays on localhost: probe (real), plan (real where `hotfit fleet` exists),
+    provision (real, the local Hub standing for the fleet's mirror). The plan row, and the
+    provision play's rc and report."""
+    fleet_dir = tmp_path / "fleet"
+    extra = {"hotfit_command": [sys.executable, "-m", "hotfit"], "hotfit_controller_command": [sys.executable, "-m",
+                                                                                                "hotfit"],
+             "hotfit_home": str(tmp_path / "home"), "hotfit_probe_file": str(tmp_path / "probe.json"),
+             "hotfit_fleet_dir": str(fleet_dir), "hotfit_plan_args": plan_args,
+             "hotfit_mirror_url": hub.endpoint, "hotfit_transient_delay_s": 0,
+             "hotfit_environment": {k: v for k, v in hub.env().items() if k != "HF_ENDPOINT"}
+             | ({"HOTFIT_LLAMA_SERVER": str(server)} if server else {}),
+             "ansible_python_interpreter": sys.executable}
+    rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "probe")
+    assert rc == 0, [(t["task"], t["result"].get("msg")) for t in report["tasks"]]
+    gathered = fleet_dir / "probes" / "localhost.json"
+    assert ProbeResult.decode(json.loads(gathered.read_text())).devices  # this machine's real probe
+    if fleet_commands_exist():
+        rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "plan")
+        assert rc == 0, [(t["task"], t["result"].get("msg")) for t in report["tasks"]]
+    else:  # said in docs/recipes.md: the plan play was not run on this branch
+        (fleet_dir / "plan.json").write_text(json.dumps(
+            {"machines": [plan_row_from_hotfit_plan(gathered, "localhost", plan_args)]}))
+    (row,) = json.loads((fleet_dir / "plan.json").read_text())["machines"]
+    hub.reset_counters()
+    rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "provision")
+    return row, extra, rc, report
+
+
+def test_ansible_fleet_flow_provisions_the_planned_model_from_the_mirror(hub: LocalHub, plain_world: World,
+                                                                        tmp_path: Path) -> None:
+    """Without a real llama-server: the host gets the planned model from the mirror, and fails at
+    load with hotfit's exit code (the stand-in cannot serve)."""
+    standin = write_standin_llama_server(tmp_path / "llama-server")
+    plan_args = ["--registry", str(plain_world.registry_path), "--kv-cache-type", "q8_0"]
+    row, _, rc, report = fleet_flow(hub, plain_world, tmp_path, standin, plan_args)
+    assert row["status"] == "planned" and row["kv_cache_type"] == "q8_0", row
+    results = task_results(report)
+    assert rc != 0 and results["Provision the planned model at the planned KV type from the mirror"]["rc"] == 5
+    assert "hotfit auto exited 5:" in results[FAIL_TASK]["msg"]
+    planned = plain_world.entry(row["model"])
+    fetched = {r.file for r in hub.requests_for(method="GET")}
+    assert planned.artifact.file in fetched, fetched  # from the mirror the play pointed HF_ENDPOINT at
+    assert "Refuse a host the plan refused (the plan's reason)" not in [
+        t["task"] for t in report["tasks"] if t["failed"]]
+
+
+def test_ansible_fleet_flow_refuses_a_host_the_plan_refused(hub: LocalHub, plain_world: World,
+                                                          tmp_path: Path) -> None:
+    # an origin no fixture entry has: the plan refuses, the host fails with its reason, auto never runs
+    plan_args = ["--registry", str(plain_world.registry_path), "--origin", "china"]
+    row, _, rc, report = fleet_flow(hub, plain_world, tmp_path, None, plan_args)
+    assert row["status"] == "refused" and row["reason"], row
+    results = task_results(report)
+    refused = results["Refuse a host the plan refused (the plan's reason)"]
+    assert rc != 0 and refused["failed"] and row["reason"] in refused["msg"]
+    assert "Provision the planned model at the planned KV type from the mirror" not in results
+    assert hub.requests_for(method="GET") == []
+
+
+@pytest.mark.llama
+def test_ansible_fleet_flow_provisions_then_is_a_noop(hub: LocalHub, world: World, tmp_path: Path) -> None:
+    plan_args = ["--registry", str(world.registry_path), "--kv-cache-type", "q8_0"]
+    row, extra, rc, report = fleet_flow(hub, world, tmp_path, None, plan_args)
+    results = task_results(report)
+    auto = results["Provision the planned model at the planned KV type from the mirror"]
+    assert rc == 0 and auto["changed"] is True, results
+    status = io.StringIO()
+    assert main(["--home", extra["hotfit_home"], "--json", "status"], out=status) == 0
+    provisioned = json.loads(status.getvalue())["provisioned"]
+    assert provisioned["entry_name"] == row["model"] and provisioned["kv_cache_type"] == "q8_0"
+    hub.reset_counters()
+    rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "provision")
+    auto = task_results(report)["Provision the planned model at the planned KV type from the mirror"]
+    assert rc == 0 and auto["changed"] is False and hub.requests_for(method="GET") == []
