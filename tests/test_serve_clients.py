@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,8 +20,8 @@ from hotfit.backends.llama_server.flags import ServerFeatures, llama_server_argv
 from hotfit.core.plan import Device, ProbeResult
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
+from tests.serve_support import hotfit_serve
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "fx-agent"
 FEATURES = ServerFeatures(log_jsonl=True, fit=True, ngl_all=True, api_key_env=True, api_key_file=True,
                           cache_ram=True, offline=True, verbosity=True, flash_attn_values=True,
@@ -80,30 +76,8 @@ def served(home: dict) -> Iterator[dict[str, Any]]:
     key_file.write_text(key + "\n")
     port = free_port()
     probe = write_probe(home["root"] / "probe.json", 8 * GiB)
-    proc = subprocess.Popen([sys.executable, "-m", "hotfit", "--home", str(home["home"]), "--log-format", "json",
-                             "serve", "--port", str(port), "--probe-file", str(probe), "--api-key-file",
-                             str(key_file)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except (OSError, urllib.error.HTTPError):
-                pass
-            assert time.monotonic() < deadline, "hotfit serve did not come up"
-            time.sleep(0.2)
-        yield {"base": base, "key": key}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with hotfit_serve(home["home"], port, probe, key_file):
+        yield {"base": f"http://127.0.0.1:{port}", "key": key}
 
 
 def get(served: dict, path: str) -> tuple[int, str]:

@@ -23,9 +23,10 @@ __all__ = ["API_KEY_ENV", "ServedEndpoint", "api_base", "endpoint_from_status", 
 # file reference): the operator exports it from the key file the config names in a comment.
 API_KEY_ENV = "HOTFIT_API_KEY"
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
-# LiteLLM retries a failed request on another deployment of the same model_name; a machine that
-# fails this often within a minute is left out for the cooldown (LiteLLM router settings).
-ROUTER_SETTINGS = {"routing_strategy": "simple-shuffle", "num_retries": 2, "allowed_fails": 1, "cooldown_time": 30}
+# LiteLLM retries a failed request; a machine whose request failed is left out for the cooldown at
+# once (allowed_fails 0), so the retry goes to another machine serving the model. With 1 the
+# retries of the first request after a machine stopped could all land on it (seen: HTTP 500).
+ROUTER_SETTINGS = {"routing_strategy": "simple-shuffle", "num_retries": 2, "allowed_fails": 0, "cooldown_time": 30}
 
 
 @dataclass(frozen=True)

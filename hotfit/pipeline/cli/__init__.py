@@ -28,7 +28,7 @@ from hotfit.core import log
 from hotfit.core.diskspace import from_os_error, is_disk_full
 from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.settings import Settings, load_settings
-from hotfit.pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
+from hotfit.pipeline.cli import auto, fleet, grade, plan, probe, pull, registry, serve, status, verify
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.metrics import last_run, record_run
 from hotfit.state.files import checked_write_path, prepare_home, unusable_home
@@ -52,7 +52,7 @@ EXIT_CODES_HELP = """exit codes:
 
 
 def _commands() -> list[Any]:
-    return [probe, plan, registry, pull, auto, status, serve, grade, verify]
+    return [probe, plan, registry, pull, auto, status, serve, grade, verify, fleet]
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -288,7 +288,8 @@ def _open_log_late(settings: Settings | None, home: str | None, log_format: str 
 
 def _command_name(args: argparse.Namespace) -> str:
     """The command as the log names it: ``auto``, ``registry lock``, ..."""
-    return " ".join(filter(None, (args.command, getattr(args, "registry_command", None))))
+    return " ".join(filter(None, (args.command, getattr(args, "registry_command", None),
+                                  getattr(args, "fleet_command", None))))
 
 
 def _record(command: str | None, code: int, error: dict[str, Any] | None, started: float) -> None:
