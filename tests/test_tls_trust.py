@@ -60,6 +60,19 @@ def private_ca(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
         subprocess.run([tool, "--fresh"], capture_output=True, timeout=120)
 
 
+def hub_model(hub: _TlsHub, tmp_path: Path) -> tuple[Path, Path]:
+    """A pinned model with a tool-call template on ``hub``: (the registry file, the weights)."""
+    (tmp_path / "src").mkdir()
+    weights = make_gguf(tmp_path / "src" / "model.gguf")
+    commit = hub.create_repo("org/m-GGUF", {"model.gguf": weights.read_bytes()}, lfs=["model.gguf"])
+    tpl_commit = hub.create_repo("org/m", {"tokenizer_config.json": json.dumps(
+        {"chat_template": [{"name": "default", "template": "{{ messages }}"},
+                           {"name": "tool_use", "template": TOOL_TEMPLATE}]})})
+    entry = make_entry("m", "org/m-GGUF", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
+                       template=TemplateSource("org/m", tpl_commit, "tokenizer_config.json"))
+    return write_registry(tmp_path / "registry.json", entry), weights
+
+
 def test_a_mirror_behind_a_ca_in_the_system_store_serves_lock_and_pull(private_ca: tuple[Path, Path, Path],
                                                                        tmp_path: Path) -> None:
     _, cert, key = private_ca
@@ -67,15 +80,7 @@ def test_a_mirror_behind_a_ca_in_the_system_store_serves_lock_and_pull(private_c
            if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR", "HF_TOKEN", "HOTFIT_HOME", "HF_HUB_OFFLINE",
                         "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")}
     with _TlsHub(tmp_path / "hub", cert, key) as hub:
-        (tmp_path / "src").mkdir()
-        weights = make_gguf(tmp_path / "src" / "model.gguf")
-        commit = hub.create_repo("org/m-GGUF", {"model.gguf": weights.read_bytes()}, lfs=["model.gguf"])
-        tpl_commit = hub.create_repo("org/m", {"tokenizer_config.json": json.dumps(
-            {"chat_template": [{"name": "default", "template": "{{ messages }}"},
-                               {"name": "tool_use", "template": TOOL_TEMPLATE}]})})
-        entry = make_entry("m", "org/m-GGUF", commit, "model.gguf", weights.stat().st_size, sha256_of(weights),
-                           template=TemplateSource("org/m", tpl_commit, "tokenizer_config.json"))
-        registry = write_registry(tmp_path / "registry.json", entry)
+        registry, weights = hub_model(hub, tmp_path)
         env |= {k: v for k, v in hub.env().items()}
         assert env["HF_ENDPOINT"].startswith("https://")
         base = [sys.executable, "-m", "hotfit", "--home", str(tmp_path / "home"), "--log-format", "json", "--json"]
@@ -89,3 +94,21 @@ def test_a_mirror_behind_a_ca_in_the_system_store_serves_lock_and_pull(private_c
         assert pulled.returncode == 0, pulled.stdout[-2000:] + pulled.stderr[-2000:]
         assert json.loads(pulled.stdout)["fetch"]["weights"]["sha256"] == sha256_of(weights)
         assert {r.where for r in hub.requests} >= {"hub"}
+
+
+def test_a_certificate_nobody_trusts_is_exit_4_at_once_naming_the_store(tmp_path: Path) -> None:
+    """Not a passing fault: retrying it only delays the answer (before: 6 attempts, about 15 s, exit 11)."""
+    require_tool("openssl", "openssl")
+    cert, key = tmp_path / "self.pem", tmp_path / "self.key"
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+            "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert))
+    env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR", "HOTFIT_HOME")}
+    with _TlsHub(tmp_path / "hub", cert, key) as hub:
+        registry, _ = hub_model(hub, tmp_path)
+        pulled = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(tmp_path / "home"), "--json",
+                                 "pull", "m", "--registry", str(registry)], env=env | hub.env(), cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=300)
+        assert pulled.returncode == 4, pulled.stdout[-2000:] + pulled.stderr[-2000:]
+        err = json.loads(pulled.stdout)["error"]
+        assert "certificate is not trusted" in err["message"] and "update-ca-certificates" in err["hint"]
+        assert not [r for r in hub.requests if r.method == "HEAD"]  # the handshake failed: nothing was asked

@@ -21,7 +21,7 @@ from hotfit.core.settings import Settings, endpoint_url
 from hotfit.download.hub_errors import Retryable, answer_text, hub_error_from_response, not_a_hub_error
 from hotfit.download.options import TransferOptions
 from hotfit.download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
-from hotfit.download.tls import tls_context
+from hotfit.download.tls import tls_context, untrusted_certificate
 from hotfit.download.wire import ConnectionPool
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
@@ -173,6 +173,9 @@ class HubSession:
             except httpx.TransportError as exc:
                 if proxy is not None and is_proxy_auth_failure(exc):
                     raise proxy_refused(proxy, f"HEAD {repo}/{path}") from exc
+                untrusted = untrusted_certificate(exc, f"HEAD {repo}/{path}")
+                if untrusted is not None:
+                    raise untrusted from exc
                 via = f" (through proxy {proxy.named})" if proxy else ""
                 raise Retryable(f"HEAD {repo}/{path}: {exc.__class__.__name__}: {exc}{via}", proxy=proxy) from exc
             if resp.status_code == 407 and proxy is not None:

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 from hotfit.core.errors import HubError, HubUnreachable
 from hotfit.core.lazy_import import lazy_module
 from hotfit.download.proxy import Proxy, proxy_refused
+from hotfit.download.tls import untrusted_certificate
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -191,6 +192,9 @@ def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str 
         return (HubUnreachable if status in RETRYABLE_STATUS else HubError)(
             f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}",
             hint="check HF_ENDPOINT and the network, then rerun", **details)
+    untrusted = untrusted_certificate(exc, f"{repo}@{revision or 'main'}")
+    if untrusted is not None:
+        return untrusted
     if _is_transport_error(exc):
         if proxy is not None:
             return HubUnreachable(f"cannot reach the Hub for {repo} through proxy {proxy.named}: {exc}",

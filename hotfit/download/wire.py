@@ -37,7 +37,7 @@ from hotfit.core.errors import HubError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.download.hub_errors import Retryable
 from hotfit.download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
-from hotfit.download.tls import tls_context
+from hotfit.download.tls import tls_context, untrusted_certificate
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -61,9 +61,13 @@ def _target(url: str) -> str:
 
 
 def transport_error(what: str, exc: BaseException, *, connecting: bool = False,
-                    proxy: Proxy | None = None) -> Retryable:
+                    proxy: Proxy | None = None) -> Retryable | HubError:
     """A socket or protocol failure as a Retryable whose text names it the way httpx did (and the
-    proxy the connection went through)."""
+    proxy the connection went through); a certificate the store does not trust is no passing fault
+    (download.tls)."""
+    untrusted = untrusted_certificate(exc, what)
+    if untrusted is not None:
+        return untrusted
     if connecting:
         name = "ConnectTimeout" if isinstance(exc, TimeoutError) else "ConnectError"
     elif isinstance(exc, TimeoutError):
