@@ -73,7 +73,7 @@ def ask(client: Any) -> Any:
 
 
 @pytest.mark.llama
-def test_litellm_proxy_over_two_hotfit_serves_balances_and_survives_one_stopping(tmp_path: Path) -> None:
+def test_litellm_proxy_over_two_hotfit_serves_answers_tool_calls_and_survives_one_stopping(tmp_path: Path) -> None:
     import openai
 
     require_llama_server()
