@@ -77,7 +77,7 @@ def served(home: dict) -> Iterator[dict[str, Any]]:
     port = free_port()
     probe = write_probe(home["root"] / "probe.json", 8 * GiB)
     with hotfit_serve(home["home"], port, probe, key_file):
-        yield {"base": f"http://127.0.0.1:{port}", "key": key}
+        yield {"base": f"http://127.0.0.1:{port}", "key": key, "key_file": key_file, "home": home["home"]}
 
 
 def get(served: dict, path: str) -> tuple[int, str]:
@@ -131,3 +131,29 @@ def test_langchain_bind_tools_gets_a_parsed_tool_call(served: dict) -> None:
     message = chat.bind_tools([PROBE_TOOL], tool_choice="required").invoke(_question())
     assert [(c["name"], c["args"]) for c in message.tool_calls] == [("hotfit_probe", {"text": ""})]
     assert message.invalid_tool_calls == []
+
+
+@pytest.mark.llama
+def test_print_client_config_reads_the_running_serve(served: dict) -> None:
+    """Without --host/--port: the running serve's port, key file and opened window, and the openai
+    SDK configured from exactly that gets its tool call (docs/recipes.md, "Clients configured by hotfit")."""
+    import io
+
+    import openai
+
+    from hotfit.pipeline.cli import main
+
+    out = io.StringIO()
+    assert main(["--home", str(served["home"]), "serve", "--print-client-config", "openai"], out=out) == 0
+    config = json.loads(out.getvalue())
+    assert config["base_url"] == served["base"] + "/v1" and config["model"] == MODEL
+    assert config["api_key_file"] == str(served["key_file"].resolve())
+    _, props = get(served, "/props")
+    assert config["context_window_tokens"] == json.loads(props)["default_generation_settings"]["n_ctx"]
+    client = openai.OpenAI(base_url=config["base_url"], api_key=Path(config["api_key_file"]).read_text().strip(),
+                           max_retries=0, timeout=120)
+    messages: Any = [{"role": "user", "content": _question()}]
+    tools: Any = [PROBE_TOOL]
+    answer = client.chat.completions.create(model=config["model"], messages=messages, tools=tools,
+                                            tool_choice="required", temperature=0)
+    assert answer.choices[0].message.tool_calls[0].function.name == "hotfit_probe"
