@@ -417,7 +417,8 @@ class CloudInitNode:
 
 MIRROR_SETTINGS = ("HF_ENDPOINT=https://mirror.example.internal\n"
                    "HOTFIT_BUILD_URL=https://mirror.example.internal/builds/llama-server-cpu.tar.gz\n"
-                   "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0\nHTTPS_PROXY=http://proxy.example.internal:3128\n")
+                   "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0\nHTTPS_PROXY=http://proxy.example.internal:3128\n"
+                   'HOTFIT_SERVE_ARGS="--host 0.0.0.0 --api-key-file /etc/hotfit/api-key"\n')
 
 
 def test_cloud_init_cron_keeps_every_setting_and_installs_the_unit_a_failed_first_boot_left_out(
@@ -437,6 +438,8 @@ def test_cloud_init_cron_keeps_every_setting_and_installs_the_unit_a_failed_firs
     assert auto[1:] == ["https://mirror.example.internal", "q8_0", "http://proxy.example.internal:3128",
                         f"{node.root}/opt/hotfit-cache/llama.cpp"], auto
     assert "Environment=CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0" in node.unit.read_text()
+    printed = [c[0] for c in node.hotfit_calls() if "--print-systemd-unit" in c[0]][-1]
+    assert printed.endswith("serve --print-systemd-unit --host 0.0.0.0 --api-key-file /etc/hotfit/api-key")
     systemctl = [c for c in node.calls() if c.startswith("systemctl")]
     assert systemctl == ["systemctl daemon-reload", "systemctl enable hotfit.service",
                          "systemctl restart hotfit.service"]
