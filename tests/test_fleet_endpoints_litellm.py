@@ -65,11 +65,14 @@ def wait_proxy(proc: subprocess.Popen[bytes], base: str) -> None:
         time.sleep(0.5)
 
 
-def ask(client: Any) -> Any:
+def ask(client: Any) -> tuple[Any, str]:
+    """A tool-call request through the proxy: the answer, and the api_base LiteLLM sent it to (its
+    ``x-litellm-model-api-base`` response header)."""
     messages: Any = [{"role": "user", "content": "Echo the word hello with the tool."}]
     tools: Any = [PROBE_TOOL]
-    return client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
-                                          temperature=0)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=tools,
+                                                           tool_choice="required", temperature=0)
+    return raw.parse(), raw.headers.get("x-litellm-model-api-base", "")
 
 
 @pytest.mark.llama
@@ -117,11 +120,15 @@ def test_litellm_proxy_over_two_hotfit_serves_answers_tool_calls_and_survives_on
         assert all(i["model_info"]["supports_function_calling"] is True for i in infos)
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=master, max_retries=0, timeout=180)
-        answer = ask(client)
+        answer, routed = ask(client)
         [call] = answer.choices[0].message.tool_calls
         assert call.function.name == "hotfit_probe" and json.loads(call.function.arguments) == {"text": ""}
+        bases = [d["litellm_params"]["api_base"] for d in deployments]
+        assert routed.rstrip("/") in [b.rstrip("/") for b in bases]
 
-        stop(servers[0])  # one machine goes away: every request still succeeds through the other
+        stop(servers[0])  # one machine goes away: every request still succeeds, through the other
+        stopped_port = json.loads(statuses[0].read_text())["serving"]["port"]
         for _ in range(4):
-            [call] = ask(client).choices[0].message.tool_calls
-            assert call.function.name == "hotfit_probe"
+            answer, routed = ask(client)
+            assert answer.choices[0].message.tool_calls[0].function.name == "hotfit_probe"
+            assert f":{stopped_port}/" not in routed + "/", routed
