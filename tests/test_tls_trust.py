@@ -22,6 +22,7 @@ import pytest
 
 from hotfit.core.entry import TemplateSource
 from tests.conftest import REPO_ROOT
+from tests.hubserver import LocalHub
 from tests.test_proxy import _TlsHub
 from tests.test_pull_cli import TOOL_TEMPLATE, write_registry
 from tests.test_fetch_weights import make_entry, make_gguf, sha256_of
@@ -60,7 +61,7 @@ def private_ca(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
         subprocess.run([tool, "--fresh"], capture_output=True, timeout=120)
 
 
-def hub_model(hub: _TlsHub, tmp_path: Path) -> tuple[Path, Path]:
+def hub_model(hub: LocalHub, tmp_path: Path) -> tuple[Path, Path]:
     """A pinned model with a tool-call template on ``hub``: (the registry file, the weights)."""
     (tmp_path / "src").mkdir()
     weights = make_gguf(tmp_path / "src" / "model.gguf")
