@@ -86,7 +86,7 @@ class World:
         return free
 
 
-def build_world(root: Path, hub: Any, template_text: str | None = None) -> World:
+def build_world(root: Path, hub: Any, template_text: str | None = None, *, pin_template: bool = False) -> World:
     """Write the fixture models and template into ``hub`` and a registry file under ``root``.
 
     ``template_text`` None: the pinned llama.cpp Qwen3 template (what makes the fixtures' tool calls
@@ -97,7 +97,11 @@ def build_world(root: Path, hub: Any, template_text: str | None = None) -> World
     if template_text is None:
         template_text = pinned_template().read_text(encoding="utf-8")
     template_commit = hub.create_repo(TEMPLATE_REPO, {"chat_template.jinja": template_text})
-    template = TemplateSource(repo=TEMPLATE_REPO, revision=template_commit, file="chat_template.jinja")
+    raw = template_text.encode("utf-8")
+    # pin_template: its size and sha256 too, as a static mirror requires (docs/fleet.md)
+    template = TemplateSource(repo=TEMPLATE_REPO, revision=template_commit, file="chat_template.jinja",
+                              size_bytes=len(raw) if pin_template else None,
+                              sha256=hashlib.sha256(raw).hexdigest() if pin_template else None)
     entries: dict[str, Entry] = {}
     repos: dict[str, str] = {}
     for name, tensor_type, params_b in ((LARGE, "f32", 0.02), (SMALL, "f16", 0.01)):

@@ -16,7 +16,7 @@ from typing import Any
 
 from hotfit.core.plan import Device, ProbeResult
 from hotfit.pipeline.cli import main
-from hotfit.pipeline.client_config import API_KEY_ENV, ServedEndpoint, api_base, litellm_config
+from hotfit.pipeline.endpoints import API_KEY_ENV, ServedEndpoint, api_base, litellm_config
 from hotfit.pipeline.manifest import read_manifest, write_manifest
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_provisioned_home
 from tests.gguf_fixtures import tool_template_text

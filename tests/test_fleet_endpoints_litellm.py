@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from hotfit.core.plan import Device, ProbeResult
-from hotfit.pipeline.client_config import API_KEY_ENV
+from hotfit.pipeline.endpoints import API_KEY_ENV
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
 from tests.serve_support import REPO, READY_LIMIT_S, hotfit_serve, stop

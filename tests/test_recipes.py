@@ -573,8 +573,8 @@ def plan_row_from_hotfit_plan(probe: Path, name: str, plan_args: list[str]) -> d
             "hot_context_tokens": chosen and planned["budget"]["hot_context_tokens"], "build": None}
 
 
-def fleet_flow(hub: LocalHub, world: World, tmp_path: Path, server: Path | None,
-               plan_args: list[str]) -> tuple[dict[str, Any], dict[str, Any], int, dict[str, Any]]:
+def fleet_flow(hub: LocalHub, world: World, tmp_path: Path, server: Path | None, plan_args: list[str], *,
+               mirror: Path | None = None) -> tuple[dict[str, Any], dict[str, Any], int, dict[str, Any]]:
     """The playbook's three plays on localhost: probe (real), plan (real where `hotfit fleet` exists),
     provision (real, the local Hub standing for the fleet's mirror). The plan row, and the
     provision play's rc and report."""
@@ -584,6 +584,8 @@ def fleet_flow(hub: LocalHub, world: World, tmp_path: Path, server: Path | None,
              "hotfit_home": str(tmp_path / "home"), "hotfit_probe_file": str(tmp_path / "probe.json"),
              "hotfit_fleet_dir": str(fleet_dir), "hotfit_plan_args": plan_args,
              "hotfit_mirror_url": hub.endpoint, "hotfit_transient_delay_s": 0,
+             "hotfit_mirror_dir": str(mirror) if mirror else "", "hotfit_controller_environment": hub.env(),
+             "hotfit_mirror_args": ["--registry", str(world.registry_path)],
              "hotfit_environment": {k: v for k, v in hub.env().items() if k != "HF_ENDPOINT"}
              | ({"HOTFIT_LLAMA_SERVER": str(server)} if server else {}),
              "ansible_python_interpreter": sys.executable}
@@ -593,7 +595,8 @@ def fleet_flow(hub: LocalHub, world: World, tmp_path: Path, server: Path | None,
     assert ProbeResult.decode(json.loads(gathered.read_text())).devices  # this machine's real probe
     if fleet_commands_exist():
         rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "plan")
-        assert rc == 0, [(t["task"], t["result"].get("msg")) for t in report["tasks"]]
+        assert rc == 0, [(t["task"], t["result"].get("msg"), t["result"].get("stdout", "")[-1500:],
+                          t["result"].get("stderr", "")[-1500:]) for t in report["tasks"] if t["failed"]]
     else:  # said in docs/recipes.md: the plan play was not run on this branch
         (fleet_dir / "plan.json").write_text(json.dumps(
             {"machines": [plan_row_from_hotfit_plan(gathered, "localhost", plan_args)]}))
@@ -636,8 +639,16 @@ def test_ansible_fleet_flow_refuses_a_host_the_plan_refused(hub: LocalHub, plain
 
 @pytest.mark.llama
 def test_ansible_fleet_flow_provisions_then_is_a_noop(hub: LocalHub, world: World, tmp_path: Path) -> None:
+    """Where `hotfit fleet` exists the plan play also fills a mirror directory once from the Hub
+    (`hotfit fleet mirror`, for real). The host then provisions from the Hub-protocol endpoint: a
+    plain static server of that directory refuses the fixture registry's template, which is not
+    pinned by size and sha256 (docs/recipes.md)."""
     plan_args = ["--registry", str(world.registry_path), "--kv-cache-type", "q8_0"]
-    row, extra, rc, report = fleet_flow(hub, world, tmp_path, None, plan_args)
+    mirror = tmp_path / "mirror"
+    row, extra, rc, report = fleet_flow(hub, world, tmp_path, None, plan_args,
+                                        mirror=mirror if fleet_commands_exist() else None)
+    if fleet_commands_exist():
+        assert list(mirror.rglob("*.gguf")), "the plan play filled no mirror"
     results = task_results(report)
     auto = results["Provision the planned model at the planned KV type from the mirror"]
     assert rc == 0 and auto["changed"] is True, results

@@ -98,7 +98,7 @@ def test_a_mirror_behind_a_ca_in_the_system_store_serves_lock_and_pull(private_c
 
 
 def test_a_certificate_nobody_trusts_is_exit_4_at_once_naming_the_store(tmp_path: Path) -> None:
-    """Not a passing fault: retrying it only delays the answer (before: 6 attempts, about 15 s, exit 11)."""
+    """Not a passing fault: exit 4 at once (CertificateError), never the transient 11."""
     require_tool("openssl", "openssl")
     cert, key = tmp_path / "self.pem", tmp_path / "self.key"
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
@@ -111,5 +111,6 @@ def test_a_certificate_nobody_trusts_is_exit_4_at_once_naming_the_store(tmp_path
                                 capture_output=True, text=True, timeout=300)
         assert pulled.returncode == 4, pulled.stdout[-2000:] + pulled.stderr[-2000:]
         err = json.loads(pulled.stdout)["error"]
-        assert "certificate is not trusted" in err["message"] and "update-ca-certificates" in err["hint"]
+        assert err["code"] == "tls_certificate" and "failed verification" in err["message"]
+        assert "system trust store" in err["hint"]  # which pull now reads (download.tls)
         assert not [r for r in hub.requests if r.method == "HEAD"]  # the handshake failed: nothing was asked

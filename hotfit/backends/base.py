@@ -12,6 +12,8 @@ pick one with :func:`backends.select.backend_for` from the plan and never touch 
   :meth:`Backend.serve_refusal`, :meth:`Backend.service_pin`, :attr:`Backend.serve_hint`,
   :meth:`Backend.template_summary`);
 - :meth:`Backend.grade_build` — the identity of the build that would serve a model now (grade evidence);
+- :meth:`Backend.build_for` — the build a fleet's build server makes for a planned device
+  (``hotfit fleet plan``, docs/fleet.md);
 - on the :class:`Session`: :meth:`~Session.call_tools` (one chat call, tool calls parsed into the
   OpenAI shape — the probe's), :meth:`~Session.chat_endpoint` (the grade's multi-turn endpoint),
   :meth:`~Session.allocation_report` (what the opened session really allocated, judged against the
@@ -35,7 +37,7 @@ from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError
-from hotfit.core.plan import Plan
+from hotfit.core.plan import Device, Plan
 from hotfit.core.records import JsonRecord
 from hotfit.core.settings import Settings
 from hotfit.grading.protocol import ChatEndpoint
@@ -49,6 +51,7 @@ __all__ = [
     "Backend",
     "BackendBinary",
     "BackendName",
+    "BuildNeed",
     "BuildUnavailable",
     "ChatAnswer",
     "ChatFailed",
@@ -66,6 +69,21 @@ KV_EXCESS_TOLERANCE = 0.01
 # Less than half the estimate means the plan's arithmetic and the server disagree (a window that
 # shrank, layers without KV): not unsafe, but worth an operator's look.
 KV_SHORTFALL_WARN_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class BuildNeed(JsonRecord):
+    """The server build a planned machine needs, as its fleet's build server makes it once and
+    exports (docs/fleet.md, "Builds to make"): ``flavour`` names the build cache's folder,
+    ``install_flags`` what selects it; ``per_gpu_code``: the build holds code per GPU generation
+    (CUDA), so one build for a fleet covers the union of ``cuda_capability`` (89 for 8.9; None: the
+    probe did not record it)."""
+
+    flavour: str
+    arch: str
+    install_flags: str
+    per_gpu_code: bool = False
+    cuda_capability: int | None = None
 
 
 @runtime_checkable
@@ -340,6 +358,11 @@ class Backend(Protocol):
 
     def template_summary(self, template_path: str | None) -> str:
         """How ``auto``'s summary names the chat template the provisioned model is served with."""
+        ...
+
+    def build_for(self, device: Device, arch: str) -> BuildNeed | None:
+        """The build that serves a model on ``device`` of a machine of CPU ``arch`` (``x86_64``,
+        ``aarch64``), or None where nothing is built (a runtime installed from PyPI). Pure."""
         ...
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:

@@ -11,7 +11,9 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   ├── HubError                   exit 4   the Hub answered with an error (repo, revision, entry, gated)
     │   ├── PinMismatch                exit 4   X-Repo-Commit or size differs from the pinned value
     │   ├── DiskSpaceError             exit 4   not enough free disk for what must be written
+    │   ├── DiskWriteError             exit 4   the filesystem refused a write: read-only (EROFS) or failing (EIO)
     │   ├── IntegrityError             exit 4   sha256 / size / GGUF header disagree with the registry
+    │   ├── CertificateError           exit 4   a server's TLS certificate failed verification (never retried)
     │   ├── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
     │   └── TransientTransferError     exit 11  retries ran out on a passing fault (no progress, cut streams)
     │       └── HubUnreachable         exit 11  (also a HubError) no connection, or 5xx/429 after every retry
@@ -22,7 +24,7 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   └── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
     ├── LockedError                    exit 6   another hotfit holds the lock (its PID is named)
     ├── HardwareProbeError             exit 7   NVML (or another probe) present but failing
-    └── Interrupted                    exit 130 SIGINT/SIGTERM; state marked interrupted, rerun resumes
+    └── Interrupted                    exit 130 SIGINT/SIGTERM/SIGHUP; state marked interrupted, rerun resumes
 
 Exit 4 is permanent until something changes (a pin, a file, the disk); exit 11 is a fault that
 passes by itself, so a Kubernetes Job retries it and a systemd unit or cron restarts it, while 4 stops
@@ -47,7 +49,9 @@ __all__ = [
     "HubError",
     "PinMismatch",
     "DiskSpaceError",
+    "DiskWriteError",
     "IntegrityError",
+    "CertificateError",
     "TemplateError",
     "TransientTransferError",
     "HubUnreachable",
@@ -126,8 +130,23 @@ class DiskSpaceError(TransferError):
     code = "disk_space"
 
 
+class DiskWriteError(TransferError):
+    """The filesystem refused a write it has room for: turned read-only (EROFS; what the kernel does
+    after a disk error) or failing (EIO). What was written before is kept; the rerun resumes."""
+
+    code = "disk_unwritable"
+
+
 class IntegrityError(TransferError):
     code = "integrity"
+
+
+class CertificateError(TransferError):
+    """The TLS certificate of the Hub, a mirror or a TLS-inspecting proxy failed verification (not yet
+    valid, expired, not trusted, another name): permanent until the clock, the trust store or the
+    endpoint changes, so it is never retried; the message carries the verifier's reason."""
+
+    code = "tls_certificate"
 
 
 class TemplateError(TransferError):

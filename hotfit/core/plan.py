@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hotfit.core.entry import Entry
+from hotfit.core.entry import Entry, entry_json
 from hotfit.core.records import Fields, stage_record_fail
 
 # "vulkan": a GPU seen only through a Vulkan llama-server's device list (Intel, lavapipe, an AMD
@@ -144,7 +144,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "entry": dataclasses.asdict(self.entry),
+            "entry": entry_json(self.entry),
             "probe": self.probe.to_json(),
             "kv_cache_type": self.kv_cache_type,
             "kv_cache_type_source": self.kv_cache_type_source,
@@ -164,7 +164,7 @@ class Plan:
         not the raw free-byte reading."""
         d = self.probe.device
         decision = {
-            "entry": dataclasses.asdict(self.entry),
+            "entry": entry_json(self.entry),
             "kv_cache_type": self.kv_cache_type,
             "hot_context_tokens": self.hot_context_tokens,
             "device": {"kind": d.kind, "name": d.name, "total_bytes": d.total_bytes},

@@ -170,7 +170,8 @@ def gave_up(repo: str, path: str | None, exc: BaseException, done_bytes: int) ->
 
 
 async def head_retrying(session: HubSession, repo: str, revision: str, path: str, *,
-                        expected_size: int | None = None, pinned: bool = False, deadline: float | None = None,
+                        expected_size: int | None = None, expected_sha256: str | None = None,
+                        pinned: bool = False, deadline: float | None = None,
                         counters: dict[str, Any] | None = None,
                         done_bytes: Callable[[], int] = lambda: 0) -> RemoteFile:
     """``session.head`` (``pinned``: ``head_pinned``, checking commit and size) under the retry policy;
@@ -184,7 +185,7 @@ async def head_retrying(session: HubSession, repo: str, revision: str, path: str
                 if counters is not None:
                     counters["attempts"] += 1
                 if pinned:
-                    return await session.head_pinned(repo, revision, path, expected_size)
+                    return await session.head_pinned(repo, revision, path, expected_size, expected_sha256)
                 return await session.head(repo, revision, path)
     except (Retryable, httpx.TransportError) as exc:
         raise gave_up(repo, path, exc, done_bytes()) from exc

@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import ssl
 
-from hotfit.core.errors import HubError
-
-__all__ = ["CA_FILE_CANDIDATES", "tls_context", "untrusted_certificate"]
+__all__ = ["CA_FILE_CANDIDATES", "tls_context"]
 
 # Where distributions keep the system bundle, for a Python whose OpenSSL paths point nowhere
 # (the list httpx2 and truststore fall back to on Linux)
@@ -46,17 +44,3 @@ def tls_context(environ: os._Environ[str] | dict[str, str] | None = None) -> ssl
         context = ssl.create_default_context(cafile=certifi.where())
     return context
 
-
-def untrusted_certificate(exc: BaseException, what: str) -> HubError | None:
-    """A server certificate this store does not trust, anywhere in ``exc``'s chain: no passing fault
-    (retrying it only delays the answer), so exit 4 naming the store; None for any other failure."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ssl.SSLCertVerificationError):
-            return HubError(
-                f"{what}: the server's TLS certificate is not trusted here ({seen.verify_message or seen})",
-                hint="add the mirror's CA to the system store (Debian: copy it to /usr/local/share/ca-certificates/ "
-                     "and run update-ca-certificates) or set SSL_CERT_FILE; huggingface_hub trusts the same store",
-                verify_code=seen.verify_code)
-        seen = seen.__cause__ or seen.__context__
-    return None

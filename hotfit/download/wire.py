@@ -35,9 +35,9 @@ from urllib.parse import urljoin, urlsplit
 
 from hotfit.core.errors import HubError
 from hotfit.core.lazy_import import lazy_module
-from hotfit.download.hub_errors import Retryable
+from hotfit.download.hub_errors import Retryable, certificate_error, certificate_failure
 from hotfit.download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
-from hotfit.download.tls import tls_context, untrusted_certificate
+from hotfit.download.tls import tls_context
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -61,13 +61,12 @@ def _target(url: str) -> str:
 
 
 def transport_error(what: str, exc: BaseException, *, connecting: bool = False,
-                    proxy: Proxy | None = None) -> Retryable | HubError:
+                    proxy: Proxy | None = None, url: str | None = None) -> Exception:
     """A socket or protocol failure as a Retryable whose text names it the way httpx did (and the
-    proxy the connection went through); a certificate the store does not trust is no passing fault
-    (download.tls)."""
-    untrusted = untrusted_certificate(exc, what)
-    if untrusted is not None:
-        return untrusted
+    proxy the connection went through); a failed certificate verification as the CertificateError
+    that is never retried."""
+    if url is not None and (failure := certificate_failure(exc)) is not None:
+        return certificate_error(failure, url, proxy=proxy)
     if connecting:
         name = "ConnectTimeout" if isinstance(exc, TimeoutError) else "ConnectError"
     elif isinstance(exc, TimeoutError):
@@ -169,7 +168,7 @@ def _connect(conn: http.client.HTTPConnection, pool: ConnectionPool, url: str, w
         proxy = pool.proxy_for(url)
         if proxy is not None and is_proxy_auth_failure(exc):
             raise proxy_refused(proxy, what) from exc
-        raise transport_error(what, exc, connecting=True, proxy=proxy) from exc
+        raise transport_error(what, exc, connecting=True, proxy=proxy, url=url) from exc
     if conn.sock is not None:
         conn.sock.settimeout(pool.read_timeout_s)  # the connect timeout was for connecting only
 

@@ -15,19 +15,21 @@ when it starts and re-plans when it must.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Mapping
 
 from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Plan
+from hotfit.core.plan import Device, Plan
 from hotfit.core.records import Fields, parse_json
 from hotfit.stages.plan import REPROVISION_HINT, decode_plan_fields
-from hotfit.state.files import read_text_document, write_text_atomic
+from hotfit.state.files import read_text_document, rehome_paths, same_directory, write_text_atomic
 
 SCHEMA = 1
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
@@ -61,6 +63,8 @@ class Manifest:
     # the last grade of this provisioning (`auto --grade` or `hotfit grade`): verdict, score, tier,
     # fingerprint, the record's path, when; None: never graded
     grade: Mapping[str, Any] | None = None
+    # read from a home copied (cp -a) or moved from this one: its paths were re-rooted here (not written)
+    rehomed_from: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -160,6 +164,18 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
                       what="the manifest")
 
 
+def recorded_home(data: Any) -> str | None:
+    """The home a manifest document was written in, from its model path (``<home>/models/<entry>/…``,
+    Settings.model_dir); None when it does not say."""
+    if not isinstance(data, dict) or not isinstance(data.get("model_path"), str):
+        return None
+    model = PurePath(data["model_path"])
+    for parent in model.parents:
+        if parent.name == data.get("entry_name") and parent.parent.name == "models":
+            return str(parent.parent.parent)
+    return None
+
+
 def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:
     """The last provisioning, or None when there is none.
 
@@ -181,7 +197,14 @@ def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:
         if text is None:
             return None
         data = parse_json(text, fail_document, kind="a manifest", shape=REPROVISION_HINT)
-        return Manifest.decode(data, Fields(fail, noun="manifest"))
+        here, recorded = os.path.abspath(path.parent), recorded_home(data)
+        if recorded is None or same_directory(recorded, here) or not (
+                Path(here) / "models" / str(data.get("entry_name"))).is_dir():
+            return Manifest.decode(data, Fields(fail, noun="manifest"))
+        # A copied home (cp -a, an image cloned to many machines: the model's directory came along):
+        # its files, not the original's (docs/faults-state.md, "A copied home").
+        moved = Manifest.decode(rehome_paths(data, recorded, here), Fields(fail, noun="manifest"))
+        return dataclasses.replace(moved, rehomed_from=recorded)
     except UsageError:
         if strict:
             raise
@@ -201,3 +224,12 @@ def plan_from_json(data: Any, *, source: str = "the manifest") -> Plan:
                           hint=REPROVISION_HINT, field=field_path)
 
     return decode_plan_fields(data, Fields(fail, noun="plan"))
+
+
+def provisioned_device(manifest: Manifest) -> Device | None:
+    """The device the manifest's plan was made for (None when the plan is unreadable: then the
+    previous model is kept on whichever device it still qualifies)."""
+    try:
+        return plan_from_json(manifest.plan).probe.device
+    except UsageError:  # plan_from_json names the damaged field
+        return None

@@ -12,7 +12,7 @@ from pathlib import Path
 from hotfit.backends.select import gpu_listing_binaries
 from hotfit.core.plan import ProbeResult
 from hotfit.core.settings import Settings
-from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
+from hotfit.stages.probe import load_probe_file, probe_devices, save_probe, this_machine
 
 __all__ = ["probe_machine"]
 
@@ -22,5 +22,5 @@ def probe_machine(settings: Settings, *, probe_file: Path | None = None, save: P
     probe JSON there (for ``--probe-file``)."""
     result = load_probe_file(probe_file) if probe_file else probe_devices(ggml_binaries=gpu_listing_binaries(settings))
     if save is not None:
-        save_probe(result, save)
+        save_probe(result, save, this_machine())
     return result

@@ -38,7 +38,7 @@ from hotfit.core.errors import LoadError, NoModelQualifies, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.plan import Device, Plan, ProbeResult
 from hotfit.core.settings import Settings
-from hotfit.pipeline.client_config import ServedEndpoint, endpoint_from_state
+from hotfit.pipeline.endpoints import ServedEndpoint, endpoint_from_state
 from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest
 from hotfit.pipeline.probe import probe_machine
 from hotfit.pipeline.systemd_unit import UnitSpec, systemd_unit, unit_user

@@ -186,7 +186,8 @@ def read_status(settings: Settings, *, registry_file: str | None, nfd_features: 
     run: RunRecord | None = None
     stages: list[StageRecord] = []
     if settings.state_db.exists():
-        store = SyncStateStore(settings.state_db, lock_path=settings.lock_path)
+        # read-only: status writes nothing, and must read a home whose filesystem turned read-only
+        store = SyncStateStore(settings.state_db, lock_path=settings.lock_path, read_only=True)
         try:
             run = store.latest_run()
             stages = store.stages(run.run_id) if run else []
@@ -222,7 +223,7 @@ def read_status(settings: Settings, *, registry_file: str | None, nfd_features: 
 def serving_state(settings: Settings, manifest: Manifest | None) -> dict[str, Any] | None:
     """How the last `hotfit serve` listens (its serve.pid record), the machine's name for a server
     on every address, and whether that process still serves the provisioned model — what `hotfit
-    fleet endpoints` reads (pipeline.client_config). None: serve never ran here."""
+    fleet endpoints` reads (pipeline.endpoints). None: serve never ran here."""
     record = read_worker_record(settings.serve_pid_path)
     if record is None:
         return None

@@ -39,7 +39,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
 import re
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -538,9 +540,38 @@ def probe_devices(
 # --------------------------------------------------------------------------- saved probes
 
 
-def save_probe(result: ProbeResult, path: Path) -> None:
+@dataclass(frozen=True)
+class MachineFacts:
+    """Who wrote a saved probe: the host name and CPU architecture (``platform.machine()``), so a
+    fleet's planner names each machine and knows which llama-server build it needs
+    (``hotfit fleet plan``, docs/fleet.md). Kept beside the probe, never in it: the plan's id hashes
+    the probe, and a host name must not change it."""
+
+    name: str | None = None
+    arch: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "arch": self.arch}
+
+
+def this_machine() -> MachineFacts:
+    return MachineFacts(name=socket.gethostname() or None, arch=platform.machine() or None)
+
+
+@dataclass(frozen=True)
+class SavedProbe:
+    result: ProbeResult
+    machine: MachineFacts
+
+
+def probe_document(result: ProbeResult, machine: MachineFacts | None = None) -> dict[str, Any]:
+    """What ``hotfit probe --json`` prints and ``--save`` writes: the probe, and who it is of."""
+    return result.to_json() | ({} if machine is None else {"machine": machine.to_json()})
+
+
+def save_probe(result: ProbeResult, path: Path, machine: MachineFacts | None = None) -> None:
     try:
-        write_text_atomic(path, json.dumps(result.to_json(), indent=2) + "\n")
+        write_text_atomic(path, json.dumps(probe_document(result, machine), indent=2) + "\n")
     except OSError as exc:
         raise UsageError(f"probe --save {path}: cannot be written ({exc.strerror or exc})",
                          hint="pass a writable file path to --save", file=str(path)) from None
@@ -551,6 +582,11 @@ PROBE_FILE_HINT = "or write it anew with 'hotfit probe --save FILE' (schema 1)"
 
 def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
     """A saved probe (``hotfit probe --save``), checked field by field (core.plan.decode_probe)."""
+    return load_saved_probe(path).result
+
+
+def load_saved_probe(path: str | os.PathLike[str]) -> SavedProbe:
+    """A saved probe and the machine it names (both optional facts may be absent: an older file)."""
     p = Path(path)
 
     def fail_document(problem: str, hint: str, **details: Any) -> UsageError:
@@ -563,9 +599,15 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
 
     text = read_text_document(p, fail_document)
     data = parse_json(text, fail_document, kind="a probe", shape="a probe is what 'hotfit probe --save FILE' writes")
-    result = decode_probe(data, Fields(fail, noun="probe"))
-    return replace(result, notes=(*result.notes, f"probe read from {p}"))
-
+    f = Fields(fail, noun="probe")
+    result = decode_probe(data, f)
+    machine = MachineFacts()
+    if data.get("machine") is not None:
+        m = f.at("machine")
+        raw = m.object(data["machine"], "", (), optional=("name", "arch"), extra=True)
+        machine = MachineFacts(name=m.string(raw.get("name"), "name", nullable=True) or None,
+                               arch=m.string(raw.get("arch"), "arch", nullable=True) or None)
+    return SavedProbe(replace(result, notes=(*result.notes, f"probe read from {p}")), machine)
 
 
 # --------------------------------------------------------------------------- the stage

@@ -12,14 +12,15 @@ from typing import Any, Literal
 
 import anyio
 
-from hotfit.backends.base import BackendBinary, BuildUnavailable, ModelFiles, ServeCommand, ServicePin
+from hotfit.backends.base import BackendBinary, BuildNeed, BuildUnavailable, ModelFiles, ServeCommand, ServicePin
 from hotfit.backends.llama_server.allocation import AllocationReport
-from hotfit.backends.llama_server.discovery import ServerBinary, find_llama_server, gpu_listing_binaries
+from hotfit.backends.llama_server.discovery import SERVES, ServerBinary, find_llama_server, gpu_listing_binaries
 from hotfit.backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
 from hotfit.backends.llama_server.process import LoadedServer, open_server
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError
-from hotfit.core.plan import Plan
+from hotfit.core.cuda_arch import capability_number
+from hotfit.core.plan import Device, Plan
 from hotfit.core.settings import Settings
 from hotfit.registry.select import DEVICE_KINDS
 from hotfit.state.receipts import sha256_file
@@ -77,6 +78,17 @@ class LlamaServerBackend:
 
     def template_summary(self, template_path: str | None) -> str:
         return template_path or "(none: the GGUF template)"
+
+    def build_for(self, device: Device, arch: str) -> BuildNeed:
+        """The build ``scripts/install-llama-server`` makes for this device: the best the device kind
+        is served by (discovery.SERVES), for the machine's CPU (``--arch``: the cross build, docs/builds.md
+        "Arm64"), with the GPU's compute capability for the union a CUDA build needs (HOTFIT_CUDA_ARCHS)."""
+        kind = SERVES.get(device.kind, ("cpu",))[0]
+        native = arch == "x86_64"
+        return BuildNeed(flavour=kind if native else f"{kind}-{arch}", arch=arch,
+                         install_flags=f"--backend {kind}" + ("" if native else f" --arch {arch}"),
+                         per_gpu_code=kind == "cuda",
+                         cuda_capability=capability_number(device.compute_capability or "") if kind == "cuda" else None)
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         """The llama-server the load stage would start (same search, same checks): its build facts

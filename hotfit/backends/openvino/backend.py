@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hotfit.backends.base import (AllocationReport, BackendBinary, BuildUnavailable, ManifestFacts, ModelFiles, ServeCommand,
+from hotfit.backends.base import (AllocationReport, BackendBinary, BuildNeed, BuildUnavailable, ManifestFacts, ModelFiles, ServeCommand,
                            ServicePin)
 from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
 from hotfit.backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
@@ -24,7 +24,7 @@ from hotfit.backends.openvino.session import OpenVinoSession, open_openvino_sess
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError, UsageError
 from hotfit.core.records import decode_record, field_dict
-from hotfit.core.plan import Plan
+from hotfit.core.plan import Device, Plan
 from hotfit.core.settings import Settings
 
 __all__ = ["GB", "OVMS_TOOL_PARSERS", "OpenVinoBackend", "OpenVinoRuntime", "ovms_argv", "ovms_cache_size_gb"]
@@ -131,6 +131,9 @@ class OpenVinoBackend:
     def template_summary(self, template_path: str | None) -> str:
         # GenAI (and OVMS) render the export's own template; the tool-call probe proved it
         return "the export's own" + (f" (registry copy checked: {template_path})" if template_path else "")
+
+    def build_for(self, device: Device, arch: str) -> BuildNeed | None:
+        return None  # OpenVINO GenAI is a wheel from PyPI (pyproject's openvino extra): nothing to build
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         raise BuildUnavailable(f"{entry.name} is an {entry.backend} entry: grade evidence is kept for "

@@ -1,5 +1,5 @@
 """hotfit fleet endpoints: a LiteLLM proxy configuration over the machines' ``hotfit status --json``
-(one deployment per serving machine, one model name per model; pipeline.client_config)."""
+(one deployment per serving machine, one model name per model; pipeline.endpoints)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hotfit.core.errors import HotfitError, UsageError
 from hotfit.pipeline.cli.context import CliContext
-from hotfit.pipeline.client_config import ServedEndpoint, endpoint_from_status, key_files, litellm_config, litellm_yaml
+from hotfit.pipeline.endpoints import ServedEndpoint, endpoint_from_status, key_files, litellm_config, litellm_yaml
 
 
 def add_parser(fsub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

@@ -2,7 +2,7 @@
 :mod:`pipeline.serve`; the unit: :mod:`pipeline.systemd_unit`).
 
 ``--print-command`` and ``--print-systemd-unit`` hand the result to a service manager,
-``--print-client-config`` to its clients (pipeline.client_config); plain
+``--print-client-config`` to its clients (pipeline.endpoints); plain
 ``serve`` replaces itself with the server (exec), after saying what window it opens.
 """
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from hotfit.pipeline.cli.context import CliContext
-from hotfit.pipeline.client_config import key_files, litellm_config, litellm_yaml, openai_config
+from hotfit.pipeline.endpoints import key_files, litellm_config, litellm_yaml, openai_config
 from hotfit.pipeline.serve import ServeOptions, client_endpoint, prepare_serve, start_server
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
