@@ -30,6 +30,9 @@ IMAGE = "localhost/hotfit-test-image:latest"
 
 
 def run(argv: list[str], timeout_s: int = 900, **kw: object) -> subprocess.CompletedProcess[str]:
+    # stdin never the test run's: buildah run leaves a terminal it was given non-blocking, and
+    # ansible-playbook, later in the same run, refuses to start then (seen)
+    kw.setdefault("stdin", subprocess.DEVNULL)
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **kw)  # type: ignore[call-overload]
 
 

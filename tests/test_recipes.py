@@ -494,7 +494,8 @@ def run_playbook(playbook: Path, extra: dict[str, Any], tmp_path: Path, *args: s
             "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_RETRY_FILES_ENABLED": "0", "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"}
     done = subprocess.run([tool, "-c", "local", "-i", "localhost,", str(playbook), "-e", f"@{vars_file}", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)  # ansible refuses a non-blocking stdin
     if not report_path.exists():
         raise AssertionError(f"ansible-playbook wrote no report (rc {done.returncode}): "
                              f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
