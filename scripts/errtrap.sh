@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the set-up scripts (bootstrap, install-llama-server, run-tests, provision-demo):
 # no exit without a message. Under `set -e` a failing command ends the script; this ERR trap
 # says first which script, which line and which command failed, with its exit status, and what

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_build import MANIFEST, BuildArchiveError, parse_manifest, _sha256 as sha256_file  # noqa: E402
+from llama_build import MANIFEST, BuildArchiveError, decode_manifest, parse_manifest, _sha256 as sha256_file  # noqa: E402
 BUNDLE_FORMAT = 1
 # Carried as files the GPU machine already has (its Python's nvidia-cublas wheel): the two libraries
 # that make a CUDA archive too large to carry.
@@ -82,7 +82,7 @@ def make(archive: Path, out_dir: Path, left_out: tuple[str, ...] = LEFT_OUT, pre
     with tar:
         members = tar.getmembers()
         try:
-            listed = parse_manifest(tar.extractfile(MANIFEST).read().decode(), archive)  # type: ignore[union-attr]
+            listed = parse_manifest(decode_manifest(tar.extractfile(MANIFEST).read(), archive), archive)  # type: ignore[union-attr]
         except KeyError:
             raise BundleError(f"{archive} has no {MANIFEST}: re-export it with --export") from None
         tmp = out_dir / "build.tar.xz.tmp"
@@ -231,7 +231,7 @@ def reassemble(bundle_dir: Path, archive: Path, roots: list[Path] | None = None)
             for m in src.getmembers():
                 data = src.extractfile(m) if m.isfile() else None
                 if m.name == MANIFEST and substituted:  # the manifest names what the archive now holds
-                    listed = parse_manifest(data.read().decode(), bundle_dir)  # type: ignore[union-attr]
+                    listed = parse_manifest(decode_manifest(data.read(), bundle_dir), bundle_dir)  # type: ignore[union-attr]
                     text = "".join(f"{substituted.get(n, d)}  {n}\n" for n, d in listed.items())
                     m, data = _info(MANIFEST, len(text.encode()), m), io.BytesIO(text.encode())
                 dst.addfile(m, data)

@@ -4,9 +4,11 @@ runs with the system python3 before any virtualenv exists). docs/builds.md descr
 
     llama_build.py record  BIN_DIR BUILD_DIR FIELDS_JSON   write BIN_DIR/build-info.json
     llama_build.py export  BIN_DIR FLAVOUR ARCHIVE         pack a finished build (+ sha256 manifest)
-    llama_build.py import  ARCHIVE CACHE_VERSION_DIR PIN_JSON
+    llama_build.py import  ARCHIVE|URL CACHE_VERSION_DIR PIN_JSON [SHA256]
                                                            check an archive and install it; prints
-                                                           the installed llama-server path
+                                                           the installed llama-server path. A URL
+                                                           (http/https) is downloaded first, resumably,
+                                                           and checked against SHA256 or URL.sha256
 
 ``record`` reads the exact compile commands of ggml-cpu (compile_commands.json) and asks the
 compiler which ISA macros they define, so ``cpu_features`` (what the binary itself needs) and, for
@@ -21,7 +23,11 @@ its devices on this machine (``--list-devices``) before it replaces anything in 
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import hashlib
+import http.client
 import io
 import json
 import os
@@ -32,6 +38,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +53,23 @@ from hotfit.core.isa import (AMX_CPUINFO, cpuinfo_flags, features_from_macros,  
 MANIFEST = "SHA256SUMS"
 ARCHIVE_FORMAT = 1
 RUN_TIMEOUT_S = 60
+# The builds install-llama-server makes, by folder name (docs/builds.md): nothing else is ever
+# installed into the cache, whatever an archive's record says (its pinned source tree lives there).
+FLAVOURS = ("cpu", "cpu-native", "cpu-generic", "vulkan", "cuda", "cpu-aarch64")
+BACKENDS = ("cpu", "vulkan", "cuda")
+VARIANTS = ("portable", "native", "generic")
+# Bounds on an archive, checked on each header before any data is read: a real build is a few dozen
+# files (the CUDA one: cuBLASLt alone 542 MB, the folder 668-772 MB; docs/builds.md, "CUDA on a
+# build server without a GPU").
+MAX_MEMBERS = 512
+MAX_MEMBER_BYTES = 4 << 30
+MAX_TOTAL_BYTES = 8 << 30
+# Free space asked beyond the unpacked size (the rename and the file system's own bookkeeping).
+UNPACK_MARGIN_BYTES = 64 << 20
+# --from URL: each socket operation's timeout; the download resumes from its .part on a rerun.
+HTTP_TIMEOUT_S = 60
+DOWNLOAD_CHUNK_BYTES = 1 << 20
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # The build's own ggml asked in a child process (the same file as hotfit's discovery runs).
 GGML_ASK = HERE.parent / "backends" / "llama_server" / "ggml_ask.py"
 _VARIANT_OBJECT_RE = re.compile(r"ggml-cpu-(?P<tag>[A-Za-z0-9_.]+)\.dir/")
@@ -168,10 +195,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _unwritable(path: Path, exc: OSError, what: str) -> BuildArchiveError:
+    """A write that failed (a read-only or full disk, a folder in the way) as a refusal that says what to do."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    todo = "free space there" if full else "make it writable"
+    return BuildArchiveError(f"cannot write {what} {path}: {exc.strerror or exc}; {todo}, or choose another place")
+
+
 def export(bin_dir: Path, flavour: str, archive: Path) -> None:
     if not (bin_dir / "llama-server").is_file() or not (bin_dir / "build-info.json").is_file():
         raise BuildArchiveError(f"no finished {flavour} build at {bin_dir}: build it first "
                                 f"(scripts/install-llama-server --backend ...)")
+    if archive.is_dir():
+        raise BuildArchiveError(f"--export {archive} is a folder: name the archive file to write, "
+                                f"e.g. {archive / f'llama-server-{flavour}.tar.gz'}")
+    try:
+        _export(bin_dir, flavour, archive)
+    except OSError as exc:
+        raise _unwritable(archive, exc, "the archive") from None
+
+
+def _export(bin_dir: Path, flavour: str, archive: Path) -> None:
     files = sorted(p for p in bin_dir.iterdir() if p.is_file() and not p.name.endswith(".tmp")
                    and p.name != MANIFEST)
     lines = [f"{_sha256(p)}  {flavour}/bin/{p.name}\n" for p in files]
@@ -200,33 +244,95 @@ def export(bin_dir: Path, flavour: str, archive: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------- import
+# What reading a damaged archive raises: gzip/xz/bz2 cut short or corrupt, a bad tar header.
+_DAMAGED = (tarfile.TarError, EOFError, zlib.error, OSError)
+
+
+def _damaged(archive: Path, exc: BaseException) -> BuildArchiveError:
+    return BuildArchiveError(f"{archive} is damaged or cut short ({type(exc).__name__}: {str(exc)[:200]}): copy it "
+                             "again (or make it with `scripts/install-llama-server --export FILE` on the build machine)")
+
+
+def _checked_members(archive: Path, tar: tarfile.TarFile) -> tuple[str, list[tarfile.TarInfo]]:
+    """Every header of the archive, checked as it is read (shape, count, declared sizes), so a
+    hostile archive is refused at its first bad header, not after unpacking: (flavour, members)."""
+    members: list[tarfile.TarInfo] = []
+    flavours: set[str] = set()
+    total = 0
+    for m in tar:
+        if len(members) >= MAX_MEMBERS:
+            raise BuildArchiveError(f"{archive} has more than {MAX_MEMBERS} members (a build has a few dozen); "
+                                    "re-export the build")
+        parts = Path(m.name).parts
+        members.append(m)
+        if m.size > MAX_MEMBER_BYTES or total + m.size > MAX_TOTAL_BYTES:
+            raise BuildArchiveError(f"{archive}: member '{m.name[:120]}' declares {m.size} bytes (limits: "
+                                    f"{MAX_MEMBER_BYTES} a file, {MAX_TOTAL_BYTES} in all); re-export the build")
+        total += m.size
+        if m.name == MANIFEST and m.isfile():
+            continue
+        in_bin = len(parts) >= 2 and parts[1] == "bin"
+        shape_ok = (m.isfile() and in_bin and len(parts) == 3) or (m.isdir() and (len(parts) == 1 or
+                                                                               (in_bin and len(parts) == 2)))
+        unsafe = m.name.startswith("/") or ".." in parts or not shape_ok
+        if unsafe:
+            raise BuildArchiveError(f"{archive}: member '{m.name[:120]}' is not a file under <flavour>/bin/ "
+                                    "(links, devices and paths outside are refused); re-export the build")
+        flavours.add(parts[0])
+        if len(flavours) > 1:
+            raise BuildArchiveError(f"{archive} holds more than one build ({', '.join(sorted(flavours))}); "
+                                    "an archive holds exactly one")
+    if not flavours:
+        raise BuildArchiveError(f"{archive} holds no build (no <flavour>/bin/ folder): re-export it with --export")
+    flavour = flavours.pop()
+    if flavour not in FLAVOURS:
+        raise BuildArchiveError(f"{archive}: folder '{flavour[:60]}' is not a build install-llama-server makes "
+                                f"({', '.join(FLAVOURS)}); re-export a build made by it")
+    if not any(m.isfile() and Path(m.name).parts[1:2] == ("bin",) for m in members):
+        raise BuildArchiveError(f"{archive} has no files under {flavour}/bin/: re-export the build")
+    return flavour, members
+
+
 def _unpack(archive: Path, into: Path) -> str:
     """Unpack a checked archive into ``into``; returns the flavour."""
     try:
         tar = tarfile.open(archive, "r:*")
-    except (OSError, tarfile.TarError) as exc:
+    except _DAMAGED as exc:
         raise BuildArchiveError(f"{archive} is not a readable build archive ({exc}): make it with "
                                 "`scripts/install-llama-server --export FILE` on the build machine") from None
     with tar:
-        members = tar.getmembers()
-        flavours = set()
-        for m in members:
-            parts = Path(m.name).parts
-            if m.name == MANIFEST and m.isfile():
-                continue
-            in_bin = len(parts) >= 2 and parts[1] == "bin"
-            shape_ok = (m.isfile() and in_bin and len(parts) == 3) or (m.isdir() and (len(parts) == 1 or
-                                                                                   (in_bin and len(parts) == 2)))
-            unsafe = m.name.startswith("/") or ".." in parts or not shape_ok
-            if unsafe:
-                raise BuildArchiveError(f"{archive}: member '{m.name}' is not a file under <flavour>/bin/ "
-                                        "(links, devices and paths outside are refused); re-export the build")
-            flavours.add(parts[0])
-        if len(flavours) != 1:
-            raise BuildArchiveError(f"{archive} holds {len(flavours)} builds ({', '.join(sorted(flavours)) or 'none'}); "
-                                    "an archive holds exactly one")
-        tar.extractall(into, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(into)
-    return flavours.pop()
+        try:
+            flavour, members = _checked_members(archive, tar)
+        except BuildArchiveError:
+            raise
+        except _DAMAGED as exc:
+            raise _damaged(archive, exc) from None
+        need = sum(m.size for m in members) + UNPACK_MARGIN_BYTES
+        free = shutil.disk_usage(into).free
+        if free < need:
+            raise BuildArchiveError(f"not enough space in {into.parent} to unpack {archive}: need {need} bytes, "
+                                    f"{free} free; free space there, or point HOTFIT_LLAMA_CACHE at a larger disk")
+        try:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(into, members=members, filter="data")
+            else:
+                tar.extractall(into, members=members)
+        except OSError as exc:
+            if exc.errno is None:  # a stream error on the second pass: the file changed under us
+                raise _damaged(archive, exc) from None
+            raise _unwritable(into.parent, exc, "the build cache") from None
+        except (tarfile.TarError, EOFError, zlib.error) as exc:
+            raise _damaged(archive, exc) from None
+    return flavour
+
+
+def decode_manifest(data: bytes, archive: Path) -> str:
+    """An archive's ``SHA256SUMS`` as text (ASCII hex and member names; anything else is damage)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BuildArchiveError(f"{archive}: {MANIFEST} is not UTF-8 text (byte {exc.start}): the archive is "
+                                "damaged or not an export; copy it again or re-export it") from None
 
 
 def parse_manifest(text: str, archive: Path) -> dict[str, str]:
@@ -244,7 +350,7 @@ def _check_manifest(root: Path, flavour: str, archive: Path) -> None:
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise BuildArchiveError(f"{archive} has no {MANIFEST}: re-export it with --export")
-    listed = parse_manifest(manifest.read_text(), archive)
+    listed = parse_manifest(decode_manifest(manifest.read_bytes(), archive), archive)
     present = {f"{flavour}/bin/{p.name}" for p in (root / flavour / "bin").iterdir()}
     if present != set(listed):
         raise BuildArchiveError(f"{archive}: {MANIFEST} and the files disagree "
@@ -349,25 +455,255 @@ def check_runs_here(bin_dir: Path, info: dict, cpuinfo_text: str) -> str:
     return f"{backend} build runs here" + (f" (CPU variant {variant})" if variant else "")
 
 
-def import_archive(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Path) -> Path:
-    if not archive.is_file():
+# The fields of build-info.json an import reads, with the JSON types they must have.
+_INFO_TYPES: dict[str, tuple[type, ...]] = {
+    "sdist_version": (str,), "sdist_sha256": (str,), "backend": (str,), "variant": (str,), "arch": (str,),
+    "cpu_features": (list,), "cpu_variants": (dict,), "cuda_architectures": (list,),
+}
+
+
+def read_build_info(path: Path, archive: Path) -> dict:
+    """An archive's build-info.json, checked for the types the import relies on."""
+    try:
+        info = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BuildArchiveError(f"{archive}: build-info.json is missing or not JSON ({str(exc)[:200]})") from None
+    if not isinstance(info, dict):
+        raise BuildArchiveError(f"{archive}: build-info.json is a JSON {type(info).__name__}, not an object; re-export it")
+    for key, types in _INFO_TYPES.items():
+        if key in info and info[key] is not None and not isinstance(info[key], types):
+            raise BuildArchiveError(f"{archive}: build-info.json's {key} is a JSON {type(info[key]).__name__}, "
+                                    f"expected {' or '.join(t.__name__ for t in types)}; re-export the build")
+    lists = [info.get("cpu_features") or [], info.get("cuda_architectures") or [],
+             *(info.get("cpu_variants") or {}).values()]
+    if not all(isinstance(v, list) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+               for v in lists):
+        raise BuildArchiveError(f"{archive}: build-info.json's cpu_features, cpu_variants or cuda_architectures "
+                                "hold something other than lists of names; re-export the build")
+    if info.get("backend", "cpu") not in BACKENDS or info.get("variant") not in (None, *VARIANTS):
+        raise BuildArchiveError(f"{archive}: build-info.json names backend {str(info.get('backend'))[:40]!r} "
+                                f"variant {str(info.get('variant'))[:40]!r}; only the builds install-llama-server "
+                                f"makes are installed ({', '.join(FLAVOURS)})")
+    return info
+
+
+def flavour_of(info: dict) -> str:
+    """The cache folder a build's record names: cpu, cpu-native, cpu-generic, vulkan, cuda."""
+    backend = info.get("backend", "cpu")
+    variant = info.get("variant")
+    return backend if backend != "cpu" or variant in (None, "portable") else f"cpu-{variant}"
+
+
+# renameat2(2)'s RENAME_EXCHANGE: swap two paths in one step (Linux >= 3.15; ext4, xfs, btrfs, tmpfs).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` atomically; False where the kernel or file system cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _old_name(version_dir: Path, flavour: str) -> Path:
+    return version_dir / f".old-{flavour}"
+
+
+def _recover(version_dir: Path) -> list[str]:
+    """What a killed import left (under the lock, so no import is running): a build moved aside
+    but not yet replaced is put back, staging folders and replaced builds are removed."""
+    done = []
+    for old in sorted(version_dir.glob(".old-*")):
+        dest = version_dir / re.sub(r"-\d+$", "", old.name.removeprefix(".old-"))  # earlier imports added a pid
+        if dest.name in FLAVOURS and not dest.exists():
+            os.replace(old, dest)
+            done.append(f"restored {dest.name}/")
+        else:
+            shutil.rmtree(old)
+            done.append(f"removed {old.name}/")
+    for staging in sorted(version_dir.glob(".import-*")):
+        shutil.rmtree(staging)
+        done.append(f"removed {staging.name}/")
+    return done
+
+
+def _install(staged: Path, dest: Path) -> None:
+    """Put ``staged`` at ``dest``: one atomic step where the kernel can (a new folder: a rename; an
+    existing one: an exchange, the old build then removed). Elsewhere two renames, which
+    _recover finishes or undoes if a kill falls between them."""
+    if not dest.exists():
+        os.replace(staged, dest)
+        return
+    if _exchange(staged, dest):
+        shutil.rmtree(staged)
+        return
+    old = _old_name(dest.parent, dest.name)
+    os.replace(dest, old)
+    os.replace(staged, dest)
+    shutil.rmtree(old)
+
+
+class _ImportLock:
+    """One import per cache version at a time (flock on a file beside the version folder, so the
+    folder holds builds only); a second import waits for the first and says so."""
+
+    def __init__(self, version_dir: Path) -> None:
+        self.path = version_dir.parent / f".import-{version_dir.name}.lock"
+        self.fd = -1
+
+    def __enter__(self) -> "_ImportLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"another import into {self.path.parent} is running; waiting for it to finish")
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def is_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def import_archive(archive: Path | str, version_dir: Path, pin: dict, cpuinfo_path: Path,
+                   sha256: str | None = None) -> Path:
+    """Install the build in ``archive`` (a file, or an http(s) URL downloaded first) into
+    ``version_dir``; ``sha256``: the archive's, checked before anything is unpacked."""
+    url = str(archive) if is_url(str(archive)) else None
+    if url is None and not Path(archive).is_file():
         raise BuildArchiveError(f"no build archive at {archive}")
-    version_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        version_dir.mkdir(parents=True, exist_ok=True)
+        with _ImportLock(version_dir):
+            for what in _recover(version_dir):
+                _say(f"a previous import was interrupted: {what}")
+            if url is None:
+                local = Path(archive)
+                if sha256 is not None and _sha256(local) != sha256:
+                    raise BuildArchiveError(f"{local} has sha256 {_sha256(local)}, not {sha256} (--sha256): "
+                                            "copy it again, or check which build the sum names")
+                return _import_locked(local, version_dir, pin, cpuinfo_path)
+            downloaded = fetch_archive(url, version_dir.parent / "downloads", sha256)
+            installed = _import_locked(downloaded, version_dir, pin, cpuinfo_path)
+            downloaded.unlink()  # installed: the download has served (a refused one is kept for the rerun)
+            return installed
+    except OSError as exc:
+        raise _unwritable(version_dir, exc, "the build cache") from None
+
+
+# ----------------------------------------------------------------------------------- --from URL
+def _http_error(url: str, exc: Exception) -> BuildArchiveError:
+    if isinstance(exc, urllib.error.HTTPError):
+        why = f"HTTP {exc.code} {exc.reason}"
+    elif isinstance(exc, urllib.error.URLError):
+        why = str(exc.reason)
+    else:
+        why = f"{type(exc).__name__}: {exc}"
+    return BuildArchiveError(f"could not download {url}: {why}; check the URL and that the mirror is "
+                             "reachable from here, then run it again (a partial download is resumed)")
+
+
+def _expected_sha256(url: str, given: str | None) -> str:
+    """The archive's sha256: --sha256 when given, else the first word of URL.sha256 (the format
+    `sha256sum FILE > FILE.sha256` writes)."""
+    if given is not None:
+        return given
+    try:
+        with urllib.request.urlopen(url + ".sha256", timeout=HTTP_TIMEOUT_S) as answer:
+            text = answer.read(4096).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise BuildArchiveError(f"no checksum beside {url} ({url}.sha256: HTTP 404): publish one "
+                                    "(sha256sum FILE > FILE.sha256) or pass --sha256 HEX") from None
+        raise _http_error(url + ".sha256", exc) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise _http_error(url + ".sha256", exc) from None
+    word = (text.split() or [""])[0].lower()
+    if not SHA256_RE.fullmatch(word):
+        raise BuildArchiveError(f"{url}.sha256 does not start with a sha256 ('{text[:80].strip()}'): publish "
+                                "the output of sha256sum, or pass --sha256 HEX")
+    return word
+
+
+def fetch_archive(url: str, downloads: Path, sha256: str | None) -> Path:
+    """Download ``url`` into ``downloads`` (resuming a ``.part`` left by an interrupted run), check
+    its sha256, and return the checked file (renamed from ``.part`` only once it matches)."""
+    expected = _expected_sha256(url, sha256)
+    name = Path(urllib.parse.urlsplit(url).path).name or "llama-server.tar.gz"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    downloads.mkdir(parents=True, exist_ok=True)
+    final = downloads / f"{expected[:16]}-{name}"  # the sum names the file: another build never resumes it
+    if final.is_file() and _sha256(final) == expected:
+        _say(f"using {final} (downloaded before, sha256 checked)")
+        return final
+    part = final.with_name(final.name + ".part")
+    for attempt in ("resume", "fresh"):
+        have = part.stat().st_size if part.is_file() else 0
+        _download(url, part, have)
+        got = _sha256(part)
+        if got == expected:
+            os.replace(part, final)
+            return final
+        part.unlink()
+        if have == 0 or attempt == "fresh":
+            raise BuildArchiveError(f"{url} has sha256 {got}, expected {expected}"
+                                    f"{' (--sha256)' if sha256 else f' ({url}.sha256)'}: the mirror holds another "
+                                    "file than the sum names; nothing was installed")
+        _say(f"the resumed download of {url} did not match its sha256: downloading it again from the start")
+    raise AssertionError("unreachable")
+
+
+def _download(url: str, part: Path, have: int) -> None:
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as answer:
+            resumed = have > 0 and answer.status == 206
+            if have and not resumed:
+                _say(f"{url}: the server does not resume (HTTP {answer.status}); downloading from the start")
+            _say(f"downloading {url}" + (f" from byte {have}" if resumed else ""))
+            with open(part, "ab" if resumed else "wb") as out:
+                while block := answer.read(DOWNLOAD_CHUNK_BYTES):
+                    out.write(block)
+                out.flush()
+                os.fsync(out.fileno())
+            if answer.length:  # http.client ends a body cut short quietly: the bytes it still expected
+                raise _http_error(url, ConnectionError(f"the transfer was cut short, {answer.length} bytes "
+                                                       f"missing ({part.stat().st_size} kept in {part.name})"))
+    except urllib.error.HTTPError as exc:
+        if exc.code == 416 and have:  # the .part is already whole: its sha256 decides
+            return
+        raise _http_error(url, exc) from None
+    except OSError as exc:
+        if isinstance(exc, urllib.error.URLError) or exc.errno is None or isinstance(exc, (TimeoutError, ConnectionError)):
+            raise _http_error(url, exc) from None
+        raise _unwritable(part.parent, exc, "the download folder") from None
+    except (ValueError, http.client.HTTPException) as exc:
+        raise _http_error(url, exc) from None
+
+
+def _import_locked(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".import-", dir=version_dir))
     try:
         flavour = _unpack(archive, staging)
         _check_manifest(staging, flavour, archive)
         bin_dir = staging / flavour / "bin"
-        try:
-            info = json.loads((bin_dir / "build-info.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise BuildArchiveError(f"{archive}: build-info.json is missing or not JSON ({exc})") from None
+        info = read_build_info(bin_dir / "build-info.json", archive)
         for key in ("sdist_version", "sdist_sha256"):
             if info.get(key) != pin[key]:
-                raise BuildArchiveError(f"{archive} was built from {key} {info.get(key)}, this checkout pins "
+                raise BuildArchiveError(f"{archive} was built from {key} {str(info.get(key))[:80]}, this checkout pins "
                                         f"{pin[key]}: export it from a build machine on the same hotfit version")
-        expected_flavour = info.get("backend", "cpu") + ("" if info.get("variant") in (None, "portable")
-                                                         or info.get("backend") != "cpu" else f"-{info['variant']}")
+        expected_flavour = flavour_of(info)
         # A cross build's folder names its architecture (cpu-aarch64, docs/builds.md): on a machine of
         # that architecture it installs as the plain flavour; anywhere else check_runs_here refuses it.
         if flavour not in (expected_flavour, f"{expected_flavour}-{info.get('arch')}"):
@@ -380,14 +716,9 @@ def import_archive(archive: Path, version_dir: Path, pin: dict, cpuinfo_path: Pa
         except OSError:
             cpuinfo = ""
         summary = check_runs_here(bin_dir, info, cpuinfo)
-        dest = version_dir / expected_flavour
-        old = version_dir / f".old-{expected_flavour}-{os.getpid()}"
-        if dest.exists():
-            os.replace(dest, old)
-        os.replace(staging / flavour, dest)
-        shutil.rmtree(old, ignore_errors=True)
+        _install(staging / flavour, version_dir / expected_flavour)
         _say(f"installed {expected_flavour} from {archive}: {summary}")
-        return dest / "bin" / "llama-server"
+        return version_dir / expected_flavour / "bin" / "llama-server"
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -423,9 +754,10 @@ def main(argv: list[str]) -> int:
             except (OSError, ValueError):
                 info = {}
             print(cuda_rebuild_reason(info if isinstance(info, dict) else {}, argv[2], argv[3]))
-        elif argv[:1] == ["import"] and len(argv) == 4:
+        elif argv[:1] == ["import"] and len(argv) in (4, 5):
             cpuinfo = Path(os.environ.get("HOTFIT_DETECT_ROOT", "") + "/proc/cpuinfo")
-            print(import_archive(Path(argv[1]), Path(argv[2]), json.loads(argv[3]), cpuinfo))
+            source = argv[1] if is_url(argv[1]) else Path(argv[1])
+            print(import_archive(source, Path(argv[2]), json.loads(argv[3]), cpuinfo, argv[4] if len(argv) == 5 else None))
         else:
             print(__doc__, file=sys.stderr)
             return 2

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.registry.kv import parse_kv_cache_type
 from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig, TemplateSource
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit, required_free_bytes
-from tests.gguf_fixtures import FixtureInfo, pinned_template, write_tool_call_model
+from tests.gguf_fixtures import FixtureInfo, pinned_template, shipped_qwen3_template_text, write_tool_call_model
 from tests.hubserver import LocalHub
 from hotfit.pipeline.manifest import Manifest, write_manifest
 from hotfit.stages.plan import build_plan
@@ -86,7 +87,7 @@ class World:
         return free
 
 
-def build_world(root: Path, hub: Any, template_text: str | None = None) -> World:
+def build_world(root: Path, hub: Any, template_text: str | None = None, *, pin_template: bool = False) -> World:
     """Write the fixture models and template into ``hub`` and a registry file under ``root``.
 
     ``template_text`` None: the pinned llama.cpp Qwen3 template (what makes the fixtures' tool calls
@@ -97,7 +98,11 @@ def build_world(root: Path, hub: Any, template_text: str | None = None) -> World
     if template_text is None:
         template_text = pinned_template().read_text(encoding="utf-8")
     template_commit = hub.create_repo(TEMPLATE_REPO, {"chat_template.jinja": template_text})
-    template = TemplateSource(repo=TEMPLATE_REPO, revision=template_commit, file="chat_template.jinja")
+    raw = template_text.encode("utf-8")
+    # pin_template: its size and sha256 too, as a static mirror requires (docs/fleet.md)
+    template = TemplateSource(repo=TEMPLATE_REPO, revision=template_commit, file="chat_template.jinja",
+                              size_bytes=len(raw) if pin_template else None,
+                              sha256=hashlib.sha256(raw).hexdigest() if pin_template else None)
     entries: dict[str, Entry] = {}
     repos: dict[str, str] = {}
     for name, tensor_type, params_b in ((LARGE, "f32", 0.02), (SMALL, "f16", 0.01)):
@@ -146,7 +151,7 @@ def write_provisioned_home(home: Path, probe: ProbeResult, *, name: str = "fx-ag
         template_path=str(template), projector_path=None, kv_cache_type=kv_cache_type,
         planned_hot_context_tokens=plan.hot_context_tokens,
         measured={"opened_context_tokens": opened_context_tokens or plan.hot_context_tokens},
-        probe_verdict={"passed": True}, llama_cpp={}, device=device or {}, plan=plan.to_json(),
+        probe_verdict={"passed": True}, backend_build={}, device=device or {}, plan=plan.to_json(),
     )
     write_manifest(home / "manifest.json", manifest)
     return ProvisionedHome(home, entry, plan, manifest, info.path, template)
@@ -161,7 +166,7 @@ def write_registry(path: Path, entries: Any) -> None:
 
 def write_probe(path: Path, free_bytes: int, total_bytes: int = HOST_TOTAL_BYTES) -> Path:
     probe = ProbeResult(devices=(Device(index=0, kind="cpu", name="fixture host", total_bytes=total_bytes,
-                                        free_bytes=free_bytes),), selected=0)
+                                        free_bytes=free_bytes),))
     path.write_text(json.dumps(probe.to_json(), indent=2) + "\n", encoding="utf-8")
     return path
 
@@ -173,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("root", type=Path)
     ap.add_argument("--free-gib", type=float, default=8.0, help="free memory the saved probe reports")
     args = ap.parse_args(argv)
+    try:  # the shipped copy of the pinned template: the demo needs no llama.cpp source tree
+        template_text = shipped_qwen3_template_text()
+    except (OSError, ValueError) as exc:
+        print(f"e2e_support: error: {exc}", file=sys.stderr)
+        return 1
     with LocalHub(args.root / "hub") as hub:
-        world = build_world(args.root, hub)
+        world = build_world(args.root, hub, template_text)
         probe = write_probe(args.root / "probe.json", int(args.free_gib * GiB))
         print(json.dumps({"endpoint": hub.endpoint, "registry": str(world.registry_path), "probe": str(probe),
                           "models": sorted(world.entries)}), flush=True)

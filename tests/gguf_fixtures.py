@@ -32,6 +32,7 @@ Helpers
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -68,6 +69,8 @@ __all__ = [
     "pinned_template",
     "STANDIN_TOOL_TEMPLATE",
     "tool_template_text",
+    "SHIPPED_QWEN3_TEMPLATE",
+    "shipped_qwen3_template_text",
     "write_standin_llama_server",
     "free_port",
     "RunningServer",
@@ -521,6 +524,23 @@ def pinned_template(name: str = QWEN3_TEMPLATE_NAME) -> Path:
     if not path.is_file():
         _absent(f"pinned llama.cpp template {path} not found (run scripts/install-llama-server)")
     return path
+
+
+# The pinned Qwen3 template, shipped in the repository byte for byte (tests/data/templates/SOURCE.md):
+# what the offline demo serves, so it runs on a machine with no llama.cpp source tree (a build
+# installed with --from) and without pytest.
+SHIPPED_QWEN3_TEMPLATE = Path(__file__).parent / "data" / "templates" / QWEN3_TEMPLATE_NAME
+SHIPPED_QWEN3_TEMPLATE_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"
+
+
+def shipped_qwen3_template_text() -> str:
+    """The shipped Qwen3 template, refused (ValueError) unless it is the pinned tree's bytes."""
+    data = SHIPPED_QWEN3_TEMPLATE.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != SHIPPED_QWEN3_TEMPLATE_SHA256:
+        raise ValueError(f"{SHIPPED_QWEN3_TEMPLATE} has sha256 {got}, not the pinned template's "
+                         f"{SHIPPED_QWEN3_TEMPLATE_SHA256}: restore it (git checkout -- {SHIPPED_QWEN3_TEMPLATE.name})")
+    return data.decode("utf-8")
 
 
 # A tool-capable chat template for tests that need one on disk or on the Hub but no llama-server to

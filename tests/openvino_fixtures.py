@@ -35,7 +35,8 @@ from hotfit.backends.base import ModelFiles, Session
 from hotfit.backends.openvino.backend import OpenVinoBackend
 from hotfit.backends.openvino.config import KV_BLOCK_TOKENS, KV_PRECISIONS, kv_blocks_for, kv_bytes_per_token_for_entry
 from hotfit.core.entry import Artifact, Entry, Evidence, LayerGroup, SourceConfig
-from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.planner.plan import BudgetBreakdown, Placement, Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import load_settings
 from tests.gguf_fixtures import FixtureInfo, FixtureVocab, write_llama_model, write_tool_call_model
 
@@ -210,7 +211,8 @@ def ov_plan(fx: OvFixture, tokens: int, kv_type: str = "f16", *, estimated_kv_by
         weights_bytes=entry.artifact.size_bytes or 0, allowance_bytes=256 << 20, kv_budget_bytes=estimate,
         hot_context_tokens=tokens,
     )  # fmt: skip
-    return Plan(entry=entry, probe=ProbeResult(devices=(device,), selected=0), kv_cache_type=kv_type,
+    return Plan(entry=entry, probe=ProbeResult(devices=(device,)),
+                placement=Placement.single(device), kv_cache_type=kv_type,
                 kv_cache_type_source="flag", hot_context_tokens=tokens, estimated_kv_bytes=estimate,
                 budget=budget, origin=None)
 

@@ -50,7 +50,8 @@ from typing import Any
 import gguf
 from gguf import Keys
 
-from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.planner.plan import BudgetBreakdown, Placement, Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.registry.kv import KVCacheType, UnknownKV, kv_bytes, parse_kv_cache_type
 from hotfit.core.entry import PERMISSIVE_LICENSES, Artifact, Entry, Evidence, LayerGroup, SourceConfig
 from hotfit.registry.select import ModelFit, device_budget, model_fit
@@ -281,7 +282,7 @@ def entry_from_header(name: str, header: GGUFHeader, path: Path, sha256: str | N
 def plan_device() -> ProbeResult:
     device = Device(index=0, kind="cpu", name="test host (16 GiB, 12 GiB available)",
                     total_bytes=PLAN_TOTAL_BYTES, free_bytes=PLAN_FREE_BYTES)
-    return ProbeResult(devices=(device,), selected=0)
+    return ProbeResult(devices=(device,))
 
 
 def planned(entry: Entry, kv: str | KVCacheType, *, tokens: int | None = None) -> tuple[Plan, ModelFit]:
@@ -291,7 +292,7 @@ def planned(entry: Entry, kv: str | KVCacheType, *, tokens: int | None = None) -
     window is not the point); its estimate is still the planner's ``kv_bytes``."""
     cache_type = parse_kv_cache_type(kv) if isinstance(kv, str) else kv
     probe = plan_device()
-    dev = probe.device
+    dev = probe.preferred
     budget = device_budget(dev.kind, dev.total_bytes, dev.free_bytes, name=dev.name)
     fit = model_fit(entry, budget.usable_bytes, cache_type)
     if isinstance(fit, UnknownKV):
@@ -301,6 +302,7 @@ def planned(entry: Entry, kv: str | KVCacheType, *, tokens: int | None = None) -
     plan = Plan(
         entry=entry,
         probe=probe,
+        placement=Placement.single(dev),
         kv_cache_type=cache_type.name,
         kv_cache_type_source="flag",
         hot_context_tokens=fit.hot_context_tokens,

@@ -135,7 +135,7 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     assert manifest["measured"]["verdict"] == "pass"
     assert manifest["measured"]["opened_context_tokens"] >= manifest["planned_hot_context_tokens"] >= 32768
     assert manifest["measured"]["actual_kv_bytes"] > 0
-    assert manifest["llama_cpp"]["commit"]
+    assert manifest["backend_build"]["commit"]
     # the KV hint: the type was left unset; part of the output, never a message on stderr (cron)
     assert "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0 halves what the window costs" in manifest["kv_cache_type_hint"]
     assert "halves what the window costs" not in done.stderr

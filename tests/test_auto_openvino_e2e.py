@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.entry import Artifact, Entry, TemplateSource
 from tests.e2e_support import GiB, write_probe, write_registry
 from tests.hubserver import LocalHub
@@ -158,7 +158,7 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     assert ov["genai_version"].startswith("2026.4.1") and ov["tool_call_family"] == "hermes"
     assert ov["session"]["num_kv_blocks"] == tokens // 32 and ov["session"]["kv_precision"] == precision
     assert ov["snapshot_commit"]
-    assert manifest["llama_cpp"] == {}
+    assert manifest["backend_build"] == {}
     # nothing left running once hotfit exited
     pids = _worker_pids(home)
     assert len(pids) == 1 and process_gone(pids[0])
@@ -319,7 +319,7 @@ def test_a_non_cpu_plan_is_refused_before_download(hub: LocalHub, ov_world: OvWo
     home = tmp_path / "home"
     probe = tmp_path / "probe.json"
     gpu = Device(index=0, kind="nvidia", name="fixture GPU", total_bytes=24 * GiB, free_bytes=20 * GiB)
-    probe.write_text(json.dumps(ProbeResult(devices=(gpu,), selected=0).to_json()))
+    probe.write_text(json.dumps(ProbeResult(devices=(gpu,)).to_json()))
     failed = auto(hub, home, ov_world.agent, probe)
     # The planner plans only devices OpenVINO serves: a probe with none of them is refused there.
     assert failed.returncode == 2, failed.stderr[-3000:]

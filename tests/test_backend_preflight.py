@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from tests.e2e_support import GiB, SMALL, World, write_probe
 from tests.hubserver import LocalHub
 
@@ -51,7 +51,7 @@ def _nvidia_probe(path: Path) -> Path:
     probe = ProbeResult(devices=(Device(index=0, kind="nvidia", name="NVIDIA RTX 4060", total_bytes=8 * GiB,
                                         free_bytes=7 * GiB, uuid="GPU-1234", compute_capability="8.9"),
                                  Device(index=1, kind="cpu", name="host", total_bytes=16 * GiB,
-                                        free_bytes=12 * GiB)), selected=0)
+                                        free_bytes=12 * GiB)))
     path.write_text(json.dumps(probe.to_json()))
     return path
 

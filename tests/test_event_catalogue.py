@@ -192,12 +192,12 @@ def test_what_commands_really_log_is_catalogued(tmp_path: Path, documented: dict
     import io
     import json
 
-    from hotfit.core.plan import Device, ProbeResult
+    from hotfit.planner.probe import Device, ProbeResult
     from hotfit.pipeline.cli import main
 
     home, probe = tmp_path / "home", tmp_path / "probe.json"
     probe.write_text(json.dumps(ProbeResult(devices=(Device(index=0, kind="cpu", name="host", total_bytes=64 << 30,
-                                                            free_bytes=48 << 30),), selected=0).to_json()))
+                                                            free_bytes=48 << 30),)).to_json()))
     for argv in (["plan", "--probe-file", str(probe)], ["auto", "--dry-run", "--probe-file", str(probe)],
                  ["status"], ["serve"], ["auto", "--bogus"]):
         main(["--home", str(home), "--log-format", "json", "--json", *argv], out=io.StringIO())

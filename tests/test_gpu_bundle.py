@@ -181,7 +181,7 @@ def test_gpu_check_with_a_bundle_on_a_machine_without_real_models(bundle, tmp_pa
     assert steps["import"]["summary"].startswith("--from accepted it")
     imported = tmp_path / "imported" / LLAMA_SDIST_VERSION / "cpu" / "bin" / "llama-server"
     assert steps["import"]["details"]["server"] == str(imported) and imported.is_file()
-    assert steps["pipeline"]["details"]["manifest"]["llama_cpp"]["server_path"] == str(imported)
+    assert steps["pipeline"]["details"]["manifest"]["backend_build"]["server_path"] == str(imported)
 
     proc = _gpu_check(out_dir, tmp_path / "out-failed", tmp_path)  # its left-out files are nowhere here
     assert proc.returncode == 1

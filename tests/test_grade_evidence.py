@@ -36,13 +36,15 @@ import hotfit.backends.select
 from hotfit.backends.llama_server.backend import LlamaServerBackend
 from hotfit.backends.llama_server.discovery import find_llama_server
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import Settings, load_settings
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.grade import grade_model
 from hotfit.registry.kv import parse_kv_cache_type
-from hotfit.registry.select import device_budget, select_auto
-from hotfit.stages.plan import Admission, build_plan
+from hotfit.planner.select import select_auto
+from hotfit.registry.select import device_budget
+from hotfit.planner.devices import Admission
+from hotfit.stages.plan import build_plan
 from hotfit.state.evidence import (
     AgenticEvidence,
     EvidenceFile,
@@ -65,6 +67,7 @@ from tests.e2e_support import (
     write_registry,
 )
 from tests.entries import GiB, entry
+from tests.test_backend_boundary import CALL, FakeBackend, _report
 from tests.gguf_fixtures import write_standin_llama_server, write_tool_call_model
 from tests.hubserver import LocalHub
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for
@@ -162,12 +165,12 @@ def test_build_plan_admits_per_device() -> None:
     tc = entry("tc", params_b=8.0, weights=1 * GiB, tier="tool-chat")
     ag = entry("ag", params_b=2.0, weights=1 * GiB)
     probe = ProbeResult(devices=(Device(0, "nvidia", "gpu", 24 * GiB, 20 * GiB),
-                                 Device(1, "cpu", "host", 64 * GiB, 48 * GiB)), selected=0)
+                                 Device(1, "cpu", "host", 64 * GiB, 48 * GiB)))
     f16 = parse_kv_cache_type("f16")
     report = ({"model": "tc", "device_index": 1, "device_kind": "cpu", "status": "valid", "reason": None,
                "evidence": _evidence("tc").to_json()},)
     outcome = build_plan(probe, (tc, ag), f16, admission=Admission({1: frozenset({"tc"})}, report, "/h/e.json"))
-    assert outcome.plan is not None and outcome.plan.entry.name == "tc" and outcome.probe.device.index == 1
+    assert outcome.plan is not None and outcome.plan.entry.name == "tc" and outcome.placement.device.index == 1
     assert [dp.chosen_name for dp in outcome.devices] == ["ag", "tc"]  # the GPU's plan holds no admitted name
     assert outcome.admitted_evidence is not None and outcome.admitted_evidence["device_index"] == 1
     plain = build_plan(probe, (tc, ag), f16)
@@ -188,7 +191,7 @@ class ScriptedLlama:
         self.agent = agent
 
     def preflight(self, plan: Any, settings: Settings) -> Any:
-        return find_llama_server(settings, device_kind=plan.probe.device.kind)
+        return find_llama_server(settings, device_kind=plan.placement.device.kind)
 
     def device_env(self, plan: Any) -> dict[str, str]:
         return {}
@@ -248,6 +251,7 @@ def grade(e: Earned, agent: gs.Agent, tier: str) -> dict[str, Any]:
     """The real ``hotfit grade --model LARGE`` job, the model's answers scripted."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(hotfit.backends.select.BACKENDS, "llama", ScriptedLlama(agent))
+        mp.setitem(hotfit.backends.select.BACKENDS, "fake", FakeBackend(answer=CALL, report=_report()))  # the sessions'
         return anyio.run(lambda: grade_model(load_settings(), model=LARGE, registry_file=e.world.registry_path,
                                              tier=tier, budget_s=None, output=None, probe_file=e.probe))
 
@@ -406,6 +410,7 @@ def test_quick_passes_never_count_a_fail_removes_and_inconclusive_keeps(
     assert not evidence_path(e.home).exists()
     with pytest.MonkeyPatch.context() as mp:  # the CLI says so too
         mp.setitem(hotfit.backends.select.BACKENDS, "llama", ScriptedLlama(gs.oracle))
+        mp.setitem(hotfit.backends.select.BACKENDS, "fake", FakeBackend(answer=CALL, report=_report()))  # the sessions'
         code, text = run_text("grade", "--model", LARGE, "--registry", str(e.world.registry_path),
                               "--probe-file", str(e.probe), "--tier", "quick")
     assert code == 0 and "evidence: not recorded — a quick-tier pass is provisional" in text, text

@@ -33,11 +33,16 @@ from tests.e2e_support import LARGE, SMALL, World, write_probe
 from tests.hubserver import LocalHub
 from tests.openvino_fixtures import open_ov_fixture
 from tests.test_auto_e2e import REPO, ROOMY_FREE_BYTES, auto, env_for, events
-from tests.test_backend_boundary import CALL, FakeSession, _report
+from tests.test_backend_boundary import CALL, FakeBackend, FakeSession, _report, _use
 
 TIER = "unit"
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def _fake_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(monkeypatch, FakeBackend(answer=CALL, report=_report()))  # the sessions' backend, asked for its flags
 
 
 class ScriptedSession(FakeSession):
@@ -46,9 +51,6 @@ class ScriptedSession(FakeSession):
     def __init__(self, plan: Any, run_dir: Path, server: gs.ScriptedServer) -> None:
         super().__init__(plan, run_dir, answer=CALL, report=_report())
         self.server = server
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "argv": ["/opt/fake-server", "-c", "32768", "--port", "4711", "-np", "1"]}
 
     @contextlib.asynccontextmanager
     async def chat_endpoint(self) -> AsyncIterator[HttpChatEndpoint]:
@@ -64,8 +66,9 @@ async def test_a_session_is_graded_through_its_own_chat_endpoint(tmp_path: Path)
     assert report["verdict"]["verdict"] == "pass" and report["score"]["passed"] == report["score"]["total"] == 6
     assert report["endpoint"] == "model fx (fake server)" and len(server.chat_requests) > 0
     fp = report["fingerprint"]
-    # the session knows what a running server cannot report: its flags (no port) and backend
-    assert fp["flags"] == ["-c", "32768", "-np", "1"] and fp["backend"] == "fake"
+    # the session knows what a running server cannot report: its flags (its backend reads them from
+    # its own load record) and backend
+    assert fp["flags"] == {"threads": 3} and fp["backend"] == "fake"
     assert fp["model_sha256"] == "ab" * 32
     assert fp["chat_template_sha256"] != "unknown"  # None in `known` leaves the server's reading
 

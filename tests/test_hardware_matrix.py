@@ -21,7 +21,7 @@ from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary, chec
 from hotfit.backends.select import backend_for
 from hotfit.core.errors import BackendError
 from hotfit.core.isa import cpu_feature_names, cpuinfo_flags, features_from_macros, ggml_cpu_variant
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.cli.render import probe_text as describe
 from hotfit.pipeline.registry_file import bundled_registry_path
@@ -110,7 +110,7 @@ def probe_summary(probe: ProbeResult) -> dict[str, Any]:
     return {"devices": [{"kind": d.kind, "name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
                          "uuid": d.uuid, "compute_capability": d.compute_capability}
                         for d in probe.devices if d.kind != "cpu"],
-            "selected_kind": probe.device.kind}
+            "selected_kind": probe.preferred.kind}
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -383,8 +383,8 @@ def test_the_preflight_refuses_a_cuda_build_without_code_for_the_planned_gpu(row
 
     probe = row_probe(row, tmp_path)
     outcome = build_plan(probe, load_registry().entries, KV_CACHE_TYPES["f16"], backend="llama", device="nvidia")
-    assert outcome.plan is not None and outcome.plan.probe.device.kind == "nvidia"
-    capability = outcome.plan.probe.device.compute_capability
+    assert outcome.plan is not None and outcome.plan.placement.device.kind == "nvidia"
+    capability = outcome.plan.placement.device.compute_capability
     assert capability == row.nvml["gpus"][0]["compute_cap"]
     for archs, verdict in row.expected["cuda_preflight"].items():
         bin_dir = tmp_path / archs.replace(";", "_")

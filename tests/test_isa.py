@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hotfit.core.isa import (INTRINSIC_ONLY_CPUINFO, MACRO_TO_CPUINFO, cpuinfo_flags, executable_features,
-                      features_from_macros, missing_features)
+                      features_from_macros, loaded_cpu_variant, missing_features)
 
 TIER = "unit"
 
@@ -43,3 +43,14 @@ def test_records_that_still_list_intrinsic_only_features_are_filtered_and_unknow
 @pytest.mark.parametrize("name", sorted(INTRINSIC_ONLY_CPUINFO))
 def test_every_intrinsic_only_feature_is_a_known_cpuinfo_name(name: str) -> None:
     assert name in MACRO_TO_CPUINFO.values()
+
+
+@pytest.mark.parametrize("folder", ["/home/op/.cache/hotfit/llama.cpp/0.3.36/cpu/bin",
+                                    "/srv/build cache/hotfit llama/0.3.36/cpu/bin", "./"])
+def test_the_loaded_variant_is_read_from_a_path_with_spaces(folder: str) -> None:
+    """Seen: --from refused a good build when the cache path held a space (the pattern stopped at it)."""
+    text = (f"load_backend: loaded CPU backend from {folder}/libggml-cpu-zen4.so\n"
+            "load_backend: loaded RPC backend from elsewhere.so\n")
+    assert loaded_cpu_variant(text) == "zen4"
+    assert loaded_cpu_variant(f"loaded CPU backend from {folder}/libggml-cpu-haswell.so") == "haswell"
+    assert loaded_cpu_variant("no backend here") is None

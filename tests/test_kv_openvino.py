@@ -19,14 +19,8 @@ from hotfit.registry.kv import (
     layer_profile,
 )
 from hotfit.core.entry import LayerGroup
-from hotfit.registry.select import (
-    MIN_AGENTIC_HOT_CONTEXT,
-    DeviceBudget,
-    device_budget,
-    model_fit,
-    required_memory,
-    select_auto,
-)
+from hotfit.planner.select import select_auto
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, DeviceBudget, device_budget, model_fit, required_memory
 from hotfit.backends.openvino.config import KV_PRECISIONS, kv_bytes_per_token_for_entry
 from tests.entries import GiB, entry
 

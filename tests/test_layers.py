@@ -26,7 +26,7 @@ import pytest
 TIER = "integration"
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT_PACKAGES = ("core", "registry", "state", "grading", "download", "backends", "stages", "pipeline")
+PROJECT_PACKAGES = ("core", "registry", "state", "grading", "planner", "download", "backends", "stages", "pipeline")
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -114,6 +114,18 @@ def test_the_backend_boundary_contract_closes_every_concrete_backend() -> None:
                 and name not in ("hotfit.backends.base", "hotfit.backends.select")}
     assert set(boundary[0]["forbidden_modules"]) == concrete
     assert set(boundary[0]["source_modules"]) == {f"hotfit.{p}" for p in PROJECT_PACKAGES} - {"hotfit.backends"}
+
+
+def test_the_planner_is_declared_pure() -> None:
+    # planner/ decides from data (CONTRIBUTING.md "Layout"): a contract forbids it, directly or through
+    # what it imports, every effectful layer, the log, and the standard and third-party modules that
+    # do I/O, run processes or reach the network (test_import_linter_contracts_hold runs it).
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config.get("include_external_packages") is True  # else the external names are not checked
+    pure = [c for c in config["contracts"] if c["type"] == "forbidden" and c["source_modules"] == ["hotfit.planner"]]
+    assert len(pure) == 1 and not pure[0].get("allow_indirect_imports", False)
+    assert {"hotfit.state", "hotfit.download", "hotfit.backends", "hotfit.stages", "hotfit.pipeline", "hotfit.core.log",
+            "subprocess", "socket", "httpx", "anyio", "asyncio"} <= set(pure[0]["forbidden_modules"])
 
 
 def _bare_layer_imports(path: Path, root: Path = REPO) -> list[str]:

@@ -22,7 +22,8 @@ import pytest
 from hotfit.backends.llama_server.discovery import BuildInfo, build_info_from_json
 from hotfit.core.errors import LoadError
 from hotfit.core.isa import MACRO_TO_CPUINFO, cpuinfo_flags
-from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.planner.plan import BudgetBreakdown, Placement, Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from hotfit.core.entry import Entry, LayerGroup, SourceConfig
 from hotfit.backends.llama_server.crash import SIGNAL_LOG_TAIL_LINES, compare_isa, diagnose_signal_death
@@ -113,7 +114,8 @@ def fixture_plan(
     )  # fmt: skip
     return Plan(
         entry=fixture_entry(info),
-        probe=ProbeResult(devices=(device,), selected=0),
+        probe=ProbeResult(devices=(device,)),
+        placement=Placement.single(device),
         kv_cache_type=kv_type,
         kv_cache_type_source="flag",
         hot_context_tokens=tokens,
@@ -257,11 +259,11 @@ def test_device_env_pins_an_nvidia_card_by_uuid(llama_model: FixtureInfo) -> Non
     import dataclasses
 
     plan = fixture_plan(llama_model, 32768, device_kind="nvidia")
-    if not any(f.name == "uuid" for f in dataclasses.fields(plan.probe.device)):
+    if not any(f.name == "uuid" for f in dataclasses.fields(plan.placement.device)):
         assert device_env(plan) == {}
         return
-    dev = dataclasses.replace(plan.probe.device, uuid="GPU-1234")
-    pinned = dataclasses.replace(plan, probe=ProbeResult(devices=(dev,), selected=0))
+    dev = dataclasses.replace(plan.placement.device, uuid="GPU-1234")
+    pinned = dataclasses.replace(plan, probe=ProbeResult(devices=(dev,)), placement=Placement.single(dev))
     assert device_env(pinned) == {"CUDA_VISIBLE_DEVICES": "GPU-1234"}
     cpu = fixture_plan(llama_model, 32768)
     assert device_env(cpu) == {}
@@ -417,8 +419,8 @@ async def test_the_started_server_runs_pinned_to_the_planned_nvidia_card(
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     plan = fixture_plan(llama_model, 32768, device_kind="nvidia")
-    dev = dataclasses.replace(plan.probe.device, uuid="GPU-5e1f-pinned")
-    plan = dataclasses.replace(plan, probe=ProbeResult(devices=(dev,), selected=0))
+    dev = dataclasses.replace(plan.placement.device, uuid="GPU-5e1f-pinned")
+    plan = dataclasses.replace(plan, probe=ProbeResult(devices=(dev,)), placement=Placement.single(dev))
     async with open_server(plan, llama_model.path, binary=require_llama_server(), run_dir=tmp_path / "run",
                            threads=1, warmup=False) as srv:
         raw = Path(f"/proc/{srv.pid}/environ").read_bytes().split(b"\0")

@@ -65,12 +65,12 @@ def test_debug_events_reach_the_file_at_default_verbosity(tmp_path: Path) -> Non
 
 def test_cli_quiet_run_still_appends_its_info_events_to_the_home_log(tmp_path: Path) -> None:
     from hotfit.pipeline.cli import main
-    from hotfit.core.plan import Device, ProbeResult
+    from hotfit.planner.probe import Device, ProbeResult
 
     home = tmp_path / "home"
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps(ProbeResult(devices=(Device(index=0, kind="cpu", name="host", total_bytes=64 << 30,
-                                                                free_bytes=48 << 30),), selected=0).to_json()))
+                                                                free_bytes=48 << 30),)).to_json()))
     rc = main(["--home", str(home), "-q", "--log-format", "json", "plan", "--probe-file", str(probe)],
               out=io.StringIO())
     assert rc == 0

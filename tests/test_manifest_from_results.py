@@ -1,5 +1,5 @@
 """The manifest is built from the stages' typed results (pipeline/auto.py ``build_manifest``): what
-differs between backends (the runtime's figures, the ``llama_cpp`` section, ``extra.openvino``) is
+differs between backends (the runtime's figures, the ``backend_build`` section, ``extra.openvino``) is
 the load's binary's to say, and a run whose session was reused writes the same manifest as a fresh one."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary
 from hotfit.backends.openvino.backend import OpenVinoRuntime
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.pipeline.auto import ProvisionedResults, build_manifest
 from hotfit.pipeline.engine import PipelineOutcome
 from hotfit.stages.load import LoadResult, decode_load_for_plan
@@ -47,17 +47,17 @@ def test_the_backend_facts_come_from_the_loaded_binary_and_a_reused_session_writ
         else (RUNTIME, OV_LOAD_RECORD, SNAPSHOT_FETCH, OV_CALL, OV_REPORT))
     record = {**load, "backend": binary.to_json()}
     fresh = {"fetch-weights": fetched, "fetch-template": TEMPLATE, "verify": VERIFY,
-             "load": LoadResult(record, binary=binary), "probe-tool-call": call, "re-check": report}
+             "load": LoadResult(record, backend, binary=binary), "probe-tool-call": call, "re-check": report}
     manifest = _manifest(plan, fresh)
     reused = fresh | {"load": decode_load_for_plan(json.loads(json.dumps(record)), plan),
                       "re-check": decode_recheck_for_plan(json.loads(json.dumps(report.to_json())), plan)}
     assert _manifest(plan, reused) == manifest
     measured = manifest["measured"]
     if backend == "llama":
-        assert manifest["llama_cpp"]["server_path"] == "/b/llama-server" and manifest["llama_cpp"]["build_info"] == "b1"
+        assert manifest["backend_build"]["server_path"] == "/b/llama-server" and manifest["backend_build"]["build_info"] == "b1"
         assert measured["offloaded_layers"] == [19, 19] and "openvino" not in manifest["extra"]
     else:
-        assert manifest["llama_cpp"] == {} and measured["kv_precision"] == "u8"
+        assert manifest["backend_build"] == {} and measured["kv_precision"] == "u8"
         assert manifest["extra"]["openvino"] == {"genai_version": "2026.4", "session": OV_LOAD_RECORD["config"],
                                                  "snapshot_commit": "c" * 40, "tool_call_family": "hermes"}
     assert measured["opened_context_tokens"] == report.opened_context_tokens

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from hotfit.core.errors import BackendNotFound, LoadError
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.plan import Placement
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.backends.openvino import config as openvino_config
 from hotfit.backends.openvino.toolcall import (
     PARSERS,
@@ -192,7 +193,7 @@ def test_a_gpu_plan_is_refused_naming_the_device(tmp_path: Path) -> None:
 
     plan = ov_plan(_fixture(tmp_path), 32768)
     gpu = Device(index=1, kind="nvidia", name="RTX", total_bytes=1 << 34, free_bytes=1 << 34)
-    plan = dataclasses.replace(plan, probe=ProbeResult(devices=(gpu,), selected=1))
+    plan = dataclasses.replace(plan, probe=ProbeResult(devices=(gpu,)), placement=Placement.single(gpu))
     with pytest.raises(LoadError) as err:
         openvino_device(plan)
     assert err.value.details["cause"] == "device_unsupported" and "RTX" in err.value.what

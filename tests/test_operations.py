@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.manifest import Manifest
 from hotfit.pipeline.metrics import last_run, render
@@ -51,7 +51,7 @@ def promtool_check(text: str, tmp_path: Path) -> None:
 
 def write_probe(path: Path) -> Path:
     path.write_text(json.dumps(ProbeResult(devices=(Device(index=0, kind="cpu", name="host", total_bytes=64 << 30,
-                                                           free_bytes=48 << 30),), selected=0).to_json()))
+                                                           free_bytes=48 << 30),)).to_json()))
     return path
 
 
@@ -172,7 +172,7 @@ def test_a_refusal_returned_as_an_exit_code_is_logged(tmp_path: Path) -> None:
     home = tmp_path / "home"
     tiny = tmp_path / "tiny.json"
     tiny.write_text(json.dumps(ProbeResult(devices=(Device(index=0, kind="cpu", name="host", total_bytes=1 << 30,
-                                                           free_bytes=1 << 29),), selected=0).to_json()))
+                                                           free_bytes=1 << 29),)).to_json()))
     assert main(["--home", str(home), "plan", "--probe-file", str(tiny)], out=io.StringIO()) == 3
     event = last_command_event(home)
     assert event["event"] == "command.failed" and event["exit_code"] == 3 and event["command"] == "plan"
@@ -195,7 +195,7 @@ def _manifest(**grade: Any) -> Manifest:
         model_size_bytes=10, model_sha256=None, template_path=None, projector_path=None, kv_cache_type="q8_0",
         planned_hot_context_tokens=40000,
         measured={"opened_context_tokens": 40192, "estimated_kv_bytes": 2_000_000, "actual_kv_bytes": 1_900_000},
-        probe_verdict={"passed": True}, llama_cpp={}, device={"kind": "cuda"}, plan={},
+        probe_verdict={"passed": True}, backend_build={}, device={"kind": "cuda"}, plan={},
         grade=grade or None)
 
 

@@ -12,13 +12,14 @@ import pytest
 
 from hotfit.pipeline.cli import main
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.registry_file import load_registry
 from hotfit.registry.catalog import Registry
 from hotfit.registry.kv import KV_CACHE_TYPES
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, reserve_bytes
 from hotfit.pipeline.cli.render import plan_text as describe
-from hotfit.stages.plan import build_plan, outcome_json, resolve_kv_cache_type
+from hotfit.planner.document import outcome_json
+from hotfit.stages.plan import build_plan, resolve_kv_cache_type
 from tests.entries import MINICPM5_2B, GiB, entry
 
 TIER = "unit"
@@ -27,7 +28,7 @@ F16 = KV_CACHE_TYPES["f16"]
 
 
 def probe_of(total: int, free: int, kind: str = "nvidia", name: str = "Test GPU") -> ProbeResult:
-    return ProbeResult(devices=(Device(0, kind, name, total, free),), selected=0)  # type: ignore[arg-type]
+    return ProbeResult(devices=(Device(0, kind, name, total, free),))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- stages.plan (pure)
@@ -218,7 +219,7 @@ def test_host_memory_probe_plans_with_the_host_reserve(tmp_path: Path) -> None:
 def probe_many(*devices: tuple[str, int, int], selected: int = 0) -> ProbeResult:
     return ProbeResult(devices=tuple(
         Device(i, kind, f"{kind} {i}" if kind != "cpu" else "host memory", total, free)  # type: ignore[arg-type]
-        for i, (kind, total, free) in enumerate(devices)), selected=selected)
+        for i, (kind, total, free) in enumerate(devices)))
 
 
 def write_probe_many(tmp_path: Path, probe: ProbeResult) -> Path:
@@ -248,7 +249,7 @@ def test_the_plan_is_pinned_to_the_winning_device_and_its_id_covers_that_device(
     entries = load_bundled().entries
     probe = probe_many(("nvidia", 2 * GiB, 2 * GiB), ("cpu", 32 * GiB, 30 * GiB))
     out = build_plan(probe, entries, F16)
-    assert out.plan is not None and out.plan.probe.selected == 1 and out.plan.probe.device.kind == "cpu"
+    assert out.plan is not None and out.plan.placement.device.index == 1 and out.plan.placement.device.kind == "cpu"
     assert out.plan.probe.devices == probe.devices  # every device still on record
     alone = build_plan(probe_many(("cpu", 32 * GiB, 30 * GiB)), entries, F16).plan
     assert alone is not None and alone.entry.name == out.plan.entry.name
@@ -263,17 +264,17 @@ def test_the_larger_model_wins_across_devices_and_ties_go_to_the_accelerator() -
     assert gpu_only is not None and host_only is not None
     assert host_only.entry.params_total_b > gpu_only.entry.params_total_b
     assert bigger_host.plan is not None and bigger_host.plan.entry.name == host_only.entry.name
-    assert bigger_host.plan.probe.device.kind == "cpu"
+    assert bigger_host.plan.placement.device.kind == "cpu"
     # Same memory on both: the same model and window; the accelerator takes the tie.
     same = build_plan(probe_many(("cpu", 24 * GiB, 20 * GiB), ("amd", 24 * GiB, 20 * GiB)), entries, F16)
     per = {d.device.index: d for d in same.devices}
     assert per[0].chosen_name == per[1].chosen_name
-    assert same.plan is not None and same.plan.probe.device.kind == "amd"
+    assert same.plan is not None and same.plan.placement.device.kind == "amd"
     assert "accelerator" in same.device_choice
 
 
 def test_previous_model_is_kept_on_its_device_while_it_qualifies_there() -> None:
-    from hotfit.stages.plan import PreviousModel
+    from hotfit.planner.devices import PreviousModel
 
     entries = load_bundled().entries
     probe = probe_many(("nvidia", 8 * GiB, 8 * GiB), ("cpu", 64 * GiB, 60 * GiB))
@@ -281,7 +282,7 @@ def test_previous_model_is_kept_on_its_device_while_it_qualifies_there() -> None
     assert gpu_pick is not None
     kept = build_plan(probe, entries, F16, previous=PreviousModel(gpu_pick.entry.name, probe.devices[0]))
     assert kept.plan is not None and kept.plan.reused_previous
-    assert kept.plan.entry.name == gpu_pick.entry.name and kept.plan.probe.device.kind == "nvidia"
+    assert kept.plan.entry.name == gpu_pick.entry.name and kept.plan.placement.device.kind == "nvidia"
     assert "previous" in kept.device_choice
     # The GPU is gone from the probe: the previous model's device no longer exists, select afresh.
     host = probe_many(("cpu", 64 * GiB, 60 * GiB))
@@ -333,7 +334,8 @@ def test_auto_takes_the_device_flag_too(tmp_path: Path) -> None:
     out = io.StringIO()
     assert main(["auto", "--dry-run", "--json", "--probe-file", probe, "--device", "cpu"], out=out) == 0
     data = json.loads(out.getvalue())
-    assert data["device"]["kind"] == "cpu" and data["plan"]["probe"]["selected"] == 1
+    assert data["device"]["kind"] == "cpu" and data["plan"]["placement"] == {"devices": [1], "split": "none"}
+    assert data["plan"]["probe"]["selected"] == 1  # what a reader of schema-1 plans takes for the device
     out = io.StringIO()
     assert main(["auto", "--dry-run", "--json", "--probe-file", probe, "--device", "tpu"], out=out) == 2
     assert "--device" in json.loads(out.getvalue())["error"]["message"]
@@ -347,13 +349,13 @@ def test_openvino_is_never_planned_on_a_gpu_it_cannot_serve(tmp_path: Path) -> N
     # host tie on model and window, the accelerator wins) and the preflight then refused it, exit 5.
     probe = probe_many(("nvidia", 24 * GiB, 22 * GiB), ("cpu", 24 * GiB, 22 * GiB))
     out = build_plan(probe, load_bundled().entries, KV_CACHE_TYPES["q8_0"], backend="openvino")
-    assert out.plan is not None and out.plan.probe.device.kind == "cpu"
+    assert out.plan is not None and out.plan.placement.device.kind == "cpu"
     assert out.plan.entry.backend == "openvino"
     gpu = next(dp for dp in out.devices if dp.device.kind == "nvidia")
     assert gpu.selection is None and not gpu.considered and gpu.unserved and "openvino" in gpu.unserved
     # The llama backend still plans the GPU: the rule is the backend's, not the device's.
     llama = build_plan(probe, load_bundled().entries, KV_CACHE_TYPES["q8_0"], backend="llama")
-    assert llama.plan is not None and llama.plan.probe.device.kind == "nvidia" and "accelerator" in llama.device_choice
+    assert llama.plan is not None and llama.plan.placement.device.kind == "nvidia" and "accelerator" in llama.device_choice
     rc, data = plan_cli("--probe-file", str(write_probe_many(tmp_path, probe)), "--backend", "openvino")
     assert rc == 0 and data["device"]["kind"] == "cpu" and data["selected"]["backend"] == "openvino"
     row = {d["kind"]: d for d in data["devices"]}
@@ -367,7 +369,8 @@ def test_auto_with_openvino_beside_a_gpu_plans_host_memory_and_its_preflight_acc
     out = io.StringIO()
     assert main(["auto", "--dry-run", "--json", "--probe-file", probe, "--backend", "openvino"], out=out) == 0
     data = json.loads(out.getvalue())
-    assert data["device"]["kind"] == "cpu" and data["plan"]["probe"]["selected"] == 1
+    assert data["device"]["kind"] == "cpu" and data["plan"]["placement"] == {"devices": [1], "split": "none"}
+    assert data["plan"]["probe"]["selected"] == 1  # what a reader of schema-1 plans takes for the device
 
 
 @pytest.mark.parametrize("choice", ["nvidia", "0"])

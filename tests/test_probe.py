@@ -13,7 +13,8 @@ import pytest
 
 from hotfit.pipeline.cli import main
 from hotfit.core.errors import HardwareProbeError, UsageError
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
+from hotfit.backends.llama_server.devices import list_ggml_devices, parse_list_devices
 from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 
 TIER = "unit"
@@ -128,10 +129,10 @@ def test_nvml_devices_and_the_largest_budget_wins(roots: SimpleNamespace) -> Non
     first = r.devices[0]
     assert (first.name, first.total_bytes, first.free_bytes, first.uuid) == ("RTX 3060", 12 * GiB, 10 * GiB, "GPU-aaaa-1111")
     assert first.processes_used_bytes == 500 * MiB
-    assert r.selected == 1 and r.device.name == "RTX 4090"
+    assert r.preferred.index == 1 and r.preferred.name == "RTX 4090"
     assert nvml.state == {"init": 1, "shutdown": 1}
     # Host RAM is listed but never chosen over an accelerator, and never added to it.
-    assert r.device.free_bytes == 20 * GiB
+    assert r.preferred.free_bytes == 20 * GiB
 
 
 @pytest.mark.parametrize("cvd, names", [
@@ -157,14 +158,14 @@ def test_cuda_visible_devices_is_honoured(roots: SimpleNamespace, cvd: str, name
 def test_cuda_visible_devices_hiding_everything_skips_nvml(roots: SimpleNamespace, cvd: str) -> None:
     nvml = fake_nvml([], init_error=NVMLError(9))  # would fail if touched
     r = probe(roots, nvml, {"CUDA_VISIBLE_DEVICES": cvd})
-    assert r.device.kind == "cpu" and any("hides every NVIDIA device" in n for n in r.notes)
+    assert r.preferred.kind == "cpu" and any("hides every NVIDIA device" in n for n in r.notes)
 
 
 def test_nvml_absent_falls_back_to_host_memory_with_a_note(roots: SimpleNamespace) -> None:
     for nvml in (None, fake_nvml([], init_error=NVMLError_LibraryNotFound())):
         r = probe(roots, nvml)
         assert [d.kind for d in r.devices] == ["cpu"]
-        assert r.device.total_bytes == 32768000 * 1024 and r.device.free_bytes == 16384000 * 1024
+        assert r.preferred.total_bytes == 32768000 * 1024 and r.preferred.free_bytes == 16384000 * 1024
         assert any("NVML" in n for n in r.notes)
 
 
@@ -182,10 +183,10 @@ def test_the_real_pynvml_without_a_driver_is_reported_as_absent(roots: SimpleNam
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
         r = probe(roots, pynvml)
-        assert r.device.kind == "cpu" and any("NVML library not found" in n for n in r.notes)
+        assert r.preferred.kind == "cpu" and any("NVML library not found" in n for n in r.notes)
     else:  # pragma: no cover - a machine with a driver: the real path must find devices
         pynvml.nvmlShutdown()
-        assert probe(roots, pynvml).device.kind == "nvidia"
+        assert probe(roots, pynvml).preferred.kind == "nvidia"
 
 
 # ----------------------------------------------------------------------------- AMD
@@ -204,7 +205,7 @@ def test_amd_vram_from_sysfs_without_gtt(roots: SimpleNamespace) -> None:
     amd = [d for d in r.devices if d.kind == "amd"]
     assert [(d.total_bytes, d.free_bytes) for d in amd] == [(8 * GiB, 7 * GiB), (16 * GiB, 14 * GiB)]
     assert amd[0].name == "Radeon RX 7600" and "card1" in amd[1].name
-    assert r.device is amd[1]
+    assert r.preferred is amd[1]
 
 
 # ----------------------------------------------------------------------------- host memory, cgroups
@@ -219,7 +220,7 @@ def test_cgroup_v2_limit_bounds_host_memory(roots: SimpleNamespace) -> None:
     write(job / "memory.stat", f"anon 1\ninactive_file {1 * GiB}\n")
     write(roots.cg / "user.slice" / "memory.max", "max\n")
     r = probe(roots, None)
-    host = r.device
+    host = r.preferred
     assert host.kind == "cpu" and host.total_bytes == 8 * GiB
     assert host.free_bytes == 8 * GiB - 3 * GiB + 1 * GiB
     assert "cgroup" in host.name
@@ -233,7 +234,7 @@ def test_a_tighter_parent_cgroup_wins(roots: SimpleNamespace) -> None:
     write(roots.cg / "a" / "b" / "memory.max", f"{16 * GiB}\n")
     write(roots.cg / "a" / "b" / "memory.current", f"{1 * GiB}\n")
     r = probe(roots, None)
-    assert r.device.total_bytes == 4 * GiB and r.device.free_bytes == 1 * GiB
+    assert r.preferred.total_bytes == 4 * GiB and r.preferred.free_bytes == 1 * GiB
 
 
 def test_cgroup_v1_limit_and_unlimited(roots: SimpleNamespace) -> None:
@@ -244,15 +245,15 @@ def test_cgroup_v1_limit_and_unlimited(roots: SimpleNamespace) -> None:
     write(mem / "memory.stat", f"cache 5\ntotal_inactive_file {512 * MiB}\n")
     write(roots.cg / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")
     r = probe(roots, None)
-    assert r.device.total_bytes == 6 * GiB and r.device.free_bytes == 4 * GiB + 512 * MiB
+    assert r.preferred.total_bytes == 6 * GiB and r.preferred.free_bytes == 4 * GiB + 512 * MiB
     write(mem / "memory.limit_in_bytes", "9223372036854771712\n")
     r = probe(roots, None)
-    assert r.device.total_bytes == 32768000 * 1024 and r.device.name == "host memory"
+    assert r.preferred.total_bytes == 32768000 * 1024 and r.preferred.name == "host memory"
 
 
 def test_this_machine_probes_without_error() -> None:
     r = probe_devices(nvml=None)
-    assert r.device.total_bytes > 0 and 0 <= r.device.free_bytes <= r.device.total_bytes
+    assert r.preferred.total_bytes > 0 and 0 <= r.preferred.free_bytes <= r.preferred.total_bytes
 
 
 # ----------------------------------------------------------------------------- saved probes + CLI
@@ -267,7 +268,7 @@ def test_save_and_load_round_trip(tmp_path: Path, roots: SimpleNamespace) -> Non
     assert data["schema"] == 1 and data["selected"] == 0
     assert {"index", "kind", "name", "total_bytes", "free_bytes"} <= set(data["devices"][0])
     loaded = load_probe_file(path)
-    assert loaded.devices == r.devices and loaded.selected == r.selected
+    assert loaded.devices == r.devices and loaded.preferred == r.preferred
 
 
 def test_save_to_an_unwritable_path_is_a_usage_error(tmp_path: Path, roots: SimpleNamespace) -> None:
@@ -321,6 +322,7 @@ def test_a_deeply_nested_probe_file_is_a_usage_error_not_a_traceback(tmp_path: P
     assert str(path) in str(exc.value)
 
 
+@pytest.mark.integration
 def test_probe_cli_json_and_save(tmp_path: Path, hotfit_home: Path) -> None:
     out = io.StringIO()
     save = tmp_path / "saved.json"
@@ -328,7 +330,7 @@ def test_probe_cli_json_and_save(tmp_path: Path, hotfit_home: Path) -> None:
     data = json.loads(out.getvalue())
     assert data["schema"] == 1 and isinstance(data["selected"], int)
     assert all({"index", "kind", "name", "total_bytes", "free_bytes"} <= set(d) for d in data["devices"])
-    assert load_probe_file(save).selected == data["selected"]
+    assert load_probe_file(save).preferred.index == data["selected"]
 
 
 # ----------------------------------------------------------------------------- ggml's device list
@@ -352,10 +354,8 @@ def _lister(tmp_path: Path, text: str, code: int = 0) -> Path:
 
 
 def test_list_devices_lines_are_parsed_in_bytes() -> None:
-    from hotfit.stages.probe import parse_list_devices
-
     devices = parse_list_devices(LAVAPIPE_LISTING + "  CUDA0: NVIDIA H200 (143167 MiB, 142000 MiB free)\nnoise\n")
-    assert [(d.name, d.backend, d.total_bytes, d.free_bytes) for d in devices] == [
+    assert [(d.name, d.api, d.total_bytes, d.free_bytes) for d in devices] == [
         ("Vulkan0", "vulkan", 2048 * MiB, 2048 * MiB), ("CUDA0", "cuda", 143167 * MiB, 142000 * MiB)]
     assert devices[0].description == "llvmpipe (LLVM 15.0.6, 256 bits)"
     assert parse_list_devices("Available devices:\n") == []  # a CPU build lists none
@@ -365,7 +365,7 @@ def test_list_devices_lines_are_parsed_in_bytes() -> None:
 def test_a_vulkan_only_device_is_probed_through_the_binary(roots: SimpleNamespace, tmp_path: Path) -> None:
     binary = _lister(tmp_path, LAVAPIPE_LISTING)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     assert [d.kind for d in r.devices] == ["vulkan", "cpu"]
     vk = r.devices[0]
     assert (vk.name, vk.total_bytes, vk.free_bytes, vk.ggml_device) == (
@@ -378,7 +378,7 @@ def test_a_card_nvml_or_sysfs_reported_keeps_their_figures_and_gets_its_vulkan_n
     amd_card(roots, 0, 8 * GiB, 1 * GiB, name="Radeon RX 7600")
     binary = _lister(tmp_path, "  Vulkan0: AMD Radeon RX 7600 (RADV NAVI33) (7000 MiB, 6000 MiB free)\n")
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     assert [d.kind for d in r.devices] == ["amd", "cpu"]
     amd = r.devices[0]
     assert (amd.total_bytes, amd.free_bytes, amd.ggml_device) == (8 * GiB, 7 * GiB, "Vulkan0")
@@ -389,7 +389,7 @@ def test_a_card_nvml_or_sysfs_reported_keeps_their_figures_and_gets_its_vulkan_n
 def test_a_binary_that_cannot_list_devices_is_noted_not_fatal(roots: SimpleNamespace, tmp_path: Path) -> None:
     binary = _lister(tmp_path, "ggml_vulkan: no devices\n", code=1)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     assert [d.kind for d in r.devices] == ["cpu"]
     assert any("--list-devices exited with 1" in n for n in r.notes)
 
@@ -398,7 +398,7 @@ def test_a_binary_that_cannot_list_devices_is_noted_not_fatal(roots: SimpleNames
 def test_a_probe_file_keeps_the_vulkan_device_name(tmp_path: Path, roots: SimpleNamespace) -> None:
     binary = _lister(tmp_path, LAVAPIPE_LISTING)
     r = probe_devices(env={}, nvml=None, proc_root=roots.proc, sys_root=roots.sys, cgroup_root=roots.cg,
-                      ggml_binaries=(binary,))
+                      listing=list_ggml_devices(binary, {}))
     path = tmp_path / "probe.json"
     save_probe(r, path)
     again = load_probe_file(path)

@@ -95,6 +95,24 @@ def test_pull_end_to_end_json(local_hub: LocalHub, model: dict[str, Any]) -> Non
     assert progress and len(progress) <= 101
 
 
+def test_an_outage_exits_11_and_a_bad_file_exits_4(local_hub: LocalHub, model: dict[str, Any]) -> None:
+    """A fleet's scheduler retries a passing fault and stops on a bad file, so the two exit apart
+    (core.errors): a mirror that asks for an hour's pause (HTTP 503, Retry-After beyond the cap) is
+    11; a body that differs from the pinned sha256 is 4. Before, both were 4."""
+    local_hub.inject(method="HEAD", file="model.gguf", status=503, retry_after=3600, times=None)
+    out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env_for(local_hub),
+                         cwd=REPO_ROOT, capture_output=True, timeout=120)
+    assert out.returncode == 11, out.stderr.decode()[-3000:]
+    err = json.loads(out.stdout)["error"]
+    assert err["code"] == "transfer_transient" and err["exit_code"] == 11 and "rerun" in err["hint"]
+    local_hub.clear_faults()
+    local_hub.inject(method="GET", file="model.gguf", corrupt=True, times=None)
+    out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env_for(local_hub),
+                         cwd=REPO_ROOT, capture_output=True, timeout=120)
+    assert out.returncode == 4, out.stderr.decode()[-3000:]
+    assert json.loads(out.stdout)["error"]["code"] == "integrity"
+
+
 def test_unknown_name_is_a_usage_error_without_fallback(local_hub: LocalHub, model: dict[str, Any]) -> None:
     out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-modle"), env=env_for(local_hub),
                          cwd=REPO_ROOT, capture_output=True, timeout=120)

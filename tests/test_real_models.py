@@ -28,7 +28,8 @@ import hotfit.stages._gguf_header as gguf_header_mod
 import hotfit.stages.verify as verify_mod
 from hotfit.core.errors import AllocationMismatch, NoModelQualifies, ToolCallProbeFailed
 from hotfit.registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
-from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, select_auto, select_explicit
+from hotfit.planner.select import select_auto, select_explicit
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget
 from hotfit.backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
 from hotfit.backends.llama_server.process import open_server
 from hotfit.stages.load import model_files
@@ -209,7 +210,7 @@ def test_planner_refuses_smollm2_below_the_floor_and_says_why() -> None:
     entry = m.entry(agentic_tier="agentic")
     assert entry.license == "Apache-2.0" and entry.context_limit == 8192
     probe = plan_device()
-    budget = device_budget(probe.device.kind, probe.device.total_bytes, probe.device.free_bytes)
+    budget = device_budget(probe.preferred.kind, probe.preferred.total_bytes, probe.preferred.free_bytes)
     sel = select_auto([entry], budget, KV_CACHE_TYPES["f16"])
     assert sel.chosen is None and sel.refusal is not None
     (verdict,) = sel.verdicts

@@ -435,7 +435,7 @@ _LOAD_SIGNAL_SCRIPT = textwrap.dedent("""
     from hotfit.core import log
     from hotfit.backends.llama_server.discovery import find_llama_server
     from hotfit.core.errors import Interrupted
-    from hotfit.core.plan import Device, ProbeResult
+    from hotfit.planner.probe import Device, ProbeResult
     from hotfit.pipeline.engine import Runner, Stage
     from hotfit.core.settings import load_settings
     from hotfit.registry.kv import parse_kv_cache_type
@@ -451,7 +451,7 @@ _LOAD_SIGNAL_SCRIPT = textwrap.dedent("""
     info = write_tool_call_model(home / "m.gguf")
     entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256=sha256_of(info.path), params_b=0.01,
                           template=None)
-    probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),), selected=0)
+    probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),))
     plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
     template = home / "chat_template.jinja"
     template.write_text(pinned_template().read_text())

@@ -13,7 +13,8 @@ from typing import Any, Callable
 import pytest
 
 from hotfit.core.errors import RegistryError, UsageError
-from hotfit.core.plan import BudgetBreakdown, Device, Plan, ProbeResult
+from hotfit.planner.plan import BudgetBreakdown, Placement, Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.records import Fields
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest, write_manifest
@@ -69,11 +70,11 @@ def test_object_names_a_missing_and_an_unknown_key() -> None:
 def _plan_for(entry: Any) -> Plan:
     probe = ProbeResult(devices=(Device(0, "nvidia", "card", 24 * GiB, 20 * GiB, uuid="GPU-1",
                                         ggml_device="CUDA0"), Device(1, "cpu", "host", 64 * GiB, 30 * GiB)),
-                        selected=0, notes=("a note",))
+                        notes=("a note",))
     budget = BudgetBreakdown(free_bytes=20 * GiB, reserve_bytes=GiB, headroom_bytes=GiB, usable_bytes=18 * GiB,
                              weights_bytes=entry.weights_bytes or 0, allowance_bytes=GiB, kv_budget_bytes=-5,
                              hot_context_tokens=32768)
-    return Plan(entry=entry, probe=probe, kv_cache_type="q8_0", kv_cache_type_source="env",
+    return Plan(entry=entry, probe=probe, placement=Placement.single(probe.devices[0]), kv_cache_type="q8_0", kv_cache_type_source="env",
                 hot_context_tokens=32768, estimated_kv_bytes=123, budget=budget, origin="eu",
                 reused_previous=True, explicit_model=True)
 
@@ -83,7 +84,7 @@ def _manifest(plan: Plan, **changes: Any) -> Manifest:
                  model_path="/m/x.gguf", model_size_bytes=10, model_sha256="0" * 64, template_path=None,
                  projector_path=None, kv_cache_type=plan.kv_cache_type,
                  planned_hot_context_tokens=plan.hot_context_tokens, measured={"opened_context_tokens": 32768},
-                 probe_verdict={"passed": True}, llama_cpp={"version": "x"}, device={}, plan=plan.to_json())
+                 probe_verdict={"passed": True}, backend_build={"version": "x"}, device={}, plan=plan.to_json())
     return dataclasses.replace(m, **changes)
 
 
@@ -146,6 +147,8 @@ DAMAGED_MANIFESTS = [
     ("backend", _set("backend", "vllm")),
     ("schema", _set("schema", 2)),
     ("entry_name", lambda d: d.pop("entry_name")),
+    ("backend_build", lambda d: d.pop("backend_build")),
+    ("llama_cpp", lambda d: d.update(llama_cpp={})),  # both names: which one holds the facts?
 ]
 
 
@@ -174,6 +177,22 @@ def test_a_damaged_manifest_names_the_file_and_field(tmp_path: Path, field: str,
     assert main(["--home", str(home), "--log-format", "json", "status", "--json"], out=out) == 0
     problems = json.loads(out.getvalue())["provisioned_problems"]
     assert any(str(path) in p and repr(field) in p for p in problems), problems
+
+
+def test_a_manifest_written_before_backend_build_reads_its_llama_cpp_section(tmp_path: Path) -> None:
+    # manifests on disk name the backend's build facts "llama_cpp" and their plan has no placement
+    entry = next(e for e in load_registry().entries if e.name == "gpt-oss-20b")
+    plan = _plan_for(entry)
+    doc = json.loads(json.dumps(_manifest(plan).to_json()))
+    doc["llama_cpp"] = doc.pop("backend_build")
+    doc["plan"] = {k: v for k, v in doc["plan"].items() if k not in ("schema", "placement")}
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(doc))
+    read = read_manifest(path, strict=True)
+    assert read is not None and read.backend_build == {"version": "x"}
+    again = plan_from_json(read.plan)
+    assert again == plan and again.placement.device == plan.probe.devices[0] and again.plan_id == plan.plan_id
+    assert "llama_cpp" not in read.to_json() and read.to_json()["backend_build"] == {"version": "x"}  # rewritten new
 
 
 def test_a_manifest_with_a_damaged_plan_names_the_plan_field_at_serve(tmp_path: Path) -> None:

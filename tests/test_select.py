@@ -14,6 +14,7 @@ from hotfit.core.errors import NoModelQualifies, UsageError
 from hotfit.pipeline.registry_file import load_registry
 from hotfit.registry.kv import KV_CACHE_TYPES, kv_bytes, layer_profile
 from hotfit.core.entry import LayerGroup
+from hotfit.planner.select import select_auto, select_explicit
 from hotfit.registry.select import (
     MAX_HOT_CONTEXT_TOKENS,
     MIN_AGENTIC_HOT_CONTEXT,
@@ -23,8 +24,6 @@ from hotfit.registry.select import (
     required_free_bytes,
     reserve_bytes,
     runtime_allowance,
-    select_auto,
-    select_explicit,
 )
 from tests.entries import MINICPM5_2B, GiB, MiB, entry
 

@@ -19,7 +19,7 @@ from hotfit.pipeline.serve import decide_window
 from hotfit.pipeline.systemd_unit import UnitSpec, systemd_unit
 from hotfit.core.errors import NoModelQualifies
 from hotfit.pipeline.manifest import Manifest, read_manifest, write_manifest
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.registry.kv import parse_kv_cache_type
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, model_fit
 from hotfit.stages.plan import build_plan
@@ -34,7 +34,7 @@ F16 = parse_kv_cache_type("f16")
 
 
 def probe_with(free_bytes: int, *, kind: str = "cpu", name: str = "fixture host") -> ProbeResult:
-    return ProbeResult(devices=(Device(0, kind, name, HOST_TOTAL_BYTES, free_bytes),), selected=0)  # type: ignore[arg-type]
+    return ProbeResult(devices=(Device(0, kind, name, HOST_TOTAL_BYTES, free_bytes),))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_below_the_floor_fails_closed(provisioned: dict) -> None:
 
 
 def test_missing_device_fails_closed(provisioned: dict) -> None:
-    other = ProbeResult(devices=(Device(0, "nvidia", "some GPU", 24 * GiB, 20 * GiB),), selected=0)
+    other = ProbeResult(devices=(Device(0, "nvidia", "some GPU", 24 * GiB, 20 * GiB),))
     with pytest.raises(NoModelQualifies):
         decide_window(provisioned["manifest"], provisioned["plan"], other)
 
@@ -259,12 +259,12 @@ def nvidia_home(provisioned: dict, tmp_path_factory: pytest.TempPathFactory) -> 
         Device(0, "nvidia", "small card", 4 * GiB, 3 * GiB, uuid="GPU-00000000-small"),
         Device(1, "nvidia", "big card", 24 * GiB, 20 * GiB, uuid=GPU_UUID),
         Device(2, "cpu", "host memory", 8 * GiB, 2 * GiB),
-    ), selected=1)
+    ))
     probe_path.write_text(json.dumps(probe.to_json()))
     from hotfit.stages.probe import load_probe_file
 
     plan = build_plan(load_probe_file(probe_path), [provisioned["entry"]], F16).plan
-    assert plan is not None and plan.probe.device.uuid == GPU_UUID
+    assert plan is not None and plan.placement.device.uuid == GPU_UUID
     home = root / "home"
     m = provisioned["manifest"]
     write_manifest(home / "manifest.json", Manifest(**{**m.__dict__, "plan_id": plan.plan_id, "plan": plan.to_json()}))

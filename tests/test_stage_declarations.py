@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hotfit.core.plan import canonical_json
+from hotfit.core.records import canonical_json
 from hotfit.pipeline.engine import RunContext, Runner, Stage, StageContext, inputs_hash
 from hotfit.pipeline.provision import STAGE_NAMES, AutoOptions, provisioning_stages
 from hotfit.pipeline.session_stages import GradeOptions, grade_stage

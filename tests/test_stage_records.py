@@ -8,6 +8,9 @@ result.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,19 +19,22 @@ from typing import Any
 import pytest
 
 from hotfit.core.errors import StageRecordError
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.core.records import canonical_json
+from hotfit.planner.plan import Placement, Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary
 from hotfit.pipeline.provision import AutoOptions, provisioning_stages
 from hotfit.backends.llama_server.allocation import AllocationReport
 from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
-from hotfit.stages.load import decode_load
+from hotfit.stages.load import decode_load, decode_load_as
 from hotfit.stages.probe_tool_call import decode_probe_call
 from hotfit.stages.recheck import decode_recheck
 from hotfit.stages.load import LoadResult
 from hotfit.registry.kv import parse_kv_cache_type
 from hotfit.core.model_files import (FetchedFile, FetchResult, FieldCheck, FileIdentity, GGUFFacts, SnapshotFile,
                                SnapshotResult, TemplateResult, VerifyResult)
-from hotfit.stages.plan import PlannedRun, build_plan, decode_plan, decode_planned
+from hotfit.planner.plan import decode_plan
+from hotfit.stages.plan import PlannedRun, build_plan, decode_planned
 from hotfit.stages.probe_tool_call import ProbeToolCallResult, ToolCallVerdict
 from tests.e2e_support import GiB, fixture_entry
 from tests.gguf_fixtures import write_tool_call_model
@@ -43,7 +49,7 @@ def stored(result: Any) -> dict[str, Any]:
 
 PROBE = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),
                              Device(1, "nvidia", "RTX", 24 * GiB, 20 * GiB, uuid="GPU-1", ggml_device="CUDA0")),
-                    selected=1, notes=("NVML ok",))
+                    notes=("NVML ok",))
 IDENTITY = FileIdentity(device=64769, inode=1234, size_bytes=123, mtime_ns=1_700_000_000_000_000_000,
                         ctime_ns=1_700_000_000_000_000_001)
 WEIGHTS = FetchedFile(repo="a/b", revision="a" * 40, file="m.gguf", path="/m/m.gguf", partial_path="/m/.partial/m.gguf",
@@ -107,7 +113,7 @@ def test_a_stored_result_decodes_to_an_equal_result_of_the_same_type(result: Any
 def _cpu_plan(tmp_path: Path) -> Plan:
     info = write_tool_call_model(tmp_path / "m.gguf")
     entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256="0" * 64, params_b=0.01, template=None)
-    probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),), selected=0)
+    probe = ProbeResult(devices=(Device(0, "cpu", "host", 16 * GiB, 8 * GiB),))
     plan = build_plan(probe, [entry], parse_kv_cache_type("f16")).plan
     assert plan is not None
     return plan
@@ -117,6 +123,49 @@ def test_the_plan_decodes_with_the_same_plan_id(tmp_path: Path) -> None:
     plan = _cpu_plan(tmp_path)
     back = decode_plan(stored(plan))
     assert back == plan and back.plan_id == plan.plan_id
+
+
+def _gpu_plan(tmp_path: Path) -> Plan:
+    info = write_tool_call_model(tmp_path / "m.gguf")
+    entry = fixture_entry("fx", info, repo="a/b", revision="a" * 40, sha256="0" * 64, params_b=0.01, template=None)
+    plan = build_plan(PROBE, [entry], parse_kv_cache_type("f16")).plan
+    assert plan is not None and plan.placement == Placement.single(PROBE.devices[1])  # the GPU, probe index 1
+    return plan
+
+
+def test_a_plan_record_written_before_placements_decodes_as_a_placement_on_the_device_its_probe_selected(
+        tmp_path: Path) -> None:
+    # a schema-1 record (before placements): no "schema", no "placement"; the probe's "selected" was the plan's device
+    plan = _gpu_plan(tmp_path)
+    old = {k: v for k, v in stored(plan).items() if k not in ("schema", "placement")}
+    old["probe"]["selected"] = 1
+    back = decode_plan(old)
+    assert back.placement == Placement((PROBE.devices[1],), "none") and back == plan
+    # the plan id is the one schema-1 plans had (entry, KV type, window, the device's kind/name/total), so a
+    # provisioned home's stage state is still reused after the upgrade
+    decision = {"entry": dataclasses.asdict(plan.entry), "kv_cache_type": "f16",
+                "hot_context_tokens": plan.hot_context_tokens,
+                "device": {"kind": "nvidia", "name": "RTX", "total_bytes": 24 * GiB}}
+    assert back.plan_id == hashlib.sha256(canonical_json(decision).encode()).hexdigest()[:16] == plan.plan_id
+    old["probe"]["selected"] = 5
+    with pytest.raises(StageRecordError, match="probe.selected"):
+        decode_plan(old)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (lambda r: r["placement"].update(devices=[7]), "placement.devices[0]"),
+    (lambda r: r["placement"].update(devices=[0, 1]), "placement.devices"),
+    (lambda r: r["placement"].update(split="layer"), "placement.split"),
+    (lambda r: r.pop("placement"), "placement"),
+    (lambda r: r.update(schema=3), "schema"),
+])
+def test_a_damaged_placement_is_a_stage_record_error_naming_the_field(
+        tmp_path: Path, change: Callable[[dict[str, Any]], Any], field: str) -> None:
+    record = stored(_gpu_plan(tmp_path))
+    change(record)
+    with pytest.raises(StageRecordError) as err:
+        decode_plan(record)
+    assert err.value.details["field"] == field
 
 
 def test_the_plan_stage_record_carries_the_preflight_binary_and_decodes_to_the_same_result(tmp_path: Path) -> None:
@@ -146,6 +195,7 @@ def test_a_load_record_decodes_without_a_live_server_and_re_encodes_the_same() -
         load.live()
     ov = decode_load(OV_LOAD_RECORD)
     assert isinstance(ov, LoadResult) and ov.to_json() == OV_LOAD_RECORD
+    assert (load.backend, ov.backend) == ("llama", "openvino")  # each accepted by its own backend
 
 
 def test_every_hotfit_stage_names_a_decoder() -> None:
@@ -164,8 +214,10 @@ def test_every_hotfit_stage_names_a_decoder() -> None:
     (FetchResult.decode, stored(FETCH) | {"weights": stored(WEIGHTS) | {"verified_against": "registry"}},
      "weights.verified_against", "must be a list, got str"),
     (TemplateResult.decode, stored(TEMPLATE) | {"unexpected": 1}, None, "has keys TemplateResult does not: unexpected"),
-    (decode_load, LOAD_RECORD | {"argv": [1]}, "argv[0]", "must be a string, got int"),
-    (decode_load, OV_LOAD_RECORD | {"config": None}, "config", "must be an object, got null"),
+    (functools.partial(decode_load_as, backend="llama"), LOAD_RECORD | {"argv": [1]}, "argv[0]",
+     "must be a string, got int"),
+    (functools.partial(decode_load_as, backend="openvino"), OV_LOAD_RECORD | {"config": None}, "config",
+     "must be an object, got null"),
     (decode_recheck, stored(REPORT) | {"offloaded_layers": [19]}, "offloaded_layers", "must hold 2 items, got 1"),
     (ProbeResult.decode, ["not", "an", "object"], None, "must be an object, got list"),
 ])

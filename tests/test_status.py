@@ -83,7 +83,7 @@ def test_provisioned_model_and_missing_file_are_reported(tmp_path: Path) -> None
         run_id="r1", plan_id="p1", written_at="2026-11-29T00:00:00Z", entry_name="m", model_path=str(model),
         model_size_bytes=10, model_sha256=None, template_path=None, projector_path=None, kv_cache_type="q8_0",
         planned_hot_context_tokens=40000, measured={"opened_context_tokens": 40192}, probe_verdict={"passed": True},
-        llama_cpp={}, device={}, plan={},
+        backend_build={}, device={}, plan={},
     )
     write_manifest(home / "manifest.json", manifest)
     store = SyncStateStore(home / "state.db")

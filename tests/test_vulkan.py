@@ -18,10 +18,12 @@ import pytest
 from hotfit.backends.llama_server.allocation import AllocationReport as LlamaAllocationReport
 from hotfit.backends.llama_server.discovery import cache_bin_dir, find_llama_server
 from hotfit.core.errors import AllocationMismatch, BackendError
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.plan import Placement
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import load_settings
 from hotfit.backends.llama_server.process import open_server
-from hotfit.stages.probe import list_ggml_devices, probe_devices
+from hotfit.backends.llama_server.devices import list_ggml_devices
+from hotfit.stages.probe import probe_devices
 from hotfit.stages.recheck import recheck_allocation
 from tests.gguf_fixtures import FixtureInfo, write_gemma3_swa_model, write_llama_model
 from tests.test_load import fixture_plan
@@ -56,10 +58,9 @@ def lavapipe(monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def lavapipe_device(binary: Path) -> Device:
     """What the probe records for lavapipe (asked of the binary, not hand-written)."""
-    notes: list[str] = []
-    listed = list_ggml_devices(binary, notes, {**os.environ, **LAVAPIPE_ENV})
-    assert listed, notes
-    g = listed[0]
+    listed = list_ggml_devices(binary, {**os.environ, **LAVAPIPE_ENV})
+    assert listed.devices, listed.notes
+    g = listed.devices[0]
     return Device(index=0, kind="vulkan", name=g.description, total_bytes=g.total_bytes,
                   free_bytes=g.free_bytes, ggml_device=g.name)
 
@@ -68,7 +69,8 @@ def vulkan_plan(info: FixtureInfo, tokens: int, kv: str, device: Device):
     import dataclasses
 
     plan = fixture_plan(info, tokens, kv, device_kind="vulkan")
-    return dataclasses.replace(plan, probe=ProbeResult(devices=(device,), selected=0))
+    return dataclasses.replace(plan, probe=ProbeResult(devices=(device,)),
+                               placement=Placement.single(device))
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +91,11 @@ def test_the_build_is_a_vulkan_build() -> None:
 
 def test_the_probe_sees_lavapipe_only_when_the_operator_makes_it_visible(tmp_path: Path) -> None:
     binary = vulkan_server()
-    hidden = probe_devices(env={k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"},
-                           nvml=None, ggml_binaries=(binary,))
+    hidden_env = {k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"}
+    hidden = probe_devices(env=hidden_env, nvml=None, listing=list_ggml_devices(binary, hidden_env))
     assert [d.kind for d in hidden.devices] == ["cpu"]  # ggml hides a CPU-type Vulkan device
-    shown = probe_devices(env={**os.environ, **LAVAPIPE_ENV}, nvml=None, ggml_binaries=(binary,))
+    shown = probe_devices(env={**os.environ, **LAVAPIPE_ENV}, nvml=None,
+                          listing=list_ggml_devices(binary, {**os.environ, **LAVAPIPE_ENV}))
     vk = [d for d in shown.devices if d.kind == "vulkan"]
     assert len(vk) == 1
     assert vk[0].ggml_device == "Vulkan0" and "llvmpipe" in vk[0].name
@@ -177,7 +180,7 @@ def test_hotfit_auto_provisions_on_the_vulkan_device_end_to_end(tmp_path: Path) 
     assert {b["buffer"] for b in measured["kv_buffers"]} == {"Vulkan0"}
     done_layers, total_layers = measured["offloaded_layers"]
     assert done_layers == total_layers > 0
-    assert manifest["llama_cpp"]["backend"] == "vulkan"
+    assert manifest["backend_build"]["backend"] == "vulkan"
     events = [json.loads(line) for line in (home / "logs" / "hotfit.jsonl").read_text().splitlines()]
     done = {e["stage"]: e for e in events if e.get("event") == "stage.done"}
     assert done["probe-tool-call"]["passed"] is True
@@ -207,12 +210,12 @@ def _real_plan(name: str, device: Device):
 
     m = require_model(name)
     entry = m.entry()
-    probe = ProbeResult(devices=(device,), selected=0)
+    probe = ProbeResult(devices=(device,))
     if name == GEMMA3:  # the planner itself, on the probed device
         plan = build_plan(probe, [entry], KV_CACHE_TYPES["f16"], model=entry.name).plan
         assert plan is not None and plan.hot_context_tokens == 32768
     else:  # SmolLM2 is below the floor, never planned: its whole 8192 window, estimated by the planner
-        plan = dataclasses.replace(planned(entry, "f16")[0], probe=probe)
+        plan = dataclasses.replace(planned(entry, "f16")[0], probe=probe, placement=Placement.single(device))
     return m, plan
 
 

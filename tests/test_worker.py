@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hotfit.pipeline.manifest import Manifest
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.worker import (
     WorkerFacts,
     WorkerRecord,
@@ -29,7 +29,8 @@ from hotfit.pipeline.worker import (
 from hotfit.registry.kv import KV_CACHE_TYPES, LayerKVProfile, kv_bytes, layer_profile
 from hotfit.core.entry import LayerGroup
 from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
-from hotfit.stages.plan import PreviousModel, available_with_worker, build_plan
+from hotfit.planner.devices import PreviousModel, available_with_worker
+from hotfit.stages.plan import build_plan
 from tests.entries import GiB, MiB, entry
 
 TIER = "unit"
@@ -47,7 +48,7 @@ CARD = Device(0, "nvidia", "24 GiB card", 24 * GiB, 24 * GiB, uuid="GPU-card")
 def probe_free(free: int, *, processes_used: int | None = None) -> ProbeResult:
     return ProbeResult(devices=(Device(0, "nvidia", "24 GiB card", 24 * GiB, free, uuid="GPU-card",
                                        processes_used_bytes=processes_used),
-                                Device(1, "cpu", "host memory", 8 * GiB, 2 * GiB)), selected=0)
+                                Device(1, "cpu", "host memory", 8 * GiB, 2 * GiB)))
 
 
 def manifest_for(plan, *, opened: int, actual_kv: int | None, ratio: float | None = None) -> Manifest:
@@ -57,13 +58,13 @@ def manifest_for(plan, *, opened: int, actual_kv: int | None, ratio: float | Non
         template_path=None, projector_path=None, kv_cache_type=plan.kv_cache_type,
         planned_hot_context_tokens=plan.hot_context_tokens,
         measured={"opened_context_tokens": opened, "actual_kv_bytes": actual_kv, "kv_ratio": ratio},
-        probe_verdict={"passed": True}, llama_cpp={}, device={}, plan=plan.to_json())
+        probe_verdict={"passed": True}, backend_build={}, device={}, plan=plan.to_json())
 
 
 @pytest.fixture(scope="module")
 def provisioned() -> tuple:
     plan = build_plan(probe_free(24 * GiB), [BIG, SMALL], F16).plan
-    assert plan is not None and plan.entry.name == "big-agent" and plan.probe.device.uuid == "GPU-card"
+    assert plan is not None and plan.entry.name == "big-agent" and plan.placement.device.uuid == "GPU-card"
     return plan, manifest_for(plan, opened=plan.hot_context_tokens, actual_kv=plan.estimated_kv_bytes + 5 * MiB)
 
 
@@ -123,7 +124,7 @@ def test_previous_device_free(provisioned: tuple, worker_opened: str | None, exp
 
 def test_previous_device_free_is_none_when_its_device_is_gone(provisioned: tuple) -> None:
     plan, manifest = provisioned
-    other = ProbeResult(devices=(Device(0, "nvidia", "24 GiB card", 24 * GiB, 5 * GiB, uuid="GPU-other"),), selected=0)
+    other = ProbeResult(devices=(Device(0, "nvidia", "24 GiB card", 24 * GiB, 5 * GiB, uuid="GPU-other"),))
     assert previous_device_free(other, manifest, facts(manifest.opened_context_tokens)) is None
 
 
@@ -134,12 +135,12 @@ def test_the_served_model_is_kept_with_its_worker_memory_and_swapped_without_it(
     held = worker_held_bytes(manifest, facts(manifest.opened_context_tokens))
     for free in (int(5.5 * GiB), 8 * GiB):
         probe = probe_free(free)
-        blind = build_plan(probe, [BIG, SMALL], F16, previous=PreviousModel("big-agent", plan.probe.device))
+        blind = build_plan(probe, [BIG, SMALL], F16, previous=PreviousModel("big-agent", plan.placement.device))
         assert blind.plan is None or blind.plan.entry.name != "big-agent"  # the defect, without the worker
         seen = build_plan(probe, [BIG, SMALL], F16,
-                          previous=PreviousModel("big-agent", plan.probe.device, worker_held_bytes=held))
+                          previous=PreviousModel("big-agent", plan.placement.device, worker_held_bytes=held))
         assert seen.plan is not None and seen.plan.entry.name == "big-agent" and seen.plan.reused_previous
-        assert seen.plan.probe.device.uuid == "GPU-card"
+        assert seen.plan.placement.device.uuid == "GPU-card"
         card = next(d for d in seen.devices if d.device.index == 0)
         assert card.judged_free_bytes == previous_device_free(probe, manifest, facts(manifest.opened_context_tokens))[1]
 
@@ -148,10 +149,9 @@ def test_the_worker_memory_is_never_given_to_another_model(provisioned: tuple) -
     """When even with its worker's memory the previous model no longer qualifies, the device is
     planned on what is really free: that memory is not available to a model that would run beside it."""
     plan, _ = provisioned
-    tiny_card = ProbeResult(devices=(Device(0, "nvidia", "24 GiB card", 24 * GiB, 5 * GiB, uuid="GPU-card"),),
-                            selected=0)
+    tiny_card = ProbeResult(devices=(Device(0, "nvidia", "24 GiB card", 24 * GiB, 5 * GiB, uuid="GPU-card"),))
     out = build_plan(tiny_card, [BIG, SMALL], F16,
-                     previous=PreviousModel("big-agent", plan.probe.device, worker_held_bytes=6 * GiB))
+                     previous=PreviousModel("big-agent", plan.placement.device, worker_held_bytes=6 * GiB))
     assert out.plan is not None and out.plan.entry.name == "small-agent" and not out.plan.reused_previous
     assert out.plan.budget.free_bytes == 5 * GiB
 

@@ -12,6 +12,8 @@ pick one with :func:`backends.select.backend_for` from the plan and never touch 
   :meth:`Backend.serve_refusal`, :meth:`Backend.service_pin`, :attr:`Backend.serve_hint`,
   :meth:`Backend.template_summary`);
 - :meth:`Backend.grade_build` — the identity of the build that would serve a model now (grade evidence);
+- :meth:`Backend.build_for` — the build a fleet's build server makes for a planned device
+  (``hotfit fleet plan``, docs/fleet.md);
 - on the :class:`Session`: :meth:`~Session.call_tools` (one chat call, tool calls parsed into the
   OpenAI shape — the probe's), :meth:`~Session.chat_endpoint` (the grade's multi-turn endpoint),
   :meth:`~Session.allocation_report` (what the opened session really allocated, judged against the
@@ -35,7 +37,8 @@ from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device
 from hotfit.core.records import JsonRecord
 from hotfit.core.settings import Settings
 from hotfit.grading.protocol import ChatEndpoint
@@ -49,9 +52,12 @@ __all__ = [
     "Backend",
     "BackendBinary",
     "BackendName",
+    "BuildNeed",
     "BuildUnavailable",
     "ChatAnswer",
     "ChatFailed",
+    "DeviceListing",
+    "ListedDevice",
     "ModelFiles",
     "ServeCommand",
     "ServicePin",
@@ -66,6 +72,21 @@ KV_EXCESS_TOLERANCE = 0.01
 # Less than half the estimate means the plan's arithmetic and the server disagree (a window that
 # shrank, layers without KV): not unsafe, but worth an operator's look.
 KV_SHORTFALL_WARN_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class BuildNeed(JsonRecord):
+    """The server build a planned machine needs, as its fleet's build server makes it once and
+    exports (docs/fleet.md, "Builds to make"): ``flavour`` names the build cache's folder,
+    ``install_flags`` what selects it; ``per_gpu_code``: the build holds code per GPU generation
+    (CUDA), so one build for a fleet covers the union of ``cuda_capability`` (89 for 8.9; None: the
+    probe did not record it)."""
+
+    flavour: str
+    arch: str
+    install_flags: str
+    per_gpu_code: bool = False
+    cuda_capability: int | None = None
 
 
 @runtime_checkable
@@ -85,11 +106,34 @@ class BackendBinary(Protocol):
 @dataclass(frozen=True)
 class ManifestFacts:
     """A backend's own part of the manifest (pipeline/manifest.py): its figures in ``measured``
-    beside the shared KV figures, the ``llama_cpp`` section, and what it adds to ``extra``."""
+    beside the shared KV figures, its build (the manifest's ``backend_build``: llama-server's path,
+    version, commit…), and what it adds to ``extra``."""
 
     measured: Mapping[str, Any]
-    llama_cpp: Mapping[str, Any] = field(default_factory=dict)
+    build: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ListedDevice:
+    """A GPU a backend's runtime says it sees, as the probe merges it with NVML and sysfs."""
+
+    name: str  # the runtime's name for it, what a session is pinned to ("Vulkan0", "CUDA0")
+    api: str  # what it is reached through: "vulkan", "cuda"
+    description: str  # "llvmpipe (LLVM 15.0.6, 256 bits)", "NVIDIA H200"
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class DeviceListing:
+    """The GPUs a backend's runtimes list, and why a listing is missing (the probe's notes)."""
+
+    devices: tuple[ListedDevice, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __add__(self, other: DeviceListing) -> DeviceListing:
+        return DeviceListing(self.devices + other.devices, self.notes + other.notes)
 
 
 @dataclass(frozen=True)
@@ -220,6 +264,11 @@ class AllocationReport(Protocol):
     @property
     def opened_context_tokens(self) -> int | None: ...  # the window the session holds (None: unread)
 
+    def opened_figure(self) -> Any:
+        """How the re-check's figures show the opened window (llama-server: the window per slot;
+        OpenVINO: the one window its bytes hold)."""
+        ...
+
     def event_facts(self) -> dict[str, Any]:
         """The fields of the ``recheck.*`` events."""
         ...
@@ -302,8 +351,24 @@ class Backend(Protocol):
         """The allocation report back from its ``to_json()`` (the re-check's record)."""
         ...
 
-    def device_listing_binaries(self, settings: Settings) -> tuple[Path, ...]:
-        """This backend's programs the probe asks which GPUs they see (none: it asks none)."""
+    def decode_load(self, record: Mapping[str, Any]) -> None:
+        """Check a load record (its :meth:`Session.to_json` plus ``backend``, the binary's record) has
+        this backend's shape; StageRecordError names a damaged field. The stage keeps it opaque."""
+        ...
+
+    def load_fingerprint(self, record: Mapping[str, Any]) -> Any:
+        """What downstream stages hash of a load record: how the session was started, without what
+        changes every start (a port, the pid, timings)."""
+        ...
+
+    def launch_flags(self, record: Mapping[str, Any]) -> Any:
+        """The settings a load record says the session was started with, for a grade's fingerprint
+        (its ``flags``): what a server cannot report of itself. Falsy: unknown."""
+        ...
+
+    def list_devices(self, settings: Settings, env: Mapping[str, str]) -> DeviceListing:
+        """The GPUs this backend's runtimes see, before any plan names a backend (blocking: it may
+        run a program). None listed: the probe has NVML, sysfs and host memory."""
         ...
 
     def device_env(self, plan: Plan) -> dict[str, str]:
@@ -340,6 +405,11 @@ class Backend(Protocol):
 
     def template_summary(self, template_path: str | None) -> str:
         """How ``auto``'s summary names the chat template the provisioned model is served with."""
+        ...
+
+    def build_for(self, device: Device, arch: str) -> BuildNeed | None:
+        """The build that serves a model on ``device`` of a machine of CPU ``arch`` (``x86_64``,
+        ``aarch64``), or None where nothing is built (a runtime installed from PyPI). Pure."""
         ...
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:

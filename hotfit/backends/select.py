@@ -4,10 +4,11 @@ backend facts asked before any plan exists. With :mod:`backends.base`, the only 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
-from pathlib import Path
 
-from hotfit.backends.base import Backend
+from hotfit.backends.base import Backend, DeviceListing
 from hotfit.backends.http_chat import HttpChatEndpoint
 from hotfit.backends.llama_server.backend import LlamaServerBackend
 from hotfit.backends.openvino.backend import OpenVinoBackend
@@ -15,7 +16,7 @@ from hotfit.core.errors import UsageError
 from hotfit.core.settings import Settings
 from hotfit.grading.protocol import ChatEndpoint
 
-__all__ = ["BACKENDS", "backend_for", "endpoint_at", "gpu_listing_binaries"]
+__all__ = ["BACKENDS", "backend_for", "endpoint_at", "list_devices"]
 
 # Typed as the protocol: mypy checks here that each implementation satisfies Backend.
 BACKENDS: dict[str, Backend] = {"llama": LlamaServerBackend(), "openvino": OpenVinoBackend()}
@@ -28,10 +29,13 @@ def backend_for(name: str) -> Backend:
         raise UsageError(f"unknown backend {name!r}", hint=f"use one of {', '.join(BACKENDS)}") from None
 
 
-def gpu_listing_binaries(settings: Settings) -> tuple[Path, ...]:
-    """The binaries the probe asks which GPUs they see (stages/probe.py, ``--list-devices``), before
-    any plan names a backend: each backend names its own (:meth:`Backend.device_listing_binaries`)."""
-    return tuple(p for backend in BACKENDS.values() for p in backend.device_listing_binaries(settings))
+def list_devices(settings: Settings, env: Mapping[str, str] | None = None) -> DeviceListing:
+    """The GPUs every backend's runtimes see (the probe's source 3, stages/probe.py), asked before
+    any plan names a backend (:meth:`Backend.list_devices`; blocking)."""
+    listing = DeviceListing()
+    for backend in BACKENDS.values():
+        listing += backend.list_devices(settings, os.environ if env is None else env)
+    return listing
 
 
 def endpoint_at(url: str, *, api_key: str | None = None) -> AbstractAsyncContextManager[ChatEndpoint]:

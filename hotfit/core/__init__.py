@@ -1,4 +1,4 @@
 """Leaves every layer shares: the error tree (errors), structured logging (log), settings, the registry
-entry and plan types (entry, plan), the fetch/verify results (model_files), the one decoding toolkit every file
+entry type (entry), the fetch/verify results (model_files), the one decoding toolkit every file
 format and stage record uses (records), and ISA feature names (isa). Nothing here imports
 any other hotfit package."""

@@ -7,8 +7,9 @@ a model from automatic selection").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Backend = Literal["llama", "openvino"]
 Origin = Literal["us", "eu", "china", "gus"]
@@ -53,6 +54,13 @@ WEIGHTS_LAYOUTS: dict[str, WeightsLayout] = {
     "openvino": WeightsLayout(snapshot=True, file_format=None, paged_kv=True, architecture_required=False),
 }
 BACKENDS: tuple[str, ...] = tuple(WEIGHTS_LAYOUTS)
+
+
+def backend_names() -> tuple[str, ...]:
+    """The backend names :data:`WEIGHTS_LAYOUTS` holds when asked: what the decoders (registry,
+    manifest) and ``--backend`` accept, so a backend is registered in one place per layer
+    (CONTRIBUTING.md "Adding a backend")."""
+    return tuple(WEIGHTS_LAYOUTS)
 DEFAULT_BACKEND: Backend = "llama"  # what a plan, a manifest and --backend mean when they name none
 
 
@@ -91,11 +99,35 @@ class Artifact:
 
 @dataclass(frozen=True)
 class TemplateSource:
-    """Where the tool-capable chat template lives: a ``.jinja`` file or a ``tokenizer_config.json``."""
+    """Where the tool-capable chat template lives: a ``.jinja`` file or a ``tokenizer_config.json``.
+    ``size_bytes``/``sha256`` (optional) pin the source file's bytes: with them a static mirror may
+    serve it (docs/fleet.md); without them it is checked against the Hub's git blob id."""
 
     repo: str
     revision: str | None
     file: str
+    size_bytes: int | None = None
+    sha256: str | None = None
+
+
+TEMPLATE_PIN_FIELDS = ("size_bytes", "sha256")
+
+
+def template_json(template: TemplateSource | None) -> dict[str, Any] | None:
+    """A template source as JSON, its optional pins left out when unset: an entry pinned as before
+    keeps the JSON — and the plan id, the manifest's comparison — it had."""
+    if template is None:
+        return None
+    out = dataclasses.asdict(template)
+    for key in TEMPLATE_PIN_FIELDS:
+        if out[key] is None:
+            del out[key]
+    return out
+
+
+def entry_json(entry: Entry) -> dict[str, Any]:
+    """``dataclasses.asdict(entry)`` with the chat template as :func:`template_json` writes it."""
+    return dataclasses.asdict(entry) | {"chat_template": template_json(entry.chat_template)}
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,12 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   ├── HubError                   exit 4   the Hub answered with an error (repo, revision, entry, gated)
     │   ├── PinMismatch                exit 4   X-Repo-Commit or size differs from the pinned value
     │   ├── DiskSpaceError             exit 4   not enough free disk for what must be written
+    │   ├── DiskWriteError             exit 4   the filesystem refused a write: read-only (EROFS) or failing (EIO)
     │   ├── IntegrityError             exit 4   sha256 / size / GGUF header disagree with the registry
-    │   └── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
+    │   ├── CertificateError           exit 4   a server's TLS certificate failed verification (never retried)
+    │   ├── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
+    │   └── TransientTransferError     exit 11  retries ran out on a passing fault (no progress, cut streams)
+    │       └── HubUnreachable         exit 11  (also a HubError) no connection, or 5xx/429 after every retry
     ├── BackendError                   exit 5   load / probe-tool-call / re-check
     │   ├── BackendNotFound            exit 5   no llama-server binary could be found
     │   ├── LoadError                  exit 5   llama-server did not come up (log lines quoted)
@@ -20,7 +24,11 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   └── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
     ├── LockedError                    exit 6   another hotfit holds the lock (its PID is named)
     ├── HardwareProbeError             exit 7   NVML (or another probe) present but failing
-    └── Interrupted                    exit 130 SIGINT/SIGTERM; state marked interrupted, rerun resumes
+    └── Interrupted                    exit 130 SIGINT/SIGTERM/SIGHUP; state marked interrupted, rerun resumes
+
+Exit 4 is permanent until something changes (a pin, a file, the disk); exit 11 is a fault that
+passes by itself, so a Kubernetes Job retries it and a systemd unit or cron restarts it, while 4 stops
+them (docs/recipes.md, "Exit codes in a fleet").
 
 Each error carries ``what`` happened, ``hint`` (what to do) and ``details`` (machine-readable
 facts for ``--json``). Messages never contain secrets.
@@ -41,8 +49,12 @@ __all__ = [
     "HubError",
     "PinMismatch",
     "DiskSpaceError",
+    "DiskWriteError",
     "IntegrityError",
+    "CertificateError",
     "TemplateError",
+    "TransientTransferError",
+    "HubUnreachable",
     "BackendError",
     "BackendNotFound",
     "LoadError",
@@ -118,12 +130,42 @@ class DiskSpaceError(TransferError):
     code = "disk_space"
 
 
+class DiskWriteError(TransferError):
+    """The filesystem refused a write it has room for: turned read-only (EROFS; what the kernel does
+    after a disk error) or failing (EIO). What was written before is kept; the rerun resumes."""
+
+    code = "disk_unwritable"
+
+
 class IntegrityError(TransferError):
     code = "integrity"
 
 
+class CertificateError(TransferError):
+    """The TLS certificate of the Hub, a mirror or a TLS-inspecting proxy failed verification (not yet
+    valid, expired, not trusted, another name): permanent until the clock, the trust store or the
+    endpoint changes, so it is never retried; the message carries the verifier's reason."""
+
+    code = "tls_certificate"
+
+
 class TemplateError(TransferError):
     code = "template"
+
+
+class TransientTransferError(TransferError):
+    """Retries ran out on a fault that passes by itself (no progress, a refused or cut connection, a
+    5xx or 429 answer): nothing was found wrong with the files, and a later rerun resumes what is on
+    disk. Its own exit code, so a fleet's scheduler can retry it and stop on exit 4."""
+
+    exit_code = 11
+    code = "transfer_transient"
+
+
+class HubUnreachable(TransientTransferError, HubError):
+    """The Hub (or the mirror, or the proxy in front of it) could not be reached at all."""
+
+    code = "hub_unreachable"
 
 
 class BackendError(HotfitError):

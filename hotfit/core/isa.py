@@ -194,7 +194,8 @@ def missing_features(required: Iterable[str], available: frozenset[str]) -> list
     return sorted(set(required) - available)
 
 
-_LOADED_CPU_RE = re.compile(r"loaded CPU backend from (?P<path>\S+)")
+# The path runs to the first ".so" that ends a word: a cache path may hold spaces (docs/builds.md).
+_LOADED_CPU_RE = re.compile(r"loaded CPU backend from (?P<path>[^\r\n]*?\.so)(?=\s|$)", re.MULTILINE)
 
 
 def loaded_cpu_variant(text: str) -> str | None:

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, TextIO
 import structlog
 from structlog.typing import EventDict, Processor
 
-from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.diskspace import write_failure
 
 SECRET_KEYS = frozenset({"token", "hf_token", "api_key", "authorization", "password", "secret"})
 _VERBOSITY_LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
@@ -156,8 +156,8 @@ def configure(
                 # Once: the file stops taking events (unbuffered, so nothing retries the write), the
                 # stream still shows them, and a full disk is exit 4 naming the log.
                 sink_failed.append(True)
-                if is_disk_full(exc):
-                    raise from_os_error(exc, log_file, needed_bytes=len(line) + 1, what="the event log") from None
+                if (mapped := write_failure(exc, log_file, needed_bytes=len(line) + 1, what="the event log")) is not None:
+                    raise mapped from None
                 raise
         _seen.append(event)
         if file_only or _LEVEL_NUMBERS.get(str(event.get("level")), logging.INFO) < stream_level:

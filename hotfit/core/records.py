@@ -348,3 +348,8 @@ class JsonRecord:
     @classmethod
     def decode(cls, data: Mapping[str, Any]) -> Self:
         return decode_record(cls, data)
+
+
+def canonical_json(value: Any) -> str:
+    """One JSON text per value (sorted keys, no spaces): what content hashes are taken of."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)

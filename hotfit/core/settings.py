@@ -28,7 +28,8 @@ Environment variables (all optional):
 On-disk layout under the home directory (the one place it is written down)::
 
     <home>/
-      state.db                 SQLite (WAL) stage state, one row per (run, stage)
+      state.db                 SQLite (WAL) stage state, one row per (run, stage); meta records the home
+                               (a copied home re-roots its records: docs/faults-state.md)
       pipeline.lock            flock held by the running pipeline (holder PID inside)
       logs/hotfit.jsonl        JSON event log, appended by every command (+ .1 … .N, rotated by size)
       metrics/hotfit.prom      Prometheus textfile of the last `hotfit auto` (docs/operations.md)
@@ -162,6 +163,9 @@ class Settings:
     log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
     log_keep: int = DEFAULT_LOG_KEEP
     keep_runs: int = DEFAULT_KEEP_RUNS
+    # HOTFIT_MIRROR_TOKEN=1: send the Hub token to an HF_ENDPOINT that has not shown itself a Hub
+    # (a static mirror); by default it goes only to the Hub itself (docs/fleet.md, "Serving the mirror")
+    mirror_token: bool = False
 
     @property
     def home_named(self) -> str:
@@ -236,6 +240,7 @@ def load_settings(
         home_source="flag" if home else ("env" if env.get("HOTFIT_HOME") else "default"),
         proxy_env=tuple(sorted((k, v) for k, v in env.items() if k.upper() in PROXY_VARIABLES)),
         hf_hub_cache=default_hf_hub_cache(env),
+        mirror_token=_truthy(env.get("HOTFIT_MIRROR_TOKEN")),
         textfile_dir=Path(textfile).expanduser() if textfile else None,
         log_max_bytes=_whole(env, "HOTFIT_LOG_MAX_BYTES", DEFAULT_LOG_MAX_BYTES, 4096, "10485760"),
         log_keep=_whole(env, "HOTFIT_LOG_KEEP", DEFAULT_LOG_KEEP, 0, "5"),

@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hotfit.core.diskspace import from_os_error
+from hotfit.core.diskspace import write_failure
 from hotfit.core.entry import Artifact, Entry
-from hotfit.core.errors import DiskSpaceError
+from hotfit.core.errors import DiskSpaceError, TransferError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import PARTIAL_DIRNAME
 from hotfit.download.options import partial_paths
@@ -108,11 +108,13 @@ def check_disk(entry: Entry, dest: Path) -> None:
                                                        "already there)")
 
 
-def disk_error(exc: OSError, partial: Path, offset: int, needed_bytes: int) -> DiskSpaceError:
+def disk_error(exc: OSError, partial: Path, offset: int, needed_bytes: int) -> TransferError | None:
     """ENOSPC/EFBIG writing a partial: names the partial, the offset, the bytes it still needed and the
-    bytes free (core.diskspace); the partial is kept, so the rerun resumes."""
-    err = from_os_error(exc, partial, needed_bytes=needed_bytes, what="the partial download", offset_bytes=offset)
-    err.details["partial"] = str(partial)
+    bytes free; EROFS/EIO: the partial and the mount to remount (core.diskspace); None for another
+    error. The partial is kept, so the rerun resumes."""
+    err = write_failure(exc, partial, needed_bytes=needed_bytes, what="the partial download", offset_bytes=offset)
+    if err is not None:
+        err.details["partial"] = str(partial)
     return err
 
 

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import anyio
 
-from hotfit.core.errors import DiskSpaceError, HubError, IntegrityError, PinMismatch, TransferError
+from hotfit.core.diskspace import write_failure
+from hotfit.core.errors import (DiskSpaceError, DiskWriteError, HubError, IntegrityError, PinMismatch, TransferError,
+                                TransientTransferError)
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
 from hotfit.download.disk import bytes_held, check_disk_space, preallocate, release_unclaimed
@@ -166,7 +168,8 @@ async def _download_to_partial(
     # One deadline for the whole file: retries of every block and HEAD share it.
     counters: dict[str, Any] = {"attempts": 0, "transferred": 0, "deadline": time.monotonic() + options.max_total_retry_s}
 
-    remote = await head_retrying(session, repo, revision, path, expected_size=expected_size, pinned=True,
+    remote = await head_retrying(session, repo, revision, path, expected_size=expected_size,
+                                 expected_sha256=expected_sha256, pinned=True,
                                  deadline=counters["deadline"], counters=counters,
                                  done_bytes=lambda: _claimed(partial_dir, repo, path))
     size = remote.size_bytes if remote.size_bytes is not None else expected_size
@@ -224,7 +227,7 @@ async def _download_to_partial(
                 hasher.abort()
                 restarts += 1
                 if restarts > options.max_attempts_without_progress:
-                    raise TransferError(
+                    raise TransientTransferError(
                         f"{repo}/{path}: the server ignores Range and the stream keeps breaking",
                         hint="rerun later or use another HF_ENDPOINT mirror", repo=repo, file=path) from None
                 log.warning("download.range_ignored", file=path,
@@ -273,15 +276,23 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
     lock = anyio.Lock()
     whole = len(blocks) == 1
 
+    def sync_partial() -> None:
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:  # a full, read-only or failing disk names the partial (core.diskspace)
+            if (mapped := write_failure(exc, partial, needed_bytes=None, what="the partial download")) is None:
+                raise
+            raise mapped from None
+
     def checkpoint() -> None:
         claimed = encode_sidecar(side, blocks)
-        os.fdatasync(fd)
+        sync_partial()
         write_sidecar(sidecar_path, claimed)
 
     async def fresh_url() -> str:
         """Re-HEAD before a resume (CDN links expire); re-checks the pin and size each time."""
         async with lock:
-            again = await session.head_pinned(side.repo, side.revision, side.file, expected_size)
+            again = await session.head_pinned(side.repo, side.revision, side.file, expected_size, side.expected_sha256)
             state["url"] = again.download_url
             return again.download_url
 
@@ -311,7 +322,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
         while True:
             await anyio.sleep(session.options.checkpoint_interval_s)
             claimed = encode_sidecar(side, blocks)
-            await anyio.to_thread.run_sync(os.fdatasync, fd)
+            await anyio.to_thread.run_sync(sync_partial)
             write_sidecar(sidecar_path, claimed)
 
     checkpoint()
@@ -324,7 +335,7 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
             tg.cancel_scope.cancel()
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
-            with contextlib.suppress(OSError, DiskSpaceError):  # the error being raised says more
+            with contextlib.suppress(OSError, DiskSpaceError, DiskWriteError):  # the error being raised says more
                 checkpoint()
         raise _unwrap(exc) from None
     checkpoint()

@@ -10,12 +10,13 @@ or revision missing, not a Hub at all, unreachable. What is worth another attemp
 
 from __future__ import annotations
 
+import ssl
 import time
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from hotfit.core.errors import HubError
+from hotfit.core.errors import CertificateError, HubError, HubUnreachable, TransferError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.download.proxy import Proxy, proxy_refused
 
@@ -155,6 +156,46 @@ def hf_exception_not_a_hub(exc: BaseException, endpoint: str, url: str) -> HubEr
     return None
 
 
+def certificate_failure(exc: BaseException | None) -> ssl.SSLCertVerificationError | None:
+    """The TLS certificate verification error under ``exc`` (httpx and huggingface_hub wrap it as a
+    ConnectError; ``http.client`` raises it as it is), or None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def certificate_error(failure: ssl.SSLCertVerificationError, url: str, *, proxy: Proxy | None = None) -> CertificateError:
+    """What a failed certificate verification is and what to do, by the verifier's reason: a clock
+    (not yet valid, expired), a trust store (self-signed, unknown issuer: a private mirror or a
+    TLS-inspecting proxy), or a name. Not retried: retrying changes none of them (docs/network.md)."""
+    reason = failure.verify_message or failure.reason or str(failure)
+    host = urlsplit(url).netloc or url
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    lowered = reason.lower()
+    if "not yet valid" in lowered or "expired" in lowered:
+        hint = (f"this machine's clock reads {now} UTC: if that is wrong, set it (timedatectl set-ntp true, or "
+                "chronyc makestep) and rerun; if it is right, the server's certificate is out of date: tell "
+                "whoever runs it")
+    elif "self-signed" in lowered or "issuer" in lowered or "untrusted" in lowered:
+        via = f" or of the proxy {proxy.named} if it inspects TLS" if proxy is not None else \
+            " (or of a TLS-inspecting proxy)"
+        hint = (f"the certificate is not signed by an authority this machine trusts: point SSL_CERT_FILE (or "
+                f"SSL_CERT_DIR) at the CA bundle of {host}{via}, or install it in the system trust store, "
+                "and rerun")
+    elif "hostname" in lowered or "ip address mismatch" in lowered:
+        hint = f"the certificate does not name {host}: set HF_ENDPOINT to the host name the certificate names"
+    else:
+        hint = "fix the certificate (or the trust store: SSL_CERT_FILE / SSL_CERT_DIR) and rerun"
+    return CertificateError(
+        f"the TLS certificate of {host} failed verification: {reason} (not retried: retrying cannot fix a "
+        "certificate)", hint=hint, url=redact_url(url), host=host, reason=reason,
+        verify_code=failure.verify_code)
+
+
 def _is_transport_error(exc: BaseException) -> bool:
     # connection refused, DNS, TLS, timeouts: OSError, or httpx transport errors (not OSError subclasses)
     return isinstance(exc, (OSError, httpx.TransportError)) or (
@@ -162,7 +203,7 @@ def _is_transport_error(exc: BaseException) -> bool:
 
 
 def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str | None, endpoint: str,
-                                url: str, proxy: Proxy | None = None) -> HubError | None:
+                                url: str, proxy: Proxy | None = None) -> TransferError | None:
     """The typed error for a failed ``huggingface_hub`` metadata call, or None for an exception that is
     no Hub answer at all (a bug: the caller re-raises it). ``proxy``: the one the call went through
     (named when it could not be reached)."""
@@ -176,6 +217,11 @@ def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str 
     if not_a_hub is not None:
         return not_a_hub
     details = {"repo": repo, "revision": revision}
+    failure = certificate_failure(exc)
+    if failure is not None:
+        cert = certificate_error(failure, url, proxy=proxy)
+        cert.details.update(details)
+        return cert
     if isinstance(exc, hf.OfflineModeIsEnabled):
         return HubError(f"HF_HUB_OFFLINE is set and {repo} is not on disk",
                         hint="unset HF_HUB_OFFLINE (or set it to 0) to download, or copy the files in", **details)
@@ -186,15 +232,19 @@ def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str 
     if isinstance(exc, hf.RepositoryNotFoundError):
         return _repo_missing(repo, **details)
     if isinstance(exc, hf.HfHubHTTPError):
-        return HubError(f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}",
-                        hint="check HF_ENDPOINT and the network, then rerun", **details)
+        # a 5xx/429 still there after the retries passes by itself: exit 11, not 4 (core.errors)
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        return (HubUnreachable if status in RETRYABLE_STATUS else HubError)(
+            f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}",
+            hint="check HF_ENDPOINT and the network, then rerun", **details)
     if _is_transport_error(exc):
         if proxy is not None:
-            return HubError(f"cannot reach the Hub for {repo} through proxy {proxy.named}: {exc}",
-                            hint=f"check the proxy ({proxy.variable}, NO_PROXY), the network and HF_ENDPOINT, "
-                                 "then rerun", proxy=proxy.url, variable=proxy.variable, **details)
-        return HubError(f"cannot reach the Hub for {repo}: {exc}",
-                        hint="check the network / HF_ENDPOINT and rerun", **details)
+            return HubUnreachable(f"cannot reach the Hub for {repo} through proxy {proxy.named}: {exc}",
+                                  hint=f"check the proxy ({proxy.variable}, NO_PROXY), the network and "
+                                       "HF_ENDPOINT, then rerun", proxy=proxy.url, variable=proxy.variable,
+                                  **details)
+        return HubUnreachable(f"cannot reach the Hub for {repo}: {exc}",
+                              hint="check the network / HF_ENDPOINT and rerun", **details)
     return None
 
 
@@ -203,6 +253,8 @@ def is_retryable_hf_exception(exc: BaseException) -> bool:
     error; never a missing repository, revision or file."""
     from huggingface_hub import errors as hf
 
+    if certificate_failure(exc) is not None:  # permanent: the clock, the trust store or the name
+        return False
     if isinstance(exc, hf.HfHubHTTPError) and not isinstance(exc, (hf.RepositoryNotFoundError,
                                                                    hf.RevisionNotFoundError,
                                                                    hf.EntryNotFoundError)):

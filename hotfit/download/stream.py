@@ -26,7 +26,6 @@ from typing import Any, Callable, TypeVar
 
 import anyio
 
-from hotfit.core.diskspace import DISK_FULL_ERRNOS
 from hotfit.core.errors import PinMismatch, TransferError
 from hotfit.download.disk import disk_error
 from hotfit.download.hashing import WRITE_QUEUE_BYTES, OrderedHasher
@@ -134,9 +133,10 @@ class _Writer:
             raise self.hasher.thread_error
         if self.hasher.write_error is not None:
             exc, at = self.hasher.write_error
-            if exc.errno in DISK_FULL_ERRNOS:
-                # what the file still lacks past its in-order prefix: at most this much more must fit
-                raise disk_error(exc, self.partial, at, self.hasher.size_bytes - self.hasher.frontier) from exc
+            # what the file still lacks past its in-order prefix: at most this much more must fit
+            mapped = disk_error(exc, self.partial, at, self.hasher.size_bytes - self.hasher.frontier)
+            if mapped is not None:
+                raise mapped from exc
             raise exc
 
 

@@ -16,7 +16,8 @@ a failure to reach the proxy names it.
 Kept from the httpx path: redirects followed (at most 20, like httpx), the Authorization header only
 to the endpoint's origin on every hop (``HubSession.headers_for``), the connect and read timeouts,
 keep-alive connections reused between blocks, the same TLS context (``HubSession``'s:
-``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else certifi, as httpx and huggingface_hub read them),
+``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else the system store, as huggingface_hub reads them:
+``download.tls``),
 and transport failures as :class:`Retryable` named like httpx's (``ConnectError``, ``ReadTimeout``,
 ``ReadError``, ``RemoteProtocolError``) for the ``download.retry`` events.
 """
@@ -34,8 +35,9 @@ from urllib.parse import urljoin, urlsplit
 
 from hotfit.core.errors import HubError
 from hotfit.core.lazy_import import lazy_module
-from hotfit.download.hub_errors import Retryable
+from hotfit.download.hub_errors import Retryable, certificate_error, certificate_failure
 from hotfit.download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
+from hotfit.download.tls import tls_context
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -59,9 +61,12 @@ def _target(url: str) -> str:
 
 
 def transport_error(what: str, exc: BaseException, *, connecting: bool = False,
-                    proxy: Proxy | None = None) -> Retryable:
+                    proxy: Proxy | None = None, url: str | None = None) -> Exception:
     """A socket or protocol failure as a Retryable whose text names it the way httpx did (and the
-    proxy the connection went through)."""
+    proxy the connection went through); a failed certificate verification as the CertificateError
+    that is never retried."""
+    if url is not None and (failure := certificate_failure(exc)) is not None:
+        return certificate_error(failure, url, proxy=proxy)
     if connecting:
         name = "ConnectTimeout" if isinstance(exc, TimeoutError) else "ConnectError"
     elif isinstance(exc, TimeoutError):
@@ -100,8 +105,7 @@ class ConnectionPool:
         proxy = self.proxy_for(url)
         if scheme == "https":
             if self._ssl is None:
-                make = getattr(httpx, "create_ssl_context", None)
-                self._ssl = make() if make is not None else ssl.create_default_context()
+                self._ssl = tls_context()
             if proxy is None:
                 return http.client.HTTPSConnection(host, port, timeout=self.connect_timeout_s, context=self._ssl), False
             # TCP to the proxy, CONNECT host:port, then TLS with the target's name (end to end)
@@ -164,7 +168,7 @@ def _connect(conn: http.client.HTTPConnection, pool: ConnectionPool, url: str, w
         proxy = pool.proxy_for(url)
         if proxy is not None and is_proxy_auth_failure(exc):
             raise proxy_refused(proxy, what) from exc
-        raise transport_error(what, exc, connecting=True, proxy=proxy) from exc
+        raise transport_error(what, exc, connecting=True, proxy=proxy, url=url) from exc
     if conn.sock is not None:
         conn.sock.settimeout(pool.read_timeout_s)  # the connect timeout was for connecting only
 

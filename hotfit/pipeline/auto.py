@@ -28,16 +28,18 @@ from typing import Any, Literal, cast
 import anyio
 
 from hotfit.backends.base import AllocationReport, ManifestFacts
-from hotfit.core.errors import Interrupted, UsageError
+from hotfit.core.entry import template_json
+from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import FetchResult, TemplateResult, VerifyResult
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import ProbeResult
 from hotfit.core.settings import Settings
-from hotfit.pipeline.engine import PipelineOutcome, Runner, signal_receiver
+from hotfit.pipeline.engine import STOP_SIGNALS, PipelineOutcome, Runner, signal_receiver
 from hotfit.pipeline.evidence import record_grade
 from hotfit.pipeline.manifest import (
     Manifest,
-    plan_from_json,
+    provisioned_device,
     read_manifest,
     utc_now_iso,
     write_manifest,
@@ -52,7 +54,8 @@ from hotfit.pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stag
 from hotfit.pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
 from hotfit.stages.grade import GradeResult
 from hotfit.stages.load import LoadResult
-from hotfit.stages.plan import PlanOutcome, PreviousModel, outcome_json
+from hotfit.planner.devices import PlanOutcome, PreviousModel
+from hotfit.planner.document import outcome_json
 from hotfit.stages.probe_tool_call import ProbeToolCallResult
 from hotfit.state.locks import FileLock
 from hotfit.state.store import StateStore
@@ -103,20 +106,10 @@ def noop_problems(manifest: Manifest, plan: Plan) -> list[str]:
     now = dataclasses.asdict(plan.entry.artifact) if plan.entry.artifact else None
     if pinned != now:
         problems.append("the registry pins a different artifact for this entry")
-    if (manifest.plan.get("entry") or {}).get("chat_template") != (
-            dataclasses.asdict(plan.entry.chat_template) if plan.entry.chat_template else None):
+    if (manifest.plan.get("entry") or {}).get("chat_template") != template_json(plan.entry.chat_template):
         problems.append("the registry names a different chat template for this entry")
     problems += manifest.files_in_place()
     return problems
-
-
-def _provisioned_device(manifest: Manifest) -> Device | None:
-    """The device the manifest's plan was made for (None when the plan is unreadable: then the
-    previous model is kept on whichever device it still qualifies)."""
-    try:
-        return plan_from_json(manifest.plan).probe.device
-    except UsageError:  # plan_from_json names the damaged field
-        return None
 
 
 @dataclass(frozen=True)
@@ -150,7 +143,7 @@ def build_manifest(results: ProvisionedResults) -> Manifest:
     plan = results.plan
     verified, template, fetched, loaded = results.verified, results.template, results.fetched, results.loaded
     call, report = results.call, results.report
-    device = plan.probe.device
+    device = plan.placement.device
     model_path = verified.weights_path
     assert model_path is not None  # the load stage refuses a verify result without weights (stages/load.py)
     # what the load ran says what the manifest keeps of its session (its runtime's own figures…)
@@ -189,12 +182,12 @@ def build_manifest(results: ProvisionedResults) -> Manifest:
             "prompt_tokens_per_s": call.prompt_tokens_per_s,
             "generation_tokens_per_s": call.generation_tokens_per_s,
         },
-        llama_cpp=dict(own.llama_cpp),
+        backend_build=dict(own.build),
         device={"index": device.index, "kind": device.kind, "name": device.name,
                 "total_bytes": device.total_bytes, "free_bytes_at_plan": device.free_bytes,
                 "ggml_device": device.ggml_device},
         plan=plan.to_json(),
-        extra={"vision": fetched.vision, "load_argv": loaded.record.get("argv")} | dict(own.extra),
+        extra={"vision": fetched.vision} | dict(own.extra),
         backend=plan.backend,
         grade=grade_summary(results.graded.to_json(), run_id=results.run_id) if results.graded else None,
     )
@@ -227,7 +220,7 @@ async def _standing(opts: AutoOptions, settings: Settings, *,
             held = worker_held_bytes(manifest, worker)
         except (UsageError, KeyError, TypeError, ValueError, AttributeError) as exc:  # unusable plan
             log.info("worker.unjudged", reason=str(exc))
-    return manifest, PreviousModel(manifest.entry_name, device=_provisioned_device(manifest),
+    return manifest, PreviousModel(manifest.entry_name, device=provisioned_device(manifest),
                                    worker_held_bytes=held), worker
 
 
@@ -273,8 +266,8 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             "kv_cache_type": plan.kv_cache_type,
             "estimated_hot_context_tokens": plan.hot_context_tokens,
             "previous_model": manifest.entry_name if manifest else None,
-            "device": {"index": plan.probe.device.index, "kind": plan.probe.device.kind,
-                       "name": plan.probe.device.name},
+            "device": {"index": plan.placement.device.index, "kind": plan.placement.device.kind,
+                       "name": plan.placement.device.name},
             "reused": plan.reused_previous,
             "would": ("nothing (provisioned and still valid)"
                       if manifest and not opts.recheck and not noop_problems(manifest, plan)
@@ -285,6 +278,11 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
     lock = FileLock(settings.lock_path, wait=opts.wait, what=f"hotfit home {settings.home}")
     async with held_interruptibly(lock):
         manifest, previous, worker = await _standing(opts, settings, worker_wanted=True)
+        if manifest is not None and manifest.rehomed_from is not None:
+            # a copied home: its manifest names this home's files from now on (docs/faults-state.md)
+            await anyio.to_thread.run_sync(write_manifest, settings.manifest_path, manifest)
+            log.info("home.copied", from_home=manifest.rehomed_from, home=str(settings.home),
+                     file=str(settings.manifest_path), records=1)
         if manifest is not None and not opts.recheck and not opts.refresh:
             _probe, planned = await plan_only(opts, settings, previous)
             assert planned.plan is not None
@@ -298,6 +296,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             log.info("run.provisioning_stale", model=manifest.entry_name, reasons=problems)
         beside = _beside_worker(worker)
         store = await StateStore.open(settings.state_db, lock_path=settings.lock_path)
+        failed = True
         try:
             planned_now: list[PlanOutcome] = []
             stages = (provisioning_stages(opts, previous, on_plan=planned_now.append)
@@ -306,10 +305,14 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
             runner = Runner(stages, store, settings, run_args=run_args,
                             force=(*SESSION_STAGES, GRADE_STAGE) if opts.recheck else ())
             outcome = await runner.run()
+            failed = False
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await prune_runs(store, settings, protect=(manifest.run_id,) if manifest else ())
+                    # housekeeping: after a failed run (a full or read-only disk) it must not replace
+                    # the run's own error (docs/faults.md)
+                    with contextlib.suppress(*((OSError, HotfitError) if failed else ())):
+                        await prune_runs(store, settings, protect=(manifest.run_id,) if manifest else ())
                 finally:
                     await store.aclose()
         new_manifest = build_manifest(ProvisionedResults.of(outcome))
@@ -325,7 +328,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
         graded = outcome.outputs.get(GRADE_STAGE)
         if graded and GRADE_STAGE not in outcome.skipped:  # a reused grade was recorded when it ran
             data["grade_evidence"] = await anyio.to_thread.run_sync(
-                lambda: record_grade(settings, plan.entry, plan.probe.device.kind, graded,
+                lambda: record_grade(settings, plan.entry, plan.placement.device.kind, graded,
                                      grade_record=str(graded.get("path"))))
         return AutoOutcome("provisioned", data, plan, new_manifest,
                            resumed=outcome.resumed, skipped=outcome.skipped)
@@ -362,12 +365,12 @@ def _admitted_json(opts: AutoOptions, planned: PlanOutcome) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def held_interruptibly(lock: FileLock) -> AsyncIterator[FileLock]:
-    """Hold the home lock. SIGINT/SIGTERM while queued behind another run (--wait) ends with
+    """Hold the home lock. SIGINT/SIGTERM/SIGHUP while queued behind another run (--wait) ends with
     Interrupted (exit 130) and a ``lock.wait_interrupted`` event; nothing was written, since
     state belongs to the lock holder. (Once held, the runner handles signals itself.)"""
     received: list[int] = []
     failure: Exception | None = None
-    with signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with signal_receiver(*STOP_SIGNALS) as signals:
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
                 async for signum in signals:

@@ -19,7 +19,7 @@ and returning a frozen result with ``to_json()``. The engine owns everything eff
 * live resources: stages in one ``session`` (load → probe-tool-call → re-check share a running
   llama-server) are skipped together or run together; what a stage enters through
   ``ctx.enter_context`` is closed when the pipeline ends, fails or is interrupted;
-* signals: SIGINT/SIGTERM cancel the runner's task group; the running stage is recorded as
+* signals: SIGINT/SIGTERM/SIGHUP cancel the runner's task group; the running stage is recorded as
   ``interrupted``, entered contexts are closed (llama-server reaped) under a shield, and
   :class:`~core.errors.Interrupted` is raised (exit 130). ``kill -9`` leaves a ``running``
   record that the next run, holding the lock, turns into ``interrupted`` and resumes;
@@ -52,21 +52,24 @@ import anyio
 
 from hotfit.core.errors import HotfitError, Interrupted, StageRecordError
 from hotfit.core.log import bind, get_logger, unbind
-from hotfit.core.plan import Plan, canonical_json
+from hotfit.core.records import canonical_json
+from hotfit.planner.plan import Plan
 from hotfit.core.settings import Settings
 from hotfit.stages.declaration import EnterContext, StageContext
 from hotfit.stages.declaration import StageDeclaration as Stage
-from hotfit.state.store import RunStatus, StageRecord, StageStatus, StateStore
+from hotfit.state.store import IN_MEMORY_PATH, RunStatus, StageRecord, StageStatus, StateStore
 
-__all__ = ["PipelineOutcome", "RunContext", "Runner", "Stage", "StageContext", "inputs_hash", "signal_receiver"]
+__all__ = ["STOP_SIGNALS", "PipelineOutcome", "RunContext", "Runner", "Stage", "StageContext", "inputs_hash",
+           "signal_receiver"]
 
 T = TypeVar("T")
 log = get_logger()
 
+# The signals that stop a command the way Ctrl-C does (cancelled, cleaned up, exit 130, resumable):
+# SIGHUP is an ssh session or terminal that went away (docs/faults-state.md).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How long closing entered contexts (reaping llama-server) may take after a signal.
 CLEANUP_TIMEOUT_S = 30.0
-# sqlite's name for a private in-memory database: an ephemeral run's store
-IN_MEMORY = Path(":memory:")
 
 
 @contextlib.contextmanager
@@ -199,7 +202,7 @@ class Runner:
     async def run(self) -> PipelineOutcome:
         if self.store is not None:
             return await self._run(self.store)
-        store = await StateStore.open(IN_MEMORY)
+        store = await StateStore.open(IN_MEMORY_PATH)
         try:
             return await self._run(store)
         finally:
@@ -242,17 +245,17 @@ class Runner:
                 raise failure
         except BaseException as exc:
             if isinstance(exc, HotfitError) and self.signal_received is None:
-                await self._finish(store, run_id, "failed", exc.to_json(), started)
+                await self._finish_failed(store, run_id, "failed", exc.to_json(), started)
                 raise
             if self.signal_received is not None:  # whatever the stage raised on its way out
                 name = signal.Signals(self.signal_received).name
                 err = Interrupted(f"interrupted by {name}; rerun the same command to resume",
                                   hint="completed stages and downloaded bytes are kept", signal=name)
-                await self._finish(store, run_id, "interrupted", err.to_json(), started)
+                await self._finish_failed(store, run_id, "interrupted", err.to_json(), started)
                 raise err from None
             status: RunStatus = "interrupted" if isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class())) \
                 else "failed"
-            await self._finish(store, run_id, status, {"code": "internal", "message": repr(exc)}, started)
+            await self._finish_failed(store, run_id, status, {"code": "internal", "message": repr(exc)}, started)
             raise
         if self.signal_received is not None:  # signal arrived after the last await
             name = signal.Signals(self.signal_received).name
@@ -264,6 +267,17 @@ class Runner:
         await self._finish(store, run_id, "done", None, started)
         return outcome
 
+    async def _finish_failed(self, store: StateStore, run_id: str, status: RunStatus, error: dict[str, Any],
+                             started: float) -> None:
+        """:meth:`_finish` while the run's own error unwinds: a store or log that cannot take the record
+        (the disk that failed the stage, full or read-only) must not replace that error
+        (docs/faults.md); the rerun finds the run 'running' and marks it interrupted."""
+        try:
+            await self._finish(store, run_id, status, error, started)
+        except (OSError, HotfitError):
+            if self.recorded:
+                unbind("run_id", "stage", "plan_id")
+
     async def _finish(self, store: StateStore, run_id: str, status: RunStatus, error: dict[str, Any] | None,
                       started: float) -> None:
         with anyio.CancelScope(shield=True):
@@ -274,7 +288,7 @@ class Runner:
             unbind("run_id", "stage", "plan_id")
 
     async def _watch_signals(self, scope: anyio.CancelScope, *, task_status: Any) -> None:
-        with signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with signal_receiver(*STOP_SIGNALS) as signals:
             task_status.started()
             async for signum in signals:
                 self.signal_received = signum
@@ -382,10 +396,13 @@ class Runner:
             error, status = exc.to_json(), "failed"
         else:
             error, status = {"code": "internal", "message": repr(exc)}, "failed"
-        with anyio.CancelScope(shield=True):
+        # Recorded while the stage's error unwinds: a store or log the same failing disk refuses must
+        # not replace it (docs/faults.md); the rerun reruns the stage all the same.
+        with anyio.CancelScope(shield=True), contextlib.suppress(OSError, HotfitError):
             await store.stage_failed(run_id, stage.name, error, status)
         event = "stage.interrupted" if status == "interrupted" else "stage.fail"
-        self._event("error", event, duration_s=round(duration_s, 3), error=error)
+        with contextlib.suppress(OSError, HotfitError):
+            self._event("error", event, duration_s=round(duration_s, 3), error=error)
 
     async def _reusable(self, store: StateStore, stage: Stage[Any], digest: str, plan: Plan | None) -> _Reuse | None:
         if stage.always_run or stage.name in self.force or not self.recorded:

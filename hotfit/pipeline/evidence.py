@@ -32,12 +32,12 @@ from hotfit.core.entry import Entry
 from hotfit.core.errors import UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import TEMPLATE_FILENAME
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.grading.report import GRADE_VERSION
 from hotfit.grading.scenarios import FULL, pack_hash, scenarios_for
 from hotfit.pipeline.manifest import utc_now_iso
-from hotfit.stages.plan import Admission
+from hotfit.planner.devices import Admission
 from hotfit.state.evidence import (
     AgenticEvidence,
     EvidenceFile,

@@ -31,7 +31,7 @@ from hotfit.backends.select import endpoint_at
 from hotfit.core.entry import Entry
 from hotfit.core.errors import UsageError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.core.settings import Settings
 from hotfit.pipeline.auto import grade_summary, plan_only
 from hotfit.pipeline.evidence import record_grade
@@ -128,7 +128,7 @@ async def grade_model(settings: Settings, *, model: str | None, registry_file: P
         # a full-tier pass of a tool-chat model is evidence `--admit-graded` may count; a fail withdraws it
         v, score = report["verdict"], report["score"]
         evidence = await anyio.to_thread.run_sync(lambda: record_grade(
-            settings, plan.entry, plan.probe.device.kind,
+            settings, plan.entry, plan.placement.device.kind,
             {"verdict": v["verdict"], "tier": report["tier"], **score, "fingerprint": report["fingerprint"]},
             grade_record=str(path)))
         return {**report, "evidence": evidence}

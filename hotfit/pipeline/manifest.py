@@ -15,26 +15,43 @@ when it starts and re-plans when it must.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Mapping
 
-from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, WEIGHTS_LAYOUTS
+from hotfit.core.entry import DEFAULT_BACKEND, WEIGHTS_LAYOUTS, backend_names
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device
 from hotfit.core.records import Fields, parse_json
-from hotfit.stages.plan import REPROVISION_HINT, decode_plan_fields
-from hotfit.state.files import read_text_document, write_text_atomic
+from hotfit.planner.plan import REPROVISION_HINT, decode_plan_fields
+from hotfit.state.files import read_text_document, rehome_paths, same_directory, write_text_atomic
 
 SCHEMA = 1
+_OLD_BUILD_FIELD = "llama_cpp"
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
                "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
-               "measured", "probe_verdict", "llama_cpp", "device", "plan")
-# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model
-_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade")
+               "measured", "probe_verdict", "device", "plan")
+# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model.
+# backend_build: the backend's build facts, written as "llama_cpp" before a third backend could
+# have any (a manifest with that name still reads)
+_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade", "backend_build", _OLD_BUILD_FIELD)
+
+
+def _build(doc: Mapping[str, Any], f: Fields) -> Mapping[str, Any]:
+    """The backend's build facts, under either name (one of them is required, not both)."""
+    names = [k for k in ("backend_build", _OLD_BUILD_FIELD) if k in doc]
+    if not names:
+        raise f.fail("backend_build", "is missing", "record every field; use null for a fact that could not be verified")
+    if len(names) > 1:
+        raise f.fail(_OLD_BUILD_FIELD, "is the old name of backend_build; a manifest has one of them",
+                     "remove one; `hotfit auto` rewrites the manifest")
+    return f.mapping(doc[names[0]], names[0], nullable=True)
 
 
 @dataclass(frozen=True)
@@ -52,7 +69,7 @@ class Manifest:
     planned_hot_context_tokens: int
     measured: Mapping[str, Any]  # opened window, KV bytes estimated/actual/ratio (a measurement)
     probe_verdict: Mapping[str, Any]  # tool-call probe: passed, tool, speeds
-    llama_cpp: Mapping[str, Any]  # binary, version, commit
+    backend_build: Mapping[str, Any]  # what the backend says of its build (llama-server: path, version, commit)
     device: Mapping[str, Any]  # what the plan was made for
     plan: Mapping[str, Any]  # the full frozen plan (entry facts serve needs to re-plan)
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -61,6 +78,8 @@ class Manifest:
     # the last grade of this provisioning (`auto --grade` or `hotfit grade`): verdict, score, tier,
     # fingerprint, the record's path, when; None: never graded
     grade: Mapping[str, Any] | None = None
+    # read from a home copied (cp -a) or moved from this one: its paths were re-rooted here (not written)
+    rehomed_from: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,7 +97,7 @@ class Manifest:
             "planned_hot_context_tokens": self.planned_hot_context_tokens,
             "measured": dict(self.measured),
             "probe_verdict": dict(self.probe_verdict),
-            "llama_cpp": dict(self.llama_cpp),
+            "backend_build": dict(self.backend_build),
             "device": dict(self.device),
             "plan": dict(self.plan),
             **({"extra": dict(self.extra)} if self.extra else {}),
@@ -111,13 +130,13 @@ class Manifest:
             planned_hot_context_tokens=f.integer(doc["planned_hot_context_tokens"], "planned_hot_context_tokens"),
             measured=f.mapping(doc["measured"], "measured", nullable=True),
             probe_verdict=f.mapping(doc["probe_verdict"], "probe_verdict", nullable=True),
-            llama_cpp=f.mapping(doc["llama_cpp"], "llama_cpp", nullable=True),
+            backend_build=_build(doc, f),
             device=f.mapping(doc["device"], "device", nullable=True),
             plan=f.mapping(doc["plan"], "plan", nullable=True),
             extra=f.mapping(doc.get("extra"), "extra", nullable=True),
             template_sha256=text("template_sha256", nullable=True),
             # manifests written before OpenVINO have no backend: llama's
-            backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or DEFAULT_BACKEND,
+            backend=f.choice(doc.get("backend"), "backend", backend_names(), nullable=True) or DEFAULT_BACKEND,
             grade=f.mapping(doc.get("grade"), "grade", nullable=True) if doc.get("grade") is not None else None,
         )
 
@@ -160,6 +179,18 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
                       what="the manifest")
 
 
+def recorded_home(data: Any) -> str | None:
+    """The home a manifest document was written in, from its model path (``<home>/models/<entry>/…``,
+    Settings.model_dir); None when it does not say."""
+    if not isinstance(data, dict) or not isinstance(data.get("model_path"), str):
+        return None
+    model = PurePath(data["model_path"])
+    for parent in model.parents:
+        if parent.name == data.get("entry_name") and parent.parent.name == "models":
+            return str(parent.parent.parent)
+    return None
+
+
 def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:
     """The last provisioning, or None when there is none.
 
@@ -181,7 +212,14 @@ def read_manifest(path: Path, *, strict: bool = False) -> Manifest | None:
         if text is None:
             return None
         data = parse_json(text, fail_document, kind="a manifest", shape=REPROVISION_HINT)
-        return Manifest.decode(data, Fields(fail, noun="manifest"))
+        here, recorded = os.path.abspath(path.parent), recorded_home(data)
+        if recorded is None or same_directory(recorded, here) or not (
+                Path(here) / "models" / str(data.get("entry_name"))).is_dir():
+            return Manifest.decode(data, Fields(fail, noun="manifest"))
+        # A copied home (cp -a, an image cloned to many machines: the model's directory came along):
+        # its files, not the original's (docs/faults-state.md, "A copied home").
+        moved = Manifest.decode(rehome_paths(data, recorded, here), Fields(fail, noun="manifest"))
+        return dataclasses.replace(moved, rehomed_from=recorded)
     except UsageError:
         if strict:
             raise
@@ -201,3 +239,12 @@ def plan_from_json(data: Any, *, source: str = "the manifest") -> Plan:
                           hint=REPROVISION_HINT, field=field_path)
 
     return decode_plan_fields(data, Fields(fail, noun="plan"))
+
+
+def provisioned_device(manifest: Manifest) -> Device | None:
+    """The device the manifest's plan was made for (None when the plan is unreadable: then the
+    previous model is kept on whichever device it still qualifies)."""
+    try:
+        return plan_from_json(manifest.plan).placement.device
+    except UsageError:  # plan_from_json names the damaged field
+        return None

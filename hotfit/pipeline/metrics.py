@@ -17,6 +17,7 @@ docs/operations.md.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hotfit.core.errors import HotfitError
 from hotfit.core.settings import Settings
 from hotfit.pipeline.manifest import Manifest, read_manifest
 from hotfit.state.files import write_text_atomic
@@ -189,21 +191,27 @@ def textfile_paths(settings: Settings) -> list[Path]:
     return paths
 
 
-def record_run(settings: Settings, run: LastRun) -> list[tuple[Path, OSError]]:
-    """Write the textfile(s) and last-run.json atomically; the paths that could not be written.
+def record_run(settings: Settings, run: LastRun) -> list[tuple[Path, str]]:
+    """Write the textfile(s) and last-run.json atomically; the paths that could not be written, each
+    with why.
 
     Not durable (no fsync): a power cut loses at most the last run's figures, and the run that
-    follows writes them again; the rename still keeps a reader from seeing half a file.
+    follows writes them again; the rename still keeps a reader from seeing half a file. A path that
+    cannot be written — a full disk (DiskSpaceError), a read-only one, a ``HOTFIT_TEXTFILE_DIR``
+    that is a file (the path check's UsageError) — never changes the run's exit code
+    (docs/operations.md, "Metrics"): it is returned, and the others are still written.
     """
     text = render(run, read_manifest(settings.manifest_path))
-    failed: list[tuple[Path, OSError]] = []
+    failed: list[tuple[Path, str]] = []
     writes = [(settings.metrics_dir / LAST_RUN_NAME, json.dumps(run.to_json(), indent=2, default=str) + "\n")]
     writes += [(path, text) for path in textfile_paths(settings)]
     for path, content in writes:
         try:
-            write_text_atomic(path, content, durable=False)
+            write_text_atomic(path, content, durable=False, what="the metrics file")
+        except HotfitError as exc:  # the writer's own mapping: disk full, not a directory, a symlink
+            failed.append((path, exc.what))
         except OSError as exc:
-            failed.append((path, exc))
+            failed.append((path, f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"))
     return failed
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from hotfit.core.entry import DEFAULT_BACKEND
 from hotfit.core.errors import NoModelQualifies
 from hotfit.core.log import get_logger
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
 from hotfit.core.settings import Settings
 from hotfit.pipeline.engine import Stage
 from hotfit.pipeline.evidence import admission
@@ -33,7 +33,10 @@ from hotfit.pipeline.session_stages import SESSION_STAGES, session_stages
 from hotfit.registry.select import normalize_origin
 from hotfit.stages import fetch_template, fetch_weights, plan, probe, verify
 from hotfit.stages.fetch_weights import FetchJob
-from hotfit.stages.plan import PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
+from hotfit.planner.devices import KVSource, PlanOutcome, PreviousModel
+from hotfit.registry.catalog import Registry
+from hotfit.registry.kv import KVCacheType
+from hotfit.stages.plan import PlanJob, build_plan, resolve_kv_cache_type
 from hotfit.stages.probe import ProbeJob
 
 log = get_logger()
@@ -43,9 +46,14 @@ __all__ = [
     "STAGE_NAMES",
     "AutoOptions",
     "FetchJob",
+    "PreparedSelection",
+    "SelectionOptions",
     "compute_plan",
     "fetch_stages",
+    "plan_machine",
+    "plan_probe",
     "planning_stages",
+    "prepare_selection",
     "provisioning_stages",
 ]
 
@@ -98,18 +106,60 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
     return outcome
 
 
-def plan_machine(settings: Settings, *, probe_file: str | None, kv_cache_type_flag: str | None,
-                 origin: str | None, backend: str, registry_file: str | None, previous: str | None,
-                 device: str | None, admit_graded: bool = False) -> PlanOutcome:
+@dataclass(frozen=True)
+class SelectionOptions:
+    """What ``hotfit plan`` and ``hotfit fleet plan`` are asked to select with — the same options,
+    read by one parser (pipeline/cli/plan.py, ``selection_from_args``) and applied by one function
+    (:func:`plan_probe`), so a machine planned in a fleet gets exactly the plan ``hotfit plan``
+    gives it. ``previous``: keep this model while it qualifies (any device)."""
+
+    kv_cache_type_flag: str | None = None
+    origin: str | None = None
+    backend: str = DEFAULT_BACKEND
+    registry_file: Path | None = None
+    previous: str | None = None
+    device: str | None = None  # --device KIND|INDEX: plan only that device
+    admit_graded: bool = False  # --admit-graded: this home's grade evidence (one machine only)
+
+
+@dataclass(frozen=True)
+class PreparedSelection:
+    """:class:`SelectionOptions` with its cheap inputs read and checked once — the registry file,
+    the KV type, the origin — before any machine is probed or any saved probe read."""
+
+    options: SelectionOptions
+    registry: Registry
+    cache_type: KVCacheType
+    kv_cache_type_source: KVSource
+    origin: str | None
+
+
+def prepare_selection(settings: Settings, opts: SelectionOptions) -> PreparedSelection:
+    """Read the registry and resolve the KV type and origin (UsageError/RegistryError on bad input)."""
+    cache_type, source = resolve_kv_cache_type(opts.kv_cache_type_flag, settings.kv_cache_type_raw)
+    origin = normalize_origin(opts.origin)
+    return PreparedSelection(opts, load_registry(opts.registry_file), cache_type, source, origin)
+
+
+def plan_probe(settings: Settings, prepared: PreparedSelection, probe: ProbeResult, *,
+               previous: PreviousModel | None = None) -> PlanOutcome:
+    """The one selection ``hotfit plan`` and ``hotfit fleet plan`` make for a probe: the whole
+    outcome, a refusal included (never raises for 'no fit'). ``previous`` (a saved manifest's
+    model and device) wins over the options' ``previous`` name."""
+    opts = prepared.options
+    entries = prepared.registry.entries
+    return build_plan(probe, entries, prepared.cache_type, prepared.kv_cache_type_source,
+                      origin=prepared.origin, backend=opts.backend,
+                      previous=previous if previous is not None else opts.previous, device=opts.device,
+                      admission=admission(settings, entries, probe) if opts.admit_graded else None)
+
+
+def plan_machine(settings: Settings, opts: SelectionOptions, *, probe_file: str | None) -> PlanOutcome:
     """``hotfit plan``: probe (or read the saved probe) and select, returning the whole outcome —
     a refusal included, which the command prints with every candidate's verdict (blocking)."""
-    cache_type, source = resolve_kv_cache_type(kv_cache_type_flag, settings.kv_cache_type_raw)
-    origin = normalize_origin(origin)  # the cheap inputs are checked before the hardware is probed
-    registry = load_registry(registry_file)
+    prepared = prepare_selection(settings, opts)  # the cheap inputs are checked before the hardware is probed
     probe = probe_machine(settings, probe_file=Path(probe_file) if probe_file else None)
-    return build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=backend,
-                      previous=previous, device=device,
-                      admission=admission(settings, registry.entries, probe) if admit_graded else None)
+    return plan_probe(settings, prepared, probe)
 
 
 def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,16 +36,19 @@ from hotfit.backends.base import Backend, ModelFiles, ServeCommand
 from hotfit.backends.select import backend_for
 from hotfit.core.errors import LoadError, NoModelQualifies, UsageError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Device, Plan, ProbeResult
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import Settings
+from hotfit.pipeline.endpoints import ServedEndpoint, endpoint_from_state
 from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest
 from hotfit.pipeline.probe import probe_machine
 from hotfit.pipeline.systemd_unit import UnitSpec, systemd_unit, unit_user
-from hotfit.pipeline.worker import record_for_self, write_worker_record
+from hotfit.pipeline.worker import read_worker_record, record_for_self, stale_reason, write_worker_record
 from hotfit.registry.kv import UnknownKV, parse_kv_cache_type
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, fmt_bytes, model_fit
 
-__all__ = ["ServeJob", "ServeOptions", "WindowDecision", "decide_window", "prepare_serve", "start_server"]
+__all__ = ["ServeJob", "ServeOptions", "WindowDecision", "client_endpoint", "decide_window", "prepare_serve",
+           "start_server"]
 
 log = get_logger()
 
@@ -104,7 +108,7 @@ def decide_window(manifest: Manifest, plan: Plan, probe_now: ProbeResult) -> Win
     """Pure: the window to open now. Verified window when the device still holds it; else the
     largest the device holds now, if that is ≥ the floor; else NoModelQualifies."""
     verified = manifest.opened_context_tokens or manifest.planned_hot_context_tokens
-    device = _matching_device(probe_now, plan.probe.device)
+    device = _matching_device(probe_now, plan.placement.device)
     budget = device_budget(device.kind, device.total_bytes, device.free_bytes, device.name)
     cache_type = parse_kv_cache_type(manifest.kv_cache_type, source="manifest kv_cache_type")
     fit = model_fit(plan.entry, budget.usable_bytes, cache_type)
@@ -189,7 +193,7 @@ def _unit_spec(backend: Backend, settings: Settings, opts: ServeOptions, manifes
     home = Path(settings.home).absolute()
     paths = tuple(Path(p) for p in (argv[0], os.path.realpath(argv[0]), sys.prefix) if p) + pin.paths
     return UnitSpec(hotfit_argv=argv, env=env, description=f"hotfit: {pin.server} serving {manifest.entry_name}",
-                    user=unit_user(home, opts.unit_user), home=home, device_kind=plan.probe.device.kind,
+                    user=unit_user(home, opts.unit_user), home=home, device_kind=plan.placement.device.kind,
                     paths=paths)
 
 
@@ -220,6 +224,23 @@ def prepare_serve(settings: Settings, opts: ServeOptions) -> ServeJob:
     return ServeJob(manifest, opts, backend.name, serve_plan, command, decision)
 
 
+def client_endpoint(settings: Settings, opts: ServeOptions, *, listen_given: bool) -> ServedEndpoint:
+    """``serve --print-client-config``: the provisioned model's endpoint. The running ``hotfit serve``
+    (its serve.pid record, still that process serving this model) gives host, port, key file and
+    the window it opened, unless ``--host``/``--port`` were given; else the options (the endpoint
+    ``serve`` with them would open, at the verified window)."""
+    manifest, _ = _provisioned(settings)
+    machine = socket.getfqdn()
+    record = read_worker_record(settings.serve_pid_path)
+    if record is not None and not listen_given and stale_reason(record, manifest) is None:
+        return endpoint_from_state(manifest.to_json(), host=record.host, port=record.port,
+                                   api_key_file=record.api_key_file, context_tokens=record.context_tokens,
+                                   machine=machine)
+    return endpoint_from_state(manifest.to_json(), host=opts.host, port=opts.port,
+                               api_key_file=str(opts.api_key_file) if opts.api_key_file else None,
+                               context_tokens=None, machine=machine)
+
+
 def start_server(settings: Settings, job: ServeJob, *, announce: str | None) -> NoReturn:
     """Record this process as the worker, then exec the server (this pid becomes the server's, so a
     later ``hotfit auto`` recognises the model being served and keeps it). ``announce``: written to
@@ -229,7 +250,7 @@ def start_server(settings: Settings, job: ServeJob, *, announce: str | None) -> 
     opts, manifest = job.options, job.manifest
     record = record_for_self(host=opts.host, port=opts.port, model_path=manifest.model_path,
                              entry_name=manifest.entry_name, context_tokens=job.decision.context_tokens,
-                             kv_cache_type=manifest.kv_cache_type, device=job.plan.probe.device,
+                             kv_cache_type=manifest.kv_cache_type, device=job.plan.placement.device,
                              api_key_file=str(opts.api_key_file) if opts.api_key_file else None)
     try:
         write_worker_record(settings.serve_pid_path, record)

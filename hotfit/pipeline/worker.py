@@ -32,11 +32,11 @@ from hotfit.core.errors import IntegrityError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
 from hotfit.pipeline.manifest import Manifest, plan_from_json
-from hotfit.core.plan import Device, ProbeResult
+from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.records import parse_own_file
 from hotfit.registry.kv import UnknownKV, kv_bytes, layer_profile, parse_kv_cache_type
 from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, runtime_allowance
-from hotfit.stages.plan import available_with_worker, same_device
+from hotfit.planner.devices import available_with_worker, same_device
 from hotfit.state.files import write_text_atomic
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
@@ -244,7 +244,7 @@ def previous_device_free(probe: ProbeResult, manifest: Manifest, worker: WorkerF
     as available to that model; None when there is no worker or its device is not in the probe."""
     if worker is None:
         return None
-    planned = plan_from_json(manifest.plan).probe.device
+    planned = plan_from_json(manifest.plan).placement.device
     device = next((d for d in probe.devices if same_device(d, planned)), None)
     if device is None:
         return None

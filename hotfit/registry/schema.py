@@ -27,16 +27,17 @@ from typing import Any
 
 from hotfit.core.entry import (
     AGENTIC_TIERS,
-    BACKENDS,
     INELIGIBLE_CAUSES,
     ORIGINS,
     PERMISSIVE_LICENSES,
+    TEMPLATE_PIN_FIELDS,
     Artifact,
     Entry,
     Evidence,
     LayerGroup,
     SourceConfig,
     TemplateSource,
+    backend_names,
     safe_relpath,
 )
 from hotfit.core.records import Fields
@@ -45,7 +46,7 @@ EVIDENCE_KINDS = ("measured", "provenance")
 
 ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
 _ARTIFACT_FIELDS = tuple(f.name for f in dataclasses.fields(Artifact))
-_TEMPLATE_FIELDS = tuple(f.name for f in dataclasses.fields(TemplateSource))
+_TEMPLATE_FIELDS = tuple(f.name for f in dataclasses.fields(TemplateSource) if f.name not in TEMPLATE_PIN_FIELDS)
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SourceConfig))
 _GROUP_FIELDS = tuple(f.name for f in dataclasses.fields(LayerGroup))
 _EVIDENCE_FIELDS = tuple(f.name for f in dataclasses.fields(Evidence))
@@ -80,7 +81,7 @@ def decode_entry(raw: Any, f: Fields, *, rules: bool = True) -> Entry:
     entry = Entry(
         name=name,
         display_name=f.string(obj["display_name"], "display_name"),
-        backend=f.choice(obj["backend"], "backend", BACKENDS),
+        backend=f.choice(obj["backend"], "backend", backend_names()),
         origin=f.choice(obj["origin"], "origin", ORIGINS),
         license=f.string(obj["license"], "license", nullable=True),
         params_total_b=params_total,
@@ -160,7 +161,7 @@ def _artifact(f: Fields, value: Any, where: str) -> Artifact | None:
 def _template(f: Fields, value: Any) -> TemplateSource | None:
     if value is None:
         return None
-    obj = f.object(value, "chat_template", _TEMPLATE_FIELDS)
+    obj = f.object(value, "chat_template", _TEMPLATE_FIELDS, optional=TEMPLATE_PIN_FIELDS)
     repo = f.matching(obj["repo"], "chat_template.repo", REPO_RE, "a Hub repository id", "write it as owner/name")
     revision = f.matching(obj["revision"], "chat_template.revision", REVISION_RE, "a 40-hex commit id", _PIN_HINT,
                           nullable=True)
@@ -170,7 +171,10 @@ def _template(f: Fields, value: Any) -> TemplateSource | None:
         raise f.fail("chat_template.file",
                      f"is {file!r}: a chat template comes from a .jinja file or tokenizer_config.json",
                      "point at the repository's chat_template.jinja (or tokenizer_config.json)")
-    return TemplateSource(repo=repo, revision=revision, file=file)
+    size = f.integer(obj.get("size_bytes"), "chat_template.size_bytes", minimum=1, nullable=True)
+    sha256 = f.matching(obj.get("sha256"), "chat_template.sha256", SHA256_RE, "64 lower-case hex digits",
+                        "copy the file's sha256 exactly, or null if unknown", nullable=True)
+    return TemplateSource(repo=repo, revision=revision, file=file, size_bytes=size, sha256=sha256)
 
 
 def _config(f: Fields, value: Any) -> SourceConfig:

@@ -1,24 +1,16 @@
-"""Automatic selection and ``--model NAME`` (pure: no I/O, integers only).
+"""The planner's arithmetic, one import surface (pure: no I/O, integers only).
 
 Spec sections "Selection and hot context", "The agentic baseline", "Exclusions and backend
-differences". Each candidate gets a verdict on the device's budget (registry/verdict.py, on the
-arithmetic of registry/budget.py); the larger model (parameters) wins, then the larger hot context,
-then the name; a still-qualifying ``previous`` model is kept. When nothing qualifies the selection
-carries the fail-closed refusal (registry/refusal.py). ``--model NAME`` is that entry or nothing.
-
-Split from one 668-line module at its seams (budget arithmetic, one verdict, the refusal, the
-pick); this module re-exports their public names, the planner's one import surface.
+differences": a device's budget and a model's fit (registry/budget.py), one candidate's verdict
+(registry/verdict.py), the fail-closed refusal (registry/refusal.py), and the checked origin and
+backend names. This module re-exports their public names; the pick itself — ranking the qualifying
+candidates — is the planner's (planner/select.py, planner/rank.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-from dataclasses import dataclass
-from typing import Iterable
-
-from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND, ORIGINS, Entry
-from hotfit.core.errors import NoModelQualifies, UsageError
+from hotfit.core.entry import DEFAULT_BACKEND, ORIGINS, backend_names
+from hotfit.core.errors import UsageError
 
 # The planner's surface: registry.select re-exports the budget, verdict and refusal names its
 # callers (stages/plan.py, pipeline/worker.py, stages/probe.py, the tests) import from here.
@@ -49,7 +41,6 @@ from hotfit.registry.budget import (
     reserve_bytes,
     runtime_allowance,
 )
-from hotfit.registry.kv import KVCacheType, UnknownKV
 from hotfit.registry.refusal import (
     ORIGIN_ALL,
     Refusal,
@@ -58,7 +49,6 @@ from hotfit.registry.refusal import (
     origins_with_agentic_models,
     required_memory,
     smallest_agentic,
-    words_for,
 )
 from hotfit.registry.verdict import ReasonCode, Verdict, eligibility_problem, evaluate
 
@@ -66,11 +56,11 @@ __all__ = [
     "ACCEL_RESERVE_FLOOR_BYTES", "ACCELERATOR_KINDS", "DEVICE_KINDS", "FRAGMENTATION_HEADROOM", "HOST_KIND",
     "HOST_RESERVE_FLOOR_BYTES", "MAX_HOT_CONTEXT_TOKENS", "MIN_AGENTIC_HOT_CONTEXT", "ORIGIN_ALL",
     "RESERVE_CAP_FRACTION", "RESERVE_FRACTION", "RUNTIME_ALLOWANCE_FLOOR_BYTES", "RUNTIME_ALLOWANCE_FRACTION",
-    "DeviceBudget", "GiB", "MiB", "ModelFit", "ReasonCode", "Refusal", "RequiredMemory", "Selection", "Verdict",
+    "DeviceBudget", "GiB", "MiB", "ModelFit", "ReasonCode", "Refusal", "RequiredMemory", "Verdict",
     "build_refusal", "device_budget", "eligibility_problem", "evaluate", "fmt_bytes", "headroom_bytes",
     "model_fit", "model_profile", "normalize_backend", "normalize_origin", "origins_with_agentic_models",
     "required_device_bytes", "required_free_bytes", "required_memory", "reserve_bytes", "runtime_allowance",
-    "select_auto", "select_explicit", "smallest_agentic",
+    "smallest_agentic",
 ]
 
 
@@ -91,157 +81,8 @@ def normalize_origin(raw: str | None) -> str | None:
 
 def normalize_backend(raw: str | None) -> str:
     key = (raw or DEFAULT_BACKEND).strip().lower()
-    if key in BACKENDS:
+    names = backend_names()
+    if key in names:
         return key
-    raise UsageError(f"unknown backend {raw!r} (valid: {', '.join(BACKENDS)})",
-                     hint=f"use --backend {' or --backend '.join(BACKENDS)}", backend=raw, valid=list(BACKENDS))
-
-
-def _order_key(v: Verdict) -> tuple[float, int, str]:
-    assert v.fit is not None and v.entry.params_total_b is not None
-    return (-v.entry.params_total_b, -v.fit.hot_context_tokens, v.entry.name)
-
-
-
-
-# --------------------------------------------------------------------------- selection
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The outcome of a selection: every candidate's verdict, and the pick or the refusal."""
-
-    chosen: Verdict | None
-    verdicts: tuple[Verdict, ...]
-    budget: DeviceBudget
-    cache_type: KVCacheType
-    origin: str | None
-    backend: str
-    reused_previous: bool = False
-    explicit: bool = False
-    refusal: Refusal | None = None
-    notes: tuple[str, ...] = ()
-    # tool-chat entries the caller admitted on grade evidence (``--admit-graded``); the caller checked it
-    admitted: frozenset[str] = frozenset()
-
-    @property
-    def admitted_by_grade(self) -> bool:
-        """The pick is a tool-chat entry that qualified only through grade evidence."""
-        return self.chosen is not None and self.chosen.entry.name in self.admitted \
-            and self.chosen.entry.agentic_tier == "tool-chat"
-
-    def raise_if_refused(self) -> Verdict:
-        if self.chosen is None:
-            assert self.refusal is not None
-            raise self.refusal.error()
-        return self.chosen
-
-
-def _evaluate(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType, *, origin: str | None, backend: str,
-              admitted: frozenset[str]) -> Verdict:
-    """:func:`evaluate`, with a tool-chat entry in ``admitted`` judged as if agentic: it earned its place
-    by a grade, every other rule (backend, origin, eligibility, memory, floor) still holds."""
-    if entry.name not in admitted or entry.agentic_tier != "tool-chat":
-        return evaluate(entry, budget, cache_type, origin=origin, backend=backend)
-    v = evaluate(dataclasses.replace(entry, agentic_tier="agentic"), budget, cache_type, origin=origin,
-                 backend=backend)
-    reason = f"admitted by grade evidence (tool-chat); {v.reason}" if v.verdict == "qualifies" else v.reason
-    return Verdict(entry, v.verdict, v.reason_code, reason, v.fit)
-
-
-def select_auto(entries: Iterable[Entry], budget: DeviceBudget, cache_type: KVCacheType, *,
-                origin: str | None = None, backend: str = DEFAULT_BACKEND, previous: str | None = None,
-                admitted: Iterable[str] = ()) -> Selection:
-    """Every candidate's verdict and the automatic pick (or the refusal). Never raises for 'no fit';
-    call ``raise_if_refused`` for the fail-closed error. ``admitted``: tool-chat entry names the caller
-    found valid grade evidence for (``--admit-graded``; default none: curation only)."""
-    entries = tuple(entries)
-    origin = normalize_origin(origin)
-    backend = normalize_backend(backend)
-    admitted = frozenset(admitted)
-    verdicts = [_evaluate(e, budget, cache_type, origin=origin, backend=backend, admitted=admitted) for e in entries]
-    qualifying = sorted((v for v in verdicts if v.verdict == "qualifies"), key=_order_key)
-    notes: list[str] = []
-    chosen: Verdict | None = None
-    reused = False
-    if previous:
-        prev = next((v for v in qualifying if v.entry.name == previous), None)
-        if prev is not None:
-            chosen, reused = prev, True
-        else:
-            prev_v = next((v for v in verdicts if v.entry.name == previous), None)
-            notes.append(f"previous model {previous} " + (
-                "is not in the registry" if prev_v is None else f"no longer qualifies: {prev_v.reason}"))
-    if chosen is None and qualifying:
-        chosen = qualifying[0]
-    final: list[Verdict] = []
-    for v in verdicts:
-        if chosen is not None and v.entry.name == chosen.entry.name:
-            why = "kept as the previous model; " if reused else ""
-            v = Verdict(v.entry, "selected", "ok", why + v.reason, v.fit)
-            chosen = v
-        final.append(v)
-    refusal = None
-    if chosen is None:
-        refusal = build_refusal(entries, tuple(final), budget, cache_type, origin=origin, backend=backend)
-    return Selection(chosen, tuple(final), budget, cache_type, origin, backend, reused, False, refusal, tuple(notes),
-                     admitted)
-
-
-def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, cache_type: KVCacheType, *,
-                    origin: str | None = None, backend: str = DEFAULT_BACKEND) -> Selection:
-    """``--model NAME``: this entry or nothing. Tool-chat is allowed, the fit is still computed, and
-    it fails closed (NoModelQualifies) when it cannot open the 32768-token floor. No fallback."""
-    entries = tuple(entries)
-    origin = normalize_origin(origin)
-    backend = normalize_backend(backend)
-    entry = next((e for e in entries if e.name == name), None)
-    if entry is None:
-        close = difflib.get_close_matches(name, [e.name for e in entries], n=3)
-        raise UsageError(f"no registry entry named {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""),
-                         hint="hotfit registry list shows the downloadable entries", model=name)
-    if entry.backend != backend:
-        raise UsageError(f"{name} is a {entry.backend} entry, but the backend is {backend}",
-                         hint=f"add --backend {entry.backend}", model=name)
-    if origin is not None and entry.origin != origin:
-        raise UsageError(f"{name} is of origin {entry.origin}, but --origin {origin} was given",
-                         hint="drop --origin or choose a model of that origin", model=name)
-    if entry.agentic_tier == "none":
-        raise UsageError(f"{name} has agentic tier 'none': the runtime cannot read tool calls from its template",
-                         hint="choose an agentic or tool-chat entry", model=name)
-    fit = model_fit(entry, budget.usable_bytes, cache_type)
-    if isinstance(fit, UnknownKV):
-        raise NoModelQualifies(f"{name}: cannot verify that it holds {MIN_AGENTIC_HOT_CONTEXT} tokens — "
-                               f"unknown metadata: {fit.reason}",
-                               hint="choose an entry whose facts are verified (hotfit registry list), or record "
-                                    "the missing facts in the registry", model=name, kv_cache_type=cache_type.name)
-    notes: list[str] = []
-    if entry.agentic_tier != "agentic":
-        notes.append(f"{name} is {entry.agentic_tier}, below the agentic tier: installed by name at the operator's risk")
-    problem = eligibility_problem(entry)
-    if problem:
-        notes.append(f"{name} is {problem}")
-    if fit.hot_context_tokens < MIN_AGENTIC_HOT_CONTEXT:
-        words = words_for(budget.kind)
-        need = required_memory(entry, budget, cache_type)
-        if need is None:
-            what = (f"{name} cannot hold {MIN_AGENTIC_HOT_CONTEXT} tokens at any budget: its context ceiling is "
-                    f"{fit.ceiling_tokens}")
-        else:
-            what = (f"{name} holds {fit.hot_context_tokens} hot tokens at {cache_type.name} in a usable budget of "
-                    f"{fmt_bytes(budget.usable_bytes)}, below the {MIN_AGENTIC_HOT_CONTEXT}-token floor; it needs "
-                    f"{fmt_bytes(need.required_free_bytes)} ({need.required_free_bytes} bytes) "
-                    f"{'free' if budget.kind else 'usable'}: weights {fmt_bytes(need.weights_bytes)} + allowance "
-                    f"{fmt_bytes(need.allowance_bytes)} + KV {fmt_bytes(need.kv_floor_bytes)} + reserve "
-                    f"{fmt_bytes(need.reserve_bytes)} + headroom {fmt_bytes(need.headroom_bytes)}")
-            if need.required_device_bytes is not None:
-                what += (f"; that is more than {words.total} {fmt_bytes(budget.total_bytes)}: {words.empty} "
-                         f"needs at least {fmt_bytes(need.required_device_bytes)} "
-                         f"({need.required_device_bytes} bytes)")
-        raise NoModelQualifies(what, hint=f"free {words.memory} on {words.this_one}, use q8_0 KV, or choose a "
-                                          f"smaller model",
-                               model=name, kv_cache_type=cache_type.name,
-                               smallest=None if need is None else need.to_json())
-    chosen = Verdict(entry, "selected", "ok", f"chosen by name; holds {fit.hot_context_tokens} hot tokens at "
-                                              f"{cache_type.name}", fit)
-    return Selection(chosen, (chosen,), budget, cache_type, origin, backend, False, True, None, tuple(notes))
+    raise UsageError(f"unknown backend {raw!r} (valid: {', '.join(names)})",
+                     hint=f"use --backend {' or --backend '.join(names)}", backend=raw, valid=list(names))

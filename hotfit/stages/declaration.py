@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.core.settings import Settings
 
 __all__ = ["EnterContext", "StageContext", "StageDeclaration", "to_json"]

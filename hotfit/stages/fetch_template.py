@@ -30,7 +30,6 @@ lost, and a rerun fetches only the template. Parsing is bounded and fuzzed
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -39,7 +38,7 @@ from typing import Any
 
 import anyio
 
-from hotfit.core.entry import Entry, TemplateSource
+from hotfit.core.entry import Entry, TemplateSource, template_json
 from hotfit.core.errors import HubError, IntegrityError, RegistryError, TemplateError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import (
@@ -281,7 +280,7 @@ async def _from_hf_cache(entry: Entry, settings: Settings, partial_dir: Path) ->
     discard_partial(partial, sidecar)
     found = await anyio.to_thread.run_sync(lambda: take_from_cache(
         settings.hf_hub_cache, repo=src.repo, commit=src.revision or "", file=src.file, dest=partial,
-        size_bytes=None, max_size_bytes=MAX_TEMPLATE_SOURCE_BYTES))
+        size_bytes=src.size_bytes, sha256=src.sha256, max_size_bytes=MAX_TEMPLATE_SOURCE_BYTES))
     if isinstance(found, CacheMiss):
         if found.damaged:
             log.warning("fetch.hf_cache_rejected", entry=entry.name, file=src.file, path=found.source,
@@ -311,14 +310,18 @@ async def _download(entry: Entry, settings: Settings, options: TransferOptions |
                 log.warning("template.unpinned", entry=entry.name, repo=src.repo, commit=revision,
                             hint="pin it with `hotfit registry lock`")
             outcome = await download_to_partial(
-                session, repo=src.repo, revision=revision, path=src.file, expected_size=None,
-                expected_sha256=None, partial_dir=partial_dir, connections=1, git_sha1=True,
+                session, repo=src.repo, revision=revision, path=src.file, expected_size=src.size_bytes,
+                expected_sha256=src.sha256, partial_dir=partial_dir, connections=1, git_sha1=True,
                 max_size_bytes=MAX_TEMPLATE_SOURCE_BYTES)
         except (HubError, IntegrityError) as exc:
             raise TemplateError(f"entry {entry.name}: chat template {src.repo}/{src.file} could not be "
                                 f"fetched: {exc.what}", hint=exc.hint or "rerun; the weights are kept",
                                 entry=entry.name, **exc.details) from exc
     try:
+        if src.sha256 is not None and outcome.sha256 != src.sha256:  # the registry's pin, where it has one
+            raise TemplateError(f"{src.file}: sha256 {outcome.sha256} differs from the registry's {src.sha256}",
+                                hint="the server holds another file under this name; rerun, or fill the mirror "
+                                     "again", entry=entry.name)
         if outcome.etag and outcome.git_sha1 and outcome.hub_lfs_sha256 is None and outcome.etag != outcome.git_sha1:
             raise TemplateError(f"{src.file}: git blob id {outcome.git_sha1} differs from the Hub's {outcome.etag}",
                                 hint="the download is corrupt; rerun", entry=entry.name)
@@ -394,7 +397,7 @@ async def fetch_template_work(ctx: StageContext) -> TemplateResult:
 def _inputs(ctx: StageContext) -> dict[str, Any]:
     entry = ctx.job(FetchJob).entry_of(ctx)
     return {"entry": entry.name,
-            "chat_template": dataclasses.asdict(entry.chat_template) if entry.chat_template else None,
+            "chat_template": template_json(entry.chat_template),
             "models_dir": str(ctx.settings.models_dir)}
 
 

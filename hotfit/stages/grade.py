@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 
 from hotfit.backends.base import Session
+from hotfit.backends.select import backend_for
 from hotfit.core.log import get_logger
 from hotfit.core.records import JsonRecord
 from hotfit.grading.preflight import PREFLIGHT_MESSAGES, PREFLIGHT_TOOLS, roundtrip_problem
@@ -173,15 +174,10 @@ async def grade_endpoint(endpoint: ChatEndpoint, *, endpoint_label: str, tier: s
 
 
 def session_facts(session: Session) -> dict[str, Any]:
-    """The fingerprint parts an opened session knows that a server cannot report: the command line
-    it was started with (llama-server's argv without the port, which changes every start; OpenVINO's
-    pipeline settings) and the backend."""
-    record = session.to_json()
-    argv = list(record.get("argv") or [])
-    if "--port" in argv:
-        i = argv.index("--port")
-        del argv[i:i + 2]
-    flags: Any = argv[1:] if argv else record.get("config")
+    """The fingerprint parts an opened session knows that a server cannot report: the settings it
+    was started with (asked of its backend: llama-server's flags without the port, which changes
+    every start; OpenVINO's pipeline settings) and the backend."""
+    flags = backend_for(session.backend).launch_flags(session.to_json())
     return {"flags": flags if flags else "unknown", "backend": session.backend}
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from hotfit.backends.base import BackendBinary, ModelFiles, Session
-from hotfit.backends.select import backend_for
-from hotfit.core.errors import IntegrityError
+from hotfit.backends.select import BACKENDS, backend_for
+from hotfit.core.errors import IntegrityError, StageRecordError
 from hotfit.core.model_files import VerifyResult
-from hotfit.core.plan import Plan
-from hotfit.core.records import decode_record
+from hotfit.core.records import stage_record_fail
+from hotfit.planner.plan import Plan
 from hotfit.core.settings import Settings
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.plan import PlannedRun
@@ -37,18 +37,21 @@ SERVER_SESSION = "llama-server"
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What the load record keeps (the session's ``to_json()`` and the binary's) and, in the run that
-    opened it, the live session. A load reused from ``state.db`` is the same type without the live
-    parts; the engine reuses the session's stages as one, so nothing asks a reused load for them."""
+    """What the load record keeps (the session's ``to_json()`` and the binary's, as the backend wrote
+    them: opaque here, checked and read by the backend) and, in the run that opened it, the live
+    session. A load reused from ``state.db`` is the same type without the live parts; the engine
+    reuses the session's stages as one, so nothing asks a reused load for them. ``backend``: the
+    name of the backend that wrote the record (the plan's), which reads it."""
 
     record: Mapping[str, Any]
+    backend: str
     session: Session | None = field(default=None, compare=False, repr=False)
     binary: BackendBinary | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def opened(cls, session: Session, binary: BackendBinary | None) -> LoadResult:
         backend = binary.to_json() if binary is not None else {"name": session.backend}
-        return cls({**session.to_json(), "backend": backend}, session, binary)
+        return cls({**session.to_json(), "backend": backend}, session.backend, session, binary)
 
     def live(self) -> Session:
         if self.session is None:  # a wiring bug, not an operator's problem
@@ -87,49 +90,33 @@ def open_session(plan: Plan, files: ModelFiles, *, run_dir: Path, settings: Sett
 # --------------------------------------------------------------------------- the stage
 
 
-@dataclass(frozen=True)
-class _TemplateShape:
-    kind: str  # backends.llama_server.process.TemplateKind
-    path: str | None
-
-
-@dataclass(frozen=True)
-class _LlamaLoadShape:
-    """What a llama-server load record must hold (the manifest, the fingerprint and serve read it)."""
-
-    pid: int
-    base_url: str
-    argv: tuple[str, ...]
-    log_path: str
-    stderr_path: str
-    template: _TemplateShape
-    load_seconds: float
-    backend: dict[str, Any]  # the binary's to_json()
-
-
-@dataclass(frozen=True)
-class _OpenVinoLoadShape:
-    """What an OpenVINO load record must hold; the rest is what the worker reported on opening."""
-
-    pid: int
-    config: dict[str, Any]
-    backend: dict[str, Any]
-
-
 def decode_load(record: Mapping[str, Any]) -> LoadResult:
-    """The load record back (its shape checked; StageRecordError names a damaged field)."""
-    if "config" in record:  # OpenVINO: every pipeline setting
-        decode_record(_OpenVinoLoadShape, {k: record.get(k) for k in ("pid", "config", "backend")})
-    else:
-        decode_record(_LlamaLoadShape, record)
-    return LoadResult(dict(record))
+    """A load record back, without its plan: as the first backend that accepts it (each is asked,
+    as :func:`stages.recheck.decode_recheck` does); StageRecordError names a damaged field. The
+    engine decodes with the plan (:func:`decode_load_for_plan`)."""
+    errors: list[StageRecordError] = []
+    for name, backend in BACKENDS.items():
+        try:
+            backend.decode_load(record)
+        except StageRecordError as exc:
+            errors.append(exc)
+            continue
+        return LoadResult(dict(record), name)
+    raise next((e for e in errors if e.details.get("field")), errors[0])
+
+
+def decode_load_as(record: Mapping[str, Any], backend: str) -> LoadResult:
+    """The load record checked by ``backend`` (its name), with the binary it ran decoded by it."""
+    found = backend_for(backend)
+    if not isinstance(record, Mapping):
+        raise stage_record_fail("(document)", f"must be an object, got {type(record).__name__}", "")
+    found.decode_load(record)
+    return LoadResult(dict(record), backend, binary=found.decode_binary(record["backend"], path="backend"))
 
 
 def decode_load_for_plan(record: Mapping[str, Any], plan: Plan) -> LoadResult:
-    """:func:`decode_load`, with the binary it ran decoded by the plan's backend."""
-    loaded = decode_load(record)
-    binary = backend_for(plan.backend).decode_binary(record["backend"], path="backend")
-    return LoadResult(loaded.record, binary=binary)
+    """:func:`decode_load_as` the plan's backend (the engine's decoder of a reused load)."""
+    return decode_load_as(record, plan.backend)
 
 
 async def load_work(ctx: StageContext) -> LoadResult:
@@ -142,15 +129,8 @@ async def load_work(ctx: StageContext) -> LoadResult:
 
 
 def load_fingerprint(loaded: LoadResult) -> Any:
-    # the port, pid and timing change every start; the command line without the port does not
-    out = loaded.record
-    if "config" in out:  # OpenVINO: every pipeline setting; the pid and timing are volatile
-        return {"config": out.get("config")}
-    argv = list(out.get("argv") or [])
-    if "--port" in argv:
-        i = argv.index("--port")
-        del argv[i:i + 2]
-    return {"argv": argv, "template": out.get("template")}
+    """What the backend hashes of its record (how the session was started, not its port or pid)."""
+    return backend_for(loaded.backend).load_fingerprint(loaded.record)
 
 
 def load_figures(loaded: LoadResult) -> dict[str, Any]:

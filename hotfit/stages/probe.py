@@ -14,8 +14,9 @@ usable memory after device reservations):
 2. AMD through DRM sysfs: ``/sys/class/drm/cardN/device/mem_info_vram_total`` and
    ``mem_info_vram_used`` of vendor 0x1002 cards. GTT (system memory the GPU may map) is never
    added: it is host RAM.
-3. GPUs that ggml's Vulkan backend sees, asked of the Vulkan llama-server hotfit would run
-   (``llama-server --list-devices``: name, total and free MiB). A device NVML or sysfs already
+3. GPUs that ggml's Vulkan backend sees, asked of the backends (:meth:`Backend.list_devices`; the
+   llama backend asks the Vulkan llama-server hotfit would run, ``--list-devices``: name, total
+   and free MiB). A device NVML or sysfs already
    reported is matched by name and keeps those figures (a total that disagrees by more than 5 %
    is noted); any other becomes a ``vulkan`` device (Intel, an AMD card without VRAM counters,
    Mesa's lavapipe). ggml hides CPU-type Vulkan devices such as lavapipe unless the operator sets
@@ -24,9 +25,9 @@ usable memory after device reservations):
    ``memory.current`` + reclaimable ``inactive_file``) or v1 (``memory.limit_in_bytes`` −
    ``memory.usage_in_bytes`` + ``total_inactive_file``) level above this process. Listed always.
 
-RAM and device memory are never added together. ``selected`` is the probe's default (the
-accelerator with the largest usable budget, else host memory); the plan stage plans every listed
-device and records the one whose plan won as the plan's ``selected`` (stages/plan.py). Roots
+RAM and device memory are never added together. ``preferred`` is the probe's default (the
+accelerator with the largest usable budget, else host memory); the planner plans every listed
+device and places the model where its plan won (the plan's ``Placement``, planner/plan.py). Roots
 (/proc, /sys, the cgroup mount) and the NVML module are parameters so tests feed real files and
 a stand-in ``pynvml``.
 
@@ -39,8 +40,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
 import re
-import subprocess
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,12 +51,12 @@ from typing import Any
 
 import anyio
 
-from hotfit.backends.select import gpu_listing_binaries
+from hotfit.backends.base import DeviceListing, ListedDevice
+from hotfit.backends.select import list_devices
 from hotfit.core.errors import HardwareProbeError, UsageError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Device, ProbeResult, decode_probe
+from hotfit.planner.probe import Device, ProbeResult, decode_probe
 from hotfit.core.records import Fields, parse_json
-from hotfit.registry.select import device_budget
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.state.files import read_text_document, write_text_atomic
 
@@ -64,8 +66,6 @@ AMD_PCI_VENDOR = "0x1002"
 # cgroup v1 reports "no limit" as LONG_MAX rounded down to a page; anything this large is unlimited.
 CGROUP_V1_UNLIMITED = 1 << 60
 MiB = 1 << 20
-# `--list-devices` initialises every backend; lavapipe's first start compiles nothing, a few s.
-LIST_DEVICES_TIMEOUT_S = 60.0
 # NVML/sysfs and ggml round differently (MiB, reserved regions); beyond this they disagree.
 DEVICE_TOTAL_MISMATCH = 0.05
 
@@ -331,47 +331,22 @@ def probe_amd(sys_root: Path, notes: list[str]) -> list[Device]:
     return devices
 
 
-# --------------------------------------------------------------------------- ggml's device list
-
-# llama.cpp common/arg.cpp prints "  <dev>: <description> (<total> MiB, <free> MiB free)"
-_GGML_DEVICE_RE = re.compile(r"^\s*(?P<dev>[A-Za-z][A-Za-z_-]*\d+): (?P<desc>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
+# --------------------------------------------------------------------------- the backends' device lists
 
 
-@dataclass(frozen=True)
-class GgmlDevice:
-    """One line of ``llama-server --list-devices``."""
-
-    name: str  # "Vulkan0", "CUDA0"
-    description: str  # "llvmpipe (LLVM 15.0.6, 256 bits)", "NVIDIA H200"
-    total_bytes: int
-    free_bytes: int
-
-    @property
-    def backend(self) -> str:
-        return re.sub(r"\d+$", "", self.name).lower()
-
-
-def parse_list_devices(text: str) -> list[GgmlDevice]:
-    """Pure: the devices in ``--list-devices`` output (figures are whole MiB, rounded down)."""
-    out = []
-    for line in text.splitlines():
-        if m := _GGML_DEVICE_RE.match(line):
-            out.append(GgmlDevice(m["dev"], m["desc"].strip(), int(m["total"]) * MiB, int(m["free"]) * MiB))
-    return out
-
-
-def _same_card(device: Device, ggml: GgmlDevice) -> bool:
+def _same_card(device: Device, ggml: ListedDevice) -> bool:
     a, b = device.name.lower(), ggml.description.lower()
     return bool(a) and (a in b or b.split(" (")[0] in a)
 
 
-def merge_ggml_devices(found: list[Device], ggml: list[GgmlDevice], notes: list[str]) -> list[Device]:
+def merge_ggml_devices(found: list[Device], ggml: tuple[ListedDevice, ...], notes: list[str]) -> list[Device]:
     """Pure: NVML/sysfs devices with the Vulkan name of the same card attached, plus the Vulkan
-    devices nothing else reported. CUDA entries only cross-check NVML (CUDA is pinned by UUID)."""
+    devices nothing else reported. CUDA entries only cross-check NVML (CUDA is pinned by UUID).
+    ``ggml``: what the backends listed (:func:`backends.select.list_devices`)."""
     out = list(found)
     for g in ggml:
-        if g.backend != "vulkan":
-            if g.backend == "cuda" and not any(d.kind == "nvidia" for d in found):
+        if g.api != "vulkan":
+            if g.api == "cuda" and not any(d.kind == "nvidia" for d in found):
                 notes.append(f"llama-server sees {g.name} ({g.description}) but NVML reported no NVIDIA device")
             continue
         match = next((i for i, d in enumerate(out) if d.kind in ("nvidia", "amd") and d.ggml_device is None
@@ -386,27 +361,6 @@ def merge_ggml_devices(found: list[Device], ggml: list[GgmlDevice], notes: list[
                          f"{g.total_bytes // MiB} MiB; planning with the {d.kind} figure")
         out[match] = replace(d, ggml_device=g.name)
     return out
-
-
-def list_ggml_devices(binary: Path, notes: list[str], env: Mapping[str, str] | None = None) -> list[GgmlDevice]:
-    """Ask ``binary --list-devices`` which devices ggml sees. A binary that fails here is noted,
-    not fatal: the probe still has NVML, sysfs and host memory; load checks the binary again."""
-    try:
-        proc = subprocess.run([str(binary), "--list-devices"], stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=LIST_DEVICES_TIMEOUT_S, check=False,
-                              env=dict(os.environ if env is None else env))
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        notes.append(f"{binary} --list-devices failed ({exc}); its devices are not listed")
-        log.warning("probe.list_devices_failed", binary=str(binary), error=str(exc))
-        return []
-    devices = parse_list_devices(proc.stdout + "\n" + proc.stderr)
-    if proc.returncode != 0 and not devices:
-        notes.append(f"{binary} --list-devices exited with {proc.returncode}; its devices are not listed")
-        log.warning("probe.list_devices_failed", binary=str(binary), returncode=proc.returncode)
-    for g in devices:
-        log.info("probe.ggml_device", binary=str(binary), device=g.name, description=g.description,
-                 total_bytes=g.total_bytes, free_bytes=g.free_bytes)
-    return devices
 
 
 # --------------------------------------------------------------------------- host memory
@@ -510,37 +464,65 @@ def probe_devices(
     proc_root: Path = Path("/proc"),
     sys_root: Path = Path("/sys"),
     cgroup_root: Path = Path("/sys/fs/cgroup"),
-    ggml_binaries: tuple[Path, ...] = (),
+    listing: DeviceListing = DeviceListing(),
 ) -> ProbeResult:
-    """Every device with its memory, and the one planned for (largest usable budget).
+    """Every device with its memory, and the one the probe alone prefers (largest usable budget).
 
-    ``ggml_binaries``: GPU llama-server builds to ask for the devices ggml sees (source 3)."""
+    ``listing``: the GPUs the backends' runtimes see (source 3; :func:`backends.select.list_devices`)."""
     env = os.environ if env is None else env
     notes: list[str] = []
     found = probe_nvidia(nvml, env, notes) + probe_amd(sys_root, notes)
-    for binary in ggml_binaries:
-        found = merge_ggml_devices(found, list_ggml_devices(binary, notes, env), notes)
+    notes += listing.notes
+    found = merge_ggml_devices(found, listing.devices, notes)
     host = probe_host(proc_root, cgroup_root, notes)
     devices = tuple(replace(d, index=i) for i, d in enumerate([*found, host]))
-    accelerators = [d for d in devices if d.kind != "cpu"]
-    pool = accelerators or [devices[-1]]
-    best = max(pool, key=lambda d: (device_budget(d.kind, d.total_bytes, d.free_bytes).usable_bytes, -d.index))
-    if not accelerators:
+    result = ProbeResult(devices=devices, notes=tuple(notes))
+    best = result.preferred
+    if all(d.kind == "cpu" for d in devices):
         notes.append("no accelerator found: planning for host memory")
     for d in devices:
         log.info("probe.device", index=d.index, kind=d.kind, name=d.name, total_bytes=d.total_bytes,
                  free_bytes=d.free_bytes, processes_used_bytes=d.processes_used_bytes,
                  compute_capability=d.compute_capability)
     log.info("probe.selected", index=best.index, kind=best.kind, name=best.name)
-    return ProbeResult(devices=devices, selected=best.index, notes=tuple(notes))
+    return replace(result, notes=tuple(notes))
 
 
 # --------------------------------------------------------------------------- saved probes
 
 
-def save_probe(result: ProbeResult, path: Path) -> None:
+@dataclass(frozen=True)
+class MachineFacts:
+    """Who wrote a saved probe: the host name and CPU architecture (``platform.machine()``), so a
+    fleet's planner names each machine and knows which llama-server build it needs
+    (``hotfit fleet plan``, docs/fleet.md). Kept beside the probe, never in it: the plan's id hashes
+    the probe, and a host name must not change it."""
+
+    name: str | None = None
+    arch: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "arch": self.arch}
+
+
+def this_machine() -> MachineFacts:
+    return MachineFacts(name=socket.gethostname() or None, arch=platform.machine() or None)
+
+
+@dataclass(frozen=True)
+class SavedProbe:
+    result: ProbeResult
+    machine: MachineFacts
+
+
+def probe_document(result: ProbeResult, machine: MachineFacts | None = None) -> dict[str, Any]:
+    """What ``hotfit probe --json`` prints and ``--save`` writes: the probe, and who it is of."""
+    return result.to_json() | ({} if machine is None else {"machine": machine.to_json()})
+
+
+def save_probe(result: ProbeResult, path: Path, machine: MachineFacts | None = None) -> None:
     try:
-        write_text_atomic(path, json.dumps(result.to_json(), indent=2) + "\n")
+        write_text_atomic(path, json.dumps(probe_document(result, machine), indent=2) + "\n")
     except OSError as exc:
         raise UsageError(f"probe --save {path}: cannot be written ({exc.strerror or exc})",
                          hint="pass a writable file path to --save", file=str(path)) from None
@@ -550,7 +532,12 @@ PROBE_FILE_HINT = "or write it anew with 'hotfit probe --save FILE' (schema 1)"
 
 
 def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
-    """A saved probe (``hotfit probe --save``), checked field by field (core.plan.decode_probe)."""
+    """A saved probe (``hotfit probe --save``), checked field by field (planner.probe.decode_probe)."""
+    return load_saved_probe(path).result
+
+
+def load_saved_probe(path: str | os.PathLike[str]) -> SavedProbe:
+    """A saved probe and the machine it names (both optional facts may be absent: an older file)."""
     p = Path(path)
 
     def fail_document(problem: str, hint: str, **details: Any) -> UsageError:
@@ -563,9 +550,15 @@ def load_probe_file(path: str | os.PathLike[str]) -> ProbeResult:
 
     text = read_text_document(p, fail_document)
     data = parse_json(text, fail_document, kind="a probe", shape="a probe is what 'hotfit probe --save FILE' writes")
-    result = decode_probe(data, Fields(fail, noun="probe"))
-    return replace(result, notes=(*result.notes, f"probe read from {p}"))
-
+    f = Fields(fail, noun="probe")
+    result = decode_probe(data, f)
+    machine = MachineFacts()
+    if data.get("machine") is not None:
+        m = f.at("machine")
+        raw = m.object(data["machine"], "", (), optional=("name", "arch"), extra=True)
+        machine = MachineFacts(name=m.string(raw.get("name"), "name", nullable=True) or None,
+                               arch=m.string(raw.get("arch"), "arch", nullable=True) or None)
+    return SavedProbe(replace(result, notes=(*result.notes, f"probe read from {p}")), machine)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -583,12 +576,12 @@ async def probe_work(ctx: StageContext) -> ProbeResult:
     job = ctx.job(ProbeJob)
     if job.probe_file is not None:
         return await anyio.to_thread.run_sync(load_probe_file, job.probe_file)
-    binaries = gpu_listing_binaries(ctx.settings)
-    return await anyio.to_thread.run_sync(functools.partial(probe_devices, ggml_binaries=binaries))
+    listing = await anyio.to_thread.run_sync(functools.partial(list_devices, ctx.settings))
+    return await anyio.to_thread.run_sync(functools.partial(probe_devices, listing=listing))
 
 
 def probe_figures(probe: ProbeResult) -> dict[str, Any]:
-    d = probe.device
+    d = probe.preferred
     return {"device_kind": d.kind, "device_name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes}
 
 

@@ -21,7 +21,7 @@ from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, A
 from hotfit.backends.select import BACKENDS, backend_for
 from hotfit.core.errors import AllocationMismatch, StageRecordError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.load import SERVER_SESSION, LoadResult
@@ -105,9 +105,7 @@ async def recheck_work(ctx: StageContext) -> AllocationReport:
 
 
 def recheck_figures(report: AllocationReport) -> dict[str, Any]:
-    data = report.to_json()  # llama-server: the window per slot; OpenVINO: the one window its bytes hold
-    opened = list(data["opened_n_ctx_per_slot"]) if "opened_n_ctx_per_slot" in data else data.get("opened_context_tokens")
-    return {"verdict": report.verdict, "opened_context_tokens": opened,
+    return {"verdict": report.verdict, "opened_context_tokens": report.opened_figure(),
             "planned_hot_context_tokens": report.planned_hot_context_tokens,
             "estimated_kv_bytes": report.estimated_kv_bytes, "actual_kv_bytes": report.actual_kv_bytes,
             "ratio": round(report.ratio, 6) if report.ratio is not None else None}

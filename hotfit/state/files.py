@@ -13,9 +13,9 @@ import stat
 import tempfile
 from contextlib import suppress
 from pathlib import Path
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
-from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.diskspace import refused_errno, unwritable_error, write_failure
 from hotfit.core.errors import UsageError
 from hotfit.core.records import DocumentFail
 
@@ -43,6 +43,9 @@ def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
     """
     if home.exists() and not home.is_dir():
         raise unusable_home(home, named, "it is not a directory", errno=errno.ENOTDIR)
+    if home_is_read_only(home) and refused_errno(home) == errno.EROFS:
+        # a filesystem turned read-only (after a disk error): the same exit 4 and repair as mid-run
+        raise unwritable_error(home, what="hotfit's home", errno_=errno.EROFS)
     try:
         logs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -54,6 +57,37 @@ def prepare_home(home: Path, named: str, logs_dir: Path) -> None:
                             errno=errno.EACCES)
     confine_writes_to(home)
     checked_write_path(logs_dir, kind="directory")
+
+
+def rehome_paths(value: Any, old_home: str, new_home: str) -> Any:
+    """``value`` (a JSON document) with every path under ``old_home`` moved under ``new_home``: what a
+    home copied with ``cp -a`` (or moved) recorded about itself — the manifest's files, a stage's
+    results — names its own files again, not the original home's (docs/faults-state.md)."""
+    if isinstance(value, str):
+        if value == old_home or value.startswith(old_home.rstrip("/") + "/"):
+            return new_home + value[len(old_home.rstrip("/")):]
+        return value
+    if isinstance(value, list):
+        return [rehome_paths(v, old_home, new_home) for v in value]
+    if isinstance(value, dict):
+        return {k: rehome_paths(v, old_home, new_home) for k, v in value.items()}
+    return value
+
+
+def same_directory(a: str | Path, b: str | Path) -> bool:
+    """``a`` and ``b`` name one directory (equal, or one a symlink to the other); False when either is gone."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def home_is_read_only(home: Path) -> bool:
+    """The home is a directory this user cannot write: its filesystem is read-only (after a disk
+    error), or permissions. A reader (``hotfit status``) still reads it (docs/faults-state.md)."""
+    return home.is_dir() and not os.access(home, os.W_OK | os.X_OK)
 
 
 def confine_writes_to(home: Path | None) -> None:
@@ -156,8 +190,8 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True, what: str 
         mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        if is_disk_full(exc):
-            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None
+        if (mapped := write_failure(exc, path, needed_bytes=len(data), what=what)) is not None:
+            raise mapped from None
         raise
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -170,8 +204,9 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True, what: str 
     except BaseException as exc:
         with suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        if is_disk_full(exc):
-            raise from_os_error(exc, path, needed_bytes=len(data), what=what) from None
+        if isinstance(exc, OSError) and (mapped := write_failure(exc, path, needed_bytes=len(data),
+                                                                 what=what)) is not None:
+            raise mapped from None
         raise
     if durable:
         fsync_dir(path.parent)
@@ -182,11 +217,16 @@ def finalize_file(partial: Path, final: Path) -> None:
     checked_write_path(partial)
     checked_write_path(final)
     checked_write_path(final.parent, kind="directory")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(partial, final)
-    fsync_dir(final.parent)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, final)
+        fsync_dir(final.parent)
+    except OSError as exc:  # the partial stays where it was: the rerun verifies it again
+        if (mapped := write_failure(exc, final, needed_bytes=None, what="the verified download")) is not None:
+            raise mapped from None
+        raise

@@ -38,7 +38,7 @@ from typing import AsyncIterator, Generator
 
 import anyio
 
-from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.diskspace import write_failure
 from hotfit.core.errors import LockedError
 from hotfit.core.log import get_logger
 from hotfit.state.files import checked_write_path
@@ -157,8 +157,8 @@ class FileLock:
             os.pwrite(fd, holder, 0)
         except OSError as exc:
             fcntl.flock(fd, fcntl.LOCK_UN)
-            if is_disk_full(exc):
-                raise from_os_error(exc, self.path, needed_bytes=len(holder), what="the lock file") from None
+            if (mapped := write_failure(exc, self.path, needed_bytes=len(holder), what="the lock file")) is not None:
+                raise mapped from None
             raise
         self._fd = fd
 
@@ -215,7 +215,11 @@ class FileLock:
         if fd is None:
             return
         try:
-            os.ftruncate(fd, 0)
+            # Emptying the holder line is a courtesy (a reader trusts a PID only while the kernel
+            # shows it holding the flock: current_holder). On a disk that failed or turned read-only
+            # it fails too, and must not replace the error that is unwinding through this release.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

@@ -30,6 +30,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,16 @@ from typing import Any, Iterator, Literal, Sequence
 
 import anyio.to_thread
 
-from hotfit.core.diskspace import disk_full_error, is_disk_full
-from hotfit.core.errors import DiskSpaceError, LockedError, UsageError
+from hotfit.core.diskspace import disk_full_error, is_disk_full, refused_errno, unwritable_error
+from hotfit.core.errors import DiskSpaceError, DiskWriteError, LockedError, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.records import field_dict
+from hotfit.state.files import rehome_paths, same_directory
 from hotfit.state.locks import current_holder
 
 log = get_logger()
+# sqlite's name for a private in-memory database (an ephemeral run's store): it has no home
+IN_MEMORY_PATH = Path(":memory:")
 
 StageStatus = Literal["pending", "running", "done", "failed", "skipped", "interrupted"]
 RunStatus = Literal["running", "done", "failed", "interrupted"]
@@ -145,6 +149,15 @@ def _is_full(exc: BaseException) -> bool:
         getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc))
 
 
+def _is_refused(exc: BaseException) -> bool:
+    """SQLite's SQLITE_READONLY ("attempt to write a readonly database") / SQLITE_IOERR ("disk I/O
+    error"): the filesystem refused a write — turned read-only under the run, or failing."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    return isinstance(exc, sqlite3.OperationalError) and (
+        name.startswith(("SQLITE_READONLY", "SQLITE_IOERR")) or "readonly database" in str(exc)
+        or "disk I/O error" in str(exc))
+
+
 def _is_damage(exc: BaseException) -> bool:
     """SQLite's "database disk image is malformed" / "file is not a database" (a garbled page)."""
     name = getattr(exc, "sqlite_errorname", "") or ""
@@ -197,32 +210,54 @@ class SyncStateStore:
     ``lock_path`` is the home's pipeline lock: when the database stays busy past the wait, the
     error names that lock's holder (or else the processes that have the file open)."""
 
-    def __init__(self, path: Path, *, lock_path: Path | None = None) -> None:
+    def __init__(self, path: Path, *, lock_path: Path | None = None, read_only: bool = False) -> None:
         self.path = Path(path)
         self.lock_path = lock_path
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        started = time.monotonic()
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a transaction takes the
         # write lock up front instead of failing half-way on an upgrade.
-        started = time.monotonic()
         self._conn = sqlite3.connect(
-            str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            self._read_only_uri() if read_only else str(self.path), uri=read_only,
+            timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
         self._conn.row_factory = sqlite3.Row
         try:
-            self._init_schema()
+            if read_only:  # a reader (``hotfit status``): the same checks, nothing created or written
+                with self._lock:
+                    self._check_layout()
+                    self._check_pages()
+            else:
+                self._init_schema()
         except sqlite3.DatabaseError as exc:
             # A damaged file or one from another hotfit version: say which file and what to do,
             # instead of a traceback (or a "no such column" half-way through a run).
             self._conn.close()
             if _is_full(exc) or is_disk_full(exc.__cause__ or exc.__context__ or exc):
                 raise self._full_error(exc) from None
+            if _is_refused(exc):
+                raise self._refused_error(exc) from None
             if _is_busy(exc):
                 raise self._busy_error(exc, time.monotonic() - started) from None
             raise self._unusable(exc) from None
         except BaseException:
             self._conn.close()
             raise
+
+    def _read_only_uri(self) -> str:
+        """``mode=ro``; on a filesystem mounted read-only with no write-ahead log beside the database
+        (hotfit's last connection checkpointed it away), ``immutable=1`` — SQLite cannot create the
+        ``-shm`` index a WAL reader needs there, and nothing can change the file under the reader."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            read_only_fs = bool(os.statvfs(self.path.parent).f_flag & os.ST_RDONLY)
+            wal_bytes = wal.stat().st_size if wal.exists() else 0
+        except OSError:
+            read_only_fs, wal_bytes = False, 0
+        mode = "immutable=1" if read_only_fs and wal_bytes == 0 else "mode=ro"
+        return f"file:{urllib.parse.quote(str(self.path))}?{mode}"
 
     def _unusable(self, exc: BaseException) -> UsageError:
         """Exit 2 naming the file and the fix (move it aside), for a database that cannot be read."""
@@ -265,6 +300,12 @@ class SyncStateStore:
             page = int(self._conn.execute("PRAGMA page_size").fetchone()[0])
         return disk_full_error(self.path, needed_bytes=page, what="the state database", sqlite_error=str(exc))
 
+    def _refused_error(self, exc: BaseException) -> DiskWriteError:
+        """The filesystem refused a write (read-only, or an I/O error): exit 4 naming the database and
+        the mount; the last committed transaction stands, so the rerun resumes from it."""
+        return unwritable_error(self.path, what="the state database", errno_=refused_errno(self.path),
+                                sqlite_error=str(exc))
+
     @contextlib.contextmanager
     def _mapped_errors(self) -> Iterator[None]:
         """A busy database is LockedError (exit 6, naming the holder); a damaged one (a garbled page
@@ -277,6 +318,8 @@ class SyncStateStore:
                 raise self._busy_error(exc, time.monotonic() - started) from None
             if _is_full(exc):
                 raise self._full_error(exc) from None
+            if _is_refused(exc):
+                raise self._refused_error(exc) from None
             if _is_damage(exc):
                 raise self._unusable(exc) from None
             raise
@@ -300,23 +343,63 @@ class SyncStateStore:
                 self._conn.execute(
                     "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
                 )
-                found = self._conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0]
-                if found != str(SCHEMA_VERSION):
-                    raise sqlite3.DatabaseError(f"schema version {found}, this hotfit reads {SCHEMA_VERSION}")
-                for table, wanted in _COLUMNS.items():
-                    have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
-                    if not wanted <= have:
-                        raise sqlite3.DatabaseError(
-                            f"table {table} lacks {', '.join(sorted(wanted - have))} (an older layout)")
+                self._check_layout()
+                moved = self._rehome()
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._rollback()
                 raise
-            # A garbled page is found here, before a run starts, not by a write half-way through it
-            # (milliseconds: the database holds a few rows per run).
-            problems = [r[0] for r in self._conn.execute("PRAGMA quick_check(3)")]
-            if problems != ["ok"]:
-                raise sqlite3.DatabaseError("damaged: " + "; ".join(str(p) for p in problems))
+            self._check_pages()
+        if moved is not None:
+            log.info("home.copied", from_home=moved[0], home=str(self.path.parent), file=str(self.path),
+                     records=moved[1])
+
+    def _rehome(self) -> tuple[str, int] | None:
+        """A database copied (``cp -a``) or moved with its home: its stage records name the original
+        home's files, and a reused record would load them from there. Each is re-rooted here, once, in
+        the open's transaction (docs/faults-state.md, "A copied home"); the home is recorded in
+        ``meta`` for the next open. Returns (the original home, records changed) when it moved."""
+        if self.path == IN_MEMORY_PATH:
+            return None
+        here = os.path.abspath(self.path.parent)
+        row = self._conn.execute("SELECT value FROM meta WHERE key='home'").fetchone()
+        if row is None:
+            self._conn.execute("INSERT INTO meta(key, value) VALUES ('home', ?)", (here,))
+            return None
+        if same_directory(row[0], here):
+            return None
+        changed = 0
+        for record in list(self._conn.execute("SELECT run_id, stage, outputs_json FROM stages "
+                                              "WHERE outputs_json IS NOT NULL")):
+            try:
+                outputs = json.loads(record[2])
+            except (TypeError, ValueError):  # a damaged record stays as it is: never trusted (state.record_damaged)
+                continue
+            moved = rehome_paths(outputs, row[0], here)
+            if moved != outputs:
+                self._conn.execute("UPDATE stages SET outputs_json=? WHERE run_id=? AND stage=?",
+                                   (json.dumps(moved), record[0], record[1]))
+                changed += 1
+        self._conn.execute("UPDATE meta SET value=? WHERE key='home'", (here,))
+        return row[0], changed
+
+    def _check_layout(self) -> None:
+        row = self._conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        found = row[0] if row is not None else None
+        if found != str(SCHEMA_VERSION):
+            raise sqlite3.DatabaseError(f"schema version {found}, this hotfit reads {SCHEMA_VERSION}")
+        for table, wanted in _COLUMNS.items():
+            have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            if not wanted <= have:
+                raise sqlite3.DatabaseError(
+                    f"table {table} lacks {', '.join(sorted(wanted - have))} (an older layout)")
+
+    def _check_pages(self) -> None:
+        # A garbled page is found here, before a run starts, not by a write half-way through it
+        # (milliseconds: the database holds a few rows per run).
+        problems = [r[0] for r in self._conn.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("damaged: " + "; ".join(str(p) for p in problems))
 
     def close(self) -> None:
         with self._lock:

@@ -42,7 +42,7 @@ from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, A
 from hotfit.backends.llama_server.logs import LogLine, read_server_log
 from hotfit.core.errors import AllocationMismatch
 from hotfit.core.lazy_import import lazy_module
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.registry.kv import allocation_kv_bytes
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
@@ -210,6 +210,9 @@ class AllocationReport(AllocationVerdict):
         """The smallest window a slot opened (None: /slots reported none)."""
         return min(self.opened_n_ctx_per_slot) if self.opened_n_ctx_per_slot else None
 
+    def opened_figure(self) -> list[int]:
+        return list(self.opened_n_ctx_per_slot)  # the window per slot
+
     def event_facts(self) -> dict[str, Any]:
         return dict(
             verdict=self.verdict,
@@ -322,7 +325,7 @@ async def read_allocation(
     lines = await anyio.to_thread.run_sync(read_server_log, server.run_dir)
     observed = parse_log_allocation(lines)
     slot_n_ctx = tuple(int(s.get("n_ctx", 0)) for s in slots) if isinstance(slots, list) else ()
-    accelerator = plan.probe.device.kind != "cpu"
+    accelerator = plan.placement.device.kind != "cpu"
     problems, warnings = judge_allocation(
         planned_tokens=plan.hot_context_tokens,
         floor_tokens=floor_tokens,

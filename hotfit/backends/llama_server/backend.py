@@ -7,24 +7,58 @@ import functools
 import hashlib
 import json
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 
-from hotfit.backends.base import BackendBinary, BuildUnavailable, ModelFiles, ServeCommand, ServicePin
+from hotfit.backends.base import BackendBinary, BuildNeed, BuildUnavailable, DeviceListing, ModelFiles, ServeCommand, ServicePin
+from hotfit.backends.llama_server.devices import list_ggml_devices
 from hotfit.backends.llama_server.allocation import AllocationReport
-from hotfit.backends.llama_server.discovery import ServerBinary, find_llama_server, gpu_listing_binaries
+from hotfit.backends.llama_server.discovery import SERVES, ServerBinary, find_llama_server, gpu_listing_binaries
 from hotfit.backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
 from hotfit.backends.llama_server.process import LoadedServer, open_server
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError
-from hotfit.core.plan import Plan
+from hotfit.core.cuda_arch import capability_number
+from hotfit.core.records import decode_record
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device
 from hotfit.core.settings import Settings
 from hotfit.registry.select import DEVICE_KINDS
 from hotfit.state.receipts import sha256_file
 
 __all__ = ["LlamaServerBackend"]
+
+
+@dataclass(frozen=True)
+class _TemplateShape:
+    kind: str  # backends.llama_server.process.TemplateKind
+    path: str | None
+
+
+@dataclass(frozen=True)
+class _LoadShape:
+    """What a llama-server load record must hold (the manifest, the fingerprint and serve read it)."""
+
+    pid: int
+    base_url: str
+    argv: tuple[str, ...]
+    log_path: str
+    stderr_path: str
+    template: _TemplateShape
+    load_seconds: float
+    backend: dict[str, Any]  # the binary's to_json()
+
+
+def _argv_without_port(record: Mapping[str, Any]) -> list[str]:
+    """The command line a load record ran, without ``--port N`` (a new one every start)."""
+    argv = list(record.get("argv") or [])
+    if "--port" in argv:
+        i = argv.index("--port")
+        del argv[i:i + 2]
+    return argv
 
 
 class LlamaServerBackend:
@@ -34,7 +68,7 @@ class LlamaServerBackend:
     def preflight(self, plan: Plan, settings: Settings) -> ServerBinary:
         """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and
         the plan's device; blocking (run it in a thread)."""
-        device = plan.probe.device
+        device = plan.placement.device
         return find_llama_server(settings, device_kind=device.kind, gpu_capability=device.compute_capability)
 
     def decode_binary(self, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:
@@ -43,8 +77,21 @@ class LlamaServerBackend:
     def decode_allocation(self, record: Mapping[str, Any]) -> AllocationReport:
         return AllocationReport.decode(record)
 
-    def device_listing_binaries(self, settings: Settings) -> tuple[Path, ...]:
-        return gpu_listing_binaries(settings)
+    def decode_load(self, record: Mapping[str, Any]) -> None:
+        decode_record(_LoadShape, record)
+
+    def load_fingerprint(self, record: Mapping[str, Any]) -> Any:
+        # the port, pid and timing change every start; the command line without the port does not
+        return {"argv": _argv_without_port(record), "template": record.get("template")}
+
+    def launch_flags(self, record: Mapping[str, Any]) -> Any:
+        return _argv_without_port(record)[1:]  # the flags, without the program's path
+
+    def list_devices(self, settings: Settings, env: Mapping[str, str]) -> DeviceListing:
+        listing = DeviceListing()
+        for binary in gpu_listing_binaries(settings):  # the GPU builds hotfit would run
+            listing += list_ggml_devices(binary, env)
+        return listing
 
     async def _binary(self, plan: Plan, settings: Settings, binary: BackendBinary | None) -> ServerBinary:
         if isinstance(binary, ServerBinary):
@@ -77,6 +124,17 @@ class LlamaServerBackend:
 
     def template_summary(self, template_path: str | None) -> str:
         return template_path or "(none: the GGUF template)"
+
+    def build_for(self, device: Device, arch: str) -> BuildNeed:
+        """The build ``scripts/install-llama-server`` makes for this device: the best the device kind
+        is served by (discovery.SERVES), for the machine's CPU (``--arch``: the cross build, docs/builds.md
+        "Arm64"), with the GPU's compute capability for the union a CUDA build needs (HOTFIT_CUDA_ARCHS)."""
+        kind = SERVES.get(device.kind, ("cpu",))[0]
+        native = arch == "x86_64"
+        return BuildNeed(flavour=kind if native else f"{kind}-{arch}", arch=arch,
+                         install_flags=f"--backend {kind}" + ("" if native else f" --arch {arch}"),
+                         per_gpu_code=kind == "cuda",
+                         cuda_capability=capability_number(device.compute_capability or "") if kind == "cuda" else None)
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         """The llama-server the load stage would start (same search, same checks): its build facts

@@ -183,8 +183,9 @@ class ServerBinary:
                       "flash_attn": recheck.get("flash_attn"),
                       # where the session really put things: "offloaded N/N layers", KV buffers by device
                       "offloaded_layers": recheck.get("offloaded_layers"), "kv_buffers": recheck.get("kv_buffers")},
-            llama_cpp={"server_path": data["server_path"], "source": data["source"], **data["build"],
-                       "build_info": recheck.get("build_info")})
+            build={"server_path": data["server_path"], "source": data["source"], **data["build"],
+                   "build_info": recheck.get("build_info")},
+            extra={"load_argv": session.get("argv")})  # the command line the session ran
 
     @classmethod
     def decode(cls, record: Mapping[str, Any], *, path: str = "") -> ServerBinary:

@@ -22,7 +22,7 @@ from typing import Literal, Mapping
 import anyio
 
 from hotfit.core.errors import BackendError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.registry.kv import LLAMA_UBATCH_TOKENS
 
 __all__ = [
@@ -140,7 +140,7 @@ def llama_server_argv(
     (``/v1/models``, ``model`` in answers) instead of the GGUF's path; ``metrics`` turns on
     ``/metrics`` — both for ``hotfit serve``, where a fleet's clients and Prometheus read them."""
     kv = plan.kv_cache_type
-    accelerator = plan.probe.device.kind != "cpu"
+    accelerator = plan.placement.device.kind != "cpu"
     argv = [
         str(binary.absolute()),
         "-m", str(model_path.absolute()),  # absolute: the server runs in its binary's folder
@@ -161,8 +161,8 @@ def llama_server_argv(
         argv += ["--chat-template-file", str(template_path.absolute())]
     if accelerator:
         argv += ["-ngl", "all" if features.ngl_all else "999"]
-        ggml_device = plan.probe.device.ggml_device
-        if ggml_device and plan.probe.device.kind in ("vulkan", "amd"):
+        ggml_device = plan.placement.device.ggml_device
+        if ggml_device and plan.placement.device.kind in ("vulkan", "amd"):
             # Only a Vulkan build serves these kinds: pin it to the probed device by ggml's name
             # (NVIDIA is pinned by UUID in the environment, which CUDA and Vulkan builds differ on).
             argv += ["-dev", ggml_device]
@@ -206,7 +206,7 @@ def server_env(api_key: str, base: dict[str, str] | None = None) -> dict[str, st
 
 def device_env(plan: Plan) -> dict[str, str]:
     """Pin an NVIDIA plan to the probed card: CUDA numbering need not match NVML's, a UUID does."""
-    device = plan.probe.device
+    device = plan.placement.device
     uuid = getattr(device, "uuid", None)
     if device.kind == "nvidia" and uuid:
         return {"CUDA_VISIBLE_DEVICES": str(uuid)}

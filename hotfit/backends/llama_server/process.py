@@ -61,7 +61,7 @@ from hotfit.backends.llama_server.logs import (
 from hotfit.core.errors import LoadError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.grading.protocol import ChatEndpoint
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use

@@ -27,7 +27,7 @@ from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, A
 from hotfit.backends.openvino.config import KV_PRECISIONS, KvShape, SessionConfig, kv_bytes_per_token, parse_ir_kv_shape
 from hotfit.backends.openvino.protocol import WorkerGone
 from hotfit.core.errors import AllocationMismatch
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT
 
 if TYPE_CHECKING:  # annotations only: session.py imports this module
@@ -55,6 +55,9 @@ class OpenVinoAllocationReport(AllocationVerdict):
     max_cache_usage_percent: float | None
     kv_states: int
     tolerance: float
+
+    def opened_figure(self) -> int | None:
+        return self.opened_context_tokens  # the one window its bytes hold
 
     def event_facts(self) -> dict[str, Any]:
         return {

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hotfit.backends.base import (AllocationReport, BackendBinary, BuildUnavailable, ManifestFacts, ModelFiles, ServeCommand,
+from hotfit.backends.base import (AllocationReport, BackendBinary, BuildNeed, BuildUnavailable, DeviceListing, ManifestFacts, ModelFiles, ServeCommand,
                            ServicePin)
 from hotfit.backends.openvino.allocation import OpenVinoAllocationReport
 from hotfit.backends.openvino.config import (OPENVINO_DEVICES, OPENVINO_GENAI_VERSION, openvino_device, openvino_kv_precision,
@@ -24,7 +24,8 @@ from hotfit.backends.openvino.session import OpenVinoSession, open_openvino_sess
 from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError, UsageError
 from hotfit.core.records import decode_record, field_dict
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
+from hotfit.planner.probe import Device
 from hotfit.core.settings import Settings
 
 __all__ = ["GB", "OVMS_TOOL_PARSERS", "OpenVinoBackend", "OpenVinoRuntime", "ovms_argv", "ovms_cache_size_gb"]
@@ -86,6 +87,15 @@ class OpenVinoRuntime:
         return decode_record(cls, record, extra_keys=frozenset({"name"}), path=path)
 
 
+@dataclass(frozen=True)
+class _LoadShape:
+    """What an OpenVINO load record must hold; the rest is what the worker reported on opening."""
+
+    pid: int
+    config: dict[str, Any]
+    backend: dict[str, Any]
+
+
 class OpenVinoBackend:
     name: Literal["openvino"] = "openvino"
     device_kinds: frozenset[str] = frozenset(OPENVINO_DEVICES)
@@ -96,8 +106,17 @@ class OpenVinoBackend:
     def decode_allocation(self, record: Mapping[str, Any]) -> OpenVinoAllocationReport:
         return OpenVinoAllocationReport.decode(record)
 
-    def device_listing_binaries(self, settings: Settings) -> tuple[Path, ...]:
-        return ()  # the probe's GPU listing is ggml's (llama-server's builds)
+    def decode_load(self, record: Mapping[str, Any]) -> None:
+        decode_record(_LoadShape, {k: record.get(k) for k in ("pid", "config", "backend")})
+
+    def load_fingerprint(self, record: Mapping[str, Any]) -> Any:
+        return {"config": record.get("config")}  # every pipeline setting; the pid and timing are volatile
+
+    def launch_flags(self, record: Mapping[str, Any]) -> Any:
+        return record.get("config")  # the pipeline's settings
+
+    def list_devices(self, settings: Settings, env: Mapping[str, str]) -> DeviceListing:
+        return DeviceListing()  # plans host memory only (device_kinds); the probe's GPUs come from the others
 
     def preflight(self, plan: Plan, settings: Settings) -> OpenVinoRuntime:
         """The extra importable, a device and a KV precision the session takes — each refused
@@ -131,6 +150,9 @@ class OpenVinoBackend:
     def template_summary(self, template_path: str | None) -> str:
         # GenAI (and OVMS) render the export's own template; the tool-call probe proved it
         return "the export's own" + (f" (registry copy checked: {template_path})" if template_path else "")
+
+    def build_for(self, device: Device, arch: str) -> BuildNeed | None:
+        return None  # OpenVINO GenAI is a wheel from PyPI (pyproject's openvino extra): nothing to build
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         raise BuildUnavailable(f"{entry.name} is an {entry.backend} entry: grade evidence is kept for "

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hotfit.core.errors import BackendNotFound, LoadError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.registry.kv import (
     OPENVINO_KV_BLOCK_TOKENS,
     OPENVINO_KV_PRECISIONS,
@@ -132,7 +132,7 @@ OPENVINO_DEVICES: dict[str, str] = {"cpu": "CPU"}
 
 def openvino_device(plan: Plan) -> str:
     """The OpenVINO device for the planned one (:data:`OPENVINO_DEVICES`)."""
-    device = plan.probe.device
+    device = plan.placement.device
     if device.kind in OPENVINO_DEVICES:
         return OPENVINO_DEVICES[device.kind]
     raise LoadError(

@@ -41,7 +41,7 @@ from hotfit.backends.openvino.config import (
 from hotfit.backends.openvino.protocol import WorkerGone, worker_request
 from hotfit.core.errors import LoadError
 from hotfit.core.log import get_logger
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.grading.protocol import ChatEndpoint
 
 __all__ = ["OpenVinoSession", "open_openvino_session", "worker_env"]

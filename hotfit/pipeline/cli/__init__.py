@@ -25,13 +25,14 @@ from types import FrameType
 from typing import Any, Literal, NoReturn, TextIO
 
 from hotfit.core import log
-from hotfit.core.diskspace import from_os_error, is_disk_full
+from hotfit.core.diskspace import write_failure
 from hotfit.core.errors import HotfitError, Interrupted, UsageError
 from hotfit.core.settings import Settings, load_settings
-from hotfit.pipeline.cli import auto, grade, plan, probe, pull, registry, serve, status, verify
+from hotfit.pipeline.cli import auto, fleet, grade, plan, probe, pull, registry, serve, status, verify
 from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.engine import STOP_SIGNALS
 from hotfit.pipeline.metrics import last_run, record_run
-from hotfit.state.files import checked_write_path, prepare_home, unusable_home
+from hotfit.state.files import checked_write_path, home_is_read_only, prepare_home, unusable_home
 
 _log = log.get_logger()
 
@@ -39,19 +40,21 @@ EXIT_CODES_HELP = """exit codes:
   0    success
   2    usage or configuration error (bad argument, env var, registry file)
   3    no model qualifies (fail closed; the message names what would)
-  4    download / verify failure (Hub error, pin or size mismatch, checksum, disk space, template)
+  4    download / verify failure (Hub error, pin or size mismatch, checksum, disk space, template,
+       a disk turned read-only or failing: EROFS/EIO)
   5    load / tool-call probe / hot-allocation re-check failure
   6    locked: another hotfit holds this --home (its PID is named)
   7    hardware probe failure (NVML present but failing)
   8    grade: the model failed the multi-turn tool-use grade
   9    grade: inconclusive (a stack problem, named, or --budget-s ran out)
   10   status: the last `hotfit auto` failed or was interrupted (for alerting checks)
-  130  interrupted (SIGINT/SIGTERM); a rerun resumes
+  11   download gave up on a passing fault (Hub or mirror unreachable, 5xx/429, no progress): rerun later
+  130  interrupted (SIGINT, SIGTERM or SIGHUP); a rerun resumes
 """
 
 
 def _commands() -> list[Any]:
-    return [probe, plan, registry, pull, auto, status, serve, grade, verify]
+    return [probe, plan, registry, pull, auto, status, serve, grade, verify, fleet]
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -165,23 +168,29 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
     error: HotfitError | None
     try:
         settings = load_settings(home=args.home, llama_server=args.llama_server)
-        prepare_home(settings.home, settings.home_named, settings.log_path.parent)
-        targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
-            (settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
-            # SQLite opens these beside the database itself, following a symlink
-            (settings.state_db.with_name(settings.state_db.name + "-wal"), "file"),
-            (settings.state_db.with_name(settings.state_db.name + "-shm"), "file"),
-            (settings.manifest_path, "file"), (settings.models_dir, "directory"))
-        for path, kind in targets:
-            checked_write_path(path, kind=kind)
+        # a reader (status) reads a home it cannot write — the operator's first look after a disk
+        # error turned it read-only — and logs to stderr only
+        read_only = bool(getattr(args, "reads_home_only", False)) and home_is_read_only(settings.home)
+        if not read_only:
+            prepare_home(settings.home, settings.home_named, settings.log_path.parent)
+            targets: tuple[tuple[Path, Literal["file", "directory"]], ...] = (
+                (settings.log_path, "file"), (settings.state_db, "file"), (settings.lock_path, "file"),
+                # SQLite opens these beside the database itself, following a symlink
+                (settings.state_db.with_name(settings.state_db.name + "-wal"), "file"),
+                (settings.state_db.with_name(settings.state_db.name + "-shm"), "file"),
+                (settings.manifest_path, "file"), (settings.models_dir, "directory"))
+            for path, kind in targets:
+                checked_write_path(path, kind=kind)
         try:
-            log.configure(args.log_format, verbosity, settings.log_path, max_bytes=settings.log_max_bytes,
-                          keep=settings.log_keep)
-            logged = True
+            log.configure(args.log_format, verbosity, None if read_only else settings.log_path,
+                          max_bytes=settings.log_max_bytes, keep=settings.log_keep)
+            logged = not read_only
         except OSError as exc:
             raise unusable_home(settings.home, settings.home_named,
                                 f"cannot append to {settings.log_path}: {exc.strerror or exc}",
                                 errno=exc.errno) from None
+        if read_only:
+            _log.warning("home.read_only", home=str(settings.home), command=_command_name(args))
         ctx = CliContext(settings=settings, json=want_json, log_format=args.log_format,
                          verbosity=verbosity, out=out)
         handler: Callable[[argparse.Namespace, CliContext], int] = args.handler
@@ -192,15 +201,15 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
     except KeyboardInterrupt:
         error = _interrupted(received)
         code = error.exit_code
-    except OSError as exc:  # the writers map a full disk themselves; this is the net under them
-        if not is_disk_full(exc):
+    except OSError as exc:  # the writers map a full or refusing disk themselves; this is the net under them
+        home = args.home or os.environ.get("HOTFIT_HOME")
+        where = exc.filename or home or "?"
+        mapped = write_failure(exc, where, needed_bytes=None, what="a file" if exc.filename else "a file in the home")
+        if mapped is None:
             if logged:
                 _record(_command_name(args), 1, {"code": "internal", "message": repr(exc)}, started)
             raise
-        home = args.home or os.environ.get("HOTFIT_HOME")
-        where = exc.filename or home or "?"
-        what = "a file" if exc.filename else "a file in the home"
-        error = from_os_error(exc, where, needed_bytes=None, what=what)
+        error = mapped
         code = error.exit_code
     except Exception as exc:  # a bug: logged with exit 1, then Python's traceback
         if logged:
@@ -213,11 +222,12 @@ def _main(argv: Sequence[str] | None, out: TextIO, received: list[int]) -> int:
 
 @contextlib.contextmanager
 def _sigterm_is_an_interrupt() -> Iterator[list[int]]:
-    """SIGTERM (a supervisor stopping hotfit) ends a command as Ctrl-C does: what runs is cancelled
-    and cleaned up, and the command exits 130 with a message, not the default 143 with none. The
-    SIGINT handler in force is called, so inside ``anyio.run`` asyncio cancels the main task and the
-    command unwinds through its ``finally`` blocks. (The stage runner and the lock wait catch both
-    signals themselves while they run, and say which one came.)"""
+    """SIGTERM (a supervisor stopping hotfit) and SIGHUP (the ssh session or terminal went away) end
+    a command as Ctrl-C does: what runs is cancelled and cleaned up, and the command exits 130 with a
+    message and its ``command.failed`` event, not the default 143 / 129 with none. The SIGINT
+    handler in force is called, so inside ``anyio.run`` asyncio cancels the main task and the command
+    unwinds through its ``finally`` blocks. (The stage runner and the lock wait catch these signals
+    themselves while they run, and say which one came: STOP_SIGNALS.)"""
     received: list[int] = []
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -228,15 +238,17 @@ def _sigterm_is_an_interrupt() -> Iterator[list[int]]:
         else:  # SIGINT ignored or left to the default: still an interrupt
             raise KeyboardInterrupt
 
+    stops = [s for s in STOP_SIGNALS if s != signal.SIGINT]
     try:
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        previous = {signum: signal.signal(signum, on_sigterm) for signum in stops}
     except ValueError:  # not the main thread (an embedding caller): signals are left alone
         yield received
         return
     try:
         yield received
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _interrupted(received: list[int]) -> Interrupted:
@@ -250,17 +262,32 @@ def _finish(command: str | None, error: HotfitError | None, code: int, want_json
             home: str | None = None, log_format: str | None = None, verbosity: int = 0, metrics: bool = False,
             prefix: str = "hotfit: error: ") -> int:
     if error is not None:
-        _report(error, want_json, out, prefix)
+        # a hung-up terminal (SIGHUP) fails the write (EIO); the log below still gets the outcome
+        with contextlib.suppress(OSError):
+            _report(error, want_json, out, prefix)
     if not logged:  # failed before the log was open (argv, environment, home): open it if the home exists
         logged = _open_log_late(settings, home, log_format, verbosity)
     if logged:
         _record(command, code, error.to_json() if error is not None else None, started)
     if metrics and settings is not None and logged:
-        run = last_run(code, error.to_json() if error is not None else None, log.events_seen(),
-                       started_at=started_wall, finished_at=time.time())
-        for path, exc in record_run(settings, run):
-            _log.warning("metrics.unwritable", path=str(path), error=exc.strerror or str(exc))
+        _write_metrics(settings, code, error, started_wall)
     return code
+
+
+def _write_metrics(settings: Settings, code: int, error: HotfitError | None, started_wall: float) -> None:
+    """``auto``'s metrics; a failure to write them is one ``metrics.unwritable`` warning and never
+    changes the exit code or hides the run's own error (docs/operations.md, "Metrics")."""
+    run = last_run(code, error.to_json() if error is not None else None, log.events_seen(),
+                   started_at=started_wall, finished_at=time.time())
+    try:
+        failed = record_run(settings, run)
+    except (OSError, HotfitError) as exc:  # the manifest unreadable, the metrics directory unusable
+        failed = [(settings.metrics_dir, getattr(exc, "what", None) or str(exc))]
+    if failed:
+        # the log may sit on the disk that failed: the warning then reaches stderr only (core/log.py)
+        with contextlib.suppress(OSError, HotfitError):
+            _log.warning("metrics.unwritable", path=str(failed[0][0]), error=failed[0][1],
+                         paths=[str(path) for path, _why in failed], exit_code=code)
 
 
 def _open_log_late(settings: Settings | None, home: str | None, log_format: str | None, verbosity: int) -> bool:
@@ -287,7 +314,8 @@ def _open_log_late(settings: Settings | None, home: str | None, log_format: str 
 
 def _command_name(args: argparse.Namespace) -> str:
     """The command as the log names it: ``auto``, ``registry lock``, ..."""
-    return " ".join(filter(None, (args.command, getattr(args, "registry_command", None))))
+    return " ".join(filter(None, (args.command, getattr(args, "registry_command", None),
+                                  getattr(args, "fleet_command", None))))
 
 
 def _record(command: str | None, code: int, error: dict[str, Any] | None, started: float) -> None:

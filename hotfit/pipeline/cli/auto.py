@@ -22,7 +22,7 @@ import anyio
 
 from hotfit.backends.select import backend_for
 from hotfit.core.errors import UsageError
-from hotfit.core.plan import Plan
+from hotfit.planner.plan import Plan
 from hotfit.grading.scenarios import TIERS
 from hotfit.pipeline.auto import AutoOutcome, provision
 from hotfit.pipeline.cli.context import CliContext

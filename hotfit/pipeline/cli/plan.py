@@ -4,20 +4,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND
+from hotfit.core.entry import DEFAULT_BACKEND, backend_names
 from hotfit.pipeline.cli.context import CliContext
-from hotfit.pipeline.provision import plan_machine
+from hotfit.pipeline.provision import SelectionOptions, plan_machine
 from hotfit.pipeline.cli.render import plan_text
-from hotfit.stages.plan import outcome_json
+from hotfit.planner.document import outcome_json
+
+
+def add_selection_options(p: argparse.ArgumentParser) -> None:
+    """The options every selection takes — one machine's (plan, auto) or a fleet's (fleet plan);
+    ``selection_from_args`` reads them (with ``--origin``/``--previous`` where the command has them)."""
+    p.add_argument("--kv-cache-type", metavar="TYPE",
+                   help="KV cache type to plan for (default: $CONTENOX_LLAMA_KV_CACHE_TYPE, unset = f16)")
+    p.add_argument("--backend", choices=backend_names(), default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
+    p.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one)")
+
+
+def add_origin_previous_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--origin", metavar="ORIGIN", help="publisher origin: us, eu, china, gus, or auto (default: any)")
+    p.add_argument("--previous", metavar="NAME", help="keep this model while it still qualifies")
+
+
+def selection_from_args(args: argparse.Namespace) -> SelectionOptions:
+    """The :class:`SelectionOptions` of ``hotfit plan`` / ``hotfit fleet plan`` as parsed."""
+    return SelectionOptions(
+        kv_cache_type_flag=args.kv_cache_type, origin=args.origin, backend=args.backend,
+        registry_file=Path(args.registry) if args.registry else None, previous=args.previous,
+        device=getattr(args, "device", None), admit_graded=getattr(args, "admit_graded", False))
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-file", metavar="FILE", help="use a saved probe (hotfit probe --json) instead of probing")
-    p.add_argument("--kv-cache-type", metavar="TYPE",
-                   help="KV cache type to plan for (default: $CONTENOX_LLAMA_KV_CACHE_TYPE, unset = f16)")
-    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
-    p.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one)")
+    add_selection_options(p)
     p.add_argument("--device", metavar="KIND|INDEX",
                    help="plan only this device: a kind (nvidia, amd, cpu, ...) or a probe index "
                         "(default: plan every device and take the best plan)")
@@ -31,15 +51,12 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p = sub.add_parser("plan", parents=parents, help="plan the model and hot context for this machine",
                        description="Select the largest curated agentic model that holds >= 32768 hot tokens.")
     add_plan_options(p)
-    p.add_argument("--origin", metavar="ORIGIN", help="publisher origin: us, eu, china, gus, or auto (default: any)")
-    p.add_argument("--previous", metavar="NAME", help="keep this model while it still qualifies")
+    add_origin_previous_options(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    outcome = plan_machine(ctx.settings, probe_file=args.probe_file, kv_cache_type_flag=args.kv_cache_type,
-                           origin=args.origin, backend=args.backend, registry_file=args.registry,
-                           previous=args.previous, device=args.device, admit_graded=args.admit_graded)
+    outcome = plan_machine(ctx.settings, selection_from_args(args), probe_file=args.probe_file)
     ctx.emit(outcome_json(outcome), plan_text(outcome))
     refusal = outcome.selection.refusal
     if outcome.plan is None and refusal is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.cli.render import probe_text
 from hotfit.pipeline.probe import probe_machine
+from hotfit.stages.probe import probe_document, this_machine
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -20,5 +21,5 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     result = probe_machine(ctx.settings, save=Path(args.save) if args.save else None)
     text = probe_text(result) + (f"\nsaved to {args.save}" if args.save else "")
-    ctx.emit(result.to_json(), text)
+    ctx.emit(probe_document(result, this_machine()), text)
     return 0

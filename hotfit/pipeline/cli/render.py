@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from hotfit.core.plan import ProbeResult
+from hotfit.planner.probe import ProbeResult
 from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, MIN_AGENTIC_HOT_CONTEXT, fmt_bytes
-from hotfit.stages.plan import PlanOutcome, device_label, device_refusal
+from hotfit.planner.devices import PlanOutcome, device_label
+from hotfit.planner.document import device_refusal
 
 __all__ = ["plan_text", "probe_text"]
 
@@ -13,7 +14,7 @@ def probe_text(result: ProbeResult) -> str:
     """Human summary of a probe."""
     lines = []
     for d in result.devices:
-        mark = "*" if d.index == result.selected else " "
+        mark = "*" if d.index == result.preferred.index else " "
         extra = "" if d.processes_used_bytes is None else f", {d.processes_used_bytes / (1 << 30):.2f} GiB held by other processes"
         extra += "" if d.compute_capability is None else f", compute capability {d.compute_capability}"
         lines.append(f"{mark} [{d.index}] {d.kind:6} {d.name}: {d.free_bytes / (1 << 30):.2f} GiB free of "
@@ -26,7 +27,7 @@ def plan_text(outcome: PlanOutcome) -> str:
     """Human report: device, budget breakdown, every candidate with its verdict, the pick or refusal."""
     sel = outcome.selection
     b = sel.budget
-    d = outcome.probe.device
+    d = outcome.placement.device
     lines = [f"device   {device_label(d)}"]
     if len(outcome.devices) > 1:
         lines.append(f"why      {outcome.device_choice}")

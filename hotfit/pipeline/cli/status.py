@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.add_argument("--nfd-features", metavar="FILE",
                    help="also write the provisioned model as Node Feature Discovery labels to FILE "
                         "(e.g. /etc/kubernetes/node-feature-discovery/features.d/hotfit), atomically")
-    p.set_defaults(handler=handler)
+    p.set_defaults(handler=handler, reads_home_only=True)  # it reads a read-only home too (the CLI: _main)
 
 
 LAST_RUN_FAILED = 10  # status: the last `hotfit auto` did not succeed (README exit codes)

@@ -1,24 +1,23 @@
-"""The immutable plan passed from the plan stage to every later stage.
+"""What the probe saw: every device with its memory (``Device``, ``ProbeResult``) and the one decoder
+of a probe's JSON (a saved probe file, the probe inside a plan's record).
 
-``Device``/``ProbeResult`` describe what the probe saw, ``BudgetBreakdown`` how the planner spent
-it, and ``Plan`` what will be fetched and opened. ``plan_id`` is a content hash of the plan's
-canonical JSON, so a changed input (hardware, registry, KV type) yields a new id and invalidates
-downstream stage state.
+The probe reports devices; it does not choose where a model goes (that is the plan's
+:class:`~hotfit.planner.plan.Placement`). ``ProbeResult.preferred`` is only the device the probe alone
+would plan for — the largest usable budget, an accelerator before host memory — which ``hotfit
+probe`` marks and the probe file writes as ``selected`` (schema 1, unchanged).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hotfit.core.entry import Entry
 from hotfit.core.records import Fields, stage_record_fail
+from hotfit.registry.budget import HOST_KIND, device_budget
 
 # "vulkan": a GPU seen only through a Vulkan llama-server's device list (Intel, lavapipe, an AMD
 # card without sysfs VRAM counters); its memory figures are what ggml's Vulkan backend reports.
@@ -41,21 +40,30 @@ class Device:
     compute_capability: str | None = None  # NVIDIA: "8.9" (NVML): which CUDA builds have code for it
 
 
+def preferred_device(devices: tuple[Device, ...]) -> Device:
+    """The device the probe alone would plan for: the largest usable budget (registry/budget.py), an
+    accelerator before host memory, the lower index on a tie. Not the plan's device (its placement)."""
+    accelerators = [d for d in devices if d.kind != HOST_KIND]
+    pool = accelerators or list(devices)
+    return max(pool, key=lambda d: (device_budget(d.kind, d.total_bytes, d.free_bytes).usable_bytes, -d.index))
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     devices: tuple[Device, ...]
-    selected: int  # index into devices of the one planned for
     notes: tuple[str, ...] = ()  # why a source was skipped (e.g. "NVML not installed")
 
     @property
-    def device(self) -> Device:
-        return next(d for d in self.devices if d.index == self.selected)
+    def preferred(self) -> Device:
+        """:func:`preferred_device` of this probe (``hotfit probe`` marks it)."""
+        return preferred_device(self.devices)
 
     def to_json(self) -> dict[str, Any]:
+        # "selected" stays in the file (schema 1): what older readers and `hotfit probe --json` show
         return {
             "schema": PROBE_SCHEMA,
             "devices": [dataclasses.asdict(d) for d in self.devices],
-            "selected": self.selected,
+            "selected": self.preferred.index,
             "notes": list(self.notes),
         }
 
@@ -74,7 +82,7 @@ _CAPABILITY_RE = re.compile(r"\d+\.\d")
 def decode_probe(data: Any, f: Fields) -> ProbeResult:
     """The one decoder of a probe's JSON (``ProbeResult.to_json``): a saved probe file
     (``hotfit probe --save``) and the probe inside a manifest's plan. Errors come from ``f``."""
-    doc = f.object(data, "", ("schema", "devices", "selected"), optional=("notes",), extra=True)
+    doc = f.object(data, "", ("schema", "devices"), optional=("selected", "notes"), extra=True)
     f.equal(doc["schema"], "schema", PROBE_SCHEMA, "write it with 'hotfit probe --save FILE'")
     devices: list[Device] = []
     for i, raw in enumerate(f.items(doc["devices"], "devices", non_empty=True, what="the probed devices")):
@@ -100,73 +108,18 @@ def decode_probe(data: Any, f: Fields) -> ProbeResult:
         devices.append(Device(index=index, kind=kind, name=name, total_bytes=total, free_bytes=free,
                               uuid=uuid, processes_used_bytes=used, ggml_device=ggml_device,
                               compute_capability=capability))
-    selected = doc["selected"]
-    if isinstance(selected, bool) or not isinstance(selected, int) or all(x.index != selected for x in devices):
-        raise f.fail("selected", f"must be the index of a listed device, got {selected!r}",
+    if "selected" in doc:  # written by every probe; a plan record of schema 1 places its model there
+        probed_index(doc["selected"], tuple(devices), f, "selected")
+    return ProbeResult(devices=tuple(devices), notes=f.strings(doc.get("notes", []), "notes"))
+
+
+def probed_index(raw: Any, devices: tuple[Device, ...], f: Fields, field: str) -> Device:
+    """``raw``, the index of one of ``devices``, as that device; else ``f``'s error on ``field``."""
+    found = None if isinstance(raw, bool) or not isinstance(raw, int) else next(
+        (d for d in devices if d.index == raw), None)
+    if found is None:
+        raise f.fail(field, f"must be the index of a listed device, got {raw!r}",
                      f"use one of: {', '.join(str(x.index) for x in devices)}")
-    return ProbeResult(devices=tuple(devices), selected=selected, notes=f.strings(doc.get("notes", []), "notes"))
+    return found
 
 
-@dataclass(frozen=True)
-class BudgetBreakdown:
-    """Every subtraction the planner made, in bytes (spec: 'Selection and hot context')."""
-
-    free_bytes: int
-    reserve_bytes: int
-    headroom_bytes: int
-    usable_bytes: int  # free - reserve - headroom
-    weights_bytes: int  # artifact + projector
-    allowance_bytes: int  # max(weights / 4, 256 MiB)
-    kv_budget_bytes: int  # usable - weights - allowance (may be negative: does not fit)
-    hot_context_tokens: int
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-@dataclass(frozen=True)
-class Plan:
-    entry: Entry
-    probe: ProbeResult
-    kv_cache_type: str
-    kv_cache_type_source: Literal["env", "flag", "default"]
-    hot_context_tokens: int
-    estimated_kv_bytes: int  # KV bytes the opened window should allocate at kv_cache_type
-    budget: BudgetBreakdown
-    origin: str | None  # None = any
-    reused_previous: bool = False
-    explicit_model: bool = False  # --model NAME: tool-chat allowed, no fallback
-
-    @property
-    def backend(self) -> str:
-        return self.entry.backend
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "entry": dataclasses.asdict(self.entry),
-            "probe": self.probe.to_json(),
-            "kv_cache_type": self.kv_cache_type,
-            "kv_cache_type_source": self.kv_cache_type_source,
-            "hot_context_tokens": self.hot_context_tokens,
-            "estimated_kv_bytes": self.estimated_kv_bytes,
-            "budget": dataclasses.asdict(self.budget),
-            "origin": self.origin,
-            "backend": self.backend,
-            "reused_previous": self.reused_previous,
-            "explicit_model": self.explicit_model,
-        }
-
-    @property
-    def plan_id(self) -> str:
-        """Stable content hash. Free-memory jitter in the probe does not change what is
-        provisioned, so the id covers the decision (entry, KV type, window, device kind/total),
-        not the raw free-byte reading."""
-        d = self.probe.device
-        decision = {
-            "entry": dataclasses.asdict(self.entry),
-            "kv_cache_type": self.kv_cache_type,
-            "hot_context_tokens": self.hot_context_tokens,
-            "device": {"kind": d.kind, "name": d.name, "total_bytes": d.total_bytes},
-        }
-        return hashlib.sha256(canonical_json(decision).encode()).hexdigest()[:16]
