@@ -13,6 +13,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -180,30 +181,29 @@ def test_disk_full_keeps_the_partial_and_a_rerun_resumes(local_hub: LocalHub, mo
 
 
 def test_two_concurrent_pulls(local_hub: LocalHub, model: dict[str, Any]) -> None:
-    # The first pull holds its lock through a 4 s Retry-After (a margin for the second to start, not a
-    # timing assertion), then downloads.
-    local_hub.inject(file="model.gguf", method="HEAD", status=503, retry_after=4, times=1)
+    # The first pull is held at its first HEAD (an event, released below) while it holds the lock.
+    released = threading.Event()
+    local_hub.inject(file="model.gguf", method="HEAD", hold_until=released, times=1)
     env = env_for(local_hub)
     first = subprocess.Popen(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    lock = model["home"] / "models" / "test-model" / ".partial" / "pull.lock"
     try:
+        lock = model["home"] / "models" / "test-model" / ".partial" / "pull.lock"
         wait_until(lambda: lock.exists() and lock.read_text().startswith(f"{first.pid} "), "the first to lock",
                    proc=first)
-    except AssertionError:
-        first.kill()
-        first.wait()
-        raise
-    second = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
-                            capture_output=True, timeout=120)
-    assert second.returncode == 6
-    err = json.loads(second.stdout)["error"]
-    assert err["details"]["holder_pid"] == first.pid and f"PID {first.pid}" in err["message"]
-    waiter = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model", "--wait"), env=env,
-                            cwd=REPO_ROOT, capture_output=True, timeout=120)
+        second = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
+                                capture_output=True, timeout=120)
+        assert second.returncode == 6
+        err = json.loads(second.stdout)["error"]
+        assert err["details"]["holder_pid"] == first.pid and f"PID {first.pid}" in err["message"]
+        waiter = subprocess.Popen(pull_cmd(model["home"], model["registry"], "test-model", "--wait"), env=env,
+                                  cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finally:
+        released.set()
     assert first.wait(timeout=120) == 0
-    assert waiter.returncode == 0, waiter.stderr.decode()[-3000:]
-    assert json.loads(waiter.stdout)["fetch"]["weights"]["already_present"] is True
+    out, err_text = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err_text.decode()[-3000:]
+    assert json.loads(out)["fetch"]["weights"]["already_present"] is True
     assert local_hub.bytes_sent("model.gguf") == model["size"]  # fetched once
     assert model["final"].read_bytes() == model["weights"].read_bytes()
 

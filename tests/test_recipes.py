@@ -14,11 +14,13 @@ A missing tool skips its tests unless ``HOTFIT_REQUIRE_TOOLS`` is set (scripts/r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from typing import Any
 import pytest
 
 from hotfit.core import errors
+from hotfit.core.errors import UsageError
 from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.systemd_unit import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
@@ -82,14 +85,20 @@ def cli(home: Path, *args: str) -> tuple[int, str]:
 # ----------------------------------------------------------------------------- systemd
 
 
-def analyze_unit(unit_text: str, where: Path) -> tuple[float, str]:
-    """``systemd-analyze verify`` must be clean; returns the offline security exposure and its table."""
+def verified_unit(unit_text: str, where: Path) -> tuple[str, Path]:
+    """The unit written under ``where``, which ``systemd-analyze verify`` must pass without a word."""
     tool = require_tool("systemd-analyze", "systemd")
     where.mkdir(parents=True, exist_ok=True)
     unit = where / "hotfit.service"
     unit.write_text(unit_text)
     verify = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0 and verify.stderr.strip() == "", verify.stderr
+    return tool, unit
+
+
+def analyze_unit(unit_text: str, where: Path) -> tuple[float, str]:
+    """``systemd-analyze verify`` must be clean; returns the offline security exposure and its table."""
+    tool, unit = verified_unit(unit_text, where)
     security = subprocess.run([tool, "security", "--offline=yes", "--no-pager", str(unit)], capture_output=True,
                               text=True, timeout=60)
     found = re.search(r"Overall exposure level for hotfit\.service: (\d+\.\d+)", security.stdout)
@@ -157,6 +166,66 @@ def test_a_home_under_home_dirs_is_read_only_except_itself(tmp_path: Path) -> No
     assert unit_lines(unit, "ReadWritePaths") == ["/home/alice/.local/share/hotfit"]
     exposure, table = analyze_unit(unit, tmp_path)
     assert exposure <= EXPOSURE_MAX, table
+
+
+def systemd_reading(unit_text: str, where: Path) -> dict[str, list[str]]:
+    """What systemd itself parsed from the unit: the settings ``systemd-analyze verify`` dumps at debug
+    level (after its quoting, escapes and specifier expansion), as key -> values; verify must be clean."""
+    tool, unit = verified_unit(unit_text, where)
+    run = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "SYSTEMD_LOG_LEVEL": "debug"})
+    reading: dict[str, list[str]] = {}
+    for line in run.stdout.splitlines():  # the unit's dump (the debug log goes to stderr)
+        found = re.match(r"^\t\t\t?([A-Za-z ]+): (.*)$", line)
+        if found:
+            reading.setdefault(found.group(1), []).append(found.group(2))
+    return reading
+
+
+# a home a person may well type: a space, a percent sign (systemd's specifier prefix: %h is the home
+# of the unit's user), a dollar (ExecStart's variable prefix), a backslash and a double quote
+AWKWARD_HOME_NAME = 'hot fit %h 50% $HOME \\x "q"'
+
+
+def test_unit_quotes_and_escapes_a_home_with_spaces_and_percent(tmp_path: Path) -> None:
+    """systemd reads the home back as written: one ReadWritePaths= path (not three, the relative ones
+    ignored under ProtectSystem=strict), no specifier expanded, the same --home argument in ExecStart.
+    Checked against systemd's own parse (systemd.exec, systemd.unit "Specifiers", systemd.syntax "Quoting")."""
+    root = tmp_path / "root"
+    home = root / AWKWARD_HOME_NAME
+    tools = root / "bin %n" / "hotfit"  # the executable itself under an awkward name: verify checks it exists
+    tools.parent.mkdir(parents=True)
+    tools.write_text("#!/bin/sh\n")
+    tools.chmod(0o755)
+    spec = UnitSpec(hotfit_argv=[str(tools), "--home", str(home), "serve"],
+                    env={"A": "b %i $HOME c", "CONTENOX_LLAMA_KV_CACHE_TYPE": "q8_0"}, description="hotfit 100%",
+                    user="hotfit", home=home, device_kind="cpu")
+    unit = systemd_unit(spec)
+    reading = systemd_reading(unit, tmp_path / "unit")
+    assert reading["ReadWritePaths"] == [str(home)]
+    assert reading["Environment"] == ["A=b %i $HOME c", "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0"]
+    # the dump shows ExecStart as it stands before run time, shell-quoted: "\\$\\$" is "$$", which
+    # systemd.service's "Command lines" turn into one literal "$" when the service starts
+    argv = [word.replace("\\$\\$", "$") for word in shlex.split(reading["Command Line"][0])]
+    assert argv == spec.hotfit_argv
+    assert reading["Description"] == ["hotfit 100%"]
+
+    # a home under /var/lib is the StateDirectory= (a path relative to /var/lib), read back the same;
+    # one whose name StateDirectory= cannot hold (a backslash, quote or colon) is a ReadWritePaths=
+    spaced = "hot fit %h 50% $HOME 'q'"
+    state_unit = systemd_unit(dataclasses.replace(spec, home=Path("/var/lib") / spaced))
+    assert systemd_reading(state_unit, tmp_path / "state")["StateDirectory"] == [spaced]
+    state_unit = systemd_unit(dataclasses.replace(spec, home=Path("/var/lib") / AWKWARD_HOME_NAME))
+    reading = systemd_reading(state_unit, tmp_path / "state-rw")
+    assert reading["ReadWritePaths"] == [f"/var/lib/{AWKWARD_HOME_NAME}"] and "StateDirectory" not in reading
+
+
+def test_unit_refuses_a_home_systemd_cannot_name(tmp_path: Path) -> None:
+    spec = UnitSpec(hotfit_argv=[sys.executable, "serve"], env={}, description="d", user="hotfit",
+                    home=tmp_path / "line\nbreak", device_kind="cpu")
+    with pytest.raises(UsageError) as refused:
+        systemd_unit(spec)
+    assert "line\\nbreak" in str(refused.value) and refused.value.hint
 
 
 def test_unit_user_is_named_or_the_homes_owner_never_root(provisioned_home: dict, tmp_path: Path) -> None:

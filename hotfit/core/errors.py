@@ -21,7 +21,8 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   ├── BackendNotFound            exit 5   no llama-server binary could be found
     │   ├── LoadError                  exit 5   llama-server did not come up (log lines quoted)
     │   ├── ToolCallProbeFailed        exit 5   the probe call did not parse as a tool call
-    │   └── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
+    │   ├── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
+    │   └── DeviceMismatch             exit 5   the build would not run on the planned device (before any download)
     ├── LockedError                    exit 6   another hotfit holds the lock (its PID is named)
     ├── HardwareProbeError             exit 7   NVML (or another probe) present but failing
     └── Interrupted                    exit 130 SIGINT/SIGTERM/SIGHUP; state marked interrupted, rerun resumes
@@ -60,6 +61,7 @@ __all__ = [
     "LoadError",
     "ToolCallProbeFailed",
     "AllocationMismatch",
+    "DeviceMismatch",
     "LockedError",
     "HardwareProbeError",
     "Interrupted",
@@ -187,6 +189,10 @@ class ToolCallProbeFailed(BackendError):
 
 class AllocationMismatch(BackendError):
     code = "allocation_mismatch"
+
+
+class DeviceMismatch(BackendError):
+    code = "device_mismatch"
 
 
 class LockedError(HotfitError):
