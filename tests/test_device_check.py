@@ -24,6 +24,8 @@ from tests.e2e_support import SMALL, World
 from tests.hubserver import LocalHub
 from tests.test_vulkan import LAVAPIPE_ENV, vulkan_server
 
+TIER = "unit"
+
 REPO = Path(__file__).resolve().parent.parent
 MiB, GiB = 1 << 20, 1 << 30
 LAVAPIPE = "  Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (2048 MiB, 2048 MiB free)\n"
@@ -74,6 +76,7 @@ def _nvidia_probe(path: Path) -> Path:
     return path
 
 
+@pytest.mark.integration
 @pytest.mark.llama
 @pytest.mark.vulkan
 @pytest.mark.parametrize("lavapipe_visible", [True, False])
