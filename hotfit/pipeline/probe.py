@@ -12,6 +12,7 @@ from pathlib import Path
 from hotfit.backends.select import gpu_listing_binaries
 from hotfit.core.plan import ProbeResult
 from hotfit.core.settings import Settings
+from hotfit.stages.host_speed import host_speed
 from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 
 __all__ = ["probe_machine"]
@@ -20,7 +21,8 @@ __all__ = ["probe_machine"]
 def probe_machine(settings: Settings, *, probe_file: Path | None = None, save: Path | None = None) -> ProbeResult:
     """Probe this machine (or read ``probe_file``, a saved probe); with ``save``, also write the
     probe JSON there (for ``--probe-file``)."""
-    result = load_probe_file(probe_file) if probe_file else probe_devices(ggml_binaries=gpu_listing_binaries(settings))
+    result = load_probe_file(probe_file) if probe_file else probe_devices(
+        ggml_binaries=gpu_listing_binaries(settings), host_speed=host_speed(settings.host_speed_file))
     if save is not None:
         save_probe(result, save)
     return result

@@ -33,6 +33,7 @@ from hotfit.pipeline.session_stages import SESSION_STAGES, session_stages
 from hotfit.registry.select import normalize_origin
 from hotfit.stages import fetch_template, fetch_weights, plan, probe, verify
 from hotfit.stages.fetch_weights import FetchJob
+from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedFloors, SpeedPlanning
 from hotfit.stages.plan import PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
 from hotfit.stages.probe import ProbeJob
 
@@ -70,12 +71,28 @@ class AutoOptions:
     wait: bool = False
     device: str | None = None  # --device KIND|INDEX: plan only that device
     admit_graded: bool = False  # --admit-graded: tool-chat entries with valid grade evidence are candidates
+    # speed (registry/speed.py): the agent prompt predicted for, and the opt-in floors as flags (None = unset:
+    # the environment's HOTFIT_MIN_DECODE_TOKENS_PER_S / HOTFIT_MAX_FIRST_TOKEN_S, else no floor)
+    agent_prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS
+    min_decode_tokens_per_s: float | None = None
+    max_first_token_s: float | None = None
+    min_context_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
 
 
 # ------------------------------------------------------------------------ probe and plan
+
+
+def speed_planning(settings: Settings, *, agent_prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS,
+                   min_decode_tokens_per_s: float | None = None, max_first_token_s: float | None = None,
+                   min_context_tokens: int | None = None) -> SpeedPlanning:
+    """The run's speed inputs: a flag wins over its environment variable (core/settings.py)."""
+    return SpeedPlanning(agent_prompt_tokens, SpeedFloors(
+        min_decode_tokens_per_s if min_decode_tokens_per_s is not None else settings.min_decode_tokens_per_s,
+        max_first_token_s if max_first_token_s is not None else settings.max_first_token_s,
+        min_context_tokens))
 
 
 def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
@@ -88,7 +105,10 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
     try:
         outcome = build_plan(probe, registry.entries, cache_type, source, origin=opts.origin,
                              backend=opts.backend, previous=previous, model=opts.model, device=opts.device,
-                             admission=admitted)
+                             admission=admitted, speed=speed_planning(
+                                 settings, agent_prompt_tokens=opts.agent_prompt_tokens,
+                                 min_decode_tokens_per_s=opts.min_decode_tokens_per_s,
+                                 max_first_token_s=opts.max_first_token_s, min_context_tokens=opts.min_context_tokens))
         if outcome.plan is None:
             outcome.selection.raise_if_refused()
     except NoModelQualifies as exc:
@@ -100,7 +120,8 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
 
 def plan_machine(settings: Settings, *, probe_file: str | None, kv_cache_type_flag: str | None,
                  origin: str | None, backend: str, registry_file: str | None, previous: str | None,
-                 device: str | None, admit_graded: bool = False) -> PlanOutcome:
+                 device: str | None, admit_graded: bool = False,
+                 speed: SpeedPlanning | None = None) -> PlanOutcome:
     """``hotfit plan``: probe (or read the saved probe) and select, returning the whole outcome —
     a refusal included, which the command prints with every candidate's verdict (blocking)."""
     cache_type, source = resolve_kv_cache_type(kv_cache_type_flag, settings.kv_cache_type_raw)
@@ -109,7 +130,8 @@ def plan_machine(settings: Settings, *, probe_file: str | None, kv_cache_type_fl
     probe = probe_machine(settings, probe_file=Path(probe_file) if probe_file else None)
     return build_plan(probe, registry.entries, cache_type, source, origin=origin, backend=backend,
                       previous=previous, device=device,
-                      admission=admission(settings, registry.entries, probe) if admit_graded else None)
+                      admission=admission(settings, registry.entries, probe) if admit_graded else None,
+                      speed=speed if speed is not None else speed_planning(settings))
 
 
 def planning_stages(opts: AutoOptions, previous: PreviousModel | None = None, *,

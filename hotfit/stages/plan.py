@@ -46,6 +46,7 @@ from hotfit.registry.select import (
     select_explicit,
 )
 from hotfit.registry.schema import decode_entry
+from hotfit.registry.speed import SpeedPlanning
 from hotfit.stages.declaration import StageContext, StageDeclaration
 
 log = get_logger()
@@ -142,6 +143,7 @@ class PlanOutcome:
     device_choice: str = ""  # why this device's plan won (or why every device refused)
     forced_device: str | None = None  # --device as given
     admission: Admission | None = None  # --admit-graded: what grade evidence admitted (None: curation only)
+    speed: SpeedPlanning = SpeedPlanning()  # the agent prompt predicted for, and the opt-in floors
 
     @property
     def admitted_evidence(self) -> Mapping[str, Any] | None:
@@ -160,7 +162,7 @@ class PlanOutcome:
 REPROVISION_HINT = "run `hotfit auto` to provision again; it rewrites the manifest and reuses completed downloads"
 _PLAN_FIELDS = ("entry", "probe", "kv_cache_type", "kv_cache_type_source", "hot_context_tokens",
                 "estimated_kv_bytes", "budget", "origin")
-_PLAN_OPTIONAL = ("backend", "reused_previous", "explicit_model")
+_PLAN_OPTIONAL = ("backend", "reused_previous", "explicit_model", "speed_predicted")
 KV_CACHE_TYPE_SOURCES = ("env", "flag", "default")
 
 
@@ -184,11 +186,20 @@ def decode_plan_fields(data: Any, f: Fields) -> Plan:
         origin=f.string(doc["origin"], "origin", nullable=True),
         reused_previous=f.boolean(doc.get("reused_previous", False), "reused_previous"),
         explicit_model=f.boolean(doc.get("explicit_model", False), "explicit_model"),
+        speed_predicted=_speed_predicted(doc.get("speed_predicted"), f),
     )
     if doc.get("backend", entry.backend) != entry.backend:
         raise f.fail("backend", f"is {doc['backend']!r} but the entry's backend is {entry.backend!r}",
                      REPROVISION_HINT)
     return plan
+
+
+def _speed_predicted(raw: Any, f: Fields) -> Mapping[str, Any] | None:
+    """The plan's recorded speed prediction (registry/speed.py): an object, or absent in older records."""
+    if raw is None:
+        return None
+    return f.object(raw, "speed_predicted", ("prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
+                                            "first_token_s", "basis"), extra=True)
 
 
 def decode_plan(record: Mapping[str, Any]) -> Plan:
@@ -317,10 +328,12 @@ def _budget(device: Device, free_bytes: int | None = None) -> DeviceBudget:
 
 def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCacheType, *, origin: str | None,
                  backend: str, previous: PreviousModel | None, model: str | None, considered: bool,
-                 admitted: frozenset[str] = frozenset()) -> DevicePlan:
+                 admitted: frozenset[str] = frozenset(), speed: SpeedPlanning = SpeedPlanning()) -> DevicePlan:
+    fast = speed.on(device)  # the device's speed figures and the floors (registry/speed.py)
     if model:
         try:
-            sel = select_explicit(entries, model, _budget(device), cache_type, origin=origin, backend=backend)
+            sel = select_explicit(entries, model, _budget(device), cache_type, origin=origin, backend=backend,
+                                  speed=fast)
         except NoModelQualifies as exc:
             return DevicePlan(device, considered, None, exc)
         return DevicePlan(device, considered, sel)
@@ -330,11 +343,12 @@ def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCache
         # memory is not available to any other model while that worker runs.
         judged = available_with_worker(device, previous.worker_held_bytes)
         sel = select_auto(entries, _budget(device, judged), cache_type, origin=origin, backend=backend,
-                          previous=previous.name, admitted=admitted)
+                          previous=previous.name, admitted=admitted, speed=fast)
         if sel.reused_previous:
             return DevicePlan(device, considered, sel, judged_free_bytes=judged)
     sel = select_auto(entries, _budget(device), cache_type, origin=origin, backend=backend,
-                      previous=previous.name if previous is not None and prev_here else None, admitted=admitted)
+                      previous=previous.name if previous is not None and prev_here else None, admitted=admitted,
+                      speed=fast)
     return DevicePlan(device, considered, sel)
 
 
@@ -433,12 +447,14 @@ def build_plan(
     model: str | None = None,
     device: str | None = None,
     admission: Admission | None = None,
+    speed: SpeedPlanning = SpeedPlanning(),
 ) -> PlanOutcome:
     """Plan every device the probe found (``device``: --device KIND|INDEX, only those) — GPU and
     host memory never added — and take the plan that wins by the spec's ordering, the previous
     model kept while it qualifies on its device. ``model`` = explicit --model NAME (raises when
     it fits no considered device; no fallback). Otherwise never raises for 'no fit' — check ``plan``.
-    ``admission``: tool-chat entries grade evidence admits per device (``--admit-graded``; None: curation only)."""
+    ``admission``: tool-chat entries grade evidence admits per device (``--admit-graded``; None: curation only).
+    ``speed``: the agent prompt every candidate's speed is predicted for, and the opt-in floors."""
     entries = tuple(entries)
     if isinstance(previous, str):
         previous = PreviousModel(previous)
@@ -454,7 +470,8 @@ def build_plan(
     devices = tuple(DevicePlan(d, False, None, unserved=unserved[d.index]) if d.index in unserved
                     else _plan_device(d, entries, cache_type, origin=origin, backend=backend, previous=previous,
                                       model=model, considered=d.index in wanted,
-                                      admitted=admission.on(d) if admission is not None else frozenset())
+                                      admitted=admission.on(d) if admission is not None else frozenset(),
+                                      speed=speed)
                     for d in probe.devices)
     considered = [dp for dp in devices if dp.considered]
     qualifying = [dp for dp in considered if dp.chosen is not None]
@@ -500,6 +517,8 @@ def build_plan(
             origin=selection.origin,
             reused_previous=selection.reused_previous,
             explicit_model=selection.explicit,
+            speed_predicted=None if chosen.speed is None else chosen.speed.to_json() | (
+                {} if selection.speed_warning is None else {"warning": selection.speed_warning}),
         )
         log.info("plan.selected", model=chosen.entry.name, hot_context_tokens=fit.hot_context_tokens,
                  kv_cache_type=cache_type.name, kv_cache_type_source=kv_cache_type_source,
@@ -517,7 +536,18 @@ def build_plan(
                     else refusal.smallest.required_free_bytes)
     for note in selection.notes:
         log.info("plan.note", note=note)
-    return PlanOutcome(chosen_probe, selection, kv_cache_type_source, plan, devices, why, device, admission)
+    _log_speed(selection)
+    return PlanOutcome(chosen_probe, selection, kv_cache_type_source, plan, devices, why, device, admission, speed)
+
+
+def _log_speed(selection: Selection) -> None:
+    """One event for the pick's predicted speed, and one warning when its first token is slow."""
+    chosen = selection.chosen
+    if chosen is not None and chosen.speed is not None:
+        log.info("plan.speed", model=chosen.entry.name, **chosen.speed.to_json())
+    if selection.speed_warning is not None:
+        log.warning("plan.slow_first_token", model=None if chosen is None else chosen.entry.name,
+                    warning=selection.speed_warning)
 
 
 def device_refusal(dp: DevicePlan, devices: tuple[DevicePlan, ...]) -> str | None:
@@ -589,6 +619,7 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
             "reused_previous": sel.reused_previous,
             "explicit_model": sel.explicit,
             "plan_id": outcome.plan.plan_id,
+            "speed": {"predicted": None if chosen.speed is None else chosen.speed.to_json()},
         }
         if outcome.admission is not None:  # --admit-graded: whether the pick rests on grade evidence, and which
             selected["admitted_by_grade"] = sel.admitted_by_grade
@@ -608,5 +639,7 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
         "selected": selected,
         "candidates": [v.to_json() for v in sel.verdicts],
         "notes": list(sel.notes),
+        "speed": {"agent_prompt_tokens": outcome.speed.prompt_tokens, "floors": outcome.speed.floors.to_json(),
+                  "warning": sel.speed_warning},
         "error": None if sel.refusal is None else sel.refusal.to_json(),
     } | ({} if outcome.admission is None else {"admission": outcome.admission.to_json()})

@@ -27,7 +27,7 @@ from hotfit.grading.scenarios import TIERS
 from hotfit.pipeline.auto import AutoOutcome, provision
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.cli.grade import evidence_change
-from hotfit.pipeline.cli.plan import add_plan_options
+from hotfit.pipeline.cli.plan import add_plan_options, add_speed_options
 from hotfit.pipeline.manifest import Manifest
 from hotfit.pipeline.provision import AutoOptions
 from hotfit.pipeline.session_stages import GradeOptions
@@ -39,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.add_argument("origin_pos", nargs="?", metavar="ORIGIN", help="publisher origin: us, eu, china, gus, auto")
     p.add_argument("--origin", metavar="ORIGIN", help="same as the positional ORIGIN")
     add_plan_options(p)
+    add_speed_options(p)
     p.add_argument("--model", metavar="NAME", help="provision this registry entry (tool-chat allowed; no fallback)")
     p.add_argument("--dry-run", action="store_true", help="print probe, plan and reuse decision as JSON; change nothing")
     p.add_argument("--refresh", action="store_true", help="select afresh instead of keeping the previous model")
@@ -81,6 +82,10 @@ def options_from_args(args: argparse.Namespace) -> AutoOptions:
         wait=args.wait,
         device=args.device,
         admit_graded=args.admit_graded,
+        agent_prompt_tokens=args.agent_prompt_tokens,
+        min_decode_tokens_per_s=args.min_decode_tokens_per_s,
+        max_first_token_s=args.max_first_token_s,
+        min_context_tokens=args.min_context,
     )
 
 
@@ -90,6 +95,18 @@ KV_HINT = ("CONTENOX_LLAMA_KV_CACHE_TYPE is unset, so the window was planned at 
 
 def kv_hint(plan: Plan) -> str | None:
     return KV_HINT if plan is not None and plan.kv_cache_type_source == "default" else None
+
+
+def speed_lines(plan: Plan) -> list[str]:
+    """The pick's predicted speed (registry/speed.py), and the slow-first-token warning when there is one."""
+    p = plan.speed_predicted
+    if p is None:
+        return []
+    lines = [f"  speed predicted prefill {p['prefill_tokens_per_s']:.0f} tok/s, first token {p['first_token_s']:.0f} s "
+             f"for a {p['prompt_tokens']}-token agent prompt, generation {p['decode_tokens_per_s']:.1f} tok/s"]
+    if p.get("warning"):
+        lines.append(f"  WARNING         {p['warning']}")
+    return lines
 
 
 def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False, skipped: tuple[str, ...] = ()) -> str:
@@ -108,6 +125,7 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
         f"  KV allocation   {manifest.measured.get('actual_kv_bytes')} bytes "
         f"(estimate {manifest.measured.get('estimated_kv_bytes')}, ratio {manifest.measured.get('kv_ratio')})",
     ]
+    lines += speed_lines(plan)
     if manifest.grade:
         g = manifest.grade
         lines.append(f"  grade           {str(g.get('verdict')).upper()} {g.get('passed')}/{g.get('total')} "

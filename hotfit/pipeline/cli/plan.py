@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from hotfit.core.entry import BACKENDS, DEFAULT_BACKEND
 from hotfit.pipeline.cli.context import CliContext
-from hotfit.pipeline.provision import plan_machine
+from hotfit.pipeline.provision import plan_machine, speed_planning
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT
+from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedPlanning
 from hotfit.pipeline.cli.render import plan_text
 from hotfit.stages.plan import outcome_json
 
@@ -27,10 +30,58 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                         "still matches (<home>/grades/evidence.json); default: curated agentic models only")
 
 
+def _positive_number(flag: str) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not (0 < value < float("inf")):
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive number, got {raw!r}")
+        return value
+    return parse
+
+
+def _tokens(flag: str, low: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number of tokens >= {low}, got {raw!r}"
+                                             + (" (the spec's agentic floor)" if low == MIN_AGENTIC_HOT_CONTEXT else ""))
+        return value
+    return parse
+
+
+def add_speed_options(p: argparse.ArgumentParser) -> None:
+    """The speed prediction's prompt and the opt-in floors (registry/speed.py; docs/usage.md)."""
+    p.add_argument("--agent-prompt-tokens", metavar="TOKENS", type=_tokens("--agent-prompt-tokens", 1),
+                   default=DEFAULT_AGENT_PROMPT_TOKENS,
+                   help=f"predict speed for an agent prompt of this many tokens (default {DEFAULT_AGENT_PROMPT_TOKENS})")
+    p.add_argument("--min-decode-tokens-per-s", metavar="X", type=_positive_number("--min-decode-tokens-per-s"),
+                   help="pick only a model predicted to generate at least X tokens/s after the agent prompt "
+                        "(default: $HOTFIT_MIN_DECODE_TOKENS_PER_S, unset = no floor)")
+    p.add_argument("--max-first-token-s", metavar="S", type=_positive_number("--max-first-token-s"),
+                   help="pick only a model predicted to answer the agent prompt's first token within S seconds "
+                        "(default: $HOTFIT_MAX_FIRST_TOKEN_S, unset = no floor)")
+    p.add_argument("--min-context", metavar="TOKENS", type=_tokens("--min-context", MIN_AGENTIC_HOT_CONTEXT),
+                   help=f"pick only a model that holds at least this many hot tokens (at least "
+                        f"{MIN_AGENTIC_HOT_CONTEXT}; coding harnesses ask for 65536)")
+
+
+def speed_of(args: argparse.Namespace, ctx: CliContext) -> SpeedPlanning:
+    return speed_planning(ctx.settings, agent_prompt_tokens=args.agent_prompt_tokens,
+                          min_decode_tokens_per_s=args.min_decode_tokens_per_s,
+                          max_first_token_s=args.max_first_token_s, min_context_tokens=args.min_context)
+
+
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", parents=parents, help="plan the model and hot context for this machine",
                        description="Select the largest curated agentic model that holds >= 32768 hot tokens.")
     add_plan_options(p)
+    add_speed_options(p)
     p.add_argument("--origin", metavar="ORIGIN", help="publisher origin: us, eu, china, gus, or auto (default: any)")
     p.add_argument("--previous", metavar="NAME", help="keep this model while it still qualifies")
     p.set_defaults(handler=run)
@@ -39,7 +90,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     outcome = plan_machine(ctx.settings, probe_file=args.probe_file, kv_cache_type_flag=args.kv_cache_type,
                            origin=args.origin, backend=args.backend, registry_file=args.registry,
-                           previous=args.previous, device=args.device, admit_graded=args.admit_graded)
+                           previous=args.previous, device=args.device, admit_graded=args.admit_graded,
+                           speed=speed_of(args, ctx))
     ctx.emit(outcome_json(outcome), plan_text(outcome))
     refusal = outcome.selection.refusal
     if outcome.plan is None and refusal is not None:
