@@ -18,11 +18,12 @@ from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 __all__ = ["probe_machine"]
 
 
-def probe_machine(settings: Settings, *, probe_file: Path | None = None, save: Path | None = None) -> ProbeResult:
+def probe_machine(settings: Settings, *, probe_file: Path | None = None, save: Path | None = None,
+                  remeasure: bool = False) -> ProbeResult:
     """Probe this machine (or read ``probe_file``, a saved probe); with ``save``, also write the
-    probe JSON there (for ``--probe-file``)."""
+    probe JSON there (for ``--probe-file``); ``remeasure``: the host's bandwidth measured afresh."""
     result = load_probe_file(probe_file) if probe_file else probe_devices(
-        ggml_binaries=gpu_listing_binaries(settings), host_speed=host_speed(settings.host_speed_file))
+        ggml_binaries=gpu_listing_binaries(settings), host_speed=host_speed(settings.host_speed_file, remeasure=remeasure))
     if save is not None:
         save_probe(result, save)
     return result

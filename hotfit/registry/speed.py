@@ -19,7 +19,7 @@ and which parameter count (MoE: active only) it rests on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hotfit.core.entry import Entry
@@ -267,7 +267,13 @@ class SpeedRequest:
 
     def predict(self, entry: Entry, cache_type: KVCacheType) -> SpeedPrediction | None:
         facts = model_speed_facts(entry, cache_type)
-        return None if facts is None else predict(facts, self.device, self.prompt_tokens)
+        if facts is None:
+            return None
+        p = predict(facts, self.device, self.prompt_tokens)
+        if entry.backend != "llama":  # the constants were fitted on llama.cpp's kernels only
+            p = replace(p, basis={**p.basis, "efficiency": f"{p.basis['efficiency']} (llama.cpp's, not measured "
+                                                          f"for the {entry.backend} backend)"})
+        return p
 
 
 @dataclass(frozen=True)

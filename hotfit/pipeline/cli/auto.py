@@ -28,6 +28,7 @@ from hotfit.pipeline.auto import AutoOutcome, provision
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.cli.grade import evidence_change
 from hotfit.pipeline.cli.plan import add_plan_options, add_speed_options
+from hotfit.pipeline.cli.render import speed_lines
 from hotfit.pipeline.manifest import Manifest
 from hotfit.pipeline.provision import AutoOptions
 from hotfit.pipeline.session_stages import GradeOptions
@@ -97,18 +98,6 @@ def kv_hint(plan: Plan) -> str | None:
     return KV_HINT if plan is not None and plan.kv_cache_type_source == "default" else None
 
 
-def speed_lines(plan: Plan) -> list[str]:
-    """The pick's predicted speed (registry/speed.py), and the slow-first-token warning when there is one."""
-    p = plan.speed_predicted
-    if p is None:
-        return []
-    lines = [f"  speed predicted prefill {p['prefill_tokens_per_s']:.0f} tok/s, first token {p['first_token_s']:.0f} s "
-             f"for a {p['prompt_tokens']}-token agent prompt, generation {p['decode_tokens_per_s']:.1f} tok/s"]
-    if p.get("warning"):
-        lines.append(f"  WARNING         {p['warning']}")
-    return lines
-
-
 def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False, skipped: tuple[str, ...] = ()) -> str:
     opened = manifest.opened_context_tokens
     backend = backend_for(manifest.backend)  # what differs between servers is asked of it
@@ -125,7 +114,7 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
         f"  KV allocation   {manifest.measured.get('actual_kv_bytes')} bytes "
         f"(estimate {manifest.measured.get('estimated_kv_bytes')}, ratio {manifest.measured.get('kv_ratio')})",
     ]
-    lines += speed_lines(plan)
+    lines += speed_lines(plan.speed_predicted)
     if manifest.grade:
         g = manifest.grade
         lines.append(f"  grade           {str(g.get('verdict')).upper()} {g.get('passed')}/{g.get('total')} "

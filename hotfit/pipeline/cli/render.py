@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from hotfit.core.plan import ProbeResult
 from hotfit.registry.select import MAX_HOT_CONTEXT_TOKENS, MIN_AGENTIC_HOT_CONTEXT, fmt_bytes
 from hotfit.registry.speed import fmt_seconds
 from hotfit.stages.plan import PlanOutcome, device_label, device_refusal
 
-__all__ = ["plan_text", "probe_text"]
+__all__ = ["plan_text", "probe_text", "speed_lines"]
+
+
+def speed_lines(predicted: Mapping[str, Any] | None) -> list[str]:
+    """The pick's predicted speed (a plan's ``speed_predicted``, registry/speed.py) for the summary
+    and ``hotfit status``, and the slow-first-token warning when there is one."""
+    if not isinstance(predicted, Mapping):
+        return []
+    p = predicted
+    lines = [f"  speed predicted prefill {p['prefill_tokens_per_s']:.0f} tok/s, first token "
+             f"{fmt_seconds(p['first_token_s'])} for a {p['prompt_tokens']}-token agent prompt, generation "
+             f"{p['decode_tokens_per_s']:.1f} tok/s"]
+    if p.get("warning"):
+        lines.append(f"  WARNING         {p['warning']}")
+    return lines
 
 
 def probe_text(result: ProbeResult) -> str:
