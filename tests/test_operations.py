@@ -195,6 +195,8 @@ def _manifest(**grade: Any) -> Manifest:
         probe_verdict={"passed": True}, llama_cpp={}, device={"kind": "cuda"},
         plan={"speed_predicted": {"prompt_tokens": 16384, "prefill_tokens_per_s": 812.5, "decode_tokens_per_s": 41.25,
                                   "first_token_s": 20.17, "basis": {}}},
+        speed={"measured": {"prompt_tokens": 16000, "prefill_tokens_per_s": 800.0, "decode_tokens_per_s": 40.0,
+                            "first_token_s": 20.0, "follow_up_first_token_s": 2.5}, "ratio": {"decode_tokens_per_s": 1.031}},
         grade=grade or None)
 
 
@@ -225,6 +227,8 @@ def test_a_provisioning_run_renders_every_figure_and_passes_promtool(tmp_path: P
                  'hotfit_provisioned_speed_predicted{figure="prefill_tokens_per_s",prompt_tokens="16384"} 812.5',
                  'hotfit_provisioned_speed_predicted{figure="decode_tokens_per_s",prompt_tokens="16384"} 41.25',
                  'hotfit_provisioned_speed_predicted{figure="first_token_s",prompt_tokens="16384"} 20.17',
+                 'hotfit_provisioned_speed_measured{figure="follow_up_first_token_s",prompt_tokens="16000"} 2.5',
+                 'hotfit_provisioned_speed_ratio{figure="decode_tokens_per_s"} 1.031',
                  "hotfit_grade_passed_scenarios 15", "hotfit_grade_scenarios 16"):
         assert line + "\n" in text, line
     promtool_check(text, tmp_path)

@@ -31,7 +31,7 @@ from hotfit.registry.speed import (
     predict,
     speed_shortfalls,
 )
-from hotfit.stages.host_speed import machine_fingerprint, physical_cores
+from hotfit.stages._host_speed import machine_fingerprint, physical_cores
 from hotfit.stages.plan import build_plan, outcome_json
 from tests.entries import GiB, entry
 
@@ -339,3 +339,74 @@ def test_plan_cli_impossible_floor_exits_3_with_the_figures(probe_file: Path, mo
 def test_plan_cli_rejects_a_bad_speed_flag(probe_file: Path, flag: str, value: str, needle: str, capsys) -> None:
     assert main(["plan", "--probe-file", str(probe_file), flag, value]) == 2
     assert needle in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- measured after the load
+
+
+from hotfit.backends.base import ChatAnswer  # noqa: E402
+from hotfit.core.errors import SpeedFloorMissed  # noqa: E402
+from hotfit.pipeline.cli.render import speed_lines  # noqa: E402
+from hotfit.pipeline.provision import AutoOptions, provisioning_stages  # noqa: E402
+from hotfit.stages.measure_speed import (  # noqa: E402
+    CHARS_PER_TOKEN,
+    SPEED_STAGE,
+    SpeedCheckJob,
+    Timing,
+    agent_request,
+    floor_misses,
+    follow_up,
+    measured_figures,
+    prompt_size,
+    ratios,
+)
+
+
+@pytest.mark.parametrize("tokens", [512, 4096, 16384, 65536])
+def test_the_agent_prompt_has_tools_and_about_the_asked_size(tokens: int) -> None:
+    req = agent_request(tokens)
+    chars = len(json.dumps(req["tools"])) + sum(len(m["content"]) for m in req["messages"])
+    assert abs(chars / CHARS_PER_TOKEN - tokens) / tokens < 0.05
+    assert req["tools"] and req["tool_choice"] == "none" and req["cache_prompt"] is True
+    nxt = follow_up(req, {"choices": [{"message": {"content": "I read it."}}]})
+    assert nxt["messages"][:len(req["messages"])] == req["messages"]  # the cached prefix, then the new turn
+    assert nxt["messages"][-2] == {"role": "assistant", "content": "I read it."}
+
+
+@pytest.mark.parametrize(("window", "wanted", "expected"), [(None, 16384, 16384), (131072, 16384, 16384),
+                                                            (32768, 65536, 28672), (4096, 16384, 512)])
+def test_the_prompt_is_clipped_to_the_opened_window(window, wanted: int, expected: int) -> None:
+    assert prompt_size(window, wanted) == expected
+
+
+def answer(prompt_n: int, prompt_ms: float, per_s: float) -> ChatAnswer:
+    return ChatAnswer({"choices": [], "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                                                  "predicted_per_second": per_s}}, "t", True)
+
+
+def test_measured_figures_come_from_the_servers_timings_and_are_compared() -> None:
+    m = measured_figures(Timing.of(answer(16000, 80_000.0, 12.5)), Timing.of(answer(1500, 6000.0, 12.0)))
+    assert (m["prompt_tokens"], m["first_token_s"], m["prefill_tokens_per_s"], m["decode_tokens_per_s"]) == \
+        (16000, 80.0, 200.0, 12.5)
+    assert (m["follow_up_prompt_tokens"], m["follow_up_first_token_s"]) == (1500, 6.0)
+    same = {"prompt_tokens": 16000, "prefill_tokens_per_s": 250.0, "decode_tokens_per_s": 10.0, "first_token_s": 64.0}
+    assert ratios(same, m) == {"prefill_tokens_per_s": 1.25, "decode_tokens_per_s": 0.8, "first_token_s": 0.8}
+    other = dict(same, prompt_tokens=16384)  # another length: the rates compare, the first-token time does not
+    assert set(ratios(other, m)) == {"prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert ratios(None, m) == {}
+    misses = floor_misses(m, same, SpeedFloors(min_decode_tokens_per_s=20, max_first_token_s=60))
+    assert misses == ["measured 12.5 generated tokens/s < 20 (predicted 10.0)",
+                      "measured first token after 80 s > 60 s for 16000 prompt tokens (predicted 64.0 s for 16000)"]
+    assert floor_misses(m, same, SpeedFloors(min_decode_tokens_per_s=12, max_first_token_s=90)) == []
+    assert SpeedFloorMissed("x").exit_code == 5
+    text = "\n".join(speed_lines(same, {"measured": m, "ratio": ratios(same, m)}))
+    assert "speed measured  prefill 200 tok/s" in text and "decode_tokens_per_s 0.8" in text
+
+
+def test_the_speed_check_runs_unless_skipped_by_its_flag() -> None:
+    names = [s.name for s in provisioning_stages(AutoOptions())]
+    assert names[-2:] == ["re-check", SPEED_STAGE]
+    assert SPEED_STAGE not in [s.name for s in provisioning_stages(AutoOptions(skip_speed_check=True))]
+    job = next(s for s in provisioning_stages(AutoOptions(agent_prompt_tokens=4096, max_first_token_s=30))
+               if s.name == SPEED_STAGE).job
+    assert isinstance(job, SpeedCheckJob) and job.prompt_tokens == 4096 and job.floors.max_first_token_s == 30

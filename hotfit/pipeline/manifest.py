@@ -34,7 +34,7 @@ _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model
                "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
                "measured", "probe_verdict", "llama_cpp", "device", "plan")
 # written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model
-_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade")
+_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade", "speed")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class Manifest:
     # the last grade of this provisioning (`auto --grade` or `hotfit grade`): verdict, score, tier,
     # fingerprint, the record's path, when; None: never graded
     grade: Mapping[str, Any] | None = None
+    # predicted (the plan's) and measured (measure-speed) speed for an agent prompt, and their ratio
+    speed: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +87,7 @@ class Manifest:
             **({"template_sha256": self.template_sha256} if self.template_sha256 else {}),
             "backend": self.backend,
             **({"grade": dict(self.grade)} if self.grade is not None else {}),
+            **({"speed": dict(self.speed)} if self.speed is not None else {}),
         }
 
     @classmethod
@@ -119,6 +122,7 @@ class Manifest:
             # manifests written before OpenVINO have no backend: llama's
             backend=f.choice(doc.get("backend"), "backend", BACKENDS, nullable=True) or DEFAULT_BACKEND,
             grade=f.mapping(doc.get("grade"), "grade", nullable=True) if doc.get("grade") is not None else None,
+            speed=f.mapping(doc.get("speed"), "speed", nullable=True) if doc.get("speed") is not None else None,
         )
 
     @property

@@ -12,7 +12,7 @@ from pathlib import Path
 from hotfit.backends.select import gpu_listing_binaries
 from hotfit.core.plan import ProbeResult
 from hotfit.core.settings import Settings
-from hotfit.stages.host_speed import host_speed
+from hotfit.stages._host_speed import host_speed
 from hotfit.stages.probe import load_probe_file, probe_devices, save_probe
 
 __all__ = ["probe_machine"]

@@ -31,9 +31,10 @@ from hotfit.pipeline.probe import probe_machine
 from hotfit.pipeline.registry_file import load_registry
 from hotfit.pipeline.session_stages import SESSION_STAGES, session_stages
 from hotfit.registry.select import normalize_origin
-from hotfit.stages import fetch_template, fetch_weights, plan, probe, verify
+from hotfit.stages import fetch_template, fetch_weights, measure_speed, plan, probe, verify
 from hotfit.stages.fetch_weights import FetchJob
 from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedFloors, SpeedPlanning
+from hotfit.stages.measure_speed import SpeedCheckJob
 from hotfit.stages.plan import PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
 from hotfit.stages.probe import ProbeJob
 
@@ -51,7 +52,7 @@ __all__ = [
 ]
 
 STAGE_NAMES: tuple[str, ...] = (
-    "probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check",
+    "probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check", "measure-speed",
 )
 
 
@@ -77,6 +78,11 @@ class AutoOptions:
     min_decode_tokens_per_s: float | None = None
     max_first_token_s: float | None = None
     min_context_tokens: int | None = None
+    skip_speed_check: bool = False  # --skip-speed-check: no measure-speed stage (never skipped otherwise)
+
+    def speed_check(self) -> SpeedCheckJob:
+        return SpeedCheckJob(self.agent_prompt_tokens, SpeedFloors(self.min_decode_tokens_per_s,
+                                                                   self.max_first_token_s))
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -89,10 +95,8 @@ def speed_planning(settings: Settings, *, agent_prompt_tokens: int = DEFAULT_AGE
                    min_decode_tokens_per_s: float | None = None, max_first_token_s: float | None = None,
                    min_context_tokens: int | None = None) -> SpeedPlanning:
     """The run's speed inputs: a flag wins over its environment variable (core/settings.py)."""
-    return SpeedPlanning(agent_prompt_tokens, SpeedFloors(
-        min_decode_tokens_per_s if min_decode_tokens_per_s is not None else settings.min_decode_tokens_per_s,
-        max_first_token_s if max_first_token_s is not None else settings.max_first_token_s,
-        min_context_tokens))
+    return SpeedPlanning(agent_prompt_tokens, SpeedFloors(min_decode_tokens_per_s, max_first_token_s, min_context_tokens)
+                         .over(settings.min_decode_tokens_per_s, settings.max_first_token_s))
 
 
 def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
@@ -159,4 +163,5 @@ def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None
     """The pipeline of ``hotfit auto``, in order; ``on_plan`` sees the plan stage's outcome."""
     return [*planning_stages(opts, previous, on_plan=on_plan),
             *fetch_stages(FetchJob(wait=opts.wait, rehash_installed=opts.recheck)),
-            *session_stages()]
+            *session_stages(),
+            *([] if opts.skip_speed_check else [measure_speed.DECLARATION.with_job(opts.speed_check())])]

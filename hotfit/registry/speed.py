@@ -245,6 +245,13 @@ class SpeedFloors:
         return {"min_decode_tokens_per_s": self.min_decode_tokens_per_s, "max_first_token_s": self.max_first_token_s,
                 "min_context_tokens": self.min_context_tokens}
 
+    def over(self, min_decode_tokens_per_s: float | None, max_first_token_s: float | None) -> SpeedFloors:
+        """These floors (the flags) over the environment's: a flag wins over its variable."""
+        return SpeedFloors(self.min_decode_tokens_per_s if self.min_decode_tokens_per_s is not None
+                           else min_decode_tokens_per_s,
+                           self.max_first_token_s if self.max_first_token_s is not None else max_first_token_s,
+                           self.min_context_tokens)
+
 
 def speed_shortfalls(p: SpeedPrediction, floors: SpeedFloors, *, word: str = "predicted") -> tuple[str, ...]:
     """Each floor ``p`` misses, naming the figures: 'predicted 4.1 generated tokens/s < 10'."""

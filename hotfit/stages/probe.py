@@ -56,7 +56,7 @@ from hotfit.core.plan import Device, ProbeResult, decode_probe
 from hotfit.core.records import Fields, parse_json
 from hotfit.registry.select import device_budget
 from hotfit.stages.declaration import StageContext, StageDeclaration
-from hotfit.stages.host_speed import HostSpeed, host_speed
+from hotfit.stages._host_speed import HostSpeed, host_speed
 from hotfit.state.files import read_text_document, write_text_atomic
 
 log = get_logger()
@@ -544,7 +544,7 @@ def probe_devices(
     """Every device with its memory, and the one planned for (largest usable budget).
 
     ``ggml_binaries``: GPU llama-server builds to ask for the devices ggml sees (source 3).
-    ``host_speed``: the host's measured bandwidth and threads (stages/host_speed.py), recorded on
+    ``host_speed``: the host's measured bandwidth and threads (stages/_host_speed.py), recorded on
     the host device (None: not measured, e.g. in tests of the memory sources)."""
     env = os.environ if env is None else env
     notes: list[str] = []

@@ -13,17 +13,32 @@ from hotfit.stages.plan import PlanOutcome, device_label, device_refusal
 __all__ = ["plan_text", "probe_text", "speed_lines"]
 
 
-def speed_lines(predicted: Mapping[str, Any] | None) -> list[str]:
-    """The pick's predicted speed (a plan's ``speed_predicted``, registry/speed.py) for the summary
-    and ``hotfit status``, and the slow-first-token warning when there is one."""
-    if not isinstance(predicted, Mapping):
-        return []
-    p = predicted
-    lines = [f"  speed predicted prefill {p['prefill_tokens_per_s']:.0f} tok/s, first token "
-             f"{fmt_seconds(p['first_token_s'])} for a {p['prompt_tokens']}-token agent prompt, generation "
-             f"{p['decode_tokens_per_s']:.1f} tok/s"]
-    if p.get("warning"):
-        lines.append(f"  WARNING         {p['warning']}")
+def _figures(p: Mapping[str, Any]) -> str:
+    def num(key: str, fmt: str) -> str:
+        return "?" if not isinstance(p.get(key), (int, float)) else format(p[key], fmt)
+    first = fmt_seconds(p["first_token_s"]) if isinstance(p.get("first_token_s"), (int, float)) else "?"
+    return (f"prefill {num('prefill_tokens_per_s', '.0f')} tok/s, first token {first} for {p.get('prompt_tokens')} "
+            f"tokens, generation {num('decode_tokens_per_s', '.1f')} tok/s")
+
+
+def speed_lines(predicted: Mapping[str, Any] | None, speed: Mapping[str, Any] | None = None) -> list[str]:
+    """The pick's predicted speed (a plan's ``speed_predicted``, registry/speed.py) and, once measured
+    (the manifest's ``speed``), the measured figures and their ratio, for the summary and ``hotfit
+    status``; and the slow-first-token warning when there is one."""
+    lines = []
+    if isinstance(predicted, Mapping):
+        lines.append(f"  speed predicted {_figures(predicted)}")
+    measured = speed.get("measured") if isinstance(speed, Mapping) else None
+    if isinstance(measured, Mapping):
+        ratio = speed.get("ratio") if isinstance(speed, Mapping) else None
+        lines.append(f"  speed measured  {_figures(measured)}; follow-up turn first token "
+                     f"{measured.get('follow_up_first_token_s')} s"
+                     + (f"; predicted/measured {', '.join(f'{k} {v}' for k, v in ratio.items())}"
+                        if isinstance(ratio, Mapping) and ratio else ""))
+    elif isinstance(speed, Mapping) and speed.get("skipped"):
+        lines.append(f"  speed measured  not measured ({speed['skipped']})")
+    if isinstance(predicted, Mapping) and predicted.get("warning"):
+        lines.append(f"  WARNING         {predicted['warning']}")
     return lines
 
 

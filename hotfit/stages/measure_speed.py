@@ -1,0 +1,207 @@
+"""measure-speed: after re-check, one agent-sized prompt and a follow-up turn in the opened session,
+timed by the server itself, beside the plan's prediction (registry/speed.py).
+
+The prompt is what an agent sends first: a system prompt, a catalogue of tools with JSON-schema
+parameters and a conversation, clipped to the opened window (and to ``--agent-prompt-tokens``).
+The follow-up adds about 1.5k tokens on the cached prefix, as an agent's next turn does. The
+figures are llama-server's own ``timings`` (``prompt_n``, ``prompt_ms``, ``predicted_per_second``);
+a backend that reports none records them as null. An opt-in floor (``--min-decode-tokens-per-s``,
+``--max-first-token-s``) the measured figures miss fails the run (exit 5) naming predicted and
+measured. ``hotfit auto --skip-speed-check`` leaves the stage out; nothing skips it silently.
+Cost: the prefill of the prompt (docs/benchmarks.md, "Predicted against measured speed").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hotfit.backends.base import ChatAnswer, ChatFailed
+from hotfit.core.errors import BackendError, SpeedFloorMissed
+from hotfit.core.log import get_logger
+from hotfit.core.records import decode_record
+from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedFloors
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.load import SERVER_SESSION, LoadResult
+
+log = get_logger()
+
+SPEED_STAGE = "measure-speed"
+SPEED_FILE = "speed.json"
+# Room kept free in the window: the follow-up turn, the answers, and the template's own tokens.
+WINDOW_MARGIN_TOKENS = 4096
+FOLLOW_UP_TOKENS = 1536
+ANSWER_TOKENS = 32
+CHARS_PER_TOKEN = 4  # English prose and JSON in BPE vocabularies: 3.5-4.5 characters a token
+SPEED_TIMEOUT_S = 3600.0
+
+
+# --------------------------------------------------------------------------- the prompt (pure)
+
+
+def _tool(i: int) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": f"workspace_tool_{i}",
+        "description": (f"Tool {i} of the workspace: reads, searches or edits files under the project root and "
+                        "returns a JSON object with the result, the paths touched and any warnings. Use it when "
+                        "the user's request needs the project's files; never guess their content."),
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string", "description": "a path relative to the project root"},
+            "pattern": {"type": "string", "description": "a regular expression to search for, if any"},
+            "limit": {"type": "integer", "description": "the most results to return (default 50)"},
+            "dry_run": {"type": "boolean", "description": "describe the change without making it"}},
+            "required": ["path"]}}}
+
+
+_TURN = ("Here is the next part of the file listing and the build log you asked for. The service reads its "
+         "configuration from the environment, opens the database through a pool of connections, and every "
+         "handler logs one JSON line per request with its duration and status. ")
+
+
+def agent_request(prompt_tokens: int) -> dict[str, Any]:
+    """A chat request of about ``prompt_tokens`` tokens: tools and a conversation (greedy, a short answer)."""
+    n_tools = max(1, min(64, prompt_tokens // 400))
+    tools = [_tool(i) for i in range(n_tools)]
+    budget_chars = max(0, prompt_tokens * CHARS_PER_TOKEN - len(json.dumps(tools)))
+    history = (_TURN * (budget_chars // len(_TURN) + 1))[:budget_chars]
+    return {"messages": [{"role": "system", "content": "You are a coding agent working in the user's repository."},
+                         {"role": "user", "content": history},
+                         {"role": "user", "content": "Summarise what you have read in one sentence."}],
+            "tools": tools, "tool_choice": "none", "max_tokens": ANSWER_TOKENS, "temperature": 0.0,
+            "cache_prompt": True}
+
+
+def follow_up(request: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The next turn on the cached prefix: the answer, and about FOLLOW_UP_TOKENS more of the conversation."""
+    said = ((answer.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+    more = (_TURN * (FOLLOW_UP_TOKENS * CHARS_PER_TOKEN // len(_TURN) + 1))[:FOLLOW_UP_TOKENS * CHARS_PER_TOKEN]
+    return {**request, "messages": [*request["messages"], {"role": "assistant", "content": said},
+                                    {"role": "user", "content": more}]}
+
+
+def prompt_size(window_tokens: int | None, wanted_tokens: int) -> int:
+    """The agent prompt to send: ``wanted_tokens``, clipped to the opened window less the margin."""
+    if window_tokens is None:
+        return wanted_tokens
+    return max(512, min(wanted_tokens, window_tokens - WINDOW_MARGIN_TOKENS))
+
+
+# --------------------------------------------------------------------------- the figures (pure)
+
+
+@dataclass(frozen=True)
+class Timing:
+    prompt_tokens: int | None
+    first_token_s: float | None
+    decode_tokens_per_s: float | None
+
+    @classmethod
+    def of(cls, got: ChatAnswer) -> Timing:
+        t = got.answer.get("timings") if isinstance(got.answer, Mapping) else None
+        if isinstance(t, Mapping) and t.get("prompt_ms") is not None:
+            return cls(int(t.get("prompt_n") or 0), float(t["prompt_ms"]) / 1000,
+                       float(t.get("predicted_per_second") or 0) or None)
+        first = (got.prompt_tokens / got.prompt_tokens_per_s
+                 if got.prompt_tokens and got.prompt_tokens_per_s else None)
+        return cls(got.prompt_tokens, first, got.generation_tokens_per_s)
+
+
+@dataclass(frozen=True)
+class SpeedResult:
+    """What the session measured, the plan's prediction for the same prompt length, their ratio."""
+
+    measured: dict[str, Any]  # prompt_tokens, prefill_tokens_per_s, decode_tokens_per_s, first_token_s, follow_up_*
+    predicted: dict[str, Any] | None  # the plan's speed_predicted (for its own prompt length)
+    ratio: dict[str, float] = field(default_factory=dict)  # predicted / measured, where both exist
+
+    def to_json(self) -> dict[str, Any]:
+        return {"measured": dict(self.measured), "predicted": self.predicted, "ratio": dict(self.ratio)}
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> SpeedResult:
+        return decode_record(cls, record)
+
+
+def measured_figures(first: Timing, second: Timing) -> dict[str, Any]:
+    prefill = (first.prompt_tokens / first.first_token_s
+               if first.prompt_tokens and first.first_token_s else None)
+    return {"prompt_tokens": first.prompt_tokens, "prefill_tokens_per_s": prefill,
+            "decode_tokens_per_s": first.decode_tokens_per_s, "first_token_s": first.first_token_s,
+            "follow_up_prompt_tokens": second.prompt_tokens, "follow_up_first_token_s": second.first_token_s,
+            "basis": "the server's own timings (llama-server: timings.prompt_ms, predicted_per_second)"}
+
+
+def ratios(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any]) -> dict[str, float]:
+    """predicted / measured for each figure both carry (a prediction for another prompt length is
+    still compared: the rates scale little with it, first_token_s only when the lengths match)."""
+    if not predicted:
+        return {}
+    keys = ["prefill_tokens_per_s", "decode_tokens_per_s"]
+    if predicted.get("prompt_tokens") == measured.get("prompt_tokens"):
+        keys.append("first_token_s")
+    return {k: round(predicted[k] / measured[k], 3) for k in keys if predicted.get(k) and measured.get(k)}
+
+
+def floor_misses(measured: Mapping[str, Any], predicted: Mapping[str, Any] | None, floors: SpeedFloors) -> list[str]:
+    """Each floor the measured figures miss, naming predicted and measured."""
+    out = []
+    pred = predicted or {}
+    decode, first = measured.get("decode_tokens_per_s"), measured.get("first_token_s")
+    if floors.min_decode_tokens_per_s is not None and decode is not None and decode < floors.min_decode_tokens_per_s:
+        out.append(f"measured {decode:.1f} generated tokens/s < {floors.min_decode_tokens_per_s:g} "
+                   f"(predicted {pred.get('decode_tokens_per_s', '?')})")
+    if floors.max_first_token_s is not None and first is not None and first > floors.max_first_token_s:
+        out.append(f"measured first token after {first:.0f} s > {floors.max_first_token_s:g} s for "
+                   f"{measured.get('prompt_tokens')} prompt tokens (predicted {pred.get('first_token_s', '?')} s "
+                   f"for {pred.get('prompt_tokens', '?')})")
+    return out
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+@dataclass(frozen=True)
+class SpeedCheckJob:
+    prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS
+    floors: SpeedFloors = SpeedFloors()
+
+
+async def measure_speed_work(ctx: StageContext) -> SpeedResult:
+    job = ctx.job(SpeedCheckJob)
+    plan = ctx.require_plan()
+    session = ctx.result("load", LoadResult).live()
+    window = plan.hot_context_tokens
+    request = agent_request(prompt_size(window, job.prompt_tokens))
+    try:
+        first = await session.call_tools(request, timeout_s=SPEED_TIMEOUT_S, purpose="the speed check")
+        second = await session.call_tools(follow_up(request, first.answer), timeout_s=SPEED_TIMEOUT_S,
+                                          purpose="the speed check's follow-up turn")
+    except ChatFailed as exc:
+        raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
+    measured = measured_figures(Timing.of(first), Timing.of(second))
+    predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
+    if predicted is not None:
+        predicted.pop("warning", None)
+    result = SpeedResult(measured, predicted, ratios(predicted, measured))
+    (session.run_dir / SPEED_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    log.info("speed.measured", **{k: v for k, v in measured.items() if k != "basis"}, ratio=result.ratio)
+    floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
+    missed = floor_misses(measured, predicted, floors)
+    if missed:
+        log.error("speed.floor_missed", problems=missed)
+        raise SpeedFloorMissed(f"the opened session is slower than the floor: {'; '.join(missed)}",
+                               hint="lower the floor, or provision a smaller model (a floor the prediction also "
+                                    "misses excludes it at plan time); see " + str(session.run_dir / SPEED_FILE),
+                               measured=measured, predicted=predicted)
+    return result
+
+
+def speed_figures(result: SpeedResult) -> dict[str, Any]:
+    return {**{k: v for k, v in result.measured.items() if k != "basis"}, "ratio": result.ratio}
+
+
+DECLARATION = StageDeclaration(
+    SPEED_STAGE, measure_speed_work, deps=("load", "re-check"), session=SERVER_SESSION, decode=SpeedResult.decode,
+    figures=speed_figures, version=1, result_type=SpeedResult, job=SpeedCheckJob())
