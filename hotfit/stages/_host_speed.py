@@ -20,7 +20,7 @@ import json
 import multiprocessing
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,6 @@ class HostSpeed:
     read_bandwidth_bytes_per_s: int
     threads: int
     basis: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"read_bandwidth_bytes_per_s": self.read_bandwidth_bytes_per_s, "threads": self.threads,
-                "basis": self.basis}
 
 
 def physical_cores(cpuinfo: str, allowed: set[int]) -> int:
@@ -146,7 +142,7 @@ def host_speed(cache_file: Path | None, *, proc_root: Path = Path("/proc"), reme
     if cache_file is not None:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(cache_file, json.dumps({"schema": CACHE_SCHEMA, "machine": key, **hs.to_json()},
+            write_text_atomic(cache_file, json.dumps({"schema": CACHE_SCHEMA, "machine": key, **asdict(hs)},
                                                      indent=2) + "\n")
         except OSError as exc:
             log.warning("probe.host_speed_uncached", cache=str(cache_file), error=str(exc))
