@@ -410,3 +410,51 @@ def test_the_speed_check_runs_unless_skipped_by_its_flag() -> None:
     job = next(s for s in provisioning_stages(AutoOptions(agent_prompt_tokens=4096, max_first_token_s=30))
                if s.name == SPEED_STAGE).job
     assert isinstance(job, SpeedCheckJob) and job.prompt_tokens == 4096 and job.floors.max_first_token_s == 30
+
+
+# ----------------------------------------------------------------------------- per-machine calibration
+
+
+from hotfit.registry.speed import calibration_from  # noqa: E402
+from hotfit.stages.measure_speed import read_calibration, write_calibration  # noqa: E402
+
+
+def test_a_measurement_calibrates_later_plans_on_the_same_device_and_probe_figure(tmp_path: Path) -> None:
+    base = plan()
+    big = base.plan
+    assert big is not None and big.speed_predicted is not None
+    measured = {"prefill_tokens_per_s": big.speed_predicted["prefill_tokens_per_s"] / 2,
+                "decode_tokens_per_s": big.speed_predicted["decode_tokens_per_s"] / 4}
+    cal = calibration_from(CPU, dict(big.speed_predicted), measured, "run r1 (big-32b, llama build b1, now)")
+    assert cal is not None and (cal.prefill_factor, cal.decode_factor) == pytest.approx((0.5, 0.25), rel=1e-2)
+    path = tmp_path / "speed-calibration.json"
+    write_calibration(path, cal)
+    assert read_calibration(path) == cal
+    calibrated = build_plan(ProbeResult((CPU,), 0), ENTRIES, F16, speed=SpeedPlanning(16384, SpeedFloors(), cal))
+    p = calibrated.plan
+    assert p is not None and p.speed_predicted is not None
+    assert p.speed_predicted["decode_tokens_per_s"] == pytest.approx(measured["decode_tokens_per_s"], abs=0.01)
+    assert "calibrated x0.25 by run r1" in p.speed_predicted["basis"]["bandwidth"]
+    # the measured shortfall moves the next plan on: a floor the old prediction met, the calibrated one misses
+    floor = SpeedFloors(min_decode_tokens_per_s=big.speed_predicted["decode_tokens_per_s"] * 0.9)
+    before = build_plan(ProbeResult((CPU,), 0), ENTRIES, F16, speed=SpeedPlanning(16384, floor)).plan
+    assert before is not None and before.entry.name == "big-32b"
+    moved = build_plan(ProbeResult((CPU,), 0), ENTRIES, F16, speed=SpeedPlanning(16384, floor, cal)).plan
+    assert moved is not None and moved.entry.name != "big-32b"
+    # another probe figure (a new measurement) or another device resets it
+    other = dataclasses.replace(CPU, read_bandwidth_bytes_per_s=50_000_000_000)
+    assert not cal.applies_to(other) and not cal.applies_to(GPU) and cal.applies_to(CPU)
+
+
+GOOD_CALIBRATION = {"schema": 1, "device_kind": "cpu", "device_name": "h", "read_bandwidth_bytes_per_s": 1,
+                    "prefill_factor": 0.5, "decode_factor": 1.0, "provenance": "x"}
+
+
+@pytest.mark.parametrize("damage", [None, [], {"schema": 9}, {"prefill_factor": -1}, {"decode_factor": "fast"},
+                                    {"provenance": None, "extra": 1}])
+def test_a_damaged_calibration_is_ignored_not_a_traceback(tmp_path: Path, damage: object) -> None:
+    (tmp_path / "c.json").write_text("{" if damage is None else json.dumps(
+        damage if isinstance(damage, list) else {**GOOD_CALIBRATION, **damage}))
+    assert read_calibration(tmp_path / "c.json") is None and read_calibration(tmp_path / "absent.json") is None
+    (tmp_path / "c.json").write_text(json.dumps(GOOD_CALIBRATION))
+    assert read_calibration(tmp_path / "c.json") is not None

@@ -49,6 +49,8 @@ On-disk layout under the home directory (the one place it is written down)::
       grades/                  `hotfit grade` records (score, transcripts, fingerprint), one JSON each
       serve.pid                the llama-server `hotfit serve` exec'd (JSON: pid, start time, port,
                                model, window); trusted only while that process is it (pipeline/worker.py)
+      speed-calibration.json   measured / predicted speed of the last measure-speed on this machine,
+                               with its device, probe figure and provenance (registry/speed.py)
 """
 
 from __future__ import annotations
@@ -190,6 +192,7 @@ class Settings:
     manifest_path = _InHome("manifest.json")
     metrics_dir = _InHome("metrics")
     serve_pid_path = _InHome("serve.pid")
+    speed_calibration_path = _InHome("speed-calibration.json")
 
     def model_dir(self, entry_name: str) -> Path:
         return self.models_dir / entry_name

@@ -34,7 +34,7 @@ from hotfit.registry.select import normalize_origin
 from hotfit.stages import fetch_template, fetch_weights, measure_speed, plan, probe, verify
 from hotfit.stages.fetch_weights import FetchJob
 from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedFloors, SpeedPlanning
-from hotfit.stages.measure_speed import SpeedCheckJob
+from hotfit.stages.measure_speed import SpeedCheckJob, read_calibration
 from hotfit.stages.plan import PlanJob, PlanOutcome, PreviousModel, build_plan, resolve_kv_cache_type
 from hotfit.stages.probe import ProbeJob
 
@@ -96,7 +96,8 @@ def speed_planning(settings: Settings, *, agent_prompt_tokens: int = DEFAULT_AGE
                    min_context_tokens: int | None = None) -> SpeedPlanning:
     """The run's speed inputs: a flag wins over its environment variable (core/settings.py)."""
     return SpeedPlanning(agent_prompt_tokens, SpeedFloors(min_decode_tokens_per_s, max_first_token_s, min_context_tokens)
-                         .over(settings.min_decode_tokens_per_s, settings.max_first_token_s))
+                         .over(settings.min_decode_tokens_per_s, settings.max_first_token_s),
+                         read_calibration(settings.speed_calibration_path))
 
 
 def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,

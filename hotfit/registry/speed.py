@@ -284,12 +284,56 @@ class SpeedRequest:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """What a measurement on this machine taught the model: measured / predicted for prefill and
+    decode, on one device with the bandwidth figure the probe had then (a new probe figure or another
+    device resets it), and where it came from (run, model, build)."""
+
+    device_kind: str
+    device_name: str
+    read_bandwidth_bytes_per_s: int | None
+    prefill_factor: float
+    decode_factor: float
+    provenance: str
+
+    def applies_to(self, device: Device) -> bool:
+        return (device.kind, device.name, device.read_bandwidth_bytes_per_s) == (
+            self.device_kind, self.device_name, self.read_bandwidth_bytes_per_s)
+
+    def apply(self, facts: DeviceSpeedFacts) -> DeviceSpeedFacts:
+        note = f"; calibrated x{{:.2f}} by {self.provenance}"
+        return replace(facts, decode_efficiency=facts.decode_efficiency * self.decode_factor,
+                       prefill_flops_per_s=facts.prefill_flops_per_s * self.prefill_factor,
+                       bandwidth_basis=facts.bandwidth_basis + note.format(self.decode_factor),
+                       compute_basis=facts.compute_basis + note.format(self.prefill_factor))
+
+
+def calibration_from(device: Device, predicted: dict[str, Any], measured: dict[str, Any],
+                     provenance: str) -> Calibration | None:
+    """measured / predicted rates as a calibration of ``device`` (the prompt lengths may differ: rates
+    are compared, not times); None when a figure is missing."""
+    try:
+        prefill = float(measured["prefill_tokens_per_s"]) / float(predicted["prefill_tokens_per_s"])
+        decode = float(measured["decode_tokens_per_s"]) / float(predicted["decode_tokens_per_s"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if not (prefill > 0 and decode > 0):
+        return None
+    return Calibration(device.kind, device.name, device.read_bandwidth_bytes_per_s, round(prefill, 4),
+                       round(decode, 4), provenance)
+
+
+@dataclass(frozen=True)
 class SpeedPlanning:
     """The run's speed inputs (``--agent-prompt-tokens`` and the floors), made a
-    :class:`SpeedRequest` per device from the probe's figures."""
+    :class:`SpeedRequest` per device from the probe's figures and this machine's calibration."""
 
     prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS
     floors: SpeedFloors = SpeedFloors()
+    calibration: Calibration | None = None
 
     def on(self, device: Device) -> SpeedRequest:
-        return SpeedRequest(device_speed_facts(device), self.prompt_tokens, self.floors)
+        facts = device_speed_facts(device)
+        if self.calibration is not None and self.calibration.applies_to(device):
+            facts = self.calibration.apply(facts)
+        return SpeedRequest(facts, self.prompt_tokens, self.floors)

@@ -14,17 +14,21 @@ Cost: the prefill of the prompt (docs/benchmarks.md, "Predicted against measured
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hotfit.backends.base import ChatAnswer, ChatFailed
 from hotfit.core.errors import BackendError, SpeedFloorMissed
 from hotfit.core.log import get_logger
 from hotfit.core.records import decode_record
-from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedFloors
+from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, Calibration, SpeedFloors, calibration_from
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.load import SERVER_SESSION, LoadResult
+from hotfit.stages.plan import PlannedRun
+from hotfit.state.files import write_text_atomic
 
 log = get_logger()
 
@@ -36,6 +40,11 @@ FOLLOW_UP_TOKENS = 1536
 ANSWER_TOKENS = 32
 CHARS_PER_TOKEN = 4  # English prose and JSON in BPE vocabularies: 3.5-4.5 characters a token
 SPEED_TIMEOUT_S = 3600.0
+CALIBRATION_SCHEMA = 1
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 # --------------------------------------------------------------------------- the prompt (pure)
@@ -187,6 +196,15 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     result = SpeedResult(measured, predicted, ratios(predicted, measured))
     (session.run_dir / SPEED_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
     log.info("speed.measured", **{k: v for k, v in measured.items() if k != "basis"}, ratio=result.ratio)
+    if predicted is not None:  # later plans on this machine start from what was measured here
+        planned = ctx.result("plan", PlannedRun)
+        build = planned.backend.to_json().get("build") if planned.backend is not None else None
+        provenance = (f"run {ctx.run_id} ({plan.entry.name}, {plan.backend} build "
+                      f"{(build or {}).get('version', '?') if isinstance(build, Mapping) else '?'}, "
+                      f"{utc_now()})")
+        calibration = calibration_from(plan.probe.device, predicted, measured, provenance)
+        if calibration is not None:
+            write_calibration(ctx.settings.speed_calibration_path, calibration)
     floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
     missed = floor_misses(measured, predicted, floors)
     if missed:
@@ -196,6 +214,34 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
                                     "misses excludes it at plan time); see " + str(session.run_dir / SPEED_FILE),
                                measured=measured, predicted=predicted)
     return result
+
+
+def write_calibration(path: Path, calibration: Calibration) -> None:
+    try:
+        write_text_atomic(path, json.dumps({"schema": CALIBRATION_SCHEMA, **asdict(calibration)}, indent=2) + "\n")
+        log.info("speed.calibrated", path=str(path), prefill_factor=calibration.prefill_factor,
+                 decode_factor=calibration.decode_factor, provenance=calibration.provenance)
+    except OSError as exc:
+        log.warning("speed.calibration_unwritten", path=str(path), error=str(exc))
+
+
+def read_calibration(path: Path) -> Calibration | None:
+    """This machine's calibration, or None (none yet; a damaged file is named in a warning and
+    ignored: it is a cache of a measurement, measured again by the next run)."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc.pop("schema", None) != CALIBRATION_SCHEMA:
+            raise ValueError("unknown schema")
+        cal = Calibration(**doc)
+        if not (float(cal.prefill_factor) > 0 and float(cal.decode_factor) > 0):
+            raise ValueError("factors must be positive")
+        return cal
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("speed.calibration_ignored", path=str(path), error=str(exc),
+                    hint="it is rewritten by the next measure-speed; delete it to silence this")
+        return None
 
 
 def speed_figures(result: SpeedResult) -> dict[str, Any]:
