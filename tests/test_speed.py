@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -452,9 +453,47 @@ GOOD_CALIBRATION = {"schema": 1, "device_kind": "cpu", "device_name": "h", "read
 
 @pytest.mark.parametrize("damage", [None, [], {"schema": 9}, {"prefill_factor": -1}, {"decode_factor": "fast"},
                                     {"provenance": None, "extra": 1}])
-def test_a_damaged_calibration_is_ignored_not_a_traceback(tmp_path: Path, damage: object) -> None:
+def test_a_damaged_calibration_is_ignored_not_a_traceback(tmp_path: Path, damage: Any) -> None:
     (tmp_path / "c.json").write_text("{" if damage is None else json.dumps(
         damage if isinstance(damage, list) else {**GOOD_CALIBRATION, **damage}))
     assert read_calibration(tmp_path / "c.json") is None and read_calibration(tmp_path / "absent.json") is None
     (tmp_path / "c.json").write_text(json.dumps(GOOD_CALIBRATION))
     assert read_calibration(tmp_path / "c.json") is not None
+
+
+# ----------------------------------------------------------------------------- the extrapolated check
+
+
+from hotfit.stages.measure_speed import (  # noqa: E402
+    SPEED_CHECK_BUDGET_S,
+    extrapolated_figures,
+    fit_prefill,
+    short_depths,
+)
+
+
+@pytest.mark.parametrize(("a", "b"), [(0.004, 0.0), (0.004, 2e-7), (0.0001, 1e-6)])
+def test_a_prefill_curve_through_two_depths_extrapolates_exactly(a: float, b: float) -> None:
+    def t(n: int) -> float:
+        return a * n + b * n * n
+    fa, fb = fit_prefill(1024, t(1024), 2048, t(2048))
+    assert (fa, fb) == (pytest.approx(a), pytest.approx(b, abs=1e-12))
+    # decode: a step's time linear in the depth
+    def rate(d: int) -> float:
+        return 1 / (0.05 + 1e-6 * d)
+    m = extrapolated_figures(Timing(1024, t(1024), rate(1024)), Timing(2048, t(2048), rate(2048)),
+                             Timing(1500, None, None), 16384)
+    assert m["first_token_s"] == pytest.approx(t(16384)) and m["decode_tokens_per_s"] == pytest.approx(rate(16384))
+    assert m["follow_up_first_token_s"] == pytest.approx(t(16384 + 1500) - t(16384))
+    assert m["prompt_tokens"] == 16384 and "extrapolated to 16384" in m["basis"]
+
+
+def test_a_noisy_pair_is_read_as_linear_never_as_a_cheaper_long_prompt() -> None:
+    assert fit_prefill(1000, 10.0, 2000, 15.0) == (15.0 / 2000, 0.0)
+
+
+@pytest.mark.parametrize(("wanted", "expected_s", "depths"), [
+    (16384, None, None), (16384, SPEED_CHECK_BUDGET_S, None), (16384, 770.0, (851, 1702)),
+    (16384, 1e6, (512, 1024)), (1500, 1e6, None)])
+def test_the_check_measures_short_depths_only_when_the_full_prompt_is_slow(wanted, expected_s, depths) -> None:
+    assert short_depths(wanted, expected_s) == depths

@@ -41,6 +41,9 @@ ANSWER_TOKENS = 32
 CHARS_PER_TOKEN = 4  # English prose and JSON in BPE vocabularies: 3.5-4.5 characters a token
 SPEED_TIMEOUT_S = 3600.0
 CALIBRATION_SCHEMA = 1
+# Predicted past this, the check measures two shorter prompts and extrapolates (its cost stays near it).
+SPEED_CHECK_BUDGET_S = 120.0
+MIN_DEPTH_TOKENS = 512
 
 
 def utc_now() -> str:
@@ -69,8 +72,9 @@ _TURN = ("Here is the next part of the file listing and the build log you asked 
          "handler logs one JSON line per request with its duration and status. ")
 
 
-def agent_request(prompt_tokens: int) -> dict[str, Any]:
-    """A chat request of about ``prompt_tokens`` tokens: tools and a conversation (greedy, a short answer)."""
+def agent_request(prompt_tokens: int, *, fresh: bool = False) -> dict[str, Any]:
+    """A chat request of about ``prompt_tokens`` tokens: tools and a conversation (greedy, a short
+    answer). ``fresh``: evaluated whole, not from a prefix an earlier request left in the cache."""
     n_tools = max(1, min(64, prompt_tokens // 400))
     tools = [_tool(i) for i in range(n_tools)]
     budget_chars = max(0, prompt_tokens * CHARS_PER_TOKEN - len(json.dumps(tools)))
@@ -79,7 +83,19 @@ def agent_request(prompt_tokens: int) -> dict[str, Any]:
                          {"role": "user", "content": history},
                          {"role": "user", "content": "Summarise what you have read in one sentence."}],
             "tools": tools, "tool_choice": "none", "max_tokens": ANSWER_TOKENS, "temperature": 0.0,
-            "cache_prompt": True}
+            "cache_prompt": not fresh}
+
+
+def short_depths(wanted_tokens: int, expected_first_token_s: float | None) -> tuple[int, int] | None:
+    """Two shorter prompts to extrapolate from when the predicted first token of the full one is past
+    SPEED_CHECK_BUDGET_S (their prefill costs about that budget); None: measure the full prompt."""
+    if expected_first_token_s is None or expected_first_token_s <= SPEED_CHECK_BUDGET_S:
+        return None
+    n2 = int(wanted_tokens * SPEED_CHECK_BUDGET_S / (1.5 * expected_first_token_s))
+    n2 = min(max(n2, 2 * MIN_DEPTH_TOKENS), wanted_tokens // 2)
+    if n2 < 2 * MIN_DEPTH_TOKENS:
+        return None
+    return n2 // 2, n2
 
 
 def follow_up(request: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,6 +158,41 @@ def measured_figures(first: Timing, second: Timing) -> dict[str, Any]:
             "basis": "the server's own timings (llama-server: timings.prompt_ms, predicted_per_second)"}
 
 
+def extrapolated_figures(short: Timing, longer: Timing, follow: Timing, wanted_tokens: int) -> dict[str, Any]:
+    """The full prompt's figures from two shorter ones: prefill time a·n + b·n² (the matmuls, and
+    attention over the growing depth) through both points; a decode step's time linear in the depth;
+    the follow-up turn's first token as the same curve's cost of its new tokens at the full depth."""
+    n1, t1, n2, t2 = short.prompt_tokens, short.first_token_s, longer.prompt_tokens, longer.first_token_s
+    if not (n1 and n2 and t1 and t2) or n1 == n2:
+        return measured_figures(longer, follow) | {"basis": "the server's own timings at a shorter prompt "
+                                                            f"({n2} tokens): too little to extrapolate"}
+    a, b = fit_prefill(n1, t1, n2, t2)
+    first = a * wanted_tokens + b * wanted_tokens ** 2
+    decode = None
+    if short.decode_tokens_per_s and longer.decode_tokens_per_s:
+        s1, s2 = 1 / short.decode_tokens_per_s, 1 / longer.decode_tokens_per_s
+        slope = max(0.0, (s2 - s1) / (n2 - n1))
+        decode = 1 / (s2 + slope * (wanted_tokens - n2))
+    added = follow.prompt_tokens or 0
+    follow_s = a * added + b * ((wanted_tokens + added) ** 2 - wanted_tokens ** 2) if added else None
+    return {"prompt_tokens": wanted_tokens, "prefill_tokens_per_s": wanted_tokens / first,
+            "decode_tokens_per_s": decode, "first_token_s": first, "follow_up_prompt_tokens": added or None,
+            "follow_up_first_token_s": follow_s,
+            "basis": (f"extrapolated to {wanted_tokens} tokens from the server's own timings at {n1} and {n2} "
+                      f"(the full prompt was predicted past {SPEED_CHECK_BUDGET_S:g} s)")}
+
+
+def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
+    """(a, b) with t = a·n + b·n² through both points; b ≥ 0 (a prefill never gets cheaper per token
+    with depth): a noisy pair that says otherwise is read as linear through the longer point."""
+    det = n1 * n2 * n2 - n2 * n1 * n1
+    a = (t1 * n2 * n2 - t2 * n1 * n1) / det
+    b = (n1 * t2 - n2 * t1) / det
+    if b < 0 or a < 0:
+        return t2 / n2, 0.0
+    return a, b
+
+
 def ratios(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any]) -> dict[str, float]:
     """predicted / measured for each figure both carry (a prediction for another prompt length is
     still compared: the rates scale little with it, first_token_s only when the lengths match)."""
@@ -181,15 +232,28 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     job = ctx.job(SpeedCheckJob)
     plan = ctx.require_plan()
     session = ctx.result("load", LoadResult).live()
-    window = plan.hot_context_tokens
-    request = agent_request(prompt_size(window, job.prompt_tokens))
-    try:
-        first = await session.call_tools(request, timeout_s=SPEED_TIMEOUT_S, purpose="the speed check")
-        second = await session.call_tools(follow_up(request, first.answer), timeout_s=SPEED_TIMEOUT_S,
-                                          purpose="the speed check's follow-up turn")
-    except ChatFailed as exc:
-        raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
-    measured = measured_figures(Timing.of(first), Timing.of(second))
+    wanted = prompt_size(plan.hot_context_tokens, job.prompt_tokens)
+    expected_s = (plan.speed_predicted or {}).get("first_token_s")
+    depths = short_depths(wanted, expected_s if isinstance(expected_s, (int, float)) else None)
+
+    async def ask(request: dict[str, Any], what: str) -> ChatAnswer:
+        try:
+            return await session.call_tools(request, timeout_s=SPEED_TIMEOUT_S, purpose=what)
+        except ChatFailed as exc:
+            raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
+
+    if depths is None:
+        request = agent_request(wanted)
+        first = await ask(request, "the speed check")
+        second = await ask(follow_up(request, first.answer), "the speed check's follow-up turn")
+        measured = measured_figures(Timing.of(first), Timing.of(second))
+    else:  # the full prompt would take too long: two shorter ones, extrapolated (docs/benchmarks.md)
+        n1, n2 = depths
+        short = await ask(agent_request(n1, fresh=True), "the speed check (first depth)")
+        request = agent_request(n2, fresh=True)
+        longer = await ask(request, "the speed check (second depth)")
+        second = await ask(follow_up(request, longer.answer), "the speed check's follow-up turn")
+        measured = extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
     predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
     if predicted is not None:
         predicted.pop("warning", None)
