@@ -497,3 +497,18 @@ def test_a_noisy_pair_is_read_as_linear_never_as_a_cheaper_long_prompt() -> None
     (16384, 1e6, (512, 1024)), (1500, 1e6, None)])
 def test_the_check_measures_short_depths_only_when_the_full_prompt_is_slow(wanted, expected_s, depths) -> None:
     assert short_depths(wanted, expected_s) == depths
+
+
+def test_the_agent_prompt_is_sized_with_the_models_own_characters_per_token() -> None:
+    from hotfit.stages.measure_speed import chars_per_token
+    from hotfit.stages.probe_tool_call import probe_request
+
+    req = probe_request()
+    size = len(json.dumps(req))
+    assert chars_per_token(req, size) == 1.0  # a byte vocabulary: one character a token
+    assert chars_per_token(req, size // 3) == pytest.approx(size / (size // 3))
+    assert chars_per_token(req, 1) == CHARS_PER_TOKEN and chars_per_token(req, None) == CHARS_PER_TOKEN
+    small = agent_request(16384, chars_per_token=1.0)
+    assert len(json.dumps(small["tools"])) + sum(len(m["content"]) for m in small["messages"]) <= 16384 * 1.05
+    assert speed_lines(None, {"measured": {"basis": "not measured: the openvino backend ..."}}) == [
+        "  speed measured  not measured: the openvino backend ..."]

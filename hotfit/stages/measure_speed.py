@@ -28,6 +28,7 @@ from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, Calibration, Spee
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.load import SERVER_SESSION, LoadResult
 from hotfit.stages.plan import PlannedRun
+from hotfit.stages.probe_tool_call import ProbeToolCallResult
 from hotfit.state.files import write_text_atomic
 
 log = get_logger()
@@ -72,18 +73,30 @@ _TURN = ("Here is the next part of the file listing and the build log you asked 
          "handler logs one JSON line per request with its duration and status. ")
 
 
-def agent_request(prompt_tokens: int, *, fresh: bool = False) -> dict[str, Any]:
+def agent_request(prompt_tokens: int, *, fresh: bool = False, chars_per_token: float = CHARS_PER_TOKEN) -> dict[str, Any]:
     """A chat request of about ``prompt_tokens`` tokens: tools and a conversation (greedy, a short
-    answer). ``fresh``: evaluated whole, not from a prefix an earlier request left in the cache."""
-    n_tools = max(1, min(64, prompt_tokens // 400))
+    answer). ``fresh``: evaluated whole, not from a prefix an earlier request left in the cache.
+    ``chars_per_token``: this model's (from the tool-call probe: :func:`chars_per_token`)."""
+    total_chars = int(prompt_tokens * chars_per_token)
+    # the catalogue takes about a quarter of the prompt, as in agent harnesses (up to 64 tools)
+    n_tools = max(1, min(64, total_chars // (4 * len(json.dumps(_tool(0))))))
     tools = [_tool(i) for i in range(n_tools)]
-    budget_chars = max(0, prompt_tokens * CHARS_PER_TOKEN - len(json.dumps(tools)))
+    budget_chars = max(0, total_chars - len(json.dumps(tools)))
     history = (_TURN * (budget_chars // len(_TURN) + 1))[:budget_chars]
     return {"messages": [{"role": "system", "content": "You are a coding agent working in the user's repository."},
                          {"role": "user", "content": history},
                          {"role": "user", "content": "Summarise what you have read in one sentence."}],
             "tools": tools, "tool_choice": "none", "max_tokens": ANSWER_TOKENS, "temperature": 0.0,
             "cache_prompt": not fresh}
+
+
+def chars_per_token(request: Mapping[str, Any], prompt_tokens: int | None) -> float:
+    """Characters a token of this model's vocabulary holds, from a request it tokenized (the
+    tool-call probe's; its template's own tokens make it an underestimate: the agent prompt comes out
+    no longer than asked), between 1 (a byte vocabulary) and CHARS_PER_TOKEN."""
+    if not prompt_tokens:
+        return CHARS_PER_TOKEN
+    return min(CHARS_PER_TOKEN, max(1.0, len(json.dumps(request)) / prompt_tokens))
 
 
 def short_depths(wanted_tokens: int, expected_first_token_s: float | None) -> tuple[int, int] | None:
@@ -231,7 +244,13 @@ class SpeedCheckJob:
 async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     job = ctx.job(SpeedCheckJob)
     plan = ctx.require_plan()
+    if plan.backend != "llama":  # recorded and logged, never silent: no server timings to read
+        why = f"not measured: the {plan.backend} backend reports no server timings for an agent-sized prompt"
+        log.warning("speed.not_measured", backend=plan.backend, reason=why)
+        return SpeedResult({"basis": why}, dict(plan.speed_predicted) if plan.speed_predicted else None)
     session = ctx.result("load", LoadResult).live()
+    probe = ctx.result("probe-tool-call", ProbeToolCallResult)
+    ratio = chars_per_token(probe.request, probe.prompt_tokens)
     wanted = prompt_size(plan.hot_context_tokens, job.prompt_tokens)
     expected_s = (plan.speed_predicted or {}).get("first_token_s")
     depths = short_depths(wanted, expected_s if isinstance(expected_s, (int, float)) else None)
@@ -243,14 +262,14 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
             raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
 
     if depths is None:
-        request = agent_request(wanted)
+        request = agent_request(wanted, chars_per_token=ratio)
         first = await ask(request, "the speed check")
         second = await ask(follow_up(request, first.answer), "the speed check's follow-up turn")
         measured = measured_figures(Timing.of(first), Timing.of(second))
     else:  # the full prompt would take too long: two shorter ones, extrapolated (docs/benchmarks.md)
         n1, n2 = depths
-        short = await ask(agent_request(n1, fresh=True), "the speed check (first depth)")
-        request = agent_request(n2, fresh=True)
+        short = await ask(agent_request(n1, fresh=True, chars_per_token=ratio), "the speed check (first depth)")
+        request = agent_request(n2, fresh=True, chars_per_token=ratio)
         longer = await ask(request, "the speed check (second depth)")
         second = await ask(follow_up(request, longer.answer), "the speed check's follow-up turn")
         measured = extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
@@ -313,5 +332,5 @@ def speed_figures(result: SpeedResult) -> dict[str, Any]:
 
 
 DECLARATION = StageDeclaration(
-    SPEED_STAGE, measure_speed_work, deps=("load", "re-check"), session=SERVER_SESSION, decode=SpeedResult.decode,
+    SPEED_STAGE, measure_speed_work, deps=("load", "probe-tool-call", "re-check"), session=SERVER_SESSION, decode=SpeedResult.decode,
     figures=speed_figures, version=1, result_type=SpeedResult, job=SpeedCheckJob())

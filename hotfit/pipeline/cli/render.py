@@ -29,7 +29,9 @@ def speed_lines(predicted: Mapping[str, Any] | None, speed: Mapping[str, Any] | 
     if isinstance(predicted, Mapping):
         lines.append(f"  speed predicted {_figures(predicted)}")
     measured = speed.get("measured") if isinstance(speed, Mapping) else None
-    if isinstance(measured, Mapping):
+    if isinstance(measured, Mapping) and measured.get("first_token_s") is None:
+        lines.append(f"  speed measured  {measured.get('basis', 'not measured')}")
+    elif isinstance(measured, Mapping):
         ratio = speed.get("ratio") if isinstance(speed, Mapping) else None
         lines.append(f"  speed measured  {_figures(measured)}; follow-up turn first token "
                      f"{measured.get('follow_up_first_token_s')} s"
