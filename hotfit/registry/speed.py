@@ -30,17 +30,20 @@ GB = 1e9
 
 # --------------------------------------------------------------------------- constants
 # Decode on a CPU reaches this fraction of the host's streaming-read bandwidth (probe: one pass of
-# memchr per thread). Fitted by scripts/bench-speed on the three real test GGUFs at depth 512, 2 cores
-# of an AMD EPYC (Zen 5) VM (docs/benchmarks.md); bench-backend's roofline column measured 0.33-0.57.
+# memchr per thread). Fitted on the quiet bench-backend run of the real Q4_K_M test GGUFs (Gemma 3 0.57,
+# Qwen2.5 0.55 at 32.8 GB/s, 2 cores of an AMD EPYC Zen 5 VM; docs/benchmarks.md, "Predicted against
+# measured speed"); SmolLM2 Q4_1 reaches 0.33.
 CPU_DECODE_BANDWIDTH_EFFICIENCY = 0.55
 # A GPU decode step reaches this fraction of NVML's peak bandwidth (clock x bus width). Not measured
 # here (no GPU): llmfit's published factor (0.55) rounded up for llama.cpp's CUDA kernels; an estimate.
 GPU_DECODE_BANDWIDTH_EFFICIENCY = 0.6
-# Prefill FLOP/s one llama-server thread sustains on the quantized matmuls (AVX-512 VNNI, Q4_K/Q4_1),
-# fitted by scripts/bench-speed at depth 512 on the same machine (docs/benchmarks.md).
+# Prefill FLOP/s one llama-server thread sustains on the quantized matmuls (AVX-512 VNNI, Q4_K), fitted
+# on the same quiet runs (Qwen2.5 87, Gemma 3 73 GFLOP/s a thread at 256 tokens; SmolLM2's Q4_1 kernel
+# 32: over-predicted 2.7x; docs/benchmarks.md).
 CPU_PREFILL_FLOPS_PER_THREAD = 90e9
-# Attention at depth runs f16 kernels, slower per FLOP than the quantized matmuls: this many matmul
-# FLOPs' time per attention FLOP. Fitted on bench-speed's 8k runs against its 512 runs (docs/benchmarks.md).
+# Attention at depth runs f16 kernels, maybe slower per FLOP than the quantized matmuls: this many matmul
+# FLOPs' time per attention FLOP. Not yet fitted (no quiet deep run here; scripts/bench-speed --fit
+# fits it from its 8k/16k runs): 1 = the same rate.
 ATTENTION_FLOP_COST = 1.0
 # A GPU's prefill FLOP/s per byte/s of its bandwidth: recent cards offer 150-300 dense f16 FLOPs per
 # byte (H100 295, RTX 4090 165, RTX 3060 142) and llama.cpp's quantized matmuls reach about a third.
@@ -184,7 +187,7 @@ def device_speed_facts(device: Device) -> DeviceSpeedFacts:
             f"assumed {ASSUMED_HOST_BANDWIDTH_BYTES_PER_S / GB:.0f} GB/s: the probe did not measure this host "
             "(an old probe file); run 'hotfit probe' on it")
         compute_basis = (f"{threads} threads x {CPU_PREFILL_FLOPS_PER_THREAD / GB:.0f} GFLOP/s per thread "
-                         f"(fitted on AVX-512 Zen 5 by scripts/bench-speed)"
+                         f"(fitted on an AVX-512 Zen 5 with Q4_K: docs/benchmarks.md)"
                          + ("" if device.compute_threads else "; threads assumed: not probed"))
         return DeviceSpeedFacts("cpu", bandwidth, CPU_DECODE_BANDWIDTH_EFFICIENCY,
                                 threads * CPU_PREFILL_FLOPS_PER_THREAD, f"{bandwidth / GB:.1f} GB/s, {bw_basis}",
