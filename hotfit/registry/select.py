@@ -245,9 +245,7 @@ def speed_refusal(verdicts: tuple[Verdict, ...], speed: SpeedRequest, budget: De
     if not floored:
         return None
     fastest = _fastest(floored, speed)
-    wanted = "; ".join(f"{k} {x:g}" for k, x in (("--min-decode-tokens-per-s", speed.floors.min_decode_tokens_per_s),
-                                                  ("--max-first-token-s", speed.floors.max_first_token_s),
-                                                  ("--min-context", speed.floors.min_context_tokens)) if x is not None)
+    wanted = speed.floors.flags()
     lines = [f"no candidate meets the floors ({wanted}) on this device: {len(floored)} fit but miss a floor"]
     if fastest is not None and fastest.speed is not None:
         lines.append(f"The fastest is {fastest.entry.name}: {fastest.speed.text()} ({fastest.reason}).")

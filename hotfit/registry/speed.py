@@ -248,6 +248,12 @@ class SpeedFloors:
         return {"min_decode_tokens_per_s": self.min_decode_tokens_per_s, "max_first_token_s": self.max_first_token_s,
                 "min_context_tokens": self.min_context_tokens}
 
+    def flags(self) -> str:
+        """The floors set, as the flags that set them: '--min-decode-tokens-per-s 10; --min-context 65536'."""
+        return "; ".join(f"{flag} {x:g}" for flag, x in (("--min-decode-tokens-per-s", self.min_decode_tokens_per_s),
+                                                         ("--max-first-token-s", self.max_first_token_s),
+                                                         ("--min-context", self.min_context_tokens)) if x is not None)
+
     def over(self, min_decode_tokens_per_s: float | None, max_first_token_s: float | None) -> SpeedFloors:
         """These floors (the flags) over the environment's: a flag wins over its variable."""
         return SpeedFloors(self.min_decode_tokens_per_s if self.min_decode_tokens_per_s is not None

@@ -86,7 +86,7 @@ def plan_text(outcome: PlanOutcome) -> str:
         f"{fmt_bytes(b.headroom_bytes)} = usable {fmt_bytes(b.usable_bytes)} ({b.usable_bytes} bytes)",
         "",
         f"speed    predicted for a {outcome.speed.prompt_tokens}-token agent prompt on this device"
-        + "".join(f"; floor {k} {x:g}" for k, x in outcome.speed.floors.to_json().items() if x is not None),
+        + (f"; floors {outcome.speed.floors.flags()}" if outcome.speed.floors.flags() else ""),
         "",
         f"  {'verdict':9} {'model':28} {'hot ctx':>8} {'prefill/s':>9} {'1st token':>9} {'gen/s':>6}  reason",
     ]
