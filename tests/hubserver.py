@@ -410,6 +410,7 @@ class _EffectFields:
     advertise_size: int | None = None
     corrupt: bool = False
     redirect_to_cdn: bool = False
+    hold_until: threading.Event | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -436,6 +437,8 @@ class Fault(_EffectFields):
       the real file is shorter) (file requests).
     - ``corrupt``: flip the first body byte of the response (file GETs); size and headers stay right.
     - ``redirect_to_cdn``: answer a hub resolve with 302 to the CDN host even for a non-LFS file.
+    - ``hold_until``: a ``threading.Event`` the request waits on before it is answered (at most 120 s),
+      so a test holds a client mid-request for as long as it needs, with no sleep.
 
     A fault that has no effect applicable to a request (e.g. ``close_after_bytes`` on a HEAD) does not
     match it and is not spent by it. ``hits`` counts the requests it was applied to.
@@ -482,6 +485,7 @@ class Fault(_EffectFields):
             is_file and self.advertise_size is not None,
             is_file and req.direct and is_get and self.corrupt,
             req.kind == "resolve" and req.direct and self.redirect_to_cdn,
+            self.hold_until is not None,
         ]
         return any(effects)
 
@@ -585,6 +589,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._req = hub._route(method, split.path)
             self._effects = hub._take_effects(self._req)
+            if self._effects.hold_until is not None:
+                self._effects.hold_until.wait(timeout=120)
             if self._effects.status is not None:
                 raise _HubError(self._effects.status, None, f"injected {self._effects.status}")
             if method not in ("GET", "HEAD"):
@@ -1043,6 +1049,7 @@ class LocalHub:
                 eff.ignore_range |= f.ignore_range
                 eff.corrupt |= f.corrupt
                 eff.redirect_to_cdn |= f.redirect_to_cdn
+                eff.hold_until = eff.hold_until or f.hold_until
         return eff
 
     # ---- counters

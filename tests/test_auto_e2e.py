@@ -196,8 +196,8 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     quiet = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "-q", *cmd(home, world, probe)[5:]],
                            cwd=REPO, env=env_for(hub), capture_output=True, text=True, timeout=240)
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
-    assert 'hotfit_last_run_info{outcome="noop",error_code="",model="' + LARGE + '"} 1' in (
-        home / "metrics" / "hotfit.prom").read_text()
+    assert f'hotfit_last_run_info{{home="{os.path.realpath(home)}",outcome="noop",error_code="",model="{LARGE}"}} 1' \
+        in (home / "metrics" / "hotfit.prom").read_text()
 
     # --recheck re-opens the session; downloads are reused (stage.skip), not repeated
     hub.reset_counters()

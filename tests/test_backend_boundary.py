@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 
+import hotfit.backends.llama_server.backend
 import hotfit.backends.llama_server.discovery
 import hotfit.backends.select
 from hotfit.backends.base import (Backend, BuildUnavailable, ChatAnswer, ChatFailed, DeviceListing, ManifestFacts,
@@ -377,9 +378,11 @@ async def test_serve_pins_the_device_the_way_load_does(cpu_plan: Any, tmp_path: 
                                                        device: Device, env: dict[str, str],
                                                        argv_pin: list[str] | None) -> None:
     binary = require_llama_server()
-    # Stand-in: this machine has only the CPU build, which a GPU plan rightly refuses; the pin under
-    # test does not depend on the build, so that check is waived here.
+    # Stand-in: this machine has only the CPU build, which a GPU plan rightly refuses (and which lists
+    # no GPU: the device check refuses it too); the pin under test does not depend on the build, so
+    # both checks are waived here (tests/test_device_check.py has its own).
     monkeypatch.setattr(hotfit.backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
+    monkeypatch.setattr(hotfit.backends.llama_server.backend, "check_planned_device", lambda *a, **k: None)
     monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
     probe = dataclasses.replace(cpu_plan.probe, devices=(device,))
     plan = dataclasses.replace(cpu_plan, probe=probe, placement=Placement.single(device))

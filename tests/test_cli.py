@@ -35,13 +35,17 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
 
 def test_exit_codes_documented_in_help_match_error_classes() -> None:
     classes = [errors.UsageError, errors.NoModelQualifies, errors.TransferError, errors.BackendError,
-               errors.LockedError, errors.HardwareProbeError, errors.Interrupted]
+               errors.LockedError, errors.HardwareProbeError, errors.Interrupted, errors.TransientTransferError]
     for cls in classes:
         assert f"\n  {cls.exit_code} " in EXIT_CODES_HELP, cls.__name__
     # Every leaf maps to its branch's code.
     assert errors.PinMismatch.exit_code == errors.TransferError.exit_code == 4
     assert errors.RegistryError.exit_code == errors.UsageError.exit_code == 2
     assert errors.AllocationMismatch.exit_code == 5
+    # a passing fault is still a TransferError to catch, with its own code; every code is distinct
+    assert errors.HubUnreachable.exit_code == errors.TransientTransferError.exit_code == 11
+    assert issubclass(errors.HubUnreachable, errors.HubError)
+    assert len({cls.exit_code for cls in classes}) == len(classes)
 
 
 def test_error_json_carries_code_message_hint_and_details() -> None:

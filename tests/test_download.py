@@ -407,6 +407,9 @@ def test_the_hf_mapping_names_not_a_hub_unreachable_and_leaves_bugs_alone() -> N
     assert server is not None and not is_not_a_hub(server) and "o/r@main" in server.what
     down = hub_error_from_hf_exception(ConnectionRefusedError(111, "refused"), **kw)
     assert down is not None and down.what.startswith("cannot reach the Hub for o/r")
+    assert down.exit_code == server.exit_code == 11 and isinstance(down, HubError)  # passing faults: exit 11
+    missing = hub_error_from_hf_exception(_hf_error("HfHubHTTPError", 403), **kw)
+    assert missing is not None and missing.exit_code == 4
     assert hub_error_from_hf_exception(KeyError("bug"), **kw) is None
 
 
@@ -568,7 +571,7 @@ async def test_a_link_cut_every_2_mib_on_one_connection_is_retried_at_once_each_
 
 
 @pytest.mark.anyio
-async def test_a_server_sending_one_byte_per_connection_is_given_up_on_with_exit_4(tmp_path: Path) -> None:
+async def test_a_server_sending_one_byte_per_connection_is_given_up_on_with_exit_11(tmp_path: Path) -> None:
     data = random.Random(6).randbytes(3 << 20)
     with _hub_with(tmp_path, "model.gguf", data, lfs=["model.gguf"]) as (hub, commit, settings):
         hub.inject(method="GET", file="model.gguf", close_after_bytes=1, times=None)
@@ -577,7 +580,7 @@ async def test_a_server_sending_one_byte_per_connection_is_given_up_on_with_exit
             with anyio.fail_after(60), pytest.raises(TransferError) as exc:  # before: retried forever
                 await _download_model(s, commit, data, tmp_path / ".partial")
         gets = [r for r in hub.requests if r.method == "GET" and r.file == "model.gguf"]
-    assert exc.value.exit_code == 4
+    assert exc.value.exit_code == 11  # a passing fault, not a bad file (core.errors)
     assert f"gave up ({opts.max_attempts_without_progress} attempts in a row brought less than" in exc.value.what
     assert exc.value.details["gave_up"].startswith(f"{opts.max_attempts_without_progress} attempts")
     assert len(gets) == opts.max_attempts_without_progress and exc.value.details["done_bytes"] <= len(gets)

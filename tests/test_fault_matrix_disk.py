@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 import anyio
 import pytest
+from huggingface_hub import hf_hub_download
 
 from hotfit.core import log as core_log
 from hotfit.core.entry import Artifact, TemplateSource
@@ -30,6 +31,7 @@ from hotfit.download import DISK_MARGIN_BYTES, check_disk, partial_paths
 from hotfit.download.sidecar import read_sidecar
 from hotfit.pipeline.engine import Runner
 from hotfit.pipeline.provision import FetchJob, fetch_stages
+from hotfit.pipeline.pull import pull_entry
 from hotfit.stages.fetch_template import fetch_template
 from hotfit.stages.fetch_weights import fetch_weights
 from hotfit.stages.verify import verify
@@ -112,8 +114,14 @@ def _partial(settings: Settings, entry: Any) -> tuple[Path, Path]:
 
 async def _auto_fetch(entry: Any, settings: Settings) -> Any:
     """The fetch stages as ``hotfit auto`` runs them: with the entry-level disk check first."""
-    job = FetchJob(entry=entry, progress=False, lock_each_stage=False, check_disk=True)
+    job = FetchJob(entry=entry, progress=False, lock_each_stage=False)
     return (await Runner(fetch_stages(job), None, settings, handle_signals=False, plan_stage="").run()).results
+
+
+async def _pull_fetch(entry: Any, settings: Settings) -> Any:
+    """``hotfit pull``'s job (pipeline.pull.pull_entry): the same stages under one model lock."""
+    pulled = await pull_entry(entry, settings, progress=False)
+    return {"fetch-weights": pulled.fetch, "verify": pulled.verify}
 
 
 # --------------------------------------------------------------------------- a tight disk resumes
@@ -199,6 +207,57 @@ def test_the_up_front_refusal_names_the_bytes_needed_and_free(local_hub: LocalHu
         assert needed == small_model["size"] + DISK_MARGIN_BYTES and 0 < free <= 64 * MiB
         assert f"need {needed} bytes" in err.value.what and f"{free} free" in err.value.what
         assert local_hub.requests_for(file="model.gguf", method="GET") == []  # nothing fetched, nothing written
+
+
+# --------------------------------------------------------------------------- the Hugging Face cache's bytes
+
+
+def _seeded(local_hub: LocalHub, cache: Path, entry: Any) -> None:
+    """huggingface_hub's own hf_hub_download fills ``cache`` with the pinned file (a pre-seeded machine)."""
+    hf_hub_download(entry.artifact.repo, entry.artifact.file, revision=entry.artifact.revision, cache_dir=cache,
+                    endpoint=local_hub.endpoint, token=False)
+    local_hub.reset_counters()
+
+
+def test_a_file_the_hf_cache_hard_links_costs_no_disk_for_auto_and_pull(local_hub: LocalHub,
+                                                                        small_model: dict[str, Any],
+                                                                        tmp_path: Path) -> None:
+    """A pre-seeded offline machine on a tight disk: the pinned file in the Hugging Face cache on the
+    home's filesystem is hard-linked (0 bytes written), so neither auto's entry check nor pull asks
+    for its size + the margin; both provision with nothing fetched."""
+    entry, size = small_model["entry"], small_model["size"]
+    with tmpfs(tmp_path / "fs", 4 * size) as fs:  # room for the cached file, far from size + 512 MiB
+        cache = fs / "hf"
+        _seeded(local_hub, cache, entry)
+        for command, home in (("auto", fs / "auto-home"), ("pull", fs / "pull-home")):
+            settings = dataclasses.replace(settings_for(local_hub, home, HF_HUB_OFFLINE="1"), hf_hub_cache=cache)
+            fetched = anyio.run(_auto_fetch if command == "auto" else _pull_fetch, entry, settings)["fetch-weights"]
+            assert fetched.weights.hf_cache == "hardlink", command
+            assert fetched.weights.sha256 == entry.artifact.sha256
+        assert local_hub.requests == []
+
+
+def test_a_copy_from_a_cache_on_another_filesystem_costs_its_size_for_auto_and_pull(local_hub: LocalHub,
+                                                                                    small_model: dict[str, Any],
+                                                                                    tmp_path: Path) -> None:
+    """The cache elsewhere: the file is copied, which writes its size, so both refuse alike (size + the
+    margin), naming the figures, before a byte is copied or fetched; with the margin fitting, both copy."""
+    entry, size = small_model["entry"], small_model["size"]
+    cache = tmp_path / "hf"  # not on the tmpfs
+    _seeded(local_hub, cache, entry)
+    with tmpfs(tmp_path / "fs", 4 * size) as fs:
+        for command, home in (("auto", fs / "auto-home"), ("pull", fs / "pull-home")):
+            settings = dataclasses.replace(settings_for(local_hub, home, HF_HUB_OFFLINE="1"), hf_hub_cache=cache)
+            with pytest.raises(DiskSpaceError) as err:
+                anyio.run(_auto_fetch if command == "auto" else _pull_fetch, entry, settings)
+            assert err.value.details["needed_bytes"] == size + DISK_MARGIN_BYTES, command
+            assert not any(settings.model_dir(entry.name).rglob("*.gguf*")), command  # nothing copied
+    with tmpfs(tmp_path / "roomy", size + DISK_MARGIN_BYTES + SLACK_BYTES) as fs:
+        for command, home in (("auto", fs / "auto-home"), ("pull", fs / "pull-home")):
+            settings = dataclasses.replace(settings_for(local_hub, home, HF_HUB_OFFLINE="1"), hf_hub_cache=cache)
+            fetched = anyio.run(_auto_fetch if command == "auto" else _pull_fetch, entry, settings)["fetch-weights"]
+            assert fetched.weights.hf_cache == "copy", command
+    assert local_hub.requests == []
 
 
 # --------------------------------------------------------------------------- a full disk, wherever it strikes
@@ -556,7 +615,7 @@ def test_auto_recheck_rehashes_what_its_records_trust(local_hub: LocalHub, small
     async def run(rehash: bool) -> Any:
         store = await StateStore.open(settings.state_db)
         try:
-            job = FetchJob(entry=entry, progress=False, rehash_installed=rehash, check_disk=False)
+            job = FetchJob(entry=entry, progress=False, rehash_installed=rehash)
             return await Runner(fetch_stages(job), store, settings, handle_signals=False, plan_stage="").run()
         finally:
             await store.aclose()

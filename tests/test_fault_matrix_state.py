@@ -465,7 +465,7 @@ def test_a_bad_setting_is_logged_in_an_existing_home_and_creates_no_home(
 
 # --------------------------------------------------------------------------- a server that makes no progress
 
-def test_pull_from_a_server_sending_one_byte_per_connection_gives_up_with_exit_4_and_the_rerun_resumes(
+def test_pull_from_a_server_sending_one_byte_per_connection_gives_up_with_exit_11_and_the_rerun_resumes(
         hub: LocalHub, plain_world: World, tmp_path: Path) -> None:
     home = tmp_path / "home"
     large = plain_world.entry("fx-agent-large")
@@ -478,12 +478,12 @@ def test_pull_from_a_server_sending_one_byte_per_connection_gives_up_with_exit_4
         failed = subprocess.run(argv, cwd=REPO_ROOT, env=hotfit_env(hub), capture_output=True, text=True, timeout=120)
     finally:
         hub.clear_faults()
-    assert failed.returncode == 4, failed.stderr[-3000:]
+    assert failed.returncode == 11, failed.stderr[-3000:]  # a passing fault (core.errors)
     err = json.loads(failed.stdout)["error"]
     assert "gave up (6 attempts in a row brought less than 1048576 bytes)" in err["message"]
     assert err["details"]["gave_up"].startswith("6 attempts") and "rerun" in err["hint"]
     (logged,) = [e for e in log_events(home) if e["event"] == "command.failed"]
-    assert logged["exit_code"] == 4 and logged["command"] == "pull"
+    assert logged["exit_code"] == 11 and logged["command"] == "pull"
     hub.reset_counters()
     again = subprocess.run(argv, cwd=REPO_ROOT, env=hotfit_env(hub), capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]

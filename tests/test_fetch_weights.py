@@ -309,7 +309,7 @@ async def test_retry_after_beyond_the_cap_gives_up_with_a_clear_error(local_hub:
     local_hub.inject(file="model.gguf", method="HEAD", status=429, retry_after=3600, times=None)
     with pytest.raises(Exception) as exc:
         await fetch_m(entry, settings)
-    assert "429" in str(exc.value) and exc.value.exit_code == 4  # type: ignore[attr-defined]
+    assert "429" in str(exc.value) and exc.value.exit_code == 11  # type: ignore[attr-defined]
     assert len(local_hub.requests_for(file="model.gguf", method="HEAD")) == 1  # no hammering
 
 

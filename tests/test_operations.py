@@ -6,10 +6,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,8 @@ import pytest
 from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.manifest import Manifest
-from hotfit.pipeline.metrics import last_run, render
+from hotfit.core.settings import load_settings
+from hotfit.pipeline.metrics import last_run, render, shared_textfile_name
 from hotfit.pipeline.status import last_run_failed
 from hotfit.state.store import RunRecord
 from tests.hubserver import LocalHub
@@ -134,11 +139,13 @@ def test_a_locked_home_is_logged_with_exit_6_and_fails_the_metrics(locked_home: 
     assert str(holder_pid) in event["error"]["message"]
 
     prom = (home / "metrics" / "hotfit.prom").read_text()
-    assert (textfile_dir / "hotfit.prom").read_text() == prom  # node_exporter's copy
-    assert not [p for p in textfile_dir.iterdir() if p.name != "hotfit.prom"]  # no temp file left behind
-    assert "hotfit_last_run_exit_code 6\n" in prom and "hotfit_last_run_success 0\n" in prom
-    assert 'hotfit_last_run_info{outcome="failed",error_code="locked",model=""} 1' in prom
-    assert "hotfit_provisioned 0\n" in prom
+    copies = list(textfile_dir.iterdir())  # node_exporter's copy, under this home's name; no temp file left
+    assert [p.name for p in copies] == [shared_textfile_name(load_settings(home=home))]
+    assert copies[0].read_text() == prom
+    at = f'home="{os.path.realpath(home)}"'
+    assert f"hotfit_last_run_exit_code{{{at}}} 6\n" in prom and f"hotfit_last_run_success{{{at}}} 0\n" in prom
+    assert f'hotfit_last_run_info{{{at},outcome="failed",error_code="locked",model=""}} 1' in prom
+    assert f"hotfit_provisioned{{{at}}} 0\n" in prom
     promtool_check(prom, tmp_path)
 
     # status: the alerting check's answer is 10 while the last auto failed
@@ -147,6 +154,88 @@ def test_a_locked_home_is_logged_with_exit_6_and_fails_the_metrics(locked_home: 
     data = json.loads(out.getvalue())
     assert data["last_auto_failed"] is True and data["last_auto"]["exit_code"] == 6
     assert data["last_auto"]["error"]["code"] == "locked"
+
+
+def _refused_auto(home: Path, tmp_path: Path) -> int:
+    """A quick real `hotfit auto` that ends with a refusal (exit 3: a 1 GiB host holds no agentic model)."""
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps(ProbeResult(devices=(Device(index=0, kind="cpu", name="host", total_bytes=1 << 30,
+                                                           free_bytes=1 << 29),)).to_json()))
+    return main(["--home", str(home), "--log-format", "json", "-q", "auto", "--probe-file", str(tiny)],
+                out=io.StringIO())
+
+
+def scrape_node_exporter(textfile_dir: Path, tmp_path: Path) -> str:
+    """What node_exporter's textfile collector (Debian's prometheus-node-exporter) serves from ``textfile_dir``."""
+    exporter = shutil.which("prometheus-node-exporter")
+    if exporter is None:
+        pytest.fail("prometheus-node-exporter is missing: install Debian's package (scripts/bootstrap --test does)")
+    with socket.socket() as probe:  # a free loopback port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp_path / "node-exporter.log").open("w")
+    server = subprocess.Popen([exporter, "--collector.disable-defaults", "--collector.textfile",
+                               f"--collector.textfile.directory={textfile_dir}",
+                               f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # poll until it answers (or has exited)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                    return str(answer.read().decode())
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "node-exporter.log").read_text()
+                time.sleep(0.05)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def served_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], str]:
+    """Samples of a scrape as (name, label set) -> value (the label values here hold no quote or comma)."""
+    found: dict[tuple[str, frozenset[tuple[str, str]]], str] = {}
+    for line in text.splitlines():
+        sample = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
+        if sample:
+            labels = frozenset(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"', sample.group(2) or ""))
+            found[(sample.group(1), labels)] = sample.group(3)
+    return found
+
+
+def test_two_homes_sharing_a_textfile_dir_are_told_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two homes, one HOTFIT_TEXTFILE_DIR: two files, two label sets, both served by node_exporter."""
+    textfile_dir = tmp_path / "node-exporter"
+    textfile_dir.mkdir()
+    monkeypatch.setenv("HOTFIT_TEXTFILE_DIR", str(textfile_dir))
+    homes = [tmp_path / "a" / "hotfit", tmp_path / "b" / "hotfit"]
+    assert [_refused_auto(home, tmp_path) for home in homes] == [3, 3]
+    files = sorted(p.name for p in textfile_dir.iterdir())
+    assert len(files) == 2 and all(name.startswith("hotfit-") and name.endswith(".prom") for name in files)
+    for path in textfile_dir.iterdir():
+        promtool_check(path.read_text(), tmp_path)
+    served = served_samples(scrape_node_exporter(textfile_dir, tmp_path))
+    assert served[("node_textfile_scrape_error", frozenset())] == "0"
+    for home in homes:
+        at = ("home", os.path.realpath(home))
+        assert served[("hotfit_last_run_exit_code", frozenset({at}))] == "3"
+        info = {at, ("outcome", "failed"), ("error_code", "no_model_qualifies"), ("model", "")}
+        assert served[("hotfit_last_run_info", frozenset(info))] == "1"
+
+
+def test_a_mistyped_textfile_dir_is_not_created_and_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "node-exporter").mkdir()
+    typo = tmp_path / "node-exportr"
+    monkeypatch.setenv("HOTFIT_TEXTFILE_DIR", str(typo))
+    home = tmp_path / "home"
+    assert _refused_auto(home, tmp_path) == 3  # the run's own exit code is kept
+    assert not typo.exists()
+    warned = [e for e in events(home) if e["event"] == "metrics.unwritable"]
+    assert len(warned) == 1 and warned[0]["path"].startswith(str(typo))
+    assert f"HOTFIT_TEXTFILE_DIR={typo} does not exist" in warned[0]["error"]
+    assert "metrics.unwritable" in capsys.readouterr().err  # on the operator's screen too, even with -q
+    assert (home / "metrics" / "hotfit.prom").exists()  # the home's own copy is written
 
 
 def test_a_dry_run_writes_no_metrics(tmp_path: Path) -> None:

@@ -206,7 +206,7 @@ async def test_an_unreachable_proxy_is_named_in_the_error(local_hub: LocalHub, t
                               "HTTP_PROXY": dead})
     with pytest.raises(TransferError) as exc:
         await fetch_m(entry, settings)
-    assert exc.value.exit_code == 4
+    assert exc.value.exit_code == 11  # a passing fault (core.errors)
     assert f"through proxy {dead} (HTTP_PROXY)" in exc.value.what
     assert exc.value.details["proxy"] == dead and exc.value.details["variable"] == "HTTP_PROXY"
     assert exc.value.hint is not None and f"check the proxy {dead} (HTTP_PROXY" in exc.value.hint

@@ -13,6 +13,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,24 @@ def test_pull_end_to_end_json(local_hub: LocalHub, model: dict[str, Any]) -> Non
     assert progress and len(progress) <= 101
 
 
+def test_an_outage_exits_11_and_a_bad_file_exits_4(local_hub: LocalHub, model: dict[str, Any]) -> None:
+    """A fleet's scheduler retries a passing fault and stops on a bad file, so the two exit apart
+    (core.errors): a mirror that asks for an hour's pause (HTTP 503, Retry-After beyond the cap) is
+    11; a body that differs from the pinned sha256 is 4. Before, both were 4."""
+    local_hub.inject(method="HEAD", file="model.gguf", status=503, retry_after=3600, times=None)
+    out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env_for(local_hub),
+                         cwd=REPO_ROOT, capture_output=True, timeout=120)
+    assert out.returncode == 11, out.stderr.decode()[-3000:]
+    err = json.loads(out.stdout)["error"]
+    assert err["code"] == "transfer_transient" and err["exit_code"] == 11 and "rerun" in err["hint"]
+    local_hub.clear_faults()
+    local_hub.inject(method="GET", file="model.gguf", corrupt=True, times=None)
+    out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env_for(local_hub),
+                         cwd=REPO_ROOT, capture_output=True, timeout=120)
+    assert out.returncode == 4, out.stderr.decode()[-3000:]
+    assert json.loads(out.stdout)["error"]["code"] == "integrity"
+
+
 def test_unknown_name_is_a_usage_error_without_fallback(local_hub: LocalHub, model: dict[str, Any]) -> None:
     out = subprocess.run(pull_cmd(model["home"], model["registry"], "test-modle"), env=env_for(local_hub),
                          cwd=REPO_ROOT, capture_output=True, timeout=120)
@@ -170,24 +189,28 @@ def test_disk_full_keeps_the_partial_and_a_rerun_resumes(local_hub: LocalHub, mo
 
 
 def test_two_concurrent_pulls(local_hub: LocalHub, model: dict[str, Any]) -> None:
-    # The first pull holds its lock through a 4 s Retry-After (a margin for the second to start, not a
-    # timing assertion), then downloads.
-    local_hub.inject(file="model.gguf", method="HEAD", status=503, retry_after=4, times=1)
+    # The first pull is held at its first HEAD (an event, released below) while it holds the lock.
+    released = threading.Event()
+    local_hub.inject(file="model.gguf", method="HEAD", hold_until=released, times=1)
     env = env_for(local_hub)
     first = subprocess.Popen(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    lock = model["home"] / "models" / "test-model" / ".partial" / "pull.lock"
-    _wait_for(lambda: lock.exists() and lock.read_text().startswith(f"{first.pid} "), first, "the first to lock")
-    second = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
-                            capture_output=True, timeout=120)
-    assert second.returncode == 6
-    err = json.loads(second.stdout)["error"]
-    assert err["details"]["holder_pid"] == first.pid and f"PID {first.pid}" in err["message"]
-    waiter = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model", "--wait"), env=env,
-                            cwd=REPO_ROOT, capture_output=True, timeout=120)
+    try:
+        lock = model["home"] / "models" / "test-model" / ".partial" / "pull.lock"
+        _wait_for(lambda: lock.exists() and lock.read_text().startswith(f"{first.pid} "), first, "the first to lock")
+        second = subprocess.run(pull_cmd(model["home"], model["registry"], "test-model"), env=env, cwd=REPO_ROOT,
+                                capture_output=True, timeout=120)
+        assert second.returncode == 6
+        err = json.loads(second.stdout)["error"]
+        assert err["details"]["holder_pid"] == first.pid and f"PID {first.pid}" in err["message"]
+        waiter = subprocess.Popen(pull_cmd(model["home"], model["registry"], "test-model", "--wait"), env=env,
+                                  cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finally:
+        released.set()
     assert first.wait(timeout=120) == 0
-    assert waiter.returncode == 0, waiter.stderr.decode()[-3000:]
-    assert json.loads(waiter.stdout)["fetch"]["weights"]["already_present"] is True
+    out, err_text = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err_text.decode()[-3000:]
+    assert json.loads(out)["fetch"]["weights"]["already_present"] is True
     assert local_hub.bytes_sent("model.gguf") == model["size"]  # fetched once
     assert model["final"].read_bytes() == model["weights"].read_bytes()
 

@@ -14,10 +14,13 @@ A missing tool skips its tests unless ``HOTFIT_REQUIRE_TOOLS`` is set (scripts/r
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from hotfit.core import errors
+from hotfit.core.errors import UsageError
 from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.cli import main
 from hotfit.pipeline.systemd_unit import GPU_DEVICE_ALLOW, PERMANENT_EXIT_CODES, UnitSpec, systemd_unit, unit_user
@@ -78,14 +83,20 @@ def cli(home: Path, *args: str) -> tuple[int, str]:
 # ----------------------------------------------------------------------------- systemd
 
 
-def analyze_unit(unit_text: str, where: Path) -> tuple[float, str]:
-    """``systemd-analyze verify`` must be clean; returns the offline security exposure and its table."""
+def verified_unit(unit_text: str, where: Path) -> tuple[str, Path]:
+    """The unit written under ``where``, which ``systemd-analyze verify`` must pass without a word."""
     tool = require_tool("systemd-analyze", "systemd")
     where.mkdir(parents=True, exist_ok=True)
     unit = where / "hotfit.service"
     unit.write_text(unit_text)
     verify = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0 and verify.stderr.strip() == "", verify.stderr
+    return tool, unit
+
+
+def analyze_unit(unit_text: str, where: Path) -> tuple[float, str]:
+    """``systemd-analyze verify`` must be clean; returns the offline security exposure and its table."""
+    tool, unit = verified_unit(unit_text, where)
     security = subprocess.run([tool, "security", "--offline=yes", "--no-pager", str(unit)], capture_output=True,
                               text=True, timeout=60)
     found = re.search(r"Overall exposure level for hotfit\.service: (\d+\.\d+)", security.stdout)
@@ -153,6 +164,66 @@ def test_a_home_under_home_dirs_is_read_only_except_itself(tmp_path: Path) -> No
     assert unit_lines(unit, "ReadWritePaths") == ["/home/alice/.local/share/hotfit"]
     exposure, table = analyze_unit(unit, tmp_path)
     assert exposure <= EXPOSURE_MAX, table
+
+
+def systemd_reading(unit_text: str, where: Path) -> dict[str, list[str]]:
+    """What systemd itself parsed from the unit: the settings ``systemd-analyze verify`` dumps at debug
+    level (after its quoting, escapes and specifier expansion), as key -> values; verify must be clean."""
+    tool, unit = verified_unit(unit_text, where)
+    run = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "SYSTEMD_LOG_LEVEL": "debug"})
+    reading: dict[str, list[str]] = {}
+    for line in run.stdout.splitlines():  # the unit's dump (the debug log goes to stderr)
+        found = re.match(r"^\t\t\t?([A-Za-z ]+): (.*)$", line)
+        if found:
+            reading.setdefault(found.group(1), []).append(found.group(2))
+    return reading
+
+
+# a home a person may well type: a space, a percent sign (systemd's specifier prefix: %h is the home
+# of the unit's user), a dollar (ExecStart's variable prefix), a backslash and a double quote
+AWKWARD_HOME_NAME = 'hot fit %h 50% $HOME \\x "q"'
+
+
+def test_unit_quotes_and_escapes_a_home_with_spaces_and_percent(tmp_path: Path) -> None:
+    """systemd reads the home back as written: one ReadWritePaths= path (not three, the relative ones
+    ignored under ProtectSystem=strict), no specifier expanded, the same --home argument in ExecStart.
+    Checked against systemd's own parse (systemd.exec, systemd.unit "Specifiers", systemd.syntax "Quoting")."""
+    root = tmp_path / "root"
+    home = root / AWKWARD_HOME_NAME
+    tools = root / "bin %n" / "hotfit"  # the executable itself under an awkward name: verify checks it exists
+    tools.parent.mkdir(parents=True)
+    tools.write_text("#!/bin/sh\n")
+    tools.chmod(0o755)
+    spec = UnitSpec(hotfit_argv=[str(tools), "--home", str(home), "serve"],
+                    env={"A": "b %i $HOME c", "CONTENOX_LLAMA_KV_CACHE_TYPE": "q8_0"}, description="hotfit 100%",
+                    user="hotfit", home=home, device_kind="cpu")
+    unit = systemd_unit(spec)
+    reading = systemd_reading(unit, tmp_path / "unit")
+    assert reading["ReadWritePaths"] == [str(home)]
+    assert reading["Environment"] == ["A=b %i $HOME c", "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0"]
+    # the dump shows ExecStart as it stands before run time, shell-quoted: "\\$\\$" is "$$", which
+    # systemd.service's "Command lines" turn into one literal "$" when the service starts
+    argv = [word.replace("\\$\\$", "$") for word in shlex.split(reading["Command Line"][0])]
+    assert argv == spec.hotfit_argv
+    assert reading["Description"] == ["hotfit 100%"]
+
+    # a home under /var/lib is the StateDirectory= (a path relative to /var/lib), read back the same;
+    # one whose name StateDirectory= cannot hold (a backslash, quote or colon) is a ReadWritePaths=
+    spaced = "hot fit %h 50% $HOME 'q'"
+    state_unit = systemd_unit(dataclasses.replace(spec, home=Path("/var/lib") / spaced))
+    assert systemd_reading(state_unit, tmp_path / "state")["StateDirectory"] == [spaced]
+    state_unit = systemd_unit(dataclasses.replace(spec, home=Path("/var/lib") / AWKWARD_HOME_NAME))
+    reading = systemd_reading(state_unit, tmp_path / "state-rw")
+    assert reading["ReadWritePaths"] == [f"/var/lib/{AWKWARD_HOME_NAME}"] and "StateDirectory" not in reading
+
+
+def test_unit_refuses_a_home_systemd_cannot_name(tmp_path: Path) -> None:
+    spec = UnitSpec(hotfit_argv=[sys.executable, "serve"], env={}, description="d", user="hotfit",
+                    home=tmp_path / "line\nbreak", device_kind="cpu")
+    with pytest.raises(UsageError) as refused:
+        systemd_unit(spec)
+    assert "line\\nbreak" in str(refused.value) and refused.value.hint
 
 
 def test_unit_user_is_named_or_the_homes_owner_never_root(provisioned_home: dict, tmp_path: Path) -> None:
@@ -228,6 +299,71 @@ def test_kubernetes_job_is_valid_and_publishes_the_nfd_file(tmp_path: Path) -> N
     assert kubernetes_validate(broken).returncode != 0
 
 
+def pod_failure_action(job: dict[str, Any], container: str, exit_code: int) -> str:
+    """What Kubernetes does with a pod of ``job`` whose ``container`` exited ``exit_code``: the first
+    podFailurePolicy rule that matches (onExitCodes, In / NotIn), else Count (the Job's back-off)."""
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        codes = rule.get("onExitCodes")
+        if codes is None or codes.get("containerName", container) != container:
+            continue
+        if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+            return str(rule["action"])
+    return "Count"
+
+
+def test_kubernetes_job_retries_a_passing_fault_and_stops_on_a_permanent_one() -> None:
+    (job,) = __import__("yaml").safe_load_all((RECIPES / "kubernetes" / "hotfit-job.yaml").read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    act = functools.partial(pod_failure_action, job, container["name"])
+    # before: 4 covered a network blip too, and the Job failed for good on it
+    assert act(errors.TransientTransferError.exit_code) == act(errors.HubUnreachable.exit_code) == "Count"
+    assert act(errors.LockedError.exit_code) == act(errors.HardwareProbeError.exit_code) == "Count"
+    for permanent in (errors.UsageError, errors.NoModelQualifies, errors.IntegrityError, errors.PinMismatch,
+                      errors.DiskSpaceError, errors.BackendNotFound):
+        assert act(permanent.exit_code) == "FailJob", permanent.__name__
+    assert job["spec"]["backoffLimit"] >= 3
+
+
+def test_kubernetes_serve_daemonset_runs_hotfit_serve_where_the_job_labelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = RECIPES / "kubernetes" / "hotfit-serve.yaml"
+    done = kubernetes_validate(path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    docs = {d["kind"]: d for d in __import__("yaml").safe_load_all(path.read_text())}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    # a home as the Job leaves it (a CPU plan: the stand-in llama-server is a CPU build)
+    probe_file = write_probe(tmp_path / "probe.json", 8 * GiB)
+    home = write_provisioned_home(tmp_path / "home", ProbeResult.decode(json.loads(probe_file.read_text())),
+                                  template_text=tool_template_text()).home
+    # scheduled on exactly the nodes the Job's features file labels provisioned
+    code, _ = cli(home, "status", "--nfd-features", str(tmp_path / "hotfit"))
+    assert code == 0
+    written = dict(ln.split("=", 1) for ln in (tmp_path / "hotfit").read_text().splitlines() if "=" in ln)
+    assert pod["nodeSelector"].items() <= written.items()
+    (container,) = pod["containers"]
+    command = container["command"]
+    # hotfit's own parser accepts the command (on a provisioned home, with the key file in place)
+    key = tmp_path / "api-key"
+    key.write_text("k" * 32)
+    monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(write_standin_llama_server(tmp_path / "llama-server")))
+    argv = [str(home) if a == "/var/lib/hotfit" else str(key) if a == "/etc/hotfit/api-key"
+            else a for a in command[1:]]
+    out = io.StringIO()
+    assert main([*argv, "--print-command", "--probe-file", str(probe_file)], out=out) == 0
+    port = command[command.index("--port") + 1]
+    assert f"--port {port}" in out.getvalue() and "--host 0.0.0.0" in out.getvalue()
+    (named,) = container["ports"]
+    assert named["containerPort"] == int(port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": named["name"]}, probe
+    # the home the Job provisioned, and a headless Service: one address per node (models differ)
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["home"]["hostPath"]["path"] == mounts["home"] == "/var/lib/hotfit"
+    assert docs["Service"]["spec"]["clusterIP"] == "None"
+    assert docs["Service"]["spec"]["selector"] == docs["DaemonSet"]["spec"]["selector"]["matchLabels"]
+
+
 # ----------------------------------------------------------------------------- cloud-init
 
 
@@ -242,11 +378,158 @@ def test_cloud_init_user_data_is_valid(tmp_path: Path) -> None:
     assert done.returncode == 0 and "Valid cloud-config" in done.stdout, done.stdout + done.stderr
     text = user_data.read_text()
     assert text.startswith("#cloud-config\n")
-    # it provisions as the service account and installs the unit hotfit prints
-    assert "hotfit -q auto" in text and "serve --print-systemd-unit > /etc/systemd/system/hotfit.service" in text
+    # what it runs is run below (test_cloud_init_cron_keeps_every_setting_…)
     broken = tmp_path / "broken.yaml"
     broken.write_text(text.replace("package_update: true", "package_update: maybe"))
     assert cloud_init_schema(broken).returncode != 0
+
+
+STANDIN_HOTFIT = """#!/bin/sh
+# stand-in for hotfit: records its argv and the settings it was given; auto exits with the code
+# in $RECIPE_TEST/auto-rc; serve --print-systemd-unit prints a unit naming the KV type it saw
+log="$RECIPE_TEST/hotfit.log"
+printf '%s\\t%s\\t%s\\t%s\\t%s\\n' "$*" "${HF_ENDPOINT:-}" "${CONTENOX_LLAMA_KV_CACHE_TYPE:-}" \\
+  "${HTTPS_PROXY:-}" "${HOTFIT_LLAMA_CACHE:-}" >> "$log"
+case "$*" in
+  *" auto"*) exit "$(cat "$RECIPE_TEST/auto-rc")" ;;
+  *"--print-systemd-unit"*) printf '[Service]\\nEnvironment=CONTENOX_LLAMA_KV_CACHE_TYPE=%s\\n' \\
+       "${CONTENOX_LLAMA_KV_CACHE_TYPE:-f16}" ;;
+esac
+"""
+RECORDER = """#!/bin/sh
+# stand-in: records its name and argv
+printf '%s %s\\n' "$(basename "$0")" "$*" >> "$RECIPE_TEST/calls.log"
+"""
+
+
+class CloudInitNode:
+    """The files cloud-init writes from the user-data, under a scratch root instead of /, and the
+    commands this container cannot run for real (no systemd as PID 1, no service account, no git
+    server) as recording stand-ins; the shell programs themselves run for real with /bin/sh."""
+
+    ROOTED = re.compile(r"(?<![\w.])/(etc|opt|usr/local/sbin|var)/")
+
+    def __init__(self, where: Path, settings: str) -> None:
+        self.where = where
+        self.root = where / "root"
+        self.bin = where / "bin"
+        self.bin.mkdir(parents=True)
+        for there in ("var/log", "etc/systemd/system"):  # on every Debian machine
+            (self.root / there).mkdir(parents=True)
+        user_data = __import__("yaml").safe_load((RECIPES / "cloud-init" / "user-data.yaml").read_text())
+        self.files = {item["path"]: item for item in user_data["write_files"]}
+        for path, item in self.files.items():
+            target = self.rooted_path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            content = self.rooted(item["content"]) + (settings if path == "/etc/default/hotfit" else "")
+            target.write_text(content)
+            target.chmod(int(item["permissions"], 8))
+        self.runcmd = user_data["runcmd"]
+        for name in ("git", "runuser", "systemctl", "install"):
+            tool = self.bin / name
+            tool.write_text(RECORDER + {"git": 'mkdir -p "$6/.git"\n', "runuser": 'shift 3; exec "$@"\n',
+                                        "install": "", "systemctl": ""}[name])
+            tool.chmod(0o755)
+        hotfit = self.root / "opt/hotfit/.venv/bin/hotfit"
+        hotfit.parent.mkdir(parents=True)
+        hotfit.write_text(STANDIN_HOTFIT)
+        installer = self.root / "opt/hotfit/scripts/install-llama-server"
+        installer.parent.mkdir(parents=True)
+        installer.write_text(RECORDER)
+        for made in (hotfit, installer):
+            made.chmod(0o755)
+
+    def rooted(self, text: str) -> str:
+        return self.ROOTED.sub(lambda m: f"{self.root}/{m.group(1)}/", text)
+
+    def rooted_path(self, path: str) -> Path:
+        return self.root / path.lstrip("/")
+
+    def env(self) -> dict[str, str]:
+        return {"PATH": f"{self.bin}:/usr/bin:/bin", "RECIPE_TEST": str(self.where), "HOME": str(self.where)}
+
+    def run(self, argv: list[str], env: dict[str, str], auto_rc: int) -> subprocess.CompletedProcess[str]:
+        (self.where / "auto-rc").write_text(str(auto_rc))
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+    def first_boot(self, auto_rc: int) -> subprocess.CompletedProcess[str]:
+        (command,) = self.runcmd
+        return self.run([self.rooted(part) for part in command], self.env(), auto_rc)
+
+    def cron(self, auto_rc: int) -> subprocess.CompletedProcess[str]:
+        """The cron entry as cron runs it: its user field, its variables (SHELL, PATH; the stand-ins
+        first on PATH), ``$SHELL -c`` on the command, and nothing else of this environment."""
+        lines = [ln for ln in self.rooted(self.files["/etc/cron.d/hotfit"]["content"]).splitlines()
+                 if ln.strip() and not ln.startswith("#")]
+        env = self.env()
+        for line in lines:
+            if re.match(r"^[A-Z_]+=", line):
+                name, value = line.split("=", 1)
+                env[name] = value if name != "PATH" else f"{self.bin}:{value}"
+        (entry,) = [ln for ln in lines if not re.match(r"^[A-Z_]+=", ln)]
+        fields = entry.split(None, 6)
+        assert fields[5] == "root", "the provisioning installs a unit: it runs as root"
+        return self.run([env["SHELL"], "-c", fields[6]], env, auto_rc)
+
+    def hotfit_calls(self) -> list[list[str]]:
+        log = self.where / "hotfit.log"
+        return [line.split("\t") for line in log.read_text().splitlines()] if log.exists() else []
+
+    def calls(self) -> list[str]:
+        log = self.where / "calls.log"
+        return log.read_text().splitlines() if log.exists() else []
+
+    @property
+    def unit(self) -> Path:
+        return self.rooted_path("/etc/systemd/system/hotfit.service")
+
+
+MIRROR_SETTINGS = ("HF_ENDPOINT=https://mirror.example.internal\n"
+                   "HOTFIT_BUILD_URL=https://mirror.example.internal/builds/llama-server-cpu.tar.gz\n"
+                   "CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0\nHTTPS_PROXY=http://proxy.example.internal:3128\n"
+                   'HOTFIT_SERVE_ARGS="--host 0.0.0.0 --api-key-file /etc/hotfit/api-key"\n')
+
+
+def test_cloud_init_cron_keeps_every_setting_and_installs_the_unit_a_failed_first_boot_left_out(
+        tmp_path: Path) -> None:
+    node = CloudInitNode(tmp_path, MIRROR_SETTINGS)
+    # first boot: a network blip makes auto fail (11): no unit, nothing started
+    boot = node.first_boot(auto_rc=11)
+    assert boot.returncode == 11, boot.stdout + boot.stderr
+    assert not node.unit.exists() and not [c for c in node.calls() if c.startswith("systemctl")]
+    # the build came from the mirror (no compiler), once
+    assert node.calls().count(f"install-llama-server --from {MIRROR_SETTINGS.split()[1].split('=', 1)[1]}") == 1
+
+    # the daily cron run, as cron runs it: every setting reaches hotfit, and the unit is installed
+    cron = node.cron(auto_rc=0)
+    assert cron.returncode == 0, cron.stdout + cron.stderr
+    auto = [c for c in node.hotfit_calls() if c[0].endswith(" -q auto")][-1]
+    assert auto[1:] == ["https://mirror.example.internal", "q8_0", "http://proxy.example.internal:3128",
+                        f"{node.root}/opt/hotfit-cache/llama.cpp"], auto
+    assert "Environment=CONTENOX_LLAMA_KV_CACHE_TYPE=q8_0" in node.unit.read_text()
+    printed = [c[0] for c in node.hotfit_calls() if "--print-systemd-unit" in c[0]][-1]
+    assert printed.endswith("serve --print-systemd-unit --host 0.0.0.0 --api-key-file /etc/hotfit/api-key")
+    systemctl = [c for c in node.calls() if c.startswith("systemctl")]
+    assert systemctl == ["systemctl daemon-reload", "systemctl enable hotfit.service",
+                         "systemctl restart hotfit.service"]
+    assert [c for c in node.calls() if c.startswith("install-llama-server")] == [
+        node.calls()[[c.startswith("install-llama-server") for c in node.calls()].index(True)]]  # not again
+
+    # the next day: nothing changed, the service is kept running and not restarted
+    again = node.cron(auto_rc=0)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [c for c in node.calls() if c.startswith("systemctl")][3:] == ["systemctl enable --now hotfit.service"]
+
+
+def test_cloud_init_without_a_mirror_builds_here(tmp_path: Path) -> None:
+    node = CloudInitNode(tmp_path, "")
+    bootstrap = node.root / "opt/hotfit/scripts/bootstrap"
+    bootstrap.write_text(RECORDER)
+    bootstrap.chmod(0o755)
+    boot = node.first_boot(auto_rc=0)
+    assert boot.returncode == 0, boot.stdout + boot.stderr
+    assert "bootstrap " in node.calls() and not [c for c in node.calls() if c.startswith("install-llama-server")]
+    assert node.unit.exists()
 
 
 # ----------------------------------------------------------------------------- Ansible
@@ -255,7 +538,6 @@ def test_cloud_init_user_data_is_valid(tmp_path: Path) -> None:
 def ansible_playbook(hub: LocalHub, world: World, home: Path, probe: Path, tmp_path: Path, server: Path | None,
                      *auto_args: str) -> tuple[int, dict[str, Any]]:
     """Run recipes/ansible/hotfit.yml on localhost for real; its json-callback report."""
-    tool = require_tool("ansible-playbook", "ansible-core (PyPI)")
     extra = {
         "hotfit_command": [sys.executable, "-m", "hotfit"],
         "hotfit_home": str(home),
@@ -264,6 +546,12 @@ def ansible_playbook(hub: LocalHub, world: World, home: Path, probe: Path, tmp_p
         "hotfit_fact_path": str(tmp_path / "facts.d"),
         "ansible_python_interpreter": sys.executable,
     }
+    return run_playbook(RECIPES / "ansible" / "hotfit.yml", extra, tmp_path)
+
+
+def run_playbook(playbook: Path, extra: dict[str, Any], tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    """``ansible-playbook -c local -i localhost,`` on ``playbook`` with ``extra`` vars; the report."""
+    tool = require_tool("ansible-playbook", "ansible-core (PyPI)")
     vars_file = tmp_path / "vars.json"
     vars_file.write_text(json.dumps(extra))
     env = {k: v for k, v in os.environ.items() if k not in ("HOTFIT_HOME", "HOTFIT_LLAMA_SERVER")}
@@ -274,8 +562,9 @@ def ansible_playbook(hub: LocalHub, world: World, home: Path, probe: Path, tmp_p
             "ANSIBLE_HOME": str(tmp_path / "ansible-home"),
             "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_RETRY_FILES_ENABLED": "0", "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"}
-    done = subprocess.run([tool, "-c", "local", "-i", "localhost,", str(RECIPES / "ansible" / "hotfit.yml"),
-                           "-e", f"@{vars_file}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([tool, "-c", "local", "-i", "localhost,", str(playbook), "-e", f"@{vars_file}", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)  # ansible refuses a non-blocking stdin
     if not report_path.exists():
         raise AssertionError(f"ansible-playbook wrote no report (rc {done.returncode}): "
                              f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -330,3 +619,114 @@ def test_ansible_provisions_changed_then_unchanged_with_local_facts(hub: LocalHu
     assert rc == 0 and results[AUTO_TASK]["changed"] is False  # hotfit's no-op
     assert json.loads(results[AUTO_TASK]["stdout"])["noop"] is True
     assert report["stats"]["localhost"]["changed"] == 0  # and the fact file is already in place
+
+
+# ----------------------------------------------------------------------------- Ansible: the fleet flow
+
+FLEET_PLAYBOOK = RECIPES / "ansible" / "hotfit-fleet.yml"
+
+
+def fleet_commands_exist() -> bool:
+    return main(["fleet", "plan", "--help"], out=io.StringIO()) == 0
+
+
+def plan_row_from_hotfit_plan(probe: Path, name: str, plan_args: list[str]) -> dict[str, Any]:
+    """Where `hotfit fleet plan` is not on this branch: one machine's row in its documented shape
+    (docs/recipes.md), from `hotfit plan` on the gathered probe — the rules fleet plan applies."""
+    out = io.StringIO()
+    code = main(["--json", "plan", "--probe-file", str(probe), *plan_args], out=out)
+    planned = json.loads(out.getvalue())
+    chosen = planned.get("selected")
+    return {"name": name, "probe_file": str(probe), "status": "planned" if code == 0 and chosen else "refused",
+            "reason": None if chosen else planned["error"]["message"].splitlines()[0],
+            "model": chosen and chosen["name"], "kv_cache_type": planned.get("kv_cache_type"),
+            "hot_context_tokens": chosen and planned["budget"]["hot_context_tokens"], "build": None}
+
+
+def fleet_flow(hub: LocalHub, world: World, tmp_path: Path, server: Path | None, plan_args: list[str], *,
+               mirror: Path | None = None) -> tuple[dict[str, Any], dict[str, Any], int, dict[str, Any]]:
+    """The playbook's three plays on localhost: probe (real), plan (real where `hotfit fleet` exists),
+    provision (real, the local Hub standing for the fleet's mirror). The plan row, and the
+    provision play's rc and report."""
+    fleet_dir = tmp_path / "fleet"
+    extra = {"hotfit_command": [sys.executable, "-m", "hotfit"], "hotfit_controller_command": [sys.executable, "-m",
+                                                                                                "hotfit"],
+             "hotfit_home": str(tmp_path / "home"), "hotfit_probe_file": str(tmp_path / "probe.json"),
+             "hotfit_fleet_dir": str(fleet_dir), "hotfit_plan_args": plan_args,
+             "hotfit_mirror_url": hub.endpoint, "hotfit_transient_delay_s": 0,
+             "hotfit_mirror_dir": str(mirror) if mirror else "", "hotfit_controller_environment": hub.env(),
+             "hotfit_mirror_args": ["--registry", str(world.registry_path)],
+             "hotfit_environment": {k: v for k, v in hub.env().items() if k != "HF_ENDPOINT"}
+             | ({"HOTFIT_LLAMA_SERVER": str(server)} if server else {}),
+             "ansible_python_interpreter": sys.executable}
+    rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "probe")
+    assert rc == 0, [(t["task"], t["result"].get("msg")) for t in report["tasks"]]
+    gathered = fleet_dir / "probes" / "localhost.json"
+    assert ProbeResult.decode(json.loads(gathered.read_text())).devices  # this machine's real probe
+    if fleet_commands_exist():
+        rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "plan")
+        assert rc == 0, [(t["task"], t["result"].get("msg"), t["result"].get("stdout", "")[-1500:],
+                          t["result"].get("stderr", "")[-1500:]) for t in report["tasks"] if t["failed"]]
+    else:  # said in docs/recipes.md: the plan play was not run on this branch
+        (fleet_dir / "plan.json").write_text(json.dumps(
+            {"machines": [plan_row_from_hotfit_plan(gathered, "localhost", plan_args)]}))
+    (row,) = json.loads((fleet_dir / "plan.json").read_text())["machines"]
+    hub.reset_counters()
+    rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "provision")
+    return row, extra, rc, report
+
+
+def test_ansible_fleet_flow_provisions_the_planned_model_from_the_mirror(hub: LocalHub, plain_world: World,
+                                                                        tmp_path: Path) -> None:
+    """Without a real llama-server: the host gets the planned model from the mirror, and fails at
+    load with hotfit's exit code (the stand-in cannot serve)."""
+    standin = write_standin_llama_server(tmp_path / "llama-server")
+    plan_args = ["--registry", str(plain_world.registry_path), "--kv-cache-type", "q8_0"]
+    row, _, rc, report = fleet_flow(hub, plain_world, tmp_path, standin, plan_args)
+    assert row["status"] == "planned" and row["kv_cache_type"] == "q8_0", row
+    results = task_results(report)
+    assert rc != 0 and results["Provision the planned model at the planned KV type from the mirror"]["rc"] == 5
+    assert "hotfit auto exited 5:" in results[FAIL_TASK]["msg"]
+    planned = plain_world.entry(row["model"])
+    fetched = {r.file for r in hub.requests_for(method="GET")}
+    assert planned.artifact.file in fetched, fetched  # from the mirror the play pointed HF_ENDPOINT at
+    assert "Refuse a host the plan refused (the plan's reason)" not in [
+        t["task"] for t in report["tasks"] if t["failed"]]
+
+
+def test_ansible_fleet_flow_refuses_a_host_the_plan_refused(hub: LocalHub, plain_world: World,
+                                                          tmp_path: Path) -> None:
+    # an origin no fixture entry has: the plan refuses, the host fails with its reason, auto never runs
+    plan_args = ["--registry", str(plain_world.registry_path), "--origin", "china"]
+    row, _, rc, report = fleet_flow(hub, plain_world, tmp_path, None, plan_args)
+    assert row["status"] == "refused" and row["reason"], row
+    results = task_results(report)
+    refused = results["Refuse a host the plan refused (the plan's reason)"]
+    assert rc != 0 and refused["failed"] and row["reason"] in refused["msg"]
+    assert "Provision the planned model at the planned KV type from the mirror" not in results
+    assert hub.requests_for(method="GET") == []
+
+
+@pytest.mark.llama
+def test_ansible_fleet_flow_provisions_then_is_a_noop(hub: LocalHub, world: World, tmp_path: Path) -> None:
+    """Where `hotfit fleet` exists the plan play also fills a mirror directory once from the Hub
+    (`hotfit fleet mirror`, for real). The host then provisions from the Hub-protocol endpoint: a
+    plain static server of that directory refuses the fixture registry's template, which is not
+    pinned by size and sha256 (docs/recipes.md)."""
+    plan_args = ["--registry", str(world.registry_path), "--kv-cache-type", "q8_0"]
+    mirror = tmp_path / "mirror"
+    row, extra, rc, report = fleet_flow(hub, world, tmp_path, None, plan_args,
+                                        mirror=mirror if fleet_commands_exist() else None)
+    if fleet_commands_exist():
+        assert list(mirror.rglob("*.gguf")), "the plan play filled no mirror"
+    results = task_results(report)
+    auto = results["Provision the planned model at the planned KV type from the mirror"]
+    assert rc == 0 and auto["changed"] is True, results
+    status = io.StringIO()
+    assert main(["--home", extra["hotfit_home"], "--json", "status"], out=status) == 0
+    provisioned = json.loads(status.getvalue())["provisioned"]
+    assert provisioned["entry_name"] == row["model"] and provisioned["kv_cache_type"] == "q8_0"
+    hub.reset_counters()
+    rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "provision")
+    auto = task_results(report)["Provision the planned model at the planned KV type from the mirror"]
+    assert rc == 0 and auto["changed"] is False and hub.requests_for(method="GET") == []

@@ -135,7 +135,7 @@ def test_systemd_unit_runs_hotfit_serve(provisioned: dict) -> None:
     assert "RestartPreventExitStatus=2 3 5" in out
     unit = systemd_unit(UnitSpec(["/usr/bin/hotfit", "serve"], {"A": "b c"}, "x", user="hotfit",
                                  home=Path("/var/lib/hotfit"), device_kind="cpu"))
-    assert "Environment='A=b c'" in unit
+    assert 'Environment="A=b c"' in unit  # one word, as systemd.syntax quotes it
 
 
 def test_nothing_provisioned_is_a_usage_error(tmp_path: Path) -> None:
@@ -266,12 +266,15 @@ def nvidia_home(provisioned: dict, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_serve_and_load_pin_the_verified_nvidia_card_through_one_function(nvidia_home: dict,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     binary = require_llama_server()
+    import hotfit.backends.llama_server.backend
     import hotfit.backends.llama_server.discovery
     from hotfit.backends.llama_server.flags import child_env, new_api_key
 
     # Stand-in: this machine has only the CPU build, which serve rightly refuses for an nvidia
-    # plan; the pinning under test does not depend on the build, so the check is waived here.
+    # plan (and which sees no NVIDIA card: the device check refuses it too); the pinning under test
+    # does not depend on the build, so both checks are waived here (tests/test_device_check.py has its own).
     monkeypatch.setattr(hotfit.backends.llama_server.discovery, "compatibility_problem", lambda *a, **k: None)
+    monkeypatch.setattr(hotfit.backends.llama_server.backend, "check_planned_device", lambda *a, **k: None)
     monkeypatch.setenv("HOTFIT_LLAMA_SERVER", str(binary))
 
     load_env = child_env(nvidia_home["plan"], new_api_key(), {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"})

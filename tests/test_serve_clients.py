@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,8 +20,8 @@ from hotfit.backends.llama_server.flags import ServerFeatures, llama_server_argv
 from hotfit.planner.probe import Device, ProbeResult
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
+from tests.serve_support import hotfit_serve
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "fx-agent"
 FEATURES = ServerFeatures(log_jsonl=True, fit=True, ngl_all=True, api_key_env=True, api_key_file=True,
                           cache_ram=True, offline=True, verbosity=True, flash_attn_values=True,
@@ -80,30 +76,8 @@ def served(home: dict) -> Iterator[dict[str, Any]]:
     key_file.write_text(key + "\n")
     port = free_port()
     probe = write_probe(home["root"] / "probe.json", 8 * GiB)
-    proc = subprocess.Popen([sys.executable, "-m", "hotfit", "--home", str(home["home"]), "--log-format", "json",
-                             "serve", "--port", str(port), "--probe-file", str(probe), "--api-key-file",
-                             str(key_file)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except (OSError, urllib.error.HTTPError):
-                pass
-            assert time.monotonic() < deadline, "hotfit serve did not come up"
-            time.sleep(0.2)
-        yield {"base": base, "key": key}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with hotfit_serve(home["home"], port, probe, key_file):
+        yield {"base": f"http://127.0.0.1:{port}", "key": key, "key_file": key_file, "home": home["home"]}
 
 
 def get(served: dict, path: str) -> tuple[int, str]:
@@ -157,3 +131,29 @@ def test_langchain_bind_tools_gets_a_parsed_tool_call(served: dict) -> None:
     message = chat.bind_tools([PROBE_TOOL], tool_choice="required").invoke(_question())
     assert [(c["name"], c["args"]) for c in message.tool_calls] == [("hotfit_probe", {"text": ""})]
     assert message.invalid_tool_calls == []
+
+
+@pytest.mark.llama
+def test_print_client_config_reads_the_running_serve(served: dict) -> None:
+    """Without --host/--port: the running serve's port, key file and opened window, and the openai
+    SDK configured from exactly that gets its tool call (docs/recipes.md, "Clients configured by hotfit")."""
+    import io
+
+    import openai
+
+    from hotfit.pipeline.cli import main
+
+    out = io.StringIO()
+    assert main(["--home", str(served["home"]), "serve", "--print-client-config", "openai"], out=out) == 0
+    config = json.loads(out.getvalue())
+    assert config["base_url"] == served["base"] + "/v1" and config["model"] == MODEL
+    assert config["api_key_file"] == str(served["key_file"].resolve())
+    _, props = get(served, "/props")
+    assert config["context_window_tokens"] == json.loads(props)["default_generation_settings"]["n_ctx"]
+    client = openai.OpenAI(base_url=config["base_url"], api_key=Path(config["api_key_file"]).read_text().strip(),
+                           max_retries=0, timeout=120)
+    messages: Any = [{"role": "user", "content": _question()}]
+    tools: Any = [PROBE_TOOL]
+    answer = client.chat.completions.create(model=config["model"], messages=messages, tools=tools,
+                                            tool_choice="required", temperature=0)
+    assert answer.choices[0].message.tool_calls[0].function.name == "hotfit_probe"

@@ -14,15 +14,22 @@ The tree (an operator can catch any level; the CLI maps the class to an exit cod
     │   ├── DiskWriteError             exit 4   the filesystem refused a write: read-only (EROFS) or failing (EIO)
     │   ├── IntegrityError             exit 4   sha256 / size / GGUF header disagree with the registry
     │   ├── CertificateError           exit 4   a server's TLS certificate failed verification (never retried)
-    │   └── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
+    │   ├── TemplateError              exit 4   chat template missing, malformed, or cannot express tool calls
+    │   └── TransientTransferError     exit 11  retries ran out on a passing fault (no progress, cut streams)
+    │       └── HubUnreachable         exit 11  (also a HubError) no connection, or 5xx/429 after every retry
     ├── BackendError                   exit 5   load / probe-tool-call / re-check
     │   ├── BackendNotFound            exit 5   no llama-server binary could be found
     │   ├── LoadError                  exit 5   llama-server did not come up (log lines quoted)
     │   ├── ToolCallProbeFailed        exit 5   the probe call did not parse as a tool call
-    │   └── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
+    │   ├── AllocationMismatch         exit 5   what the opened session allocated differs from the plan
+    │   └── DeviceMismatch             exit 5   the build would not run on the planned device (before any download)
     ├── LockedError                    exit 6   another hotfit holds the lock (its PID is named)
     ├── HardwareProbeError             exit 7   NVML (or another probe) present but failing
     └── Interrupted                    exit 130 SIGINT/SIGTERM/SIGHUP; state marked interrupted, rerun resumes
+
+Exit 4 is permanent until something changes (a pin, a file, the disk); exit 11 is a fault that
+passes by itself, so a Kubernetes Job retries it and a systemd unit or cron restarts it, while 4 stops
+them (docs/recipes.md, "Exit codes in a fleet").
 
 Each error carries ``what`` happened, ``hint`` (what to do) and ``details`` (machine-readable
 facts for ``--json``). Messages never contain secrets.
@@ -47,11 +54,14 @@ __all__ = [
     "IntegrityError",
     "CertificateError",
     "TemplateError",
+    "TransientTransferError",
+    "HubUnreachable",
     "BackendError",
     "BackendNotFound",
     "LoadError",
     "ToolCallProbeFailed",
     "AllocationMismatch",
+    "DeviceMismatch",
     "LockedError",
     "HardwareProbeError",
     "Interrupted",
@@ -145,6 +155,21 @@ class TemplateError(TransferError):
     code = "template"
 
 
+class TransientTransferError(TransferError):
+    """Retries ran out on a fault that passes by itself (no progress, a refused or cut connection, a
+    5xx or 429 answer): nothing was found wrong with the files, and a later rerun resumes what is on
+    disk. Its own exit code, so a fleet's scheduler can retry it and stop on exit 4."""
+
+    exit_code = 11
+    code = "transfer_transient"
+
+
+class HubUnreachable(TransientTransferError, HubError):
+    """The Hub (or the mirror, or the proxy in front of it) could not be reached at all."""
+
+    code = "hub_unreachable"
+
+
 class BackendError(HotfitError):
     exit_code = 5
     code = "backend"
@@ -170,6 +195,10 @@ class SpeedFloorMissed(BackendError):
     """The opened session measured below an operator's speed floor (stages/measure_speed.py)."""
 
     code = "speed_floor"
+
+
+class DeviceMismatch(BackendError):
+    code = "device_mismatch"
 
 
 class LockedError(HotfitError):

@@ -12,7 +12,14 @@ only ``core`` and ``state``; stages use the names re-exported here.
 
 from __future__ import annotations
 
-from hotfit.download.disk import DISK_MARGIN_BYTES, bytes_held, check_disk, check_disk_space, disk_needed_bytes
+from hotfit.download.disk import (
+    DISK_MARGIN_BYTES,
+    bytes_held,
+    bytes_to_write,
+    check_disk,
+    check_disk_space,
+    disk_needed_bytes,
+)
 from hotfit.download.engine import DownloadOutcome, adopt_as_partial, discard_partial, download_to_partial, plan_blocks
 from hotfit.download.hashing import OrderedHasher
 from hotfit.download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache, take_into_partial
@@ -34,7 +41,7 @@ from hotfit.state.files import finalize_file, write_text_atomic
 __all__ = [
     "CacheHit", "CacheMiss", "DISK_MARGIN_BYTES", "DownloadOutcome", "HubSession", "NOT_A_HUB", "OrderedHasher",
     "ProgressReporter", "Proxy", "ProxyConfig", "RemoteFile", "TransferOptions", "adopt_as_partial",
-    "bytes_held", "check_disk", "check_disk_space", "check_endpoint", "discard_partial", "disk_needed_bytes",
+    "bytes_held", "bytes_to_write", "check_disk", "check_disk_space", "check_endpoint", "discard_partial", "disk_needed_bytes",
     "download_to_partial", "finalize_file", "head_retrying", "hf_exception_not_a_hub", "hub_call_retrying",
     "hub_error_from_hf_exception", "is_commit", "is_not_a_hub", "log_retry", "not_a_hub_error", "partial_paths",
     "plan_blocks", "proxy_config", "redact_url", "resolve_token", "safe_relpath", "snapshot_path",

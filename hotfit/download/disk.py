@@ -28,6 +28,7 @@ from hotfit.core.entry import Artifact, Entry
 from hotfit.core.errors import DiskSpaceError, TransferError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import PARTIAL_DIRNAME
+from hotfit.download.hf_cache import cache_write_bytes
 from hotfit.download.options import partial_paths
 from hotfit.download.sidecar import Block, read_sidecar
 
@@ -72,9 +73,25 @@ def bytes_held(sidecar_path: Path, partial: Path) -> int:
     return max(claimed, allocated)
 
 
-def _file_held(dest: Path, artifact: Artifact | None) -> int:
-    """Bytes of one entry file the disk already holds for it: the file in place at its pinned size, or
-    what its partial holds (:func:`bytes_held`: its reservation included, counted once)."""
+def bytes_to_write(partial_dir: Path, repo: str, file: str, size_bytes: int, *, hf_hub_cache: Path | None,
+                   cached_at: str | None) -> int:
+    """The one rule of what fetching one file still writes on the home's filesystem (auto's and pull's
+    entry check, the snapshot's check): taken from the Hugging Face cache at commit ``cached_at`` (None:
+    the cache is not tried for it), 0 by a hard link and its size by a copy (download.hf_cache);
+    downloaded, its size less what its partial already holds (:func:`bytes_held`)."""
+    if cached_at is not None:
+        cost = cache_write_bytes(hf_hub_cache, repo=repo, commit=cached_at, file=file, size_bytes=size_bytes,
+                                 dest_dir=partial_dir)
+        if cost is not None:
+            return cost
+    partial, sidecar, _lock = partial_paths(partial_dir, repo, file)
+    return max(0, size_bytes - bytes_held(sidecar, partial))
+
+
+def _file_held(dest: Path, artifact: Artifact | None, hf_hub_cache: Path | None) -> int:
+    """Bytes of one entry file that need not be written: all of it when it is in place at its pinned
+    size, else its size less :func:`bytes_to_write` (the cache tried only where fetch-weights tries it:
+    size and sha256 pinned)."""
     if artifact is None or not artifact.file:
         return 0
     size = artifact.size_bytes or 0
@@ -83,8 +100,12 @@ def _file_held(dest: Path, artifact: Artifact | None) -> int:
             return size
     except OSError:
         pass
-    partial, sidecar, _lock = partial_paths(dest / PARTIAL_DIRNAME, artifact.repo, artifact.file)
-    return min(size, bytes_held(sidecar, partial)) if size else bytes_held(sidecar, partial)
+    cached_at = artifact.revision if artifact.size_bytes is not None and artifact.sha256 is not None else None
+    if not size:  # no pinned size: what the partial holds is all that is known
+        partial, sidecar, _lock = partial_paths(dest / PARTIAL_DIRNAME, artifact.repo, artifact.file)
+        return bytes_held(sidecar, partial)
+    return size - bytes_to_write(dest / PARTIAL_DIRNAME, artifact.repo, artifact.file, size,
+                                 hf_hub_cache=hf_hub_cache, cached_at=cached_at)
 
 
 def disk_needed_bytes(entry: Entry, present_bytes: int) -> int:
@@ -96,16 +117,19 @@ def disk_needed_bytes(entry: Entry, present_bytes: int) -> int:
     return max(size - present_bytes, 0) + DISK_MARGIN_BYTES
 
 
-def check_disk(entry: Entry, dest: Path) -> None:
-    """The entry-level check before fetch-weights: artifact + projector, less what the disk already
-    holds for each (the same :func:`bytes_held` the engine's per-file check counts, so a partial's
-    up-front reservation — already gone from the free space — is never counted as needed again)."""
-    held = _file_held(dest, entry.artifact) + _file_held(dest, entry.projector)
+def check_disk(entry: Entry, dest: Path, hf_hub_cache: Path | None = None) -> None:
+    """The entry-level check before fetch-weights, for ``auto`` and ``pull`` alike: artifact + projector,
+    less what need not be written (:func:`bytes_to_write`: what the disk already holds for each, the
+    same :func:`bytes_held` the engine's per-file check counts, so a partial's up-front reservation is
+    never counted as needed again; a file the Hugging Face cache hard-links). The margin is asked only
+    when something is to be written: a fetch that only links writes nothing (docs/faults.md)."""
+    held = _file_held(dest, entry.artifact, hf_hub_cache) + _file_held(dest, entry.projector, hf_hub_cache)
     needed = disk_needed_bytes(entry, held)
     log.info("fetch.disk_check", needed_bytes=needed, held_bytes=held, free_bytes=free_bytes(dest),
              directory=str(dest))
-    check_disk_space(dest, needed - DISK_MARGIN_BYTES, f"{entry.name} (artifact + projector, less what is "
-                                                       "already there)")
+    if needed > DISK_MARGIN_BYTES:
+        check_disk_space(dest, needed - DISK_MARGIN_BYTES, f"{entry.name} (artifact + projector, less what is "
+                                                           "already there or linked from the Hugging Face cache)")
 
 
 def disk_error(exc: OSError, partial: Path, offset: int, needed_bytes: int) -> TransferError | None:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import anyio
 
 from hotfit.core.diskspace import write_failure
-from hotfit.core.errors import DiskSpaceError, DiskWriteError, HubError, IntegrityError, PinMismatch, TransferError
+from hotfit.core.errors import (DiskSpaceError, DiskWriteError, HubError, IntegrityError, PinMismatch, TransferError,
+                                TransientTransferError)
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
 from hotfit.download.disk import bytes_held, check_disk_space, preallocate, release_unclaimed
@@ -226,7 +227,7 @@ async def _download_to_partial(
                 hasher.abort()
                 restarts += 1
                 if restarts > options.max_attempts_without_progress:
-                    raise TransferError(
+                    raise TransientTransferError(
                         f"{repo}/{path}: the server ignores Range and the stream keeps breaking",
                         hint="rerun later or use another HF_ENDPOINT mirror", repo=repo, file=path) from None
                 log.warning("download.range_ignored", file=path,

@@ -75,6 +75,33 @@ def _link_allowed(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
+def _device_of(directory: Path) -> int:
+    """The filesystem ``directory`` is (or will be, once created) on: its nearest existing ancestor's."""
+    probe = Path(os.path.abspath(directory))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return os.stat(probe).st_dev
+
+
+def cache_write_bytes(cache_dir: Path | None, *, repo: str, commit: str, file: str, size_bytes: int,
+                      dest_dir: Path) -> int | None:
+    """What :func:`take_from_cache` would write into ``dest_dir`` for the cached ``repo@commit/file``:
+    0 when it hard-links (on the same filesystem, and the blob is one :func:`take_from_cache` links),
+    ``size_bytes`` when it copies; None when the cache does not hold it at that size (it is downloaded).
+    From the file's metadata only: its hash is checked when it is taken, and a file that fails then is
+    downloaded under the engine's own per-file disk check (docs/faults.md, "A tight disk")."""
+    if cache_dir is None:
+        return None
+    try:
+        st = os.stat(snapshot_path(cache_dir, repo, commit, file))
+        same_filesystem = st.st_dev == _device_of(dest_dir)
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size_bytes:
+        return None
+    return 0 if same_filesystem and _link_allowed(st) else size_bytes
+
+
 def _hash_file(path: Path, size: int, want_git: bool) -> tuple[str, str | None]:
     sha, git = hashlib.sha256(), (_git_sha1_of_size(size) if want_git else None)
     with open(path, "rb") as fh:

@@ -30,6 +30,7 @@ from hotfit.download.hub_errors import (Retryable, answer_text, certificate_erro
                                         hub_error_from_response, not_a_hub_error, redact_url, speaks_hub)
 from hotfit.download.options import TransferOptions
 from hotfit.download.proxy import Proxy, ProxyConfig, is_proxy_auth_failure, proxy_config, proxy_refused
+from hotfit.download.tls import tls_context
 from hotfit.download.wire import ConnectionPool
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
@@ -147,9 +148,9 @@ class HubSession:
         # so the endpoint's proxy is its proxy; trust_env stays off so nothing else of the
         # environment (.netrc, certificate variables) changes what it sends.
         proxy = self.proxies.for_url(self.endpoint)
-        # One TLS context for the HEADs and the byte-range engine: SSL_CERT_FILE / SSL_CERT_DIR when
-        # set (a mirror behind a private CA), else certifi — huggingface_hub's reading (httpx trust_env).
-        tls = httpx.create_ssl_context()
+        # One TLS context for the HEADs and the byte-range engine, trusting what huggingface_hub's
+        # requests trust (download.tls): SSL_CERT_FILE / SSL_CERT_DIR, else the system store.
+        tls = tls_context()
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=False,
                                         headers={"user-agent": USER_AGENT}, trust_env=False, verify=tls,
                                         proxy=proxy.httpx_url if proxy else None)

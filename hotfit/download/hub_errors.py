@@ -16,7 +16,7 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from hotfit.core.errors import CertificateError, HubError, TransferError
+from hotfit.core.errors import CertificateError, HubError, HubUnreachable, TransferError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.download.proxy import Proxy, proxy_refused
 
@@ -232,15 +232,19 @@ def hub_error_from_hf_exception(exc: BaseException, *, repo: str, revision: str 
     if isinstance(exc, hf.RepositoryNotFoundError):
         return _repo_missing(repo, **details)
     if isinstance(exc, hf.HfHubHTTPError):
-        return HubError(f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}",
-                        hint="check HF_ENDPOINT and the network, then rerun", **details)
+        # a 5xx/429 still there after the retries passes by itself: exit 11, not 4 (core.errors)
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        return (HubUnreachable if status in RETRYABLE_STATUS else HubError)(
+            f"the Hub answered an error for {repo}@{revision or 'main'}: {exc}",
+            hint="check HF_ENDPOINT and the network, then rerun", **details)
     if _is_transport_error(exc):
         if proxy is not None:
-            return HubError(f"cannot reach the Hub for {repo} through proxy {proxy.named}: {exc}",
-                            hint=f"check the proxy ({proxy.variable}, NO_PROXY), the network and HF_ENDPOINT, "
-                                 "then rerun", proxy=proxy.url, variable=proxy.variable, **details)
-        return HubError(f"cannot reach the Hub for {repo}: {exc}",
-                        hint="check the network / HF_ENDPOINT and rerun", **details)
+            return HubUnreachable(f"cannot reach the Hub for {repo} through proxy {proxy.named}: {exc}",
+                                  hint=f"check the proxy ({proxy.variable}, NO_PROXY), the network and "
+                                       "HF_ENDPOINT, then rerun", proxy=proxy.url, variable=proxy.variable,
+                                  **details)
+        return HubUnreachable(f"cannot reach the Hub for {repo}: {exc}",
+                              hint="check the network / HF_ENDPOINT and rerun", **details)
     return None
 
 

@@ -12,7 +12,8 @@ progress. Progress resets the backoff — the next attempt goes at once, since t
 Between attempts without progress the wait grows exponentially (with jitter) from
 ``backoff_initial_s`` to ``backoff_max_s``; ``Retry-After`` is honoured on 429/503 (capped; beyond
 the cap it is a "give up"). A server that sends a trickle per connection (1 byte, then a close)
-makes no progress and is given up on after those attempts, with exit 4 naming the bound and the
+makes no progress and is given up on after those attempts, with exit 11 (a passing fault, not a
+bad file: core.errors) naming the bound and the
 last failure. Every wait is announced as a ``download.retry`` event (attempt, attempts without
 progress, cause, wait_s, the URL without credentials or signed query), so an unreachable mirror is
 never minutes of silence.
@@ -32,7 +33,7 @@ from tenacity import (
     retry_if_exception_type,
 )
 
-from hotfit.core.errors import TransferError
+from hotfit.core.errors import TransferError, TransientTransferError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
 from hotfit.download.hub import HubSession, RemoteFile
@@ -153,13 +154,15 @@ def retrying(options: TransferOptions, *, progress_fn: Callable[[], int] = lambd
     )
 
 
-def gave_up(repo: str, path: str | None, exc: BaseException, done_bytes: int) -> TransferError:
+def gave_up(repo: str, path: str | None, exc: BaseException, done_bytes: int) -> TransientTransferError:
+    """Retries ran out on passing faults only (a permanent answer is never retried): exit 11, which a
+    fleet's scheduler retries, not 4 (core.errors)."""
     why = getattr(exc, "hotfit_gave_up", None) or "repeated failures"
     proxy = getattr(exc, "proxy", None)  # the last attempt went through a proxy (download.proxy)
     check = (f"check the proxy {proxy.url} ({proxy.variable}; NO_PROXY bypasses it), the network and HF_ENDPOINT"
              if proxy is not None else "check the network / HF_ENDPOINT")
     extra = {"proxy": proxy.url, "variable": proxy.variable} if proxy is not None else {}
-    return TransferError(
+    return TransientTransferError(
         f"{repo}/{path}: gave up ({why}); the last failure: {exc}",
         hint=f"{check} and rerun the same command"
              + (f"; the {done_bytes} bytes already on disk are kept and resumed" if done_bytes else ""),

@@ -16,7 +16,8 @@ a failure to reach the proxy names it.
 Kept from the httpx path: redirects followed (at most 20, like httpx), the Authorization header only
 to the endpoint's origin on every hop (``HubSession.headers_for``), the connect and read timeouts,
 keep-alive connections reused between blocks, the same TLS context (``HubSession``'s:
-``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else certifi, as httpx and huggingface_hub read them),
+``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else the system store, as huggingface_hub reads them:
+``download.tls``),
 and transport failures as :class:`Retryable` named like httpx's (``ConnectError``, ``ReadTimeout``,
 ``ReadError``, ``RemoteProtocolError``) for the ``download.retry`` events.
 """
@@ -36,6 +37,7 @@ from hotfit.core.errors import HubError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.download.hub_errors import Retryable, certificate_error, certificate_failure
 from hotfit.download.proxy import Proxy, is_proxy_auth_failure, proxy_refused
+from hotfit.download.tls import tls_context
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -103,8 +105,7 @@ class ConnectionPool:
         proxy = self.proxy_for(url)
         if scheme == "https":
             if self._ssl is None:
-                make = getattr(httpx, "create_ssl_context", None)
-                self._ssl = make() if make is not None else ssl.create_default_context()
+                self._ssl = tls_context()
             if proxy is None:
                 return http.client.HTTPSConnection(host, port, timeout=self.connect_timeout_s, context=self._ssl), False
             # TCP to the proxy, CONNECT host:port, then TLS with the target's name (end to end)

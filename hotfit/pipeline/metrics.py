@@ -5,7 +5,11 @@ the CLI writes two small files, each atomically (a temporary file renamed over t
 scraper never reads half of one):
 
 - ``<home>/metrics/hotfit.prom``, in Prometheus' text exposition format, and a copy in
-  node_exporter's textfile-collector directory when ``HOTFIT_TEXTFILE_DIR`` names one;
+  node_exporter's textfile-collector directory when ``HOTFIT_TEXTFILE_DIR`` names one, under a
+  name of this home's own (``hotfit-<home id>.prom``), every sample labelled with the home: homes
+  sharing that directory write distinct files with distinct label sets, as the collector requires;
+  a directory that does not exist is not created (node_exporter's package makes it, so a missing
+  one is a typo) and is reported;
 - ``<home>/metrics/last-run.json``: the exit code and error of that run, which ``hotfit status``
   turns into its own exit code (10 when the last run failed).
 
@@ -18,8 +22,10 @@ docs/operations.md.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,10 +112,12 @@ def _number(value: float | int) -> str:
 
 
 class _Exposition:
-    """Prometheus text format: one HELP/TYPE block per metric family, then its samples."""
+    """Prometheus text format: one HELP/TYPE block per metric family, then its samples, each sample
+    with the ``common`` labels first."""
 
-    def __init__(self) -> None:
+    def __init__(self, common: Mapping[str, str]) -> None:
         self.lines: list[str] = []
+        self.common = dict(common)
 
     def gauge(self, name: str, help_text: str, samples: Sequence[tuple[Mapping[str, Any], Any]]) -> None:
         # a figure the manifest lacks (or holds as something else) is left out, not written as 0
@@ -119,16 +127,17 @@ class _Exposition:
         self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         for labels, value in shown:
             assert value is not None
-            inner = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+            inner = ",".join(f'{k}="{_label(v)}"' for k, v in (self.common | dict(labels)).items())
             self.lines.append(f"{name}{{{inner}}} {_number(value)}" if inner else f"{name} {_number(value)}")
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
 
 
-def render(run: LastRun, manifest: Manifest | None) -> str:
-    """Pure: the textfile for ``run`` and the standing provisioning ``manifest`` (None: nothing provisioned)."""
-    x = _Exposition()
+def render(run: LastRun, manifest: Manifest | None, home: str | None = None) -> str:
+    """Pure: the textfile for ``run`` and the standing provisioning ``manifest`` (None: nothing provisioned);
+    with ``home``, every sample carries it as the ``home`` label (see :func:`home_identity`)."""
+    x = _Exposition({"home": home} if home is not None else {})
     x.gauge("hotfit_last_run_timestamp_seconds", "When the last hotfit auto ended (Unix time).",
             [({}, round(run.finished_at, 3))])
     x.gauge("hotfit_last_run_duration_seconds", "How long the last hotfit auto took.",
@@ -199,12 +208,28 @@ def _timestamp(iso: str | None) -> float | None:
         return None
 
 
-def textfile_paths(settings: Settings) -> list[Path]:
-    """Where the textfile goes: under the home, and node_exporter's directory when one is named."""
-    paths = [settings.metrics_dir / TEXTFILE_NAME]
-    if settings.textfile_dir is not None:
-        paths.append(settings.textfile_dir / TEXTFILE_NAME)
-    return paths
+def home_identity(settings: Settings) -> str:
+    """The home as the ``home`` label names it: its real absolute path (a home reached through a
+    symlink is the same home)."""
+    return os.path.realpath(settings.home)
+
+
+def shared_textfile_name(settings: Settings) -> str:
+    """This home's file in node_exporter's shared directory: ``hotfit-<12 hex digits>.prom``, the start
+    of the sha256 of :func:`home_identity` (a path may hold anything, a file name may not)."""
+    digest = hashlib.sha256(home_identity(settings).encode("utf-8", "surrogateescape")).hexdigest()
+    return f"hotfit-{digest[:12]}.prom"
+
+
+def _missing_textfile_dir(where: Path) -> OSError | None:
+    """HOTFIT_TEXTFILE_DIR when it is not an existing directory: never created here, since node_exporter's
+    package creates the real one and a missing one is most likely a typo (docs/operations.md, "Metrics")."""
+    if where.is_dir():
+        return None
+    what = "is not a directory" if where.exists() else "does not exist"
+    return OSError(errno.ENOTDIR if where.exists() else errno.ENOENT,
+                   f"HOTFIT_TEXTFILE_DIR={where} {what}; hotfit does not create it (node_exporter's package does): "
+                   "correct the path, or create the directory node_exporter's --collector.textfile.directory names")
 
 
 def record_run(settings: Settings, run: LastRun) -> list[tuple[Path, str]]:
@@ -217,10 +242,17 @@ def record_run(settings: Settings, run: LastRun) -> list[tuple[Path, str]]:
     that is a file (the path check's UsageError) — never changes the run's exit code
     (docs/operations.md, "Metrics"): it is returned, and the others are still written.
     """
-    text = render(run, read_manifest(settings.manifest_path))
+    text = render(run, read_manifest(settings.manifest_path), home_identity(settings))
     failed: list[tuple[Path, str]] = []
     writes = [(settings.metrics_dir / LAST_RUN_NAME, json.dumps(run.to_json(), indent=2, default=str) + "\n")]
-    writes += [(path, text) for path in textfile_paths(settings)]
+    writes += [(settings.metrics_dir / TEXTFILE_NAME, text)]
+    if settings.textfile_dir is not None:
+        shared = settings.textfile_dir / shared_textfile_name(settings)
+        missing = _missing_textfile_dir(settings.textfile_dir)
+        if missing is None:
+            writes.append((shared, text))
+        else:
+            failed.append((shared, missing.strerror or str(missing)))
     for path, content in writes:
         try:
             write_text_atomic(path, content, durable=False, what="the metrics file")

@@ -54,7 +54,7 @@ async def pull_entry(entry: Entry, settings: Settings, *, connections: int | Non
     """fetch-weights → fetch-template → verify, under one lock per model directory."""
     dest = settings.model_dir(entry.name)
     job = FetchJob(entry=entry, wait=wait, connections=connections, progress=progress, lock_each_stage=False,
-                   check_disk=False, rehash_installed=True)
+                   rehash_installed=True)
     async with FileLock(dest / ".partial" / "pull.lock", wait=wait, what=f"model directory {dest}").async_held():
         outcome = await Runner(fetch_stages(job), None, settings, handle_signals=False, plan_stage="").run()
     results = outcome.results

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +39,16 @@ from hotfit.core.log import get_logger
 from hotfit.planner.plan import Plan
 from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import Settings
+from hotfit.pipeline.endpoints import ServedEndpoint, endpoint_from_state
 from hotfit.pipeline.manifest import Manifest, plan_from_json, read_manifest
 from hotfit.pipeline.probe import probe_machine
 from hotfit.pipeline.systemd_unit import UnitSpec, systemd_unit, unit_user
-from hotfit.pipeline.worker import record_for_self, write_worker_record
+from hotfit.pipeline.worker import read_worker_record, record_for_self, stale_reason, write_worker_record
 from hotfit.registry.kv import UnknownKV, parse_kv_cache_type
 from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT, device_budget, fmt_bytes, model_fit
 
-__all__ = ["ServeJob", "ServeOptions", "WindowDecision", "decide_window", "prepare_serve", "start_server"]
+__all__ = ["ServeJob", "ServeOptions", "WindowDecision", "client_endpoint", "decide_window", "prepare_serve",
+           "start_server"]
 
 log = get_logger()
 
@@ -219,6 +222,23 @@ def prepare_serve(settings: Settings, opts: ServeOptions) -> ServeJob:
     log.info(event, model=manifest.entry_name, context_tokens=decision.context_tokens,
              verified_tokens=decision.verified_tokens, fits_now_tokens=decision.fits_now_tokens)
     return ServeJob(manifest, opts, backend.name, serve_plan, command, decision)
+
+
+def client_endpoint(settings: Settings, opts: ServeOptions, *, listen_given: bool) -> ServedEndpoint:
+    """``serve --print-client-config``: the provisioned model's endpoint. The running ``hotfit serve``
+    (its serve.pid record, still that process serving this model) gives host, port, key file and
+    the window it opened, unless ``--host``/``--port`` were given; else the options (the endpoint
+    ``serve`` with them would open, at the verified window)."""
+    manifest, _ = _provisioned(settings)
+    machine = socket.getfqdn()
+    record = read_worker_record(settings.serve_pid_path)
+    if record is not None and not listen_given and stale_reason(record, manifest) is None:
+        return endpoint_from_state(manifest.to_json(), host=record.host, port=record.port,
+                                   api_key_file=record.api_key_file, context_tokens=record.context_tokens,
+                                   machine=machine)
+    return endpoint_from_state(manifest.to_json(), host=opts.host, port=opts.port,
+                               api_key_file=str(opts.api_key_file) if opts.api_key_file else None,
+                               context_tokens=None, machine=machine)
 
 
 def start_server(settings: Settings, job: ServeJob, *, announce: str | None) -> NoReturn:

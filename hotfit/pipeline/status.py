@@ -9,6 +9,7 @@ while ``hotfit auto`` may be writing it.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from hotfit.pipeline.evidence import evidence_status
 from hotfit.pipeline.manifest import Manifest, read_manifest
 from hotfit.pipeline.metrics import read_last_run
 from hotfit.pipeline.registry_file import load_registry
+from hotfit.pipeline.worker import read_worker_record, stale_reason
 from hotfit.state.files import write_text_atomic
 from hotfit.state.locks import current_holder
 from hotfit.state.store import RunRecord, StageRecord, SyncStateStore
@@ -157,6 +159,7 @@ class Status:
     last: dict[str, Any] | None
     failed: bool  # the last `hotfit auto` failed or was interrupted
     nfd: dict[str, Any] | None = None  # --nfd-features: the file written and its labels
+    serving: dict[str, Any] | None = None  # the last `hotfit serve`'s record (serve.pid), alive or not
 
     def to_json(self) -> dict[str, Any]:
         run = self.run
@@ -172,6 +175,7 @@ class Status:
             "grade_evidence": self.evidence,
             "last_auto": self.last,
             "last_auto_failed": self.failed,
+            "serving": self.serving,
         }
         return data | ({"nfd_features": self.nfd} if self.nfd is not None else {})
 
@@ -212,4 +216,19 @@ def read_status(settings: Settings, *, registry_file: str | None, nfd_features: 
         nfd = {"path": str(nfd_features.absolute()), "labels": labels}
     return Status(home=settings.home, lock=lock, run=run, effective_status=effective_status, stages=stages,
                   shown=shown, manifest=manifest, problems=problems, rerun=rerun, grade=last_grade(manifest),
-                  evidence=evidence, last=last, failed=failed, nfd=nfd)
+                  evidence=evidence, last=last, failed=failed, nfd=nfd,
+                  serving=serving_state(settings, manifest))
+
+
+def serving_state(settings: Settings, manifest: Manifest | None) -> dict[str, Any] | None:
+    """How the last `hotfit serve` listens (its serve.pid record), the machine's name for a server
+    on every address, and whether that process still serves the provisioned model — what `hotfit
+    fleet endpoints` reads (pipeline.endpoints). None: serve never ran here."""
+    record = read_worker_record(settings.serve_pid_path)
+    if record is None:
+        return None
+    why = stale_reason(record, manifest) if manifest is not None else "nothing is provisioned"
+    return {"host": record.host, "port": record.port, "api_key_file": record.api_key_file,
+            "model": record.entry_name, "context_tokens": record.context_tokens,
+            "kv_cache_type": record.kv_cache_type, "machine": socket.getfqdn(), "alive": why is None,
+            "not_serving_because": why}

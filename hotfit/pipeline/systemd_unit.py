@@ -8,12 +8,14 @@ hotfit's permanent exit codes (docs/recipes.md, "systemd").
 from __future__ import annotations
 
 import pwd
-import shlex
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hotfit.core.errors import UsageError
+
 __all__ = ["DEFAULT_UNIT_USER", "GPU_DEVICE_ALLOW", "PERMANENT_EXIT_CODES", "UnitSpec", "systemd_unit",
-           "under_home_dirs", "unit_user"]
+           "under_home_dirs", "unit_user", "unit_value", "unit_word"]
 
 
 # Exit codes of `hotfit serve` that a restart cannot change (core/errors.py): 2 nothing provisioned
@@ -34,6 +36,13 @@ GPU_DEVICE_ALLOW: dict[str, tuple[str, ...]] = {
     "vulkan": ("char-drm rw", "/dev/kfd rw"),
     "cpu": (),
 }
+# A word systemd reads as written without quotes: anything else is double-quoted (systemd.syntax, "Quoting").
+_BARE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
+# A word with one of these cannot be written so every setting reads it back (ReadWritePaths= has no C escapes).
+_UNWRITABLE = re.compile(r"[\x00-\x1f\x7f]")
+# StateDirectory= splits its word again at ":" and keeps backslashes (systemd 252): a home under /var/lib
+# whose name holds one of these is a ReadWritePaths= like any other home.
+_STATE_DIR_UNSAFE = re.compile(r'[\\":]')
 # Home directories ProtectHome= hides; a path under them needs ProtectHome=read-only.
 _HOME_ROOTS = (Path("/home"), Path("/root"), Path("/run/user"))
 _STATE_ROOT = Path("/var/lib")
@@ -52,6 +61,28 @@ class UnitSpec:
     paths: tuple[Path, ...] = ()  # files the service reads outside the home: hotfit, llama-server
 
 
+def unit_value(text: str) -> str:
+    """A setting's raw value with every ``%`` literal: systemd expands specifiers (``%h`` is the
+    account's home) in nearly every setting (systemd.unit, "Specifiers")."""
+    if _UNWRITABLE.search(text):
+        raise UsageError(f"the systemd unit cannot name {text!r}: it holds a control character",
+                         hint="use a home, hotfit and llama-server path without newlines or control characters")
+    return text.replace("%", "%%")
+
+
+def unit_word(text: str, *, command: bool = False) -> str:
+    """One word of a setting that takes a list (``ReadWritePaths=``, ``Environment=``, ``ExecStart=``),
+    read back by systemd as exactly ``text``: double-quoted with ``\\`` and ``\"`` escaped where it is not
+    a plain word (systemd.syntax, "Quoting"), ``%`` doubled, and in a command line ``$`` doubled too
+    (systemd.service, "Command lines": ``$$`` is one literal ``$``)."""
+    value = unit_value(text)
+    if command:
+        value = value.replace("$", "$$")
+    if _BARE_WORD.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def under_home_dirs(path: Path) -> bool:
     return any(path == root or root in path.parents for root in _HOME_ROOTS)
 
@@ -65,12 +96,14 @@ def systemd_unit(spec: UnitSpec) -> str:
     creates it and hands it to the user); elsewhere it is the one writable path."""
     home = spec.home
     state_dir = str(home.relative_to(_STATE_ROOT)) if _STATE_ROOT in home.parents else None
+    if state_dir is not None and _STATE_DIR_UNSAFE.search(state_dir):
+        state_dir = None
     hidden = any(under_home_dirs(p) for p in (home, *spec.paths))
     kind = spec.device_kind
     devices = GPU_DEVICE_ALLOW.get(kind, GPU_DEVICE_ALLOW["vulkan"])
     lines = [
         "[Unit]",
-        f"Description={spec.description}",
+        f"Description={unit_value(spec.description)}",
         "Wants=network-online.target",
         "After=network-online.target",
         # a crash loop ends: after START_LIMIT_BURST starts in the interval the unit stays failed
@@ -79,14 +112,16 @@ def systemd_unit(spec: UnitSpec) -> str:
         "",
         "[Service]",
         "Type=exec",
-        f"User={spec.user}",
-        *(f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(spec.env.items())),
-        f"ExecStart={shlex.join(spec.hotfit_argv)}",
+        f"User={unit_value(spec.user)}",
+        *(f"Environment={unit_word(f'{k}={v}')}" for k, v in sorted(spec.env.items())),
+        f"ExecStart={' '.join(unit_word(arg, command=True) for arg in spec.hotfit_argv)}",
         "Restart=on-failure",
         f"RestartSec={RESTART_SEC}",
         f"RestartPreventExitStatus={' '.join(map(str, PERMANENT_EXIT_CODES))}",
         "KillSignal=SIGTERM",
-        *([f"StateDirectory={state_dir}", "StateDirectoryMode=0750"] if state_dir else [f"ReadWritePaths={home}"]),
+        # one quoted path: unquoted, a space splits it and ProtectSystem=strict ignores the pieces
+        *([f"StateDirectory={unit_word(state_dir)}", "StateDirectoryMode=0750"] if state_dir
+          else [f"ReadWritePaths={unit_word(str(home))}"]),
         "ProtectSystem=strict",
         # hotfit, llama-server or the home under /home or /root: readable, not writable (but the home)
         "ProtectHome=read-only" if hidden else "ProtectHome=yes",

@@ -64,7 +64,7 @@ from hotfit.download import (
     ProgressReporter,
     TransferOptions,
     adopt_as_partial,
-    bytes_held,
+    bytes_to_write,
     check_disk_space,
     check_endpoint,
     discard_partial,
@@ -374,14 +374,13 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str,
         raise mapped from exc
 
 
-def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]) -> int:
-    """Disk the snapshot still needs: each file's size less what its partial already holds (a resume
-    on a nearly full disk must not be refused for bytes it has)."""
-    needed = 0
-    for f in todo:
-        partial, sidecar, _lock = partial_paths(partial_dir, repo, f.path)
-        needed += max(0, f.size_bytes - bytes_held(sidecar, partial))
-    return needed
+def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile], *, commit: str | None = None,
+                           hf_hub_cache: Path | None = None) -> int:
+    """Disk the snapshot still needs: what each file still writes (download.disk.bytes_to_write: its
+    size less what its partial already holds — a resume on a nearly full disk must not be refused for
+    bytes it has — or 0 when the Hugging Face cache hard-links it)."""
+    return sum(bytes_to_write(partial_dir, repo, f.path, f.size_bytes, hf_hub_cache=hf_hub_cache, cached_at=commit)
+               for f in todo)
 
 
 def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str, *, rehash: bool = False) -> bool:
@@ -449,8 +448,10 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
                            hint="check the entry's repository (and HF_ENDPOINT)", repo=artifact.repo)
         todo = [f for f in listed if not _snapshot_receipt_ok(dest_dir, f.path, f, commit, rehash=rehash_installed)]
         partial_dir.mkdir(parents=True, exist_ok=True)
-        check_disk_space(partial_dir, _snapshot_needed_bytes(partial_dir, artifact.repo, todo),
-                         f"{artifact.repo} snapshot")
+        needed = _snapshot_needed_bytes(partial_dir, artifact.repo, todo, commit=commit,
+                                        hf_hub_cache=settings.hf_hub_cache)
+        if needed:  # the margin only where something is written (download.disk.check_disk)
+            check_disk_space(partial_dir, needed, f"{artifact.repo} snapshot")
         transferred = reread = 0
         hashed: dict[str, SnapshotFile] = {}
         async with HubSession(settings, options) as session:
@@ -512,7 +513,6 @@ class FetchJob:
     progress: bool = True
     # auto takes the model directory's lock per stage; pull holds it around all three itself
     lock_each_stage: bool = True
-    check_disk: bool = True  # auto checks free disk before fetching (contenox `auto`)
     # pull and `auto --recheck`: re-hash a file already in place before trusting its receipt (a
     # byte flipped in place keeps the size; only its hash tells)
     rehash_installed: bool = False
@@ -546,8 +546,8 @@ async def fetch_weights_work(ctx: StageContext) -> FetchResult:
     job = ctx.job(FetchJob)
     entry = job.entry_of(ctx)
     dest = ctx.settings.model_dir(entry.name)
-    if job.check_disk:
-        await anyio.to_thread.run_sync(check_disk, entry, dest)
+    # auto and pull alike: free disk for what will be written, before a byte is (contenox `auto`)
+    await anyio.to_thread.run_sync(check_disk, entry, dest, ctx.settings.hf_hub_cache)
     return await job.locked(ctx, lambda: fetch_weights(entry, dest, settings=ctx.settings, connections=job.connections,
                                                        progress=job.progress, wait=job.wait,
                                                        rehash_installed=job.rehash_installed))

@@ -16,6 +16,7 @@ import anyio
 from hotfit.backends.base import BackendBinary, BuildNeed, BuildUnavailable, DeviceListing, ModelFiles, ServeCommand, ServicePin
 from hotfit.backends.llama_server.devices import list_ggml_devices
 from hotfit.backends.llama_server.allocation import AllocationReport
+from hotfit.backends.llama_server.device_check import check_planned_device
 from hotfit.backends.llama_server.discovery import SERVES, ServerBinary, find_llama_server, gpu_listing_binaries
 from hotfit.backends.llama_server.flags import API_KEY_ENV, child_env, device_env, llama_server_argv, probe_server_features
 from hotfit.backends.llama_server.process import LoadedServer, open_server
@@ -67,7 +68,12 @@ class LlamaServerBackend:
 
     def preflight(self, plan: Plan, settings: Settings) -> ServerBinary:
         """The binary that will serve ``plan`` must exist, answer ``--version``, suit this CPU and
-        the plan's device; blocking (run it in a thread)."""
+        the plan's device, and run on that very device (device_check); blocking (run it in a thread)."""
+        found = self._find(plan, settings)
+        check_planned_device(plan, found.server_path)
+        return found
+
+    def _find(self, plan: Plan, settings: Settings) -> ServerBinary:
         device = plan.placement.device
         return find_llama_server(settings, device_kind=device.kind, gpu_capability=device.compute_capability)
 
@@ -114,8 +120,8 @@ class LlamaServerBackend:
         if settings.llama_server is not None:
             server = Path(settings.llama_server).absolute()
         else:
-            try:
-                server = self.preflight(plan, settings).server_path
+            try:  # the binary only: a unit may be printed away from the device it will run on
+                server = self._find(plan, settings).server_path
             except HotfitError:
                 server = None
         if server is None:

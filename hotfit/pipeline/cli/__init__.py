@@ -48,6 +48,7 @@ EXIT_CODES_HELP = """exit codes:
   8    grade: the model failed the multi-turn tool-use grade
   9    grade: inconclusive (a stack problem, named, or --budget-s ran out)
   10   status: the last `hotfit auto` failed or was interrupted (for alerting checks)
+  11   download gave up on a passing fault (Hub or mirror unreachable, 5xx/429, no progress): rerun later
   130  interrupted (SIGINT, SIGTERM or SIGHUP); a rerun resumes
 """
 

@@ -1,6 +1,6 @@
 """hotfit fleet plan | mirror: a fleet's saved probes planned with ``hotfit plan``'s selection, and what
 the fleet needs once — the artifacts to mirror and the builds to make; and the mirror filled
-(docs/fleet.md)."""
+(docs/fleet.md). ``fleet endpoints`` is in :mod:`pipeline.cli.fleet_endpoints` (docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from hotfit.pipeline.cli import fleet_endpoints
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.cli.plan import add_origin_previous_options, add_selection_options, selection_from_args
 from hotfit.core.errors import UsageError
@@ -25,7 +26,7 @@ CSV_TABLES = ("machines", "artifacts", "builds")
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("fleet", parents=parents, help="plan a fleet from its saved probes; fill its mirror")
+    p = sub.add_parser("fleet", parents=parents, help="plan a fleet from its saved probes; fill its mirror; one endpoint over it")
     fsub = p.add_subparsers(dest="fleet_command", metavar="SUBCOMMAND", required=True)
     plan = fsub.add_parser(
         "plan", parents=parents, help="plan every saved probe as `hotfit plan` would",
@@ -54,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     mirror.add_argument("--builds", metavar="DIR", help="where the export archives are (llama-server-<flavour>.tar.gz, "
                                                         "as fleet plan's export commands name them)")
     mirror.set_defaults(handler=run_mirror)
+    fleet_endpoints.add_parser(fsub, parents)  # `fleet endpoints`: pipeline.cli.fleet_endpoints
 
 
 def run_plan(args: argparse.Namespace, ctx: CliContext) -> int:
