@@ -99,32 +99,53 @@ class GGUFFacts:
     n_kv_heads: int
     head_dim_k: int
     head_dim_v: int
+    n_heads: int = 0  # query heads
 
 
-def read_tensor_sizes(path: Path, header_bytes: int, tensor_count: int) -> dict[str, int]:
-    """Bytes of each tensor's data, from the tensor-info table after the key/value header
+def tensor_infos(path: Path, header_bytes: int, tensor_count: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, dims, ggml type) of each tensor, from the tensor-info table after the key/value header
     (``gguf.GGUFReader`` takes over a minute on Gemma 3's 262k-token vocabulary; this takes ms)."""
     import struct
 
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    out = []
     with open(path, "rb", buffering=1 << 20) as fh:
         fh.seek(header_bytes)
-        out: dict[str, int] = {}
         for _ in range(tensor_count):
             (n,) = struct.unpack("<Q", fh.read(8))
             name = fh.read(n).decode("utf-8", "replace")
             (n_dims,) = struct.unpack("<I", fh.read(4))
             dims = struct.unpack(f"<{n_dims}Q", fh.read(8 * n_dims))
             ttype, _offset = struct.unpack("<IQ", fh.read(12))
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-            elems = 1
-            for d in dims:
-                elems *= d
-            out[name] = elems // block * type_size
-            if name == "token_embd.weight":
-                out["\0token_embd_rows"] = dims[-1]
+            out.append((name, tuple(dims), ttype))
     return out
+
+
+def _elements(dims: tuple[int, ...]) -> int:
+    elems = 1
+    for d in dims:
+        elems *= d
+    return elems
+
+
+def read_tensor_sizes(path: Path, header_bytes: int, tensor_count: int) -> dict[str, int]:
+    """Bytes of each tensor's data (:func:`tensor_infos`)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    out: dict[str, int] = {}
+    for name, dims, ttype in tensor_infos(path, header_bytes, tensor_count):
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        out[name] = _elements(dims) // block * type_size
+        if name == "token_embd.weight":
+            out["\0token_embd_rows"] = dims[-1]
+    return out
+
+
+def matmul_params(path: Path) -> int:
+    """Parameters a prompt token is multiplied with: every 2-D weight of the blocks (the token
+    embedding is a row lookup, and prefill computes the output projection for the last token only)."""
+    header = read_gguf_header(path)
+    return sum(_elements(dims) for name, dims, _ in tensor_infos(path, header.header_bytes, header.tensor_count)
+               if len(dims) >= 2 and name.startswith("blk."))
 
 
 def gguf_facts(path: Path) -> GGUFFacts:
@@ -162,6 +183,7 @@ def gguf_facts(path: Path) -> GGUFFacts:
         tensor_bytes=total, weights_read_per_token_bytes=read, token_embd_bytes=embd, tied_output=tied,
         file_type=ftype_name, n_kv_heads=int(n_kv) if n_kv is not None else n_head,
         head_dim_k=int(head_k) if head_k else head_default, head_dim_v=int(head_v) if head_v else head_default,
+        n_heads=n_head,
     )  # fmt: skip
 
 

@@ -179,6 +179,15 @@ def nvml_from(data: dict[str, Any]) -> SimpleNamespace:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return handle_by_uuid(h["parent"])
 
+    def gpu_figure(key: str) -> Any:
+        # speed: NVML's maximum memory clock and bus width; a MIG handle answers NOT_SUPPORTED (the
+        # stricter reading, as for the compute capability): hotfit asks through its GPU
+        def ask(h: dict[str, Any], *_: Any) -> int:
+            if h["mig"] or key not in h:
+                raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+            return int(h[key])
+        return ask
+
     def memory(h: dict[str, Any]) -> SimpleNamespace:
         total, free = h["memory_total_mib"] * MiB, h["memory_free_mib"] * MiB
         return SimpleNamespace(total=total, free=free, used=total - free)
@@ -206,6 +215,9 @@ def nvml_from(data: dict[str, Any]) -> SimpleNamespace:
         nvmlDeviceGetMigDeviceHandleByIndex=mig_by_index,
         nvmlDeviceGetComputeRunningProcesses=procs({"C"}),
         nvmlDeviceGetGraphicsRunningProcesses=procs({"G"}),
+        NVML_CLOCK_MEM=2,
+        nvmlDeviceGetMaxClockInfo=gpu_figure("max_memory_clock_mhz"),
+        nvmlDeviceGetMemoryBusWidth=gpu_figure("memory_bus_width_bits"),
     )
 
 
@@ -228,6 +240,7 @@ def facts_from_xml(path: Path) -> dict[str, Any]:
         gpus.append({"index": i, "name": g.findtext("product_name"), "uuid": g.findtext("uuid"),
                      "memory_total_mib": _mib(fb.findtext("total")), "memory_used_mib": _mib(fb.findtext("used")),
                      "memory_free_mib": _mib(fb.findtext("free")), "mig_mode": mig.findtext("current_mig"),
+                     "max_memory_clock_mhz": _mib(g.findtext("max_clocks/mem_clock")),
                      "processes": [{"type": p.findtext("type"), "used_memory_mib": _mib(p.findtext("used_memory"))}
                                    for p in g.iter("process_info")]})
     return {"driver_version": root.findtext("driver_version"), "cuda_version": root.findtext("cuda_version"),
@@ -254,4 +267,7 @@ def facts_from_exporter_capture(path: Path) -> dict[str, Any]:
                         r"\s+Reserved\s+: \d+ MiB\n\s+Used\s+: (\d+) MiB\n\s+Free\s+: (\d+) MiB", text, re.S)
     migs = [{"index": int(i), "profile": p, "uuid": u, "memory_total_mib": int(t), "memory_used_mib": int(us),
              "memory_free_mib": int(f)} for (p, i, u), (_, t, us, f) in zip(listed, blocks)]
+    clocks = [int(c) for c in re.findall(r"Max Clocks\n(?:.*\n)*?\s+Memory\s+: (\d+) MHz", text)]
+    for gpu, clock in zip(gpus, clocks):
+        gpu["max_memory_clock_mhz"] = clock
     return {"gpus": gpus, "mig_devices": migs}

@@ -32,7 +32,8 @@ from tests.polling import wait_until
 TIER = "e2e"
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
+STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check",
+          "measure-speed"]
 ROOMY_FREE_BYTES = 8 * GiB  # both fixtures fit with their whole 65536-token window
 # Pace the model downloads so that a fetch lasts long enough to be interrupted part-way.
 THROTTLE_BPS = 64_000
@@ -60,9 +61,14 @@ def env_for(hub: LocalHub, server: Path | None = None) -> dict[str, str]:
     return env
 
 
+# measure-speed's agent prompt for the fixtures: long enough to time, short enough for ~20 runs a test
+AGENT_PROMPT_TOKENS = "2048"
+
+
 def cmd(home: Path, world: World, probe: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "hotfit", "--home", str(home), "--log-format", "json", "auto",
-            "--registry", str(world.registry_path), "--probe-file", str(probe), *args]
+            "--registry", str(world.registry_path), "--probe-file", str(probe),
+            "--agent-prompt-tokens", AGENT_PROMPT_TOKENS, *args]
 
 
 def auto(hub: LocalHub, home: Path, world: World, probe: Path, *args: str, timeout: float = 240,
@@ -188,6 +194,7 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
         ("stage.skip", "fetch-weights"), ("stage.skip", "fetch-template"), ("stage.skip", "verify"),
         ("stage.start", "load"), ("stage.done", "load"), ("stage.start", "probe-tool-call"),
         ("stage.done", "probe-tool-call"), ("stage.start", "re-check"), ("stage.done", "re-check"),
+        ("stage.start", "measure-speed"), ("stage.done", "measure-speed"),
     ]
 
     status = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "status", "--json"],
@@ -195,7 +202,11 @@ def test_fresh_home_provisions_a_verified_probed_rechecked_model(hub: LocalHub, 
     data = json.loads(status.stdout)
     assert data["run"]["run_id"] == new_run and data["provisioned"]["entry_name"] == LARGE
     assert [s["status"] for s in data["stages"]] == ["done", "done", "skipped", "skipped", "skipped",
-                                                     "done", "done", "done"]
+                                                     "done", "done", "done", "done"]
+    # measure-speed: the fixture's agent-sized prompt and follow-up, timed by llama-server, beside the prediction
+    speed = data["provisioned"]["speed"]
+    assert speed["measured"]["prompt_tokens"] > 500 and speed["measured"]["first_token_s"] > 0
+    assert speed["measured"]["follow_up_first_token_s"] > 0 and speed["predicted"]["prompt_tokens"] == int(AGENT_PROMPT_TOKENS)
 
 
 def test_dry_run_prints_probe_plan_and_reuse_and_changes_nothing(hub: LocalHub, plain_world: World,

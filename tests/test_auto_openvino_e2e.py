@@ -37,7 +37,8 @@ TIER = "e2e"
 
 pytestmark = pytest.mark.openvino
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check"]
+STAGES = ["probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check",
+          "measure-speed"]
 ROOMY_FREE_BYTES = 8 * GiB
 TEMPLATE_REPO = "hotfit-fixtures/ov-qwen3-template"
 # The tool-capable template as the OpenVINO/*-ov repositories carry it: GenAI reads it from the

@@ -213,3 +213,18 @@ def test_locate_runs_fetch_test_models_when_the_receipt_is_missing(tmp_path: Pat
     assert realmodels.locate(SMOLLM2) == target
     assert script.cached(real.spec, tmp_path) == target  # the receipt fetch-test-models wrote
     assert realmodels.locate(SMOLLM2, fetch=False) == target
+
+
+def test_bench_speed_fits_the_constants_its_short_runs_say() -> None:
+    """scripts/bench-speed --fit: predicted twice the measured decode and half the measured prefill on
+    the shortest runs halve the decode efficiency and double the per-thread FLOP rate."""
+    bench = load_script("bench-speed")
+    from hotfit.registry import speed
+
+    figures = {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0, "first_token_s": 5.0}
+    runs = [bench.Run(m, "Q4", 512, figures, {"prefill_tokens_per_s": 50.0, "decode_tokens_per_s": 20.0,
+                                              "first_token_s": 10.0}) for m in ("a", "b")]
+    assert runs[0].ratios() == {"prefill_tokens_per_s": 0.5, "decode_tokens_per_s": 2.0, "first_token_s": 2.0}
+    fitted = bench.fit(runs, 2)
+    assert fitted["CPU_DECODE_BANDWIDTH_EFFICIENCY"] == round(speed.CPU_DECODE_BANDWIDTH_EFFICIENCY / 2, 3)
+    assert fitted["CPU_PREFILL_FLOPS_PER_THREAD"] == round(speed.CPU_PREFILL_FLOPS_PER_THREAD * 2, -8)

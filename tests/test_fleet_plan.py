@@ -67,7 +67,10 @@ def fleet_json(*argv: str) -> tuple[int, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("options", [(), ("--kv-cache-type", "q8_0"), ("--origin", "eu"),
-                                     ("--previous", "minicpm5-2b")])
+                                     ("--previous", "minicpm5-2b"),
+                                     # the speed options are selection options too (registry/speed.py)
+                                     ("--agent-prompt-tokens", "4096", "--max-first-token-s", "30"),
+                                     ("--min-decode-tokens-per-s", "20"), ("--min-context", "65536")])
 def test_each_machine_gets_the_plan_hotfit_plan_gives_it(tmp_path: Path, options: tuple[str, ...]) -> None:
     d = fleet_dir(tmp_path)
     _rc, fleet = fleet_json(str(d), *options)
@@ -85,12 +88,36 @@ def test_each_machine_gets_the_plan_hotfit_plan_gives_it(tmp_path: Path, options
         assert m["model"] == (selected and selected["name"]), path.name
         assert m["plan_id"] == (selected and selected["plan_id"])
         assert m["hot_context_tokens"] == (selected and selected["hot_context"])
+        predicted = selected and selected["speed"]["predicted"]
+        fleet_predicted = m["speed_predicted"] and {k: v for k, v in m["speed_predicted"].items() if k != "warning"}
+        assert fleet_predicted == predicted
         assert m["kv_cache_type"] == alone["kv_cache_type"]
         assert m["device"]["index"] == alone["device"]["index"]
         assert m["status"] == ("planned" if selected else "refused")
         if not selected:
             assert m["refusal"] == alone["error"] and m["reason"] == alone["error"]["message"].splitlines()[0]
     assert compared == 6
+
+
+def test_the_speed_options_reach_every_machine_and_its_predicted_speed_is_shown(tmp_path: Path) -> None:
+    d = fleet_dir(tmp_path)
+    _rc, fleet = fleet_json(str(d))
+    planned = [m for m in fleet["machines"] if m["status"] == "planned"]
+    assert planned and all(m["speed_predicted"]["prompt_tokens"] == 16384 for m in planned)
+    gpu = next(m for m in planned if m["name"] == "gpu-l4")
+    _rc, text = run("fleet", "plan", str(d))
+    row = next(line for line in text.splitlines() if line.startswith("gpu-l4 "))
+    assert f"{gpu['speed_predicted']['decode_tokens_per_s']:.1f}" in row.split()
+    _rc, table = run("fleet", "plan", str(d), "--csv", "machines")
+    rows = {r["machine"]: r for r in csv.DictReader(io.StringIO(table))}
+    assert float(rows["gpu-l4"]["first_token_s"]) == gpu["speed_predicted"]["first_token_s"]
+    # a floor no machine can meet refuses each machine with the floor's refusal, naming the fastest
+    _rc, floored = fleet_json(str(d), "--min-decode-tokens-per-s", "100000")
+    read = [m for m in floored["machines"] if m["status"] != "error"]
+    assert read and all(m["status"] == "refused" for m in read)
+    assert any("--min-decode-tokens-per-s" in m["reason"] for m in read)
+    _rc, short = fleet_json(str(d), "--agent-prompt-tokens", "2048")
+    assert {m["speed_predicted"]["prompt_tokens"] for m in short["machines"] if m["status"] == "planned"} == {2048}
 
 
 def test_a_damaged_or_foreign_probe_is_that_machines_error_and_the_rest_are_planned(tmp_path: Path) -> None:

@@ -411,7 +411,7 @@ def test_the_preflight_refuses_a_cuda_build_without_code_for_the_planned_gpu(row
 def test_nvml_json_is_what_the_capture_says(row: Row) -> None:
     data = row.nvml
     assert data is not None
-    keys = ("name", "uuid", "memory_total_mib", "memory_used_mib", "memory_free_mib", "mig_mode")
+    keys = ("name", "uuid", "memory_total_mib", "memory_used_mib", "memory_free_mib", "mig_mode", "max_memory_clock_mhz")
     if row.file("nvidia-smi-q.xml"):
         facts = facts_from_xml(row.folder / "nvidia-smi-q.xml")
         assert data["driver_version"] == facts["driver_version"] and data["cuda_version"] == facts["cuda_version"]
@@ -561,3 +561,44 @@ def test_openvinos_preflight_accepts_what_the_planner_plans_on_a_gpu_machine(row
     assert outcome.plan is not None
     runtime = backend_for("openvino").preflight(outcome.plan, load_settings())
     assert runtime.to_json()["device"] == "CPU"
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.file("nvml.json")], ids=lambda r: r.machine)
+def test_a_gpu_rows_speed_is_plausible_by_construction(row: Row, tmp_path: Path) -> None:
+    """The probe reads the card's bandwidth from NVML (max memory clock x 2 x bus width; a MIG slice
+    through its GPU), and the pick predicted on the GPU beats the same model on the row's host."""
+    from hotfit.pipeline.registry_file import load_registry
+    from hotfit.registry.kv import KV_CACHE_TYPES
+    from hotfit.registry.speed import device_speed_facts, model_speed_facts, predict
+
+    nvml = row.nvml
+    assert nvml is not None
+    probe = row_probe(row, tmp_path)
+    card = nvml["gpus"][0]
+    want = card["max_memory_clock_mhz"] * 1_000_000 * 2 * card["memory_bus_width_bits"] // 8
+    gpus = [d for d in probe.devices if d.kind == "nvidia"]
+    assert gpus and all(d.read_bandwidth_bytes_per_s == want and "NVML" in (d.bandwidth_basis or "") for d in gpus)
+    host = next(d for d in probe.devices if d.kind == "cpu")
+    rc, data = plan_json(probe, tmp_path, "--device", str(gpus[0].index))
+    assert rc == 0 and data["device"]["kind"] == "nvidia"
+    entry = next(e for e in load_registry().entries if e.name == data["selected"]["name"])
+    facts = model_speed_facts(entry, KV_CACHE_TYPES["f16"])
+    assert facts is not None
+    on_gpu, on_host = (predict(facts, device_speed_facts(d), 16384) for d in (gpus[0], host))
+    assert on_gpu.decode_tokens_per_s > on_host.decode_tokens_per_s and on_gpu.first_token_s < on_host.first_token_s
+    predicted = data["selected"]["speed"]["predicted"]
+    assert predicted["decode_tokens_per_s"] == round(on_gpu.decode_tokens_per_s, 2)
+    # an MoE (registry: active parameters recorded) is faster than a dense entry of about its total size
+    moe = [e for e in load_registry().entries if e.params_active_b and e.params_active_b < (e.params_total_b or 0)]
+    assert moe
+    for m in moe:
+        dense = min((e for e in load_registry().entries if not e.params_active_b and e.params_total_b
+                     and model_speed_facts(e, KV_CACHE_TYPES["f16"]) is not None
+                     and e.params_total_b >= 0.8 * (m.params_total_b or 0)), key=lambda e: e.params_total_b or 0,
+                    default=None)
+        fm, fd = model_speed_facts(m, KV_CACHE_TYPES["f16"]), None if dense is None else model_speed_facts(
+            dense, KV_CACHE_TYPES["f16"])
+        if fm is None or fd is None:
+            continue
+        pm, pd = predict(fm, device_speed_facts(gpus[0]), 16384), predict(fd, device_speed_facts(gpus[0]), 16384)
+        assert pm.decode_tokens_per_s > pd.decode_tokens_per_s, (m.name, dense)

@@ -284,7 +284,11 @@ def _manifest(**grade: Any) -> Manifest:
         model_size_bytes=10, model_sha256=None, template_path=None, projector_path=None, kv_cache_type="q8_0",
         planned_hot_context_tokens=40000,
         measured={"opened_context_tokens": 40192, "estimated_kv_bytes": 2_000_000, "actual_kv_bytes": 1_900_000},
-        probe_verdict={"passed": True}, backend_build={}, device={"kind": "cuda"}, plan={},
+        probe_verdict={"passed": True}, backend_build={}, device={"kind": "cuda"},
+        plan={"speed_predicted": {"prompt_tokens": 16384, "prefill_tokens_per_s": 812.5, "decode_tokens_per_s": 41.25,
+                                  "first_token_s": 20.17, "basis": {}}},
+        speed={"measured": {"prompt_tokens": 16000, "prefill_tokens_per_s": 800.0, "decode_tokens_per_s": 40.0,
+                            "first_token_s": 20.0, "follow_up_first_token_s": 2.5}, "ratio": {"decode_tokens_per_s": 1.031}},
         grade=grade or None)
 
 
@@ -313,6 +317,11 @@ def test_a_provisioning_run_renders_every_figure_and_passes_promtool(tmp_path: P
                  "hotfit_provisioned_planned_context_tokens 40000", "hotfit_provisioned_opened_context_tokens 40192",
                  "hotfit_provisioned_kv_estimated_bytes 2000000", "hotfit_provisioned_kv_actual_bytes 1900000",
                  'hotfit_grade_info{verdict="pass",tier="full"} 1', "hotfit_grade_score_ratio 0.9375",
+                 'hotfit_provisioned_speed_predicted{figure="prefill_tokens_per_s",prompt_tokens="16384"} 812.5',
+                 'hotfit_provisioned_speed_predicted{figure="decode_tokens_per_s",prompt_tokens="16384"} 41.25',
+                 'hotfit_provisioned_speed_predicted{figure="first_token_s",prompt_tokens="16384"} 20.17',
+                 'hotfit_provisioned_speed_measured{figure="follow_up_first_token_s",prompt_tokens="16000"} 2.5',
+                 'hotfit_provisioned_speed_ratio{figure="decode_tokens_per_s"} 1.031',
                  "hotfit_grade_passed_scenarios 15", "hotfit_grade_scenarios 16"):
         assert line + "\n" in text, line
     promtool_check(text, tmp_path)

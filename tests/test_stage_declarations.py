@@ -24,7 +24,7 @@ TIER = "unit"
 
 # every stages/<name>.py (the private helpers, _gguf_header and _snapshot_verify, are no stages)
 STAGE_MODULES = ("probe", "plan", "fetch_weights", "fetch_template", "verify", "load", "probe_tool_call",
-                 "recheck", "grade")
+                 "recheck", "measure_speed", "grade")
 
 
 def test_the_stage_modules_are_every_public_module_of_stages() -> None:

@@ -45,6 +45,7 @@ def test_a_damaged_verify_record_is_named_and_verify_runs_again(hub: LocalHub, w
         ("stage.start", "verify"), ("stage.done", "verify"),
         ("stage.start", "load"), ("stage.done", "load"), ("stage.start", "probe-tool-call"),
         ("stage.done", "probe-tool-call"), ("stage.start", "re-check"), ("stage.done", "re-check"),
+        ("stage.start", "measure-speed"), ("stage.done", "measure-speed"),
     ]
     stale = [e for e in events(home) if e["event"] == "stage.stale" and e.get("run_id") == run_id]
     assert len(stale) == 1 and stale[0]["stage"] == "verify"

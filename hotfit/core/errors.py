@@ -191,6 +191,12 @@ class AllocationMismatch(BackendError):
     code = "allocation_mismatch"
 
 
+class SpeedFloorMissed(BackendError):
+    """The opened session measured below an operator's speed floor (stages/measure_speed.py)."""
+
+    code = "speed_floor"
+
+
 class DeviceMismatch(BackendError):
     code = "device_mismatch"
 

@@ -23,6 +23,12 @@ Environment variables (all optional):
 ``HOTFIT_LOG_MAX_BYTES``        rotate ``logs/hotfit.jsonl`` at this size (default 10 MiB)
 ``HOTFIT_LOG_KEEP``             rotated log files kept (default 5)
 ``HOTFIT_KEEP_RUNS``            runs kept in state.db and runs/ (default 20; older ones pruned)
+``HOTFIT_MIN_DECODE_TOKENS_PER_S``  opt-in floor: a candidate predicted to generate slower is not
+                                picked (``--min-decode-tokens-per-s`` wins; docs/usage.md)
+``HOTFIT_MAX_FIRST_TOKEN_S``    opt-in floor: a candidate predicted to take longer to the first
+                                token of an agent prompt is not picked (``--max-first-token-s``)
+``HOTFIT_HOST_SPEED_CACHE``     the probe's per-machine bandwidth cache (default
+                                ``$XDG_CACHE_HOME/hotfit/host-speed.json``)
 ==============================  ===============================================================
 
 On-disk layout under the home directory (the one place it is written down)::
@@ -44,6 +50,8 @@ On-disk layout under the home directory (the one place it is written down)::
       grades/                  `hotfit grade` records (score, transcripts, fingerprint), one JSON each
       serve.pid                the llama-server `hotfit serve` exec'd (JSON: pid, start time, port,
                                model, window); trusted only while that process is it (pipeline/worker.py)
+      speed-calibration.json   measured / predicted speed of the last measure-speed on this machine,
+                               with its device, probe figure and provenance (registry/speed.py)
 """
 
 from __future__ import annotations
@@ -166,6 +174,10 @@ class Settings:
     # HOTFIT_MIRROR_TOKEN=1: send the Hub token to an HF_ENDPOINT that has not shown itself a Hub
     # (a static mirror); by default it goes only to the Hub itself (docs/fleet.md, "Serving the mirror")
     mirror_token: bool = False
+    # opt-in speed floors from the environment (registry/speed.py; flags win over them); None = unset
+    min_decode_tokens_per_s: float | None = None
+    max_first_token_s: float | None = None
+    host_speed_file: Path | None = None  # the probe's bandwidth measurement, cached per machine
 
     @property
     def home_named(self) -> str:
@@ -184,6 +196,7 @@ class Settings:
     manifest_path = _InHome("manifest.json")
     metrics_dir = _InHome("metrics")
     serve_pid_path = _InHome("serve.pid")
+    speed_calibration_path = _InHome("speed-calibration.json")
 
     def model_dir(self, entry_name: str) -> Path:
         return self.models_dir / entry_name
@@ -201,6 +214,21 @@ def _whole(env: Mapping[str, str], name: str, default: int, low: int, example: s
     except ValueError:
         raise UsageError(f"{name}={raw!r} is not a whole number >= {low}",
                          hint=f"unset it (default {default}) or set e.g. {name}={example}") from None
+    return value
+
+
+def _positive(env: Mapping[str, str], name: str, example: str) -> float | None:
+    """``$name`` as a positive finite number (None when unset or empty); else a UsageError naming it."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw)
+        if not (value > 0 and value != float("inf")):
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a positive number",
+                         hint=f"unset it (no floor) or set e.g. {name}={example}", variable=name, value=raw) from None
     return value
 
 
@@ -245,4 +273,8 @@ def load_settings(
         log_max_bytes=_whole(env, "HOTFIT_LOG_MAX_BYTES", DEFAULT_LOG_MAX_BYTES, 4096, "10485760"),
         log_keep=_whole(env, "HOTFIT_LOG_KEEP", DEFAULT_LOG_KEEP, 0, "5"),
         keep_runs=_whole(env, "HOTFIT_KEEP_RUNS", DEFAULT_KEEP_RUNS, 1, "20"),
+        min_decode_tokens_per_s=_positive(env, "HOTFIT_MIN_DECODE_TOKENS_PER_S", "10"),
+        max_first_token_s=_positive(env, "HOTFIT_MAX_FIRST_TOKEN_S", "120"),
+        host_speed_file=_xdg_dir(env, "HOTFIT_HOST_SPEED_CACHE", "XDG_CACHE_HOME", ".cache", "hotfit",
+                                 "host-speed.json"),
     )

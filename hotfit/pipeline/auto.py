@@ -53,6 +53,7 @@ from hotfit.pipeline.provision import (
 from hotfit.pipeline.session_stages import GRADE_STAGE, GradeOptions, grade_stage
 from hotfit.pipeline.worker import WorkerFacts, find_worker, worker_held_bytes
 from hotfit.stages.grade import GradeResult
+from hotfit.stages.measure_speed import SPEED_STAGE, SpeedResult
 from hotfit.stages.load import LoadResult
 from hotfit.planner.devices import PlanOutcome, PreviousModel
 from hotfit.planner.document import outcome_json
@@ -126,6 +127,7 @@ class ProvisionedResults:
     call: ProbeToolCallResult
     report: AllocationReport
     graded: GradeResult | None = None
+    speed: SpeedResult | None = None  # measure-speed (absent with --skip-speed-check)
 
     @classmethod
     def of(cls, outcome: PipelineOutcome) -> ProvisionedResults:
@@ -135,7 +137,8 @@ class ProvisionedResults:
                    template=result("fetch-template", TemplateResult), verified=result("verify", VerifyResult),
                    loaded=result("load", LoadResult), call=result("probe-tool-call", ProbeToolCallResult),
                    report=cast(AllocationReport, outcome.results["re-check"]),  # a backend's report (a protocol)
-                   graded=result(GRADE_STAGE, GradeResult) if GRADE_STAGE in outcome.results else None)
+                   graded=result(GRADE_STAGE, GradeResult) if GRADE_STAGE in outcome.results else None,
+                   speed=result(SPEED_STAGE, SpeedResult) if SPEED_STAGE in outcome.results else None)
 
 
 def build_manifest(results: ProvisionedResults) -> Manifest:
@@ -190,7 +193,17 @@ def build_manifest(results: ProvisionedResults) -> Manifest:
         extra={"vision": fetched.vision} | dict(own.extra),
         backend=plan.backend,
         grade=grade_summary(results.graded.to_json(), run_id=results.run_id) if results.graded else None,
+        speed=speed_summary(plan, results.speed),
     )
+
+
+def speed_summary(plan: Plan, measured: SpeedResult | None) -> dict[str, Any]:
+    """The manifest's ``speed``: the plan's prediction, what the session measured (None: the check was
+    skipped with --skip-speed-check) and their ratio (predicted / measured)."""
+    predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
+    if measured is None:
+        return {"predicted": predicted, "measured": None, "ratio": {}, "skipped": "--skip-speed-check"}
+    return {"predicted": predicted, "measured": dict(measured.measured), "ratio": dict(measured.ratio)}
 
 
 async def previous_model(opts: AutoOptions, settings: Settings) -> tuple[Manifest | None, PreviousModel | None]:
@@ -303,7 +316,7 @@ async def provision(opts: AutoOptions, settings: Settings, grade: GradeOptions |
                       + ([grade_stage(grade)] if grade is not None else []))
             run_args = opts.to_json() | ({"grade": grade.to_json()} if grade is not None else {})
             runner = Runner(stages, store, settings, run_args=run_args,
-                            force=(*SESSION_STAGES, GRADE_STAGE) if opts.recheck else ())
+                            force=(*SESSION_STAGES, SPEED_STAGE, GRADE_STAGE) if opts.recheck else ())
             outcome = await runner.run()
             failed = False
         finally:

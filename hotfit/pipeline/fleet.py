@@ -75,6 +75,8 @@ class MachinePlan:
             "device": None if device is None else {"index": device.index, "kind": device.kind, "name": device.name,
                                                     "compute_capability": device.compute_capability},
             "hot_context_tokens": None if plan is None else plan.hot_context_tokens,
+            # registry/speed.py's prediction for the pick on its device (None: none made)
+            "speed_predicted": None if plan is None or plan.speed_predicted is None else dict(plan.speed_predicted),
             "kv_cache_type": None if self.outcome is None else self.outcome.kv_cache_type,
             "reused_previous": bool(plan is not None and plan.reused_previous),
             "previous_from": self.previous_from,

@@ -37,10 +37,11 @@ _OLD_BUILD_FIELD = "llama_cpp"
 _TOP_FIELDS = ("schema", "run_id", "plan_id", "written_at", "entry_name", "model_path", "model_size_bytes",
                "model_sha256", "template_path", "projector_path", "kv_cache_type", "planned_hot_context_tokens",
                "measured", "probe_verdict", "device", "plan")
-# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model.
+# written only when set; backend: since OpenVINO; grade: the last multi-turn grade of this model;
+# speed: predicted and measured (measure-speed).
 # backend_build: the backend's build facts, written as "llama_cpp" before a third backend could
 # have any (a manifest with that name still reads)
-_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade", "backend_build", _OLD_BUILD_FIELD)
+_OPTIONAL_FIELDS = ("extra", "template_sha256", "backend", "grade", "backend_build", _OLD_BUILD_FIELD, "speed")
 
 
 def _build(doc: Mapping[str, Any], f: Fields) -> Mapping[str, Any]:
@@ -80,6 +81,8 @@ class Manifest:
     grade: Mapping[str, Any] | None = None
     # read from a home copied (cp -a) or moved from this one: its paths were re-rooted here (not written)
     rehomed_from: str | None = None
+    # predicted (the plan's) and measured (measure-speed) speed for an agent prompt, and their ratio
+    speed: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,6 +107,7 @@ class Manifest:
             **({"template_sha256": self.template_sha256} if self.template_sha256 else {}),
             "backend": self.backend,
             **({"grade": dict(self.grade)} if self.grade is not None else {}),
+            **({"speed": dict(self.speed)} if self.speed is not None else {}),
         }
 
     @classmethod
@@ -138,6 +142,7 @@ class Manifest:
             # manifests written before OpenVINO have no backend: llama's
             backend=f.choice(doc.get("backend"), "backend", backend_names(), nullable=True) or DEFAULT_BACKEND,
             grade=f.mapping(doc.get("grade"), "grade", nullable=True) if doc.get("grade") is not None else None,
+            speed=f.mapping(doc.get("speed"), "speed", nullable=True) if doc.get("speed") is not None else None,
         )
 
     @property

@@ -170,6 +170,22 @@ def render(run: LastRun, manifest: Manifest | None, home: str | None = None) -> 
                 [({}, measured.get("actual_kv_bytes"))])
         x.gauge("hotfit_provisioned_written_timestamp_seconds", "When the standing provisioning was written.",
                 [({}, _timestamp(manifest.written_at))])
+        predicted = (manifest.plan or {}).get("speed_predicted")
+        if isinstance(predicted, Mapping):
+            x.gauge("hotfit_provisioned_speed_predicted", "The plan's predicted speed for an agent prompt of "
+                    "prompt_tokens (registry/speed.py): prefill and generation tokens/s, first-token seconds.",
+                    [({"figure": k, "prompt_tokens": predicted.get("prompt_tokens")}, predicted.get(k))
+                     for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "first_token_s")])
+        speed = manifest.speed or {}
+        seen = speed.get("measured")
+        if isinstance(seen, Mapping):
+            x.gauge("hotfit_provisioned_speed_measured", "The opened session's measured speed on an agent-sized "
+                    "prompt (measure-speed): prefill and generation tokens/s, first-token seconds.",
+                    [({"figure": k, "prompt_tokens": seen.get("prompt_tokens")}, seen.get(k))
+                     for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "first_token_s",
+                               "follow_up_first_token_s")])
+            x.gauge("hotfit_provisioned_speed_ratio", "Predicted / measured speed, per figure.",
+                    [({"figure": k}, v) for k, v in (speed.get("ratio") or {}).items()])
         grade = manifest.grade or {}
         if grade:
             x.gauge("hotfit_grade_info", "The provisioned model's last multi-turn tool-use grade: verdict and tier.",

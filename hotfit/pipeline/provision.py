@@ -31,11 +31,13 @@ from hotfit.pipeline.probe import probe_machine
 from hotfit.pipeline.registry_file import load_registry
 from hotfit.pipeline.session_stages import SESSION_STAGES, session_stages
 from hotfit.registry.select import normalize_origin
-from hotfit.stages import fetch_template, fetch_weights, plan, probe, verify
+from hotfit.stages import fetch_template, fetch_weights, measure_speed, plan, probe, verify
 from hotfit.stages.fetch_weights import FetchJob
 from hotfit.planner.devices import KVSource, PlanOutcome, PreviousModel
 from hotfit.registry.catalog import Registry
 from hotfit.registry.kv import KVCacheType
+from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedFloors, SpeedPlanning
+from hotfit.stages.measure_speed import SpeedCheckJob, read_calibration
 from hotfit.stages.plan import PlanJob, build_plan, resolve_kv_cache_type
 from hotfit.stages.probe import ProbeJob
 
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 STAGE_NAMES: tuple[str, ...] = (
-    "probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check",
+    "probe", "plan", "fetch-weights", "fetch-template", "verify", "load", "probe-tool-call", "re-check", "measure-speed",
 )
 
 
@@ -78,12 +80,32 @@ class AutoOptions:
     wait: bool = False
     device: str | None = None  # --device KIND|INDEX: plan only that device
     admit_graded: bool = False  # --admit-graded: tool-chat entries with valid grade evidence are candidates
+    # speed (registry/speed.py): the agent prompt predicted for, and the opt-in floors as flags (None = unset:
+    # the environment's HOTFIT_MIN_DECODE_TOKENS_PER_S / HOTFIT_MAX_FIRST_TOKEN_S, else no floor)
+    agent_prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS
+    min_decode_tokens_per_s: float | None = None
+    max_first_token_s: float | None = None
+    min_context_tokens: int | None = None
+    skip_speed_check: bool = False  # --skip-speed-check: no measure-speed stage (never skipped otherwise)
+
+    def speed_check(self) -> SpeedCheckJob:
+        return SpeedCheckJob(self.agent_prompt_tokens, SpeedFloors(self.min_decode_tokens_per_s,
+                                                                   self.max_first_token_s))
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
 
 
 # ------------------------------------------------------------------------ probe and plan
+
+
+def speed_planning(settings: Settings, *, agent_prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS,
+                   min_decode_tokens_per_s: float | None = None, max_first_token_s: float | None = None,
+                   min_context_tokens: int | None = None) -> SpeedPlanning:
+    """The run's speed inputs: a flag wins over its environment variable (core/settings.py)."""
+    return SpeedPlanning(agent_prompt_tokens, SpeedFloors(min_decode_tokens_per_s, max_first_token_s, min_context_tokens)
+                         .over(settings.min_decode_tokens_per_s, settings.max_first_token_s),
+                         read_calibration(settings.speed_calibration_path))
 
 
 def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
@@ -96,7 +118,10 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
     try:
         outcome = build_plan(probe, registry.entries, cache_type, source, origin=opts.origin,
                              backend=opts.backend, previous=previous, model=opts.model, device=opts.device,
-                             admission=admitted)
+                             admission=admitted, speed=speed_planning(
+                                 settings, agent_prompt_tokens=opts.agent_prompt_tokens,
+                                 min_decode_tokens_per_s=opts.min_decode_tokens_per_s,
+                                 max_first_token_s=opts.max_first_token_s, min_context_tokens=opts.min_context_tokens))
         if outcome.plan is None:
             outcome.selection.raise_if_refused()
     except NoModelQualifies as exc:
@@ -120,6 +145,12 @@ class SelectionOptions:
     previous: str | None = None
     device: str | None = None  # --device KIND|INDEX: plan only that device
     admit_graded: bool = False  # --admit-graded: this home's grade evidence (one machine only)
+    # speed (registry/speed.py): the agent prompt predicted for, and the opt-in floors (None = unset:
+    # the environment's HOTFIT_MIN_DECODE_TOKENS_PER_S / HOTFIT_MAX_FIRST_TOKEN_S, else no floor)
+    agent_prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS
+    min_decode_tokens_per_s: float | None = None
+    max_first_token_s: float | None = None
+    min_context_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +182,11 @@ def plan_probe(settings: Settings, prepared: PreparedSelection, probe: ProbeResu
     return build_plan(probe, entries, prepared.cache_type, prepared.kv_cache_type_source,
                       origin=prepared.origin, backend=opts.backend,
                       previous=previous if previous is not None else opts.previous, device=opts.device,
-                      admission=admission(settings, entries, probe) if opts.admit_graded else None)
+                      admission=admission(settings, entries, probe) if opts.admit_graded else None,
+                      speed=speed_planning(settings, agent_prompt_tokens=opts.agent_prompt_tokens,
+                                           min_decode_tokens_per_s=opts.min_decode_tokens_per_s,
+                                           max_first_token_s=opts.max_first_token_s,
+                                           min_context_tokens=opts.min_context_tokens))
 
 
 def plan_machine(settings: Settings, opts: SelectionOptions, *, probe_file: str | None) -> PlanOutcome:
@@ -187,4 +222,5 @@ def provisioning_stages(opts: AutoOptions, previous: PreviousModel | None = None
     """The pipeline of ``hotfit auto``, in order; ``on_plan`` sees the plan stage's outcome."""
     return [*planning_stages(opts, previous, on_plan=on_plan),
             *fetch_stages(FetchJob(wait=opts.wait, rehash_installed=opts.recheck)),
-            *session_stages()]
+            *session_stages(),
+            *([] if opts.skip_speed_check else [measure_speed.DECLARATION.with_job(opts.speed_check())])]

@@ -25,6 +25,7 @@ from hotfit.registry.budget import DEVICE_KINDS, DeviceBudget, device_budget
 from hotfit.registry.kv import KVCacheType
 from hotfit.registry.refusal import Refusal
 from hotfit.registry.select import normalize_backend
+from hotfit.registry.speed import SpeedPlanning
 from hotfit.registry.verdict import Verdict
 
 KVSource = Literal["env", "flag", "default"]
@@ -103,6 +104,7 @@ class PlanOutcome:
     device_choice: str = ""  # why this device's plan won (or why every device refused)
     forced_device: str | None = None  # --device as given
     admission: Admission | None = None  # --admit-graded: what grade evidence admitted (None: curation only)
+    speed: SpeedPlanning = SpeedPlanning()  # the agent prompt predicted for, and the opt-in floors
 
     @property
     def admitted_evidence(self) -> Mapping[str, Any] | None:
@@ -174,10 +176,12 @@ def _budget(device: Device, free_bytes: int | None = None) -> DeviceBudget:
 
 def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCacheType, *, origin: str | None,
                  backend: str, previous: PreviousModel | None, model: str | None, considered: bool,
-                 admitted: frozenset[str] = frozenset()) -> DevicePlan:
+                 admitted: frozenset[str] = frozenset(), speed: SpeedPlanning = SpeedPlanning()) -> DevicePlan:
+    fast = speed.on(device)  # the device's speed figures and the floors (registry/speed.py)
     if model:
         try:
-            sel = select_explicit(entries, model, _budget(device), cache_type, origin=origin, backend=backend)
+            sel = select_explicit(entries, model, _budget(device), cache_type, origin=origin, backend=backend,
+                                  speed=fast)
         except NoModelQualifies as exc:
             return DevicePlan(device, considered, None, exc)
         return DevicePlan(device, considered, sel)
@@ -187,11 +191,12 @@ def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCache
         # memory is not available to any other model while that worker runs.
         judged = available_with_worker(device, previous.worker_held_bytes)
         sel = select_auto(entries, _budget(device, judged), cache_type, origin=origin, backend=backend,
-                          previous=previous.name, admitted=admitted)
+                          previous=previous.name, admitted=admitted, speed=fast)
         if sel.reused_previous:
             return DevicePlan(device, considered, sel, judged_free_bytes=judged)
     sel = select_auto(entries, _budget(device), cache_type, origin=origin, backend=backend,
-                      previous=previous.name if previous is not None and prev_here else None, admitted=admitted)
+                      previous=previous.name if previous is not None and prev_here else None, admitted=admitted,
+                      speed=fast)
     return DevicePlan(device, considered, sel)
 
 
@@ -269,12 +274,14 @@ def build_plan(
     model: str | None = None,
     device: str | None = None,
     admission: Admission | None = None,
+    speed: SpeedPlanning = SpeedPlanning(),
 ) -> PlanOutcome:
     """Plan every device the probe found (``device``: --device KIND|INDEX, only those) — GPU and
     host memory never added — and take the plan that wins by the spec's ordering, the previous
     model kept while it qualifies on its device. ``model`` = explicit --model NAME (raises when
     it fits no considered device; no fallback). Otherwise never raises for 'no fit' — check ``plan``.
-    ``admission``: tool-chat entries grade evidence admits per device (``--admit-graded``; None: curation only)."""
+    ``admission``: tool-chat entries grade evidence admits per device (``--admit-graded``; None: curation only).
+    ``speed``: the agent prompt every candidate's speed is predicted for, and the opt-in floors."""
     entries = tuple(entries)
     if isinstance(previous, str):
         previous = PreviousModel(previous)
@@ -289,7 +296,8 @@ def build_plan(
     devices = tuple(DevicePlan(d, False, None, unserved=unserved[d.index]) if d.index in unserved
                     else _plan_device(d, entries, cache_type, origin=origin, backend=backend, previous=previous,
                                       model=model, considered=d.index in wanted,
-                                      admitted=admission.on(d) if admission is not None else frozenset())
+                                      admitted=admission.on(d) if admission is not None else frozenset(),
+                                      speed=speed)
                     for d in probe.devices)
     considered = [dp for dp in devices if dp.considered]
     qualifying = [dp for dp in considered if dp.chosen is not None]
@@ -332,7 +340,9 @@ def build_plan(
             origin=selection.origin,
             reused_previous=selection.reused_previous,
             explicit_model=selection.explicit,
+            speed_predicted=None if chosen.speed is None else chosen.speed.to_json() | (
+                {} if selection.speed_warning is None else {"warning": selection.speed_warning}),
         )
     return PlanOutcome(probe=probe, placement=placement, selection=selection,
                        kv_cache_type_source=kv_cache_type_source, plan=plan, devices=devices, device_choice=why,
-                       forced_device=device, admission=admission)
+                       forced_device=device, admission=admission, speed=speed)

@@ -78,6 +78,7 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
             "reused_previous": sel.reused_previous,
             "explicit_model": sel.explicit,
             "plan_id": outcome.plan.plan_id,
+            "speed": {"predicted": None if chosen.speed is None else chosen.speed.to_json()},
         }
         if outcome.admission is not None:  # --admit-graded: whether the pick rests on grade evidence, and which
             selected["admitted_by_grade"] = sel.admitted_by_grade
@@ -97,6 +98,8 @@ def outcome_json(outcome: PlanOutcome) -> dict[str, Any]:
         "selected": selected,
         "candidates": [v.to_json() for v in sel.verdicts],
         "notes": list(sel.notes),
+        "speed": {"agent_prompt_tokens": outcome.speed.prompt_tokens, "floors": outcome.speed.floors.to_json(),
+                  "warning": sel.speed_warning},
         "error": None if sel.refusal is None else sel.refusal.to_json(),
     } | ({} if outcome.admission is None else {"admission": outcome.admission.to_json()})
 

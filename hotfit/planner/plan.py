@@ -92,6 +92,9 @@ class Plan:
     origin: str | None  # None = any
     reused_previous: bool = False
     explicit_model: bool = False  # --model NAME: tool-chat allowed, no fallback
+    # registry/speed.py's prediction for the pick on its device (SpeedPrediction.to_json()); None = none
+    # made. Not part of plan_id: a prediction informs the pick, it is not what is provisioned.
+    speed_predicted: Mapping[str, Any] | None = None
 
     @property
     def backend(self) -> str:
@@ -114,7 +117,7 @@ class Plan:
             "backend": self.backend,
             "reused_previous": self.reused_previous,
             "explicit_model": self.explicit_model,
-        }
+        } | ({} if self.speed_predicted is None else {"speed_predicted": dict(self.speed_predicted)})
 
     @property
     def plan_id(self) -> str:
@@ -132,7 +135,7 @@ class Plan:
 
 _PLAN_FIELDS = ("entry", "probe", "kv_cache_type", "kv_cache_type_source", "hot_context_tokens",
                 "estimated_kv_bytes", "budget", "origin")
-_PLAN_OPTIONAL = ("schema", "placement", "backend", "reused_previous", "explicit_model")
+_PLAN_OPTIONAL = ("schema", "placement", "backend", "reused_previous", "explicit_model", "speed_predicted")
 
 
 def _decode_placement(doc: Mapping[str, Any], probe: ProbeResult, f: Fields) -> Placement:
@@ -175,11 +178,20 @@ def decode_plan_fields(data: Any, f: Fields) -> Plan:
         origin=f.string(doc["origin"], "origin", nullable=True),
         reused_previous=f.boolean(doc.get("reused_previous", False), "reused_previous"),
         explicit_model=f.boolean(doc.get("explicit_model", False), "explicit_model"),
+        speed_predicted=_speed_predicted(doc.get("speed_predicted"), f),
     )
     if doc.get("backend", entry.backend) != entry.backend:
         raise f.fail("backend", f"is {doc['backend']!r} but the entry's backend is {entry.backend!r}",
                      REPROVISION_HINT)
     return plan
+
+
+def _speed_predicted(raw: Any, f: Fields) -> Mapping[str, Any] | None:
+    """The plan's recorded speed prediction (registry/speed.py): an object, or absent in older records."""
+    if raw is None:
+        return None
+    return f.object(raw, "speed_predicted", ("prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
+                                            "first_token_s", "basis"), extra=True)
 
 
 def decode_plan(record: Mapping[str, Any]) -> Plan:

@@ -38,6 +38,12 @@ class Device:
     processes_used_bytes: int | None = None  # held by other processes (NVML), informational
     ggml_device: str | None = None  # llama-server's name for it ("Vulkan0", "CUDA0"): load pins -dev to it
     compute_capability: str | None = None  # NVIDIA: "8.9" (NVML): which CUDA builds have code for it
+    # What speed depends on (registry/speed.py): the device's memory read bandwidth and where the
+    # figure came from (host: measured by the probe; NVIDIA: NVML's memory clock x bus width), and
+    # for host memory the threads llama-server runs. None = not probed (an older probe file).
+    read_bandwidth_bytes_per_s: int | None = None
+    bandwidth_basis: str | None = None
+    compute_threads: int | None = None
 
 
 def preferred_device(devices: tuple[Device, ...]) -> Device:
@@ -75,7 +81,8 @@ class ProbeResult:
 
 
 _DEVICE_REQUIRED = ("index", "kind", "name", "total_bytes", "free_bytes")
-_DEVICE_OPTIONAL = ("uuid", "processes_used_bytes", "ggml_device", "compute_capability")
+_DEVICE_OPTIONAL = ("uuid", "processes_used_bytes", "ggml_device", "compute_capability",
+                    "read_bandwidth_bytes_per_s", "bandwidth_basis", "compute_threads")
 _CAPABILITY_RE = re.compile(r"\d+\.\d")
 
 
@@ -103,11 +110,16 @@ def decode_probe(data: Any, f: Fields) -> ProbeResult:
         capability = d.matching(obj.get("compute_capability"), "compute_capability", _CAPABILITY_RE,
                                 "a CUDA compute capability such as '8.9'", "write NVML's value, or null",
                                 nullable=True)
+        bandwidth = d.integer(obj.get("read_bandwidth_bytes_per_s"), "read_bandwidth_bytes_per_s", minimum=1,
+                              nullable=True)
+        bandwidth_basis = d.string(obj.get("bandwidth_basis"), "bandwidth_basis", nullable=True, blank=True)
+        threads = d.integer(obj.get("compute_threads"), "compute_threads", minimum=1, nullable=True)
         if any(x.index == index for x in devices):
             raise d.fail("index", f"{index} appears twice", "give every device its own index")
         devices.append(Device(index=index, kind=kind, name=name, total_bytes=total, free_bytes=free,
                               uuid=uuid, processes_used_bytes=used, ggml_device=ggml_device,
-                              compute_capability=capability))
+                              compute_capability=capability, read_bandwidth_bytes_per_s=bandwidth,
+                              bandwidth_basis=bandwidth_basis, compute_threads=threads))
     if "selected" in doc:  # written by every probe; a plan record of schema 1 places its model there
         probed_index(doc["selected"], tuple(devices), f, "selected")
     return ProbeResult(devices=tuple(devices), notes=f.strings(doc.get("notes", []), "notes"))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotfit.registry.budget import ACCELERATOR_KINDS, DeviceBudget
+from hotfit.registry.speed import SpeedPrediction
 from hotfit.registry.verdict import Verdict
 
 
@@ -41,6 +42,12 @@ class Candidate:
     def hot_context_tokens(self) -> int:
         assert self.verdict.fit is not None  # a qualifying verdict has its fit
         return self.verdict.fit.hot_context_tokens
+
+    @property
+    def speed(self) -> SpeedPrediction | None:
+        """The predicted speed, made once with the verdict (planner/select.py); not a ranking term:
+        speed floors are eligibility, so a candidate below one is never ranked."""
+        return self.verdict.speed
 
     @property
     def accelerator(self) -> bool:

@@ -13,9 +13,10 @@ from typing import Literal
 from hotfit.core.entry import PERMISSIVE_LICENSES, Entry
 from hotfit.registry.budget import MIN_AGENTIC_HOT_CONTEXT, DeviceBudget, ModelFit, fmt_bytes, model_fit
 from hotfit.registry.kv import KVCacheType, UnknownKV
+from hotfit.registry.speed import SpeedPrediction
 
 ReasonCode = Literal[
-    "ok", "backend", "origin", "tier", "eligibility", "unknown_metadata", "memory", "context_floor"
+    "ok", "backend", "origin", "tier", "eligibility", "unknown_metadata", "memory", "context_floor", "speed"
 ]
 
 
@@ -30,6 +31,7 @@ class Verdict:
     reason_code: ReasonCode
     reason: str
     fit: ModelFit | None
+    speed: SpeedPrediction | None = None  # predicted for an agent prompt (registry/speed.py); None = not predicted
 
     @property
     def hot_context_tokens(self) -> int | None:
@@ -50,6 +52,7 @@ class Verdict:
             "weights_bytes": None if f is None else f.weights_bytes,
             "allowance_bytes": None if f is None else f.allowance_bytes,
             "kv_budget_bytes": None if f is None else f.kv_budget_bytes,
+            "speed": {"predicted": None if self.speed is None else self.speed.to_json()},
         }
 
 

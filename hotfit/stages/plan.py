@@ -25,8 +25,10 @@ from hotfit.planner import devices as planner
 from hotfit.planner.devices import Admission, PlanOutcome, PreviousModel
 from hotfit.planner.plan import Plan, decode_plan
 from hotfit.planner.probe import ProbeResult
+from hotfit.planner.select import Selection
 from hotfit.registry.kv import KVCacheType, parse_kv_cache_type
 from hotfit.registry.select import normalize_backend
+from hotfit.registry.speed import SpeedPlanning
 from hotfit.stages.declaration import StageContext, StageDeclaration
 
 log = get_logger()
@@ -126,12 +128,12 @@ def build_plan(probe: ProbeResult, entries: Iterable[Entry], cache_type: KVCache
                kv_cache_type_source: KVSource = "default", *, origin: str | None = None,
                backend: str = DEFAULT_BACKEND, previous: str | PreviousModel | None = None,
                model: str | None = None, device: str | None = None,
-               admission: Admission | None = None) -> PlanOutcome:
+               admission: Admission | None = None, speed: SpeedPlanning = SpeedPlanning()) -> PlanOutcome:
     """:func:`planner.devices.build_plan` with the device kinds ``backend`` serves asked of it, and
     the outcome logged (``plan.device`` for every device, then ``plan.selected`` or ``plan.refused``)."""
     outcome = planner.build_plan(probe, entries, cache_type, kv_cache_type_source, origin=origin, backend=backend,
                                  served=served_device_kinds(backend), previous=previous, model=model, device=device,
-                                 admission=admission)
+                                 admission=admission, speed=speed)
     log_outcome(outcome)
     return outcome
 
@@ -161,3 +163,14 @@ def log_outcome(outcome: PlanOutcome) -> None:
                     else refusal.smallest.required_free_bytes)
     for note in selection.notes:
         log.info("plan.note", note=note)
+    _log_speed(selection)
+
+
+def _log_speed(selection: Selection) -> None:
+    """One event for the pick's predicted speed, and one warning when its first token is slow."""
+    chosen = selection.chosen
+    if chosen is not None and chosen.speed is not None:
+        log.info("plan.speed", model=chosen.entry.name, **chosen.speed.to_json())
+    if selection.speed_warning is not None:
+        log.warning("plan.slow_first_token", model=None if chosen is None else chosen.entry.name,
+                    warning=selection.speed_warning)

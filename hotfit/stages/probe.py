@@ -58,6 +58,7 @@ from hotfit.core.log import get_logger
 from hotfit.planner.probe import Device, ProbeResult, decode_probe
 from hotfit.core.records import Fields, parse_json
 from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages._host_speed import HostSpeed, host_speed
 from hotfit.state.files import read_text_document, write_text_atomic
 
 log = get_logger()
@@ -217,7 +218,8 @@ def probe_nvidia(nvml: Any, env: Mapping[str, str], notes: list[str]) -> list[De
             devices.append(Device(index=-1, kind="nvidia", name=name, total_bytes=int(mem.total),
                                   free_bytes=int(mem.free), uuid=uuid,
                                   processes_used_bytes=_processes_used(nvml, handle),
-                                  compute_capability=_compute_capability(nvml, handle)))
+                                  compute_capability=_compute_capability(nvml, handle),
+                                  **_memory_bandwidth(nvml, handle)))
     except nvml.NVMLError as exc:
         raise _nvml_failure("reading device memory", exc) from exc
     finally:
@@ -249,6 +251,29 @@ def _compute_capability(nvml: Any, handle: Any) -> str | None:
         except (AttributeError, TypeError, ValueError):
             return None  # bindings without the call, or not a (major, minor) pair
     return None
+
+
+def _memory_bandwidth(nvml: Any, handle: Any) -> dict[str, Any]:
+    """The card's peak memory read bandwidth from NVML: max memory clock (MHz) x 2 (double data rate)
+    x bus width (bits) / 8 — H100 SXM 2619 MHz x 5120 bits = 3.35 TB/s, RTX 4090 10501 MHz x 384
+    bits = 1.01 TB/s, the vendors' figures. A MIG device answers through its GPU (the whole card's
+    figure: an upper bound for its slice). Empty when NVML does not say: the speed model then
+    assumes a figure and its basis says so (registry/speed.py)."""
+    def ask(h: Any) -> tuple[int, int]:
+        return int(nvml.nvmlDeviceGetMaxClockInfo(h, getattr(nvml, "NVML_CLOCK_MEM", 2))), \
+            int(nvml.nvmlDeviceGetMemoryBusWidth(h))
+
+    for get in (lambda: ask(handle), lambda: ask(nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle))):
+        try:
+            clock_mhz, bus_bits = get()
+        except nvml.NVMLError:
+            continue
+        except (AttributeError, TypeError, ValueError):
+            return {}
+        if clock_mhz > 0 and bus_bits > 0:
+            return {"read_bandwidth_bytes_per_s": clock_mhz * 1_000_000 * 2 * bus_bits // 8,
+                    "bandwidth_basis": f"NVML: memory clock {clock_mhz} MHz x 2 x {bus_bits}-bit bus"}
+    return {}
 
 
 def _processes_used(nvml: Any, handle: Any) -> int | None:
@@ -439,7 +464,7 @@ def cgroup_limits(proc_root: Path, cgroup_root: Path) -> tuple[int | None, int |
     return limit, room
 
 
-def probe_host(proc_root: Path, cgroup_root: Path, notes: list[str]) -> Device:
+def probe_host(proc_root: Path, cgroup_root: Path, notes: list[str], speed: HostSpeed | None = None) -> Device:
     info = _meminfo(proc_root)
     if "MemTotal" not in info or "MemAvailable" not in info:
         raise HardwareProbeError(f"{proc_root / 'meminfo'} has no MemTotal/MemAvailable",
@@ -451,7 +476,10 @@ def probe_host(proc_root: Path, cgroup_root: Path, notes: list[str]) -> Device:
         total, free = min(total, limit), min(free, room)
         name = "host memory (cgroup limit)"
         notes.append(f"host memory bounded by a cgroup limit of {limit} bytes")
-    return Device(index=-1, kind="cpu", name=name, total_bytes=total, free_bytes=min(free, total))
+    return Device(index=-1, kind="cpu", name=name, total_bytes=total, free_bytes=min(free, total),
+                  read_bandwidth_bytes_per_s=None if speed is None else speed.read_bandwidth_bytes_per_s,
+                  bandwidth_basis=None if speed is None else speed.basis,
+                  compute_threads=None if speed is None else speed.threads)
 
 
 # --------------------------------------------------------------------------- the probe
@@ -465,16 +493,19 @@ def probe_devices(
     sys_root: Path = Path("/sys"),
     cgroup_root: Path = Path("/sys/fs/cgroup"),
     listing: DeviceListing = DeviceListing(),
+    host_speed: HostSpeed | None = None,
 ) -> ProbeResult:
     """Every device with its memory, and the one the probe alone prefers (largest usable budget).
 
-    ``listing``: the GPUs the backends' runtimes see (source 3; :func:`backends.select.list_devices`)."""
+    ``listing``: the GPUs the backends' runtimes see (source 3; :func:`backends.select.list_devices`).
+    ``host_speed``: the host's measured bandwidth and threads (stages/_host_speed.py), recorded on
+    the host device (None: not measured, e.g. in tests of the memory sources)."""
     env = os.environ if env is None else env
     notes: list[str] = []
     found = probe_nvidia(nvml, env, notes) + probe_amd(sys_root, notes)
     notes += listing.notes
     found = merge_ggml_devices(found, listing.devices, notes)
-    host = probe_host(proc_root, cgroup_root, notes)
+    host = probe_host(proc_root, cgroup_root, notes, host_speed)
     devices = tuple(replace(d, index=i) for i, d in enumerate([*found, host]))
     result = ProbeResult(devices=devices, notes=tuple(notes))
     best = result.preferred
@@ -483,7 +514,8 @@ def probe_devices(
     for d in devices:
         log.info("probe.device", index=d.index, kind=d.kind, name=d.name, total_bytes=d.total_bytes,
                  free_bytes=d.free_bytes, processes_used_bytes=d.processes_used_bytes,
-                 compute_capability=d.compute_capability)
+                 compute_capability=d.compute_capability, read_bandwidth_bytes_per_s=d.read_bandwidth_bytes_per_s,
+                 bandwidth_basis=d.bandwidth_basis, compute_threads=d.compute_threads)
     log.info("probe.selected", index=best.index, kind=best.kind, name=best.name)
     return replace(result, notes=tuple(notes))
 
@@ -577,7 +609,8 @@ async def probe_work(ctx: StageContext) -> ProbeResult:
     if job.probe_file is not None:
         return await anyio.to_thread.run_sync(load_probe_file, job.probe_file)
     listing = await anyio.to_thread.run_sync(functools.partial(list_devices, ctx.settings))
-    return await anyio.to_thread.run_sync(functools.partial(probe_devices, listing=listing))
+    speed = await anyio.to_thread.run_sync(host_speed, ctx.settings.host_speed_file)
+    return await anyio.to_thread.run_sync(functools.partial(probe_devices, listing=listing, host_speed=speed))
 
 
 def probe_figures(probe: ProbeResult) -> dict[str, Any]:

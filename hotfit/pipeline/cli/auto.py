@@ -28,6 +28,7 @@ from hotfit.pipeline.auto import AutoOutcome, provision
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.cli.grade import evidence_change
 from hotfit.pipeline.cli.plan import add_plan_options
+from hotfit.pipeline.cli.render import speed_lines
 from hotfit.pipeline.manifest import Manifest
 from hotfit.pipeline.provision import AutoOptions
 from hotfit.pipeline.session_stages import GradeOptions
@@ -39,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     p.add_argument("origin_pos", nargs="?", metavar="ORIGIN", help="publisher origin: us, eu, china, gus, auto")
     p.add_argument("--origin", metavar="ORIGIN", help="same as the positional ORIGIN")
     add_plan_options(p)
+    p.add_argument("--skip-speed-check", action="store_true",
+                   help="do not measure the opened model's speed on an agent-sized prompt after re-check "
+                        "(docs/usage.md, 'Speed'); never skipped otherwise")
     p.add_argument("--model", metavar="NAME", help="provision this registry entry (tool-chat allowed; no fallback)")
     p.add_argument("--dry-run", action="store_true", help="print probe, plan and reuse decision as JSON; change nothing")
     p.add_argument("--refresh", action="store_true", help="select afresh instead of keeping the previous model")
@@ -81,6 +85,11 @@ def options_from_args(args: argparse.Namespace) -> AutoOptions:
         wait=args.wait,
         device=args.device,
         admit_graded=args.admit_graded,
+        agent_prompt_tokens=args.agent_prompt_tokens,
+        min_decode_tokens_per_s=args.min_decode_tokens_per_s,
+        max_first_token_s=args.max_first_token_s,
+        min_context_tokens=args.min_context,
+        skip_speed_check=args.skip_speed_check,
     )
 
 
@@ -108,6 +117,7 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
         f"  KV allocation   {manifest.measured.get('actual_kv_bytes')} bytes "
         f"(estimate {manifest.measured.get('estimated_kv_bytes')}, ratio {manifest.measured.get('kv_ratio')})",
     ]
+    lines += speed_lines(plan.speed_predicted, manifest.speed)
     if manifest.grade:
         g = manifest.grade
         lines.append(f"  grade           {str(g.get('verdict')).upper()} {g.get('passed')}/{g.get('total')} "

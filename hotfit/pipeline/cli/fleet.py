@@ -9,6 +9,7 @@ import csv
 import functools
 import io
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -19,6 +20,7 @@ from hotfit.core.errors import UsageError
 from hotfit.pipeline.fleet import FleetPlan, plan_fleet
 from hotfit.pipeline.mirror import MirrorResult, entries_named, fill_mirror, wanted_from_plan
 from hotfit.registry.select import fmt_bytes
+from hotfit.registry.speed import fmt_seconds
 
 CSV_TABLES = ("machines", "artifacts", "builds")
 
@@ -105,12 +107,15 @@ def fleet_csv(fleet: FleetPlan, table: str) -> str:
     w = csv.writer(buf, lineterminator="\n")
     if table == "machines":
         w.writerow(("machine", "status", "model", "backend", "device_index", "device_kind", "device_name",
-                    "hot_context_tokens", "kv_cache_type", "build", "arch", "reason", "probe_file"))
+                    "hot_context_tokens", "decode_tokens_per_s", "first_token_s", "kv_cache_type", "build", "arch",
+                    "reason", "probe_file"))
         for m in fleet.machines:
             j = m.to_json()
             d = j["device"] or {}
+            speed = j["speed_predicted"] or {}
             w.writerow((m.name, m.status, j["model"], j["backend"], d.get("index"), d.get("kind"), d.get("name"),
-                        j["hot_context_tokens"], j["kv_cache_type"], j["build"], m.arch, m.reason, m.probe_file))
+                        j["hot_context_tokens"], speed.get("decode_tokens_per_s"), speed.get("first_token_s"),
+                        j["kv_cache_type"], j["build"], m.arch, m.reason, m.probe_file))
     elif table == "artifacts":
         w.writerow(("role", "repo", "revision", "file", "size_bytes", "sha256", "pinned", "entries", "machines"))
         for a in fleet.artifacts:
@@ -131,20 +136,29 @@ def _tally(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
 
 
+def _predicted_speed(predicted: dict[str, Any] | None) -> tuple[str, str]:
+    """The pick's predicted generation tokens/s and first-token time (registry/speed.py), "-" when none."""
+    p = predicted or {}
+    gen, first = p.get("decode_tokens_per_s"), p.get("first_token_s")
+    return ("-" if not isinstance(gen, (int, float)) else f"{gen:.1f}",
+            "-" if not isinstance(first, (int, float)) else fmt_seconds(first))
+
+
 def fleet_text(fleet: FleetPlan) -> str:
     s = fleet.summary()
     sel = fleet.selection
     lines = [f"fleet: {s['machines']} machines: {s['planned']} planned, {s['refused']} refused, {s['errors']} "
              f"unreadable   (KV {sel.cache_type.name} ({sel.kv_cache_type_source}), origin {sel.origin or 'auto'}, "
              f"backend {sel.options.backend})", ""]
-    rows = [("MACHINE", "STATUS", "MODEL", "DEVICE", "WINDOW", "KV", "BUILD / REASON")]
+    rows = [("MACHINE", "STATUS", "MODEL", "DEVICE", "WINDOW", "KV", "GEN/S", "1ST TOKEN", "BUILD / REASON")]
     for m in fleet.machines:
         j = m.to_json()
         d = j["device"]
         device = "-" if d is None or m.status != "planned" else f"[{d['index']}] {d['kind']} {d['name']}"
         tail = j["build"] or "-" if m.status == "planned" else (m.reason or "")
+        gen, first = _predicted_speed(j["speed_predicted"])
         rows.append((m.name, m.status, j["model"] or "-", device, str(j["hot_context_tokens"] or "-"),
-                     j["kv_cache_type"] or "-", tail))
+                     j["kv_cache_type"] or "-", gen, first, tail))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     lines += ["", f"models    {_tally(s['per_model'])}", f"backends  {_tally(s['per_backend'])}",

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hotfit.core.entry import DEFAULT_BACKEND, backend_names
 from hotfit.pipeline.cli.context import CliContext
 from hotfit.pipeline.provision import SelectionOptions, plan_machine
+from hotfit.registry.select import MIN_AGENTIC_HOT_CONTEXT
+from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS
 from hotfit.pipeline.cli.render import plan_text
 from hotfit.planner.document import outcome_json
 
@@ -20,6 +23,7 @@ def add_selection_options(p: argparse.ArgumentParser) -> None:
                    help="KV cache type to plan for (default: $CONTENOX_LLAMA_KV_CACHE_TYPE, unset = f16)")
     p.add_argument("--backend", choices=backend_names(), default=DEFAULT_BACKEND, help=f"backend (default {DEFAULT_BACKEND})")
     p.add_argument("--registry", metavar="FILE", help="curated registry file (default: the bundled one)")
+    add_speed_options(p)
 
 
 def add_origin_previous_options(p: argparse.ArgumentParser) -> None:
@@ -32,7 +36,9 @@ def selection_from_args(args: argparse.Namespace) -> SelectionOptions:
     return SelectionOptions(
         kv_cache_type_flag=args.kv_cache_type, origin=args.origin, backend=args.backend,
         registry_file=Path(args.registry) if args.registry else None, previous=args.previous,
-        device=getattr(args, "device", None), admit_graded=getattr(args, "admit_graded", False))
+        device=getattr(args, "device", None), admit_graded=getattr(args, "admit_graded", False),
+        agent_prompt_tokens=args.agent_prompt_tokens, min_decode_tokens_per_s=args.min_decode_tokens_per_s,
+        max_first_token_s=args.max_first_token_s, min_context_tokens=args.min_context)
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -45,6 +51,47 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="also pick a tool-chat model whose full-tier `hotfit grade` passed on this machine, while "
                         "its fingerprint (model file, template, backend build, grade version, scenario pack) "
                         "still matches (<home>/grades/evidence.json); default: curated agentic models only")
+
+
+def _positive_number(flag: str) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not (0 < value < float("inf")):
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive number, got {raw!r}")
+        return value
+    return parse
+
+
+def _tokens(flag: str, low: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number of tokens >= {low}, got {raw!r}"
+                                             + (" (the spec's agentic floor)" if low == MIN_AGENTIC_HOT_CONTEXT else ""))
+        return value
+    return parse
+
+
+def add_speed_options(p: argparse.ArgumentParser) -> None:
+    """The speed prediction's prompt and the opt-in floors (registry/speed.py; docs/usage.md)."""
+    p.add_argument("--agent-prompt-tokens", metavar="TOKENS", type=_tokens("--agent-prompt-tokens", 1),
+                   default=DEFAULT_AGENT_PROMPT_TOKENS,
+                   help=f"predict speed for an agent prompt of this many tokens (default {DEFAULT_AGENT_PROMPT_TOKENS})")
+    p.add_argument("--min-decode-tokens-per-s", metavar="X", type=_positive_number("--min-decode-tokens-per-s"),
+                   help="pick only a model predicted to generate at least X tokens/s after the agent prompt "
+                        "(default: $HOTFIT_MIN_DECODE_TOKENS_PER_S, unset = no floor)")
+    p.add_argument("--max-first-token-s", metavar="S", type=_positive_number("--max-first-token-s"),
+                   help="pick only a model predicted to answer the agent prompt's first token within S seconds "
+                        "(default: $HOTFIT_MAX_FIRST_TOKEN_S, unset = no floor)")
+    p.add_argument("--min-context", metavar="TOKENS", type=_tokens("--min-context", MIN_AGENTIC_HOT_CONTEXT),
+                   help=f"pick only a model that holds at least this many hot tokens (at least "
+                        f"{MIN_AGENTIC_HOT_CONTEXT}; coding harnesses ask for 65536)")
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

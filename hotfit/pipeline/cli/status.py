@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hotfit.pipeline.cli.context import CliContext
+from hotfit.pipeline.cli.render import speed_lines
 from hotfit.pipeline.status import Status, read_status
 
 
@@ -84,6 +85,7 @@ def status_text(status: Status, *, nfd_file: str | None = None) -> str:
             f"{opened if opened is not None else '?'} tokens opened at verification) → {manifest.model_path}"
         )
         lines += [f"  problem: {p}" for p in status.problems]
+        lines += speed_lines(manifest.plan.get("speed_predicted") if manifest.plan else None, manifest.speed)
         if grade is not None:
             lines.append(f"  last grade: {str(grade['verdict']).upper()} {grade['passed']}/{grade['total']} "
                          f"({grade['tier']} tier) at {grade['graded_at']}"

@@ -1,0 +1,336 @@
+"""measure-speed: after re-check, one agent-sized prompt and a follow-up turn in the opened session,
+timed by the server itself, beside the plan's prediction (registry/speed.py).
+
+The prompt is what an agent sends first: a system prompt, a catalogue of tools with JSON-schema
+parameters and a conversation, clipped to the opened window (and to ``--agent-prompt-tokens``).
+The follow-up adds about 1.5k tokens on the cached prefix, as an agent's next turn does. The
+figures are llama-server's own ``timings`` (``prompt_n``, ``prompt_ms``, ``predicted_per_second``);
+a backend that reports none records them as null. An opt-in floor (``--min-decode-tokens-per-s``,
+``--max-first-token-s``) the measured figures miss fails the run (exit 5) naming predicted and
+measured. ``hotfit auto --skip-speed-check`` leaves the stage out; nothing skips it silently.
+Cost: the prefill of the prompt (docs/benchmarks.md, "Predicted against measured speed").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hotfit.backends.base import ChatAnswer, ChatFailed
+from hotfit.core.errors import BackendError, SpeedFloorMissed
+from hotfit.core.log import get_logger
+from hotfit.core.records import decode_record
+from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, Calibration, SpeedFloors, calibration_from
+from hotfit.stages.declaration import StageContext, StageDeclaration
+from hotfit.stages.load import SERVER_SESSION, LoadResult
+from hotfit.stages.plan import PlannedRun
+from hotfit.stages.probe_tool_call import ProbeToolCallResult
+from hotfit.state.files import write_text_atomic
+
+log = get_logger()
+
+SPEED_STAGE = "measure-speed"
+SPEED_FILE = "speed.json"
+# Room kept free in the window: the follow-up turn, the answers, and the template's own tokens.
+WINDOW_MARGIN_TOKENS = 4096
+FOLLOW_UP_TOKENS = 1536
+ANSWER_TOKENS = 32
+CHARS_PER_TOKEN = 4  # English prose and JSON in BPE vocabularies: 3.5-4.5 characters a token
+SPEED_TIMEOUT_S = 3600.0
+CALIBRATION_SCHEMA = 1
+# Predicted past this, the check measures two shorter prompts and extrapolates (its cost stays near it).
+SPEED_CHECK_BUDGET_S = 120.0
+MIN_DEPTH_TOKENS = 512
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# --------------------------------------------------------------------------- the prompt (pure)
+
+
+def _tool(i: int) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": f"workspace_tool_{i}",
+        "description": (f"Tool {i} of the workspace: reads, searches or edits files under the project root and "
+                        "returns a JSON object with the result, the paths touched and any warnings. Use it when "
+                        "the user's request needs the project's files; never guess their content."),
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string", "description": "a path relative to the project root"},
+            "pattern": {"type": "string", "description": "a regular expression to search for, if any"},
+            "limit": {"type": "integer", "description": "the most results to return (default 50)"},
+            "dry_run": {"type": "boolean", "description": "describe the change without making it"}},
+            "required": ["path"]}}}
+
+
+_TURN = ("Here is the next part of the file listing and the build log you asked for. The service reads its "
+         "configuration from the environment, opens the database through a pool of connections, and every "
+         "handler logs one JSON line per request with its duration and status. ")
+
+
+def agent_request(prompt_tokens: int, *, fresh: bool = False, chars_per_token: float = CHARS_PER_TOKEN) -> dict[str, Any]:
+    """A chat request of about ``prompt_tokens`` tokens: tools and a conversation (greedy, a short
+    answer). ``fresh``: evaluated whole, not from a prefix an earlier request left in the cache.
+    ``chars_per_token``: this model's (from the tool-call probe: :func:`chars_per_token`)."""
+    total_chars = int(prompt_tokens * chars_per_token)
+    # the catalogue takes about a quarter of the prompt, as in agent harnesses (up to 64 tools)
+    n_tools = max(1, min(64, total_chars // (4 * len(json.dumps(_tool(0))))))
+    tools = [_tool(i) for i in range(n_tools)]
+    budget_chars = max(0, total_chars - len(json.dumps(tools)))
+    history = (_TURN * (budget_chars // len(_TURN) + 1))[:budget_chars]
+    return {"messages": [{"role": "system", "content": "You are a coding agent working in the user's repository."},
+                         {"role": "user", "content": history},
+                         {"role": "user", "content": "Summarise what you have read in one sentence."}],
+            "tools": tools, "tool_choice": "none", "max_tokens": ANSWER_TOKENS, "temperature": 0.0,
+            "cache_prompt": not fresh}
+
+
+def chars_per_token(request: Mapping[str, Any], prompt_tokens: int | None) -> float:
+    """Characters a token of this model's vocabulary holds, from a request it tokenized (the
+    tool-call probe's; its template's own tokens make it an underestimate: the agent prompt comes out
+    no longer than asked), between 1 (a byte vocabulary) and CHARS_PER_TOKEN."""
+    if not prompt_tokens:
+        return CHARS_PER_TOKEN
+    return min(CHARS_PER_TOKEN, max(1.0, len(json.dumps(request)) / prompt_tokens))
+
+
+def short_depths(wanted_tokens: int, expected_first_token_s: float | None) -> tuple[int, int] | None:
+    """Two shorter prompts to extrapolate from when the predicted first token of the full one is past
+    SPEED_CHECK_BUDGET_S (their prefill costs about that budget); None: measure the full prompt."""
+    if expected_first_token_s is None or expected_first_token_s <= SPEED_CHECK_BUDGET_S:
+        return None
+    n2 = int(wanted_tokens * SPEED_CHECK_BUDGET_S / (1.5 * expected_first_token_s))
+    n2 = min(max(n2, 2 * MIN_DEPTH_TOKENS), wanted_tokens // 2)
+    if n2 < 2 * MIN_DEPTH_TOKENS:
+        return None
+    return n2 // 2, n2
+
+
+def follow_up(request: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The next turn on the cached prefix: the answer, and about FOLLOW_UP_TOKENS more of the conversation."""
+    said = ((answer.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+    more = (_TURN * (FOLLOW_UP_TOKENS * CHARS_PER_TOKEN // len(_TURN) + 1))[:FOLLOW_UP_TOKENS * CHARS_PER_TOKEN]
+    return {**request, "messages": [*request["messages"], {"role": "assistant", "content": said},
+                                    {"role": "user", "content": more}]}
+
+
+def prompt_size(window_tokens: int | None, wanted_tokens: int) -> int:
+    """The agent prompt to send: ``wanted_tokens``, clipped to the opened window less the margin."""
+    if window_tokens is None:
+        return wanted_tokens
+    return max(512, min(wanted_tokens, window_tokens - WINDOW_MARGIN_TOKENS))
+
+
+# --------------------------------------------------------------------------- the figures (pure)
+
+
+@dataclass(frozen=True)
+class Timing:
+    prompt_tokens: int | None
+    first_token_s: float | None
+    decode_tokens_per_s: float | None
+
+    @classmethod
+    def of(cls, got: ChatAnswer) -> Timing:
+        t = got.answer.get("timings") if isinstance(got.answer, Mapping) else None
+        if isinstance(t, Mapping) and t.get("prompt_ms") is not None:
+            return cls(int(t.get("prompt_n") or 0), float(t["prompt_ms"]) / 1000,
+                       float(t.get("predicted_per_second") or 0) or None)
+        first = (got.prompt_tokens / got.prompt_tokens_per_s
+                 if got.prompt_tokens and got.prompt_tokens_per_s else None)
+        return cls(got.prompt_tokens, first, got.generation_tokens_per_s)
+
+
+@dataclass(frozen=True)
+class SpeedResult:
+    """What the session measured, the plan's prediction for the same prompt length, their ratio."""
+
+    measured: dict[str, Any]  # prompt_tokens, prefill_tokens_per_s, decode_tokens_per_s, first_token_s, follow_up_*
+    predicted: dict[str, Any] | None  # the plan's speed_predicted (for its own prompt length)
+    ratio: dict[str, float] = field(default_factory=dict)  # predicted / measured, where both exist
+
+    def to_json(self) -> dict[str, Any]:
+        return {"measured": dict(self.measured), "predicted": self.predicted, "ratio": dict(self.ratio)}
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> SpeedResult:
+        return decode_record(cls, record)
+
+
+def measured_figures(first: Timing, second: Timing) -> dict[str, Any]:
+    prefill = (first.prompt_tokens / first.first_token_s
+               if first.prompt_tokens and first.first_token_s else None)
+    return {"prompt_tokens": first.prompt_tokens, "prefill_tokens_per_s": prefill,
+            "decode_tokens_per_s": first.decode_tokens_per_s, "first_token_s": first.first_token_s,
+            "follow_up_prompt_tokens": second.prompt_tokens, "follow_up_first_token_s": second.first_token_s,
+            "basis": "the server's own timings (llama-server: timings.prompt_ms, predicted_per_second)"}
+
+
+def extrapolated_figures(short: Timing, longer: Timing, follow: Timing, wanted_tokens: int) -> dict[str, Any]:
+    """The full prompt's figures from two shorter ones: prefill time a·n + b·n² (the matmuls, and
+    attention over the growing depth) through both points; a decode step's time linear in the depth;
+    the follow-up turn's first token as the same curve's cost of its new tokens at the full depth."""
+    n1, t1, n2, t2 = short.prompt_tokens, short.first_token_s, longer.prompt_tokens, longer.first_token_s
+    if not (n1 and n2 and t1 and t2) or n1 == n2:
+        return measured_figures(longer, follow) | {"basis": "the server's own timings at a shorter prompt "
+                                                            f"({n2} tokens): too little to extrapolate"}
+    a, b = fit_prefill(n1, t1, n2, t2)
+    first = a * wanted_tokens + b * wanted_tokens ** 2
+    decode = None
+    if short.decode_tokens_per_s and longer.decode_tokens_per_s:
+        s1, s2 = 1 / short.decode_tokens_per_s, 1 / longer.decode_tokens_per_s
+        slope = max(0.0, (s2 - s1) / (n2 - n1))
+        decode = 1 / (s2 + slope * (wanted_tokens - n2))
+    added = follow.prompt_tokens or 0
+    follow_s = a * added + b * ((wanted_tokens + added) ** 2 - wanted_tokens ** 2) if added else None
+    return {"prompt_tokens": wanted_tokens, "prefill_tokens_per_s": wanted_tokens / first,
+            "decode_tokens_per_s": decode, "first_token_s": first, "follow_up_prompt_tokens": added or None,
+            "follow_up_first_token_s": follow_s,
+            "basis": (f"extrapolated to {wanted_tokens} tokens from the server's own timings at {n1} and {n2} "
+                      f"(the full prompt was predicted past {SPEED_CHECK_BUDGET_S:g} s)")}
+
+
+def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
+    """(a, b) with t = a·n + b·n² through both points; b ≥ 0 (a prefill never gets cheaper per token
+    with depth): a noisy pair that says otherwise is read as linear through the longer point."""
+    det = n1 * n2 * n2 - n2 * n1 * n1
+    a = (t1 * n2 * n2 - t2 * n1 * n1) / det
+    b = (n1 * t2 - n2 * t1) / det
+    if b < 0 or a < 0:
+        return t2 / n2, 0.0
+    return a, b
+
+
+def ratios(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any]) -> dict[str, float]:
+    """predicted / measured for each figure both carry (a prediction for another prompt length is
+    still compared: the rates scale little with it, first_token_s only when the lengths match)."""
+    if not predicted:
+        return {}
+    keys = ["prefill_tokens_per_s", "decode_tokens_per_s"]
+    if predicted.get("prompt_tokens") == measured.get("prompt_tokens"):
+        keys.append("first_token_s")
+    return {k: round(predicted[k] / measured[k], 3) for k in keys if predicted.get(k) and measured.get(k)}
+
+
+def floor_misses(measured: Mapping[str, Any], predicted: Mapping[str, Any] | None, floors: SpeedFloors) -> list[str]:
+    """Each floor the measured figures miss, naming predicted and measured."""
+    out = []
+    pred = predicted or {}
+    decode, first = measured.get("decode_tokens_per_s"), measured.get("first_token_s")
+    if floors.min_decode_tokens_per_s is not None and decode is not None and decode < floors.min_decode_tokens_per_s:
+        out.append(f"measured {decode:.1f} generated tokens/s < {floors.min_decode_tokens_per_s:g} "
+                   f"(predicted {pred.get('decode_tokens_per_s', '?')})")
+    if floors.max_first_token_s is not None and first is not None and first > floors.max_first_token_s:
+        out.append(f"measured first token after {first:.0f} s > {floors.max_first_token_s:g} s for "
+                   f"{measured.get('prompt_tokens')} prompt tokens (predicted {pred.get('first_token_s', '?')} s "
+                   f"for {pred.get('prompt_tokens', '?')})")
+    return out
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+@dataclass(frozen=True)
+class SpeedCheckJob:
+    prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS
+    floors: SpeedFloors = SpeedFloors()
+
+
+async def measure_speed_work(ctx: StageContext) -> SpeedResult:
+    job = ctx.job(SpeedCheckJob)
+    plan = ctx.require_plan()
+    if plan.backend != "llama":  # recorded and logged, never silent: no server timings to read
+        why = f"not measured: the {plan.backend} backend reports no server timings for an agent-sized prompt"
+        log.warning("speed.not_measured", backend=plan.backend, reason=why)
+        return SpeedResult({"basis": why}, dict(plan.speed_predicted) if plan.speed_predicted else None)
+    session = ctx.result("load", LoadResult).live()
+    probe = ctx.result("probe-tool-call", ProbeToolCallResult)
+    ratio = chars_per_token(probe.request, probe.prompt_tokens)
+    wanted = prompt_size(plan.hot_context_tokens, job.prompt_tokens)
+    expected_s = (plan.speed_predicted or {}).get("first_token_s")
+    depths = short_depths(wanted, expected_s if isinstance(expected_s, (int, float)) else None)
+
+    async def ask(request: dict[str, Any], what: str) -> ChatAnswer:
+        try:
+            return await session.call_tools(request, timeout_s=SPEED_TIMEOUT_S, purpose=what)
+        except ChatFailed as exc:
+            raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
+
+    if depths is None:
+        request = agent_request(wanted, chars_per_token=ratio)
+        first = await ask(request, "the speed check")
+        second = await ask(follow_up(request, first.answer), "the speed check's follow-up turn")
+        measured = measured_figures(Timing.of(first), Timing.of(second))
+    else:  # the full prompt would take too long: two shorter ones, extrapolated (docs/benchmarks.md)
+        n1, n2 = depths
+        short = await ask(agent_request(n1, fresh=True, chars_per_token=ratio), "the speed check (first depth)")
+        request = agent_request(n2, fresh=True, chars_per_token=ratio)
+        longer = await ask(request, "the speed check (second depth)")
+        second = await ask(follow_up(request, longer.answer), "the speed check's follow-up turn")
+        measured = extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
+    predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
+    if predicted is not None:
+        predicted.pop("warning", None)
+    result = SpeedResult(measured, predicted, ratios(predicted, measured))
+    (session.run_dir / SPEED_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    log.info("speed.measured", **{k: v for k, v in measured.items() if k != "basis"}, ratio=result.ratio)
+    if predicted is not None:  # later plans on this machine start from what was measured here
+        planned = ctx.result("plan", PlannedRun)
+        build = planned.backend.to_json().get("build") if planned.backend is not None else None
+        provenance = (f"run {ctx.run_id} ({plan.entry.name}, {plan.backend} build "
+                      f"{(build or {}).get('version', '?') if isinstance(build, Mapping) else '?'}, "
+                      f"{utc_now()})")
+        calibration = calibration_from(plan.placement.device, predicted, measured, provenance)
+        if calibration is not None:
+            write_calibration(ctx.settings.speed_calibration_path, calibration)
+    floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
+    missed = floor_misses(measured, predicted, floors)
+    if missed:
+        log.error("speed.floor_missed", problems=missed)
+        raise SpeedFloorMissed(f"the opened session is slower than the floor: {'; '.join(missed)}",
+                               hint="lower the floor, or provision a smaller model (a floor the prediction also "
+                                    "misses excludes it at plan time); see " + str(session.run_dir / SPEED_FILE),
+                               measured=measured, predicted=predicted)
+    return result
+
+
+def write_calibration(path: Path, calibration: Calibration) -> None:
+    try:
+        write_text_atomic(path, json.dumps({"schema": CALIBRATION_SCHEMA, **asdict(calibration)}, indent=2) + "\n")
+        log.info("speed.calibrated", path=str(path), prefill_factor=calibration.prefill_factor,
+                 decode_factor=calibration.decode_factor, provenance=calibration.provenance)
+    except OSError as exc:
+        log.warning("speed.calibration_unwritten", path=str(path), error=str(exc))
+
+
+def read_calibration(path: Path) -> Calibration | None:
+    """This machine's calibration, or None (none yet; a damaged file is named in a warning and
+    ignored: it is a cache of a measurement, measured again by the next run)."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc.pop("schema", None) != CALIBRATION_SCHEMA:
+            raise ValueError("unknown schema")
+        cal = Calibration(**doc)
+        if not (float(cal.prefill_factor) > 0 and float(cal.decode_factor) > 0):
+            raise ValueError("factors must be positive")
+        return cal
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("speed.calibration_ignored", path=str(path), error=str(exc),
+                    hint="it is rewritten by the next measure-speed; delete it to silence this")
+        return None
+
+
+def speed_figures(result: SpeedResult) -> dict[str, Any]:
+    return {**{k: v for k, v in result.measured.items() if k != "basis"}, "ratio": result.ratio}
+
+
+DECLARATION = StageDeclaration(
+    SPEED_STAGE, measure_speed_work, deps=("load", "probe-tool-call", "re-check"), session=SERVER_SESSION, decode=SpeedResult.decode,
+    figures=speed_figures, version=1, result_type=SpeedResult, job=SpeedCheckJob())

@@ -1,0 +1,516 @@
+"""registry/speed.py (the speed model), its place in selection (floors, the refusal, the warning),
+the probe's figures it reads, and ``hotfit plan``'s speed flags end to end on saved probe files."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotfit.core.errors import UsageError
+from hotfit.core.entry import LayerGroup
+from hotfit.core.settings import load_settings
+from hotfit.pipeline.cli import main
+from hotfit.registry.kv import KV_CACHE_TYPES
+from hotfit.planner.document import outcome_json
+from hotfit.planner.probe import Device, ProbeResult
+from hotfit.planner.select import select_auto
+from hotfit.registry.select import device_budget
+from hotfit.registry.speed import (
+    ASSUMED_HOST_BANDWIDTH_BYTES_PER_S,
+    CPU_DECODE_BANDWIDTH_EFFICIENCY,
+    AttentionGroup,
+    DeviceSpeedFacts,
+    ModelSpeedFacts,
+    SpeedFloors,
+    SpeedPlanning,
+    _depth_sum,
+    device_speed_facts,
+    model_speed_facts,
+    predict,
+    speed_shortfalls,
+)
+from hotfit.stages._host_speed import machine_fingerprint, physical_cores
+from hotfit.stages.plan import build_plan
+from tests.entries import GiB, entry
+
+F16 = KV_CACHE_TYPES["f16"]
+Q8 = KV_CACHE_TYPES["q8_0"]
+
+CPU = Device(0, "cpu", "host memory", 64 * GiB, 60 * GiB, read_bandwidth_bytes_per_s=40_000_000_000,
+             bandwidth_basis="measured (test)", compute_threads=8)
+GPU = Device(1, "nvidia", "Test GPU", 24 * GiB, 23 * GiB, read_bandwidth_bytes_per_s=1_000_000_000_000,
+             bandwidth_basis="NVML (test)")
+OLD_CPU = Device(0, "cpu", "host memory", 64 * GiB, 60 * GiB)  # a probe file written before speed
+
+
+def flat_device(bandwidth: float, flops: float) -> DeviceSpeedFacts:
+    return DeviceSpeedFacts("cpu", bandwidth, 0.5, flops, "test bandwidth", "test compute")
+
+
+# ----------------------------------------------------------------------------- the arithmetic
+
+
+@pytest.mark.parametrize(("n", "window"), [(0, None), (1, None), (10, None), (10, 4), (4, 4), (3, 4), (1000, 37)])
+def test_depth_sum_is_the_cells_each_prompt_token_attends(n: int, window: int | None) -> None:
+    assert _depth_sum(n, window) == sum(d if window is None else min(d, window) for d in range(n))
+
+
+DENSE = ModelSpeedFacts(weights_read_per_token_bytes=1e9, matmul_params=2e9,
+                        attention=(AttentionGroup(10, 1000, 2000),), basis="test")
+
+
+@pytest.mark.parametrize(("prompt", "decode_end", "first_token_s"), [
+    # decode: 100 GB/s x 0.5 / (1 GB weights + 10 layers x 2000 B x depth); prefill: 2 x 2e9 FLOPs a token
+    # + 10 layers x 4 x 1000 x sum(depth) at 1e12 FLOP/s
+    (1, 50e9 / (1e9 + 10 * 2000), (4e9 + 0) / 1e12),
+    (1000, 50e9 / (1e9 + 10 * 2000 * 1000), (1000 * 4e9 + 10 * 4 * 1000 * 999 * 1000 / 2) / 1e12),
+    (16384, 50e9 / (1e9 + 10 * 2000 * 16384), (16384 * 4e9 + 10 * 4 * 1000 * 16383 * 16384 / 2) / 1e12),
+])
+def test_predict_table(prompt: int, decode_end: float, first_token_s: float) -> None:
+    p = predict(DENSE, flat_device(100e9, 1e12), prompt)
+    assert p.prompt_tokens == prompt
+    assert p.decode_start_tokens_per_s == pytest.approx(50.0)
+    assert p.decode_tokens_per_s == pytest.approx(decode_end)
+    assert p.first_token_s == pytest.approx(first_token_s)
+    assert p.prefill_tokens_per_s == pytest.approx(prompt / first_token_s)
+    assert set(p.to_json()) >= {"prefill_tokens_per_s", "decode_tokens_per_s", "first_token_s", "prompt_tokens",
+                                "basis"}
+    assert set(p.basis) == {"bandwidth", "efficiency", "compute", "parameters"}
+
+
+def test_a_sliding_window_stops_the_kv_read_and_the_attention_at_its_window() -> None:
+    windowed = dataclasses.replace(DENSE, attention=(AttentionGroup(10, 1000, 2000, window_tokens=512),))
+    dev = flat_device(100e9, 1e12)
+    full, swa = predict(DENSE, dev, 16384), predict(windowed, dev, 16384)
+    assert swa.decode_tokens_per_s == pytest.approx(50e9 / (1e9 + 10 * 2000 * 512))
+    assert swa.first_token_s < full.first_token_s and swa.decode_tokens_per_s > full.decode_tokens_per_s
+
+
+def test_a_longer_prompt_is_slower_per_token_and_later_to_answer() -> None:
+    dev = flat_device(100e9, 1e12)
+    short, long = predict(DENSE, dev, 512), predict(DENSE, dev, 32768)
+    assert long.prefill_tokens_per_s < short.prefill_tokens_per_s
+    assert long.decode_tokens_per_s < short.decode_tokens_per_s
+    assert long.first_token_s > 64 * short.first_token_s * 0.99
+
+
+# ----------------------------------------------------------------------------- from the registry
+
+
+def test_entry_facts_use_active_parameters_and_the_quants_bytes_per_weight() -> None:
+    dense = entry("dense", params_b=30.0, weights=18 * 10**9)
+    moe = dataclasses.replace(dense, name="moe", params_active_b=3.0)
+    d, m = model_speed_facts(dense, F16), model_speed_facts(moe, F16)
+    assert d is not None and m is not None
+    assert d.weights_read_per_token_bytes == pytest.approx(18e9)  # 0.6 bytes/weight x 30B
+    assert m.weights_read_per_token_bytes == pytest.approx(1.8e9)  # 0.6 x 3B active
+    assert m.matmul_params == pytest.approx(3e9)
+    assert "3B active of 30B (MoE)" in m.basis and "30B (dense)" in d.basis
+    # q8_0 KV costs 34/64 of f16 per token
+    q8 = model_speed_facts(dense, Q8)
+    assert q8 is not None and q8.kv_read_bytes(1000) == pytest.approx(d.kv_read_bytes(1000) * 34 / 64)
+
+
+def test_an_entry_without_parameters_or_geometry_gets_no_prediction() -> None:
+    assert model_speed_facts(entry("x", params_b=None), F16) is None
+    assert model_speed_facts(entry("y", groups=None), F16) is None
+
+
+# Plausible by construction (the hardware matrix's claim): the same model is faster on a GPU than on
+# a CPU, and an MoE faster than a dense model of the same total size.
+@pytest.mark.parametrize("kv", [F16, Q8])
+def test_a_gpu_is_faster_than_a_cpu_and_an_moe_faster_than_a_dense_model(kv) -> None:
+    dense = entry("dense", params_b=30.0, weights=18 * 10**9, groups=(LayerGroup(48, 4, 128, 128),))
+    moe = dataclasses.replace(dense, name="moe", params_active_b=3.0)
+    for model in (dense, moe):
+        f = model_speed_facts(model, kv)
+        assert f is not None
+        on_cpu, on_gpu = predict(f, device_speed_facts(CPU), 16384), predict(f, device_speed_facts(GPU), 16384)
+        assert on_gpu.decode_tokens_per_s > on_cpu.decode_tokens_per_s
+        assert on_gpu.first_token_s < on_cpu.first_token_s
+    for dev in (CPU, GPU):
+        fd, fm = model_speed_facts(dense, kv), model_speed_facts(moe, kv)
+        assert fd is not None and fm is not None
+        d, m = predict(fd, device_speed_facts(dev), 16384), predict(fm, device_speed_facts(dev), 16384)
+        assert m.decode_tokens_per_s > d.decode_tokens_per_s and m.first_token_s < d.first_token_s
+
+
+def test_device_facts_name_their_basis_and_an_old_probe_is_assumed() -> None:
+    cpu = device_speed_facts(CPU)
+    assert cpu.read_bandwidth_bytes_per_s == 40e9 and cpu.decode_efficiency == CPU_DECODE_BANDWIDTH_EFFICIENCY
+    assert "measured (test)" in cpu.bandwidth_basis and "8 threads" in cpu.compute_basis
+    old = device_speed_facts(OLD_CPU)
+    assert old.read_bandwidth_bytes_per_s == ASSUMED_HOST_BANDWIDTH_BYTES_PER_S
+    assert "assumed" in old.bandwidth_basis and "threads assumed" in old.compute_basis
+    gpu = device_speed_facts(GPU)
+    assert "NVML" in gpu.bandwidth_basis and "estimated" in gpu.compute_basis
+    no_clock = device_speed_facts(dataclasses.replace(GPU, read_bandwidth_bytes_per_s=None))
+    assert "assumed" in no_clock.bandwidth_basis
+
+
+@pytest.mark.parametrize(("floors", "expected"), [
+    (SpeedFloors(), ()),
+    (SpeedFloors(min_decode_tokens_per_s=10), ("predicted 4.1 generated tokens/s < 10",)),
+    (SpeedFloors(min_decode_tokens_per_s=4), ()),
+    (SpeedFloors(max_first_token_s=60), ("predicted first token after 100 s > 60 s for a 16384-token prompt",)),
+    (SpeedFloors(min_decode_tokens_per_s=5, max_first_token_s=99),
+     ("predicted 4.1 generated tokens/s < 5", "predicted first token after 100 s > 99 s for a 16384-token prompt")),
+])
+def test_shortfalls_name_the_figures(floors: SpeedFloors, expected: tuple[str, ...]) -> None:
+    p = dataclasses.replace(predict(DENSE, flat_device(100e9, 1e12), 16384), decode_tokens_per_s=4.1,
+                            first_token_s=100.0)
+    assert speed_shortfalls(p, floors) == expected
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+BIG = entry("big-32b", params_b=32.0, weights=19 * GiB)
+MID = entry("mid-8b", params_b=8.0, weights=5 * GiB)
+SMALL = entry("small-2b", params_b=2.0, weights=int(1.3 * GiB))
+ENTRIES = (SMALL, BIG, MID)
+
+
+TINY = entry("tiny-0.5b", params_b=0.5, weights=400 * 1024 * 1024, groups=(LayerGroup(24, 2, 64, 64),))
+
+
+def plan(floors: SpeedFloors = SpeedFloors(), device: Device = CPU, prompt: int = 16384, entries=ENTRIES):
+    return build_plan(ProbeResult((device,)), entries, F16,
+                      speed=SpeedPlanning(prompt, floors))
+
+
+def test_without_floors_the_spec_order_stands_and_every_candidate_carries_its_prediction() -> None:
+    out = plan()
+    assert out.plan is not None and out.plan.entry.name == "big-32b"
+    assert all(v.speed is not None for v in out.selection.verdicts)
+    data = outcome_json(out)
+    assert all(c["speed"]["predicted"]["prompt_tokens"] == 16384 for c in data["candidates"])
+    assert data["selected"]["speed"]["predicted"]["basis"]["parameters"].startswith("32B (dense)")
+    assert out.plan.speed_predicted is not None and out.plan.speed_predicted["first_token_s"] > 0
+
+
+def test_a_decode_floor_moves_to_the_next_candidate_in_the_spec_order() -> None:
+    base = {v.entry.name: v.speed for v in plan().selection.verdicts}
+    assert base["big-32b"] is not None and base["mid-8b"] is not None
+    floor = (base["big-32b"].decode_tokens_per_s + base["mid-8b"].decode_tokens_per_s) / 2
+    out = plan(SpeedFloors(min_decode_tokens_per_s=floor))
+    assert out.plan is not None and out.plan.entry.name == "mid-8b"
+    big = next(v for v in out.selection.verdicts if v.entry.name == "big-32b")
+    assert big.verdict == "excluded" and big.reason_code == "speed"
+    assert big.reason == f"predicted {base['big-32b'].decode_tokens_per_s:.1f} generated tokens/s < {floor:g}"
+
+
+def test_an_impossible_floor_refuses_naming_the_fastest_candidate_and_its_figures() -> None:
+    out = plan(SpeedFloors(max_first_token_s=0.001))
+    assert out.plan is None
+    refusal = out.selection.refusal
+    assert refusal is not None
+    assert "--max-first-token-s 0.001" in refusal.message and "The fastest is small-2b" in refusal.message
+    small = next(v for v in out.selection.verdicts if v.entry.name == "small-2b").speed
+    assert small is not None and f"prefill {small.prefill_tokens_per_s:.0f} tok/s" in refusal.message
+    assert refusal.error().exit_code == 3
+
+
+def test_min_context_excludes_a_window_below_it() -> None:
+    tight = dataclasses.replace(CPU, total_bytes=36 * GiB, free_bytes=34 * GiB)
+    base = plan(device=tight)
+    assert base.plan is not None and base.plan.entry.name == "big-32b"
+    hot = base.plan.hot_context_tokens
+    out = plan(SpeedFloors(min_context_tokens=hot + 1), device=tight)
+    assert out.plan is not None and out.plan.entry.name == "mid-8b"
+    big = next(v for v in out.selection.verdicts if v.entry.name == "big-32b")
+    assert big.reason_code == "context_floor" and f"--min-context {hot + 1}" in big.reason
+
+
+def test_a_slow_first_token_warns_naming_the_floor_and_the_model_it_would_choose() -> None:
+    out = plan(entries=(*ENTRIES, TINY))
+    speeds = {v.entry.name: v.speed for v in out.selection.verdicts}
+    assert speeds["big-32b"] is not None and speeds["big-32b"].first_token_s > 120
+    warning = out.selection.speed_warning
+    assert warning is not None and "--max-first-token-s 120" in warning
+    quick = next(n for n in ("mid-8b", "small-2b", "tiny-0.5b") if (speeds[n] and speeds[n].first_token_s <= 120))
+    assert f"would choose {quick}" in warning
+    assert "would refuse" in (plan().selection.speed_warning or "")  # without the tiny one, none is quick
+    assert out.plan is not None and out.plan.speed_predicted is not None
+    assert out.plan.speed_predicted["warning"] == warning
+    # a floor set: no warning; a fast device: no warning
+    assert plan(SpeedFloors(max_first_token_s=1e6)).selection.speed_warning is None
+    assert plan(device=GPU).selection.speed_warning is None
+
+
+def test_select_auto_without_a_speed_request_is_unchanged() -> None:
+    sel = select_auto(ENTRIES, device_budget("cpu", 64 * GiB, 60 * GiB), F16)
+    assert sel.chosen is not None and sel.chosen.speed is None and sel.speed_warning is None
+
+
+# ----------------------------------------------------------------------------- the probe's figures
+
+
+def test_an_old_probe_file_loads_and_a_new_one_round_trips() -> None:
+    old = {"schema": 1, "devices": [{"index": 0, "kind": "cpu", "name": "h", "total_bytes": 8, "free_bytes": 4}],
+           "selected": 0}
+    assert ProbeResult.decode(old).devices[0].read_bandwidth_bytes_per_s is None
+    new = ProbeResult((CPU,))
+    assert ProbeResult.decode(new.to_json()) == new
+
+
+@pytest.mark.parametrize(("field", "bad"), [("read_bandwidth_bytes_per_s", 0), ("read_bandwidth_bytes_per_s", 1.5),
+                                            ("compute_threads", -1), ("bandwidth_basis", 3)])
+def test_a_damaged_speed_field_in_a_probe_file_is_named(tmp_path: Path, field: str, bad: object) -> None:
+    doc = ProbeResult((CPU,)).to_json()
+    doc["devices"][0][field] = bad
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(doc))
+    from hotfit.stages.probe import load_probe_file
+    with pytest.raises(UsageError, match=field):
+        load_probe_file(path)
+
+
+CPUINFO = "".join(f"processor\t: {i}\nmodel name\t: Test CPU\nphysical id\t: 0\ncore id\t: {i // 2}\n\n"
+                  for i in range(8))
+
+
+@pytest.mark.parametrize(("allowed", "cores"), [({0, 1, 2, 3, 4, 5, 6, 7}, 4), ({0, 1}, 1), ({0, 2}, 2), ({0}, 1)])
+def test_threads_are_the_physical_cores_this_process_may_run_on(allowed: set[int], cores: int) -> None:
+    assert physical_cores(CPUINFO, allowed) == cores
+
+
+def test_the_cache_key_changes_with_the_affinity_and_the_machine() -> None:
+    a = machine_fingerprint(CPUINFO, {0, 1}, "MemTotal: 1 kB", "id")
+    assert a == machine_fingerprint(CPUINFO, {1, 0}, "MemTotal: 1 kB", "id")
+    assert a != machine_fingerprint(CPUINFO, {0}, "MemTotal: 1 kB", "id")
+    assert a != machine_fingerprint(CPUINFO, {0, 1}, "MemTotal: 1 kB", "other")
+
+
+# ----------------------------------------------------------------------------- settings and the CLI
+
+
+@pytest.mark.parametrize("bad", ["fast", "0", "-3", "inf", "nan"])
+@pytest.mark.parametrize("name", ["HOTFIT_MIN_DECODE_TOKENS_PER_S", "HOTFIT_MAX_FIRST_TOKEN_S"])
+def test_a_bad_floor_in_the_environment_is_named(name: str, bad: str) -> None:
+    with pytest.raises(UsageError, match=name):
+        load_settings({name: bad, "HOME": "/nonexistent"})
+
+
+def test_floors_from_the_environment() -> None:
+    s = load_settings({"HOTFIT_MIN_DECODE_TOKENS_PER_S": "7.5", "HOTFIT_MAX_FIRST_TOKEN_S": "90", "HOME": "/x"})
+    assert (s.min_decode_tokens_per_s, s.max_first_token_s) == (7.5, 90.0)
+    assert load_settings({"HOME": "/x"}).min_decode_tokens_per_s is None
+
+
+@pytest.fixture()
+def probe_file(tmp_path: Path, hotfit_home: Path) -> Path:
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(ProbeResult((CPU,)).to_json()))
+    return path
+
+
+def plan_cli(*argv: str) -> tuple[int, dict, str]:
+    out = io.StringIO()
+    rc = main(["plan", "--json", *argv], out=out)
+    return rc, json.loads(out.getvalue()), ""
+
+
+def test_plan_cli_carries_the_prediction_and_the_prompt(probe_file: Path) -> None:
+    rc, data, _ = plan_cli("--probe-file", str(probe_file), "--agent-prompt-tokens", "4096")
+    assert rc == 0
+    assert data["speed"]["agent_prompt_tokens"] == 4096
+    predicted = data["selected"]["speed"]["predicted"]
+    assert predicted["prompt_tokens"] == 4096 and predicted["basis"]["bandwidth"].startswith("40.0 GB/s")
+
+
+def test_plan_cli_impossible_floor_exits_3_with_the_figures(probe_file: Path, monkeypatch) -> None:
+    rc, data, err = plan_cli("--probe-file", str(probe_file), "--min-decode-tokens-per-s", "100000")
+    assert rc == 3 and data["selected"] is None
+    assert "--min-decode-tokens-per-s 100000" in data["error"]["message"]
+    assert "The fastest is" in data["error"]["message"] and "generation" in data["error"]["message"]
+    assert all(c["reason_code"] != "speed" or "generated tokens/s < 100000" in c["reason"]
+               for c in data["candidates"])
+    monkeypatch.setenv("HOTFIT_MAX_FIRST_TOKEN_S", "0.01")  # the environment's floor, same refusal
+    rc, data, _ = plan_cli("--probe-file", str(probe_file))
+    assert rc == 3 and "--max-first-token-s 0.01" in data["error"]["message"]
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [
+    ("--min-context", "16384", ">= 32768"), ("--min-decode-tokens-per-s", "-1", "positive number"),
+    ("--max-first-token-s", "soon", "positive number"), ("--agent-prompt-tokens", "0", ">= 1")])
+def test_plan_cli_rejects_a_bad_speed_flag(probe_file: Path, flag: str, value: str, needle: str, capsys) -> None:
+    assert main(["plan", "--probe-file", str(probe_file), flag, value]) == 2
+    assert needle in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- measured after the load
+
+
+from hotfit.backends.base import ChatAnswer  # noqa: E402
+from hotfit.core.errors import SpeedFloorMissed  # noqa: E402
+from hotfit.pipeline.cli.render import speed_lines  # noqa: E402
+from hotfit.pipeline.provision import AutoOptions, provisioning_stages  # noqa: E402
+from hotfit.stages.measure_speed import (  # noqa: E402
+    CHARS_PER_TOKEN,
+    SPEED_STAGE,
+    SpeedCheckJob,
+    Timing,
+    agent_request,
+    floor_misses,
+    follow_up,
+    measured_figures,
+    prompt_size,
+    ratios,
+)
+
+
+@pytest.mark.parametrize("tokens", [512, 4096, 16384, 65536])
+def test_the_agent_prompt_has_tools_and_about_the_asked_size(tokens: int) -> None:
+    req = agent_request(tokens)
+    chars = len(json.dumps(req["tools"])) + sum(len(m["content"]) for m in req["messages"])
+    assert abs(chars / CHARS_PER_TOKEN - tokens) / tokens < 0.05
+    assert req["tools"] and req["tool_choice"] == "none" and req["cache_prompt"] is True
+    nxt = follow_up(req, {"choices": [{"message": {"content": "I read it."}}]})
+    assert nxt["messages"][:len(req["messages"])] == req["messages"]  # the cached prefix, then the new turn
+    assert nxt["messages"][-2] == {"role": "assistant", "content": "I read it."}
+
+
+@pytest.mark.parametrize(("window", "wanted", "expected"), [(None, 16384, 16384), (131072, 16384, 16384),
+                                                            (32768, 65536, 28672), (4096, 16384, 512)])
+def test_the_prompt_is_clipped_to_the_opened_window(window, wanted: int, expected: int) -> None:
+    assert prompt_size(window, wanted) == expected
+
+
+def answer(prompt_n: int, prompt_ms: float, per_s: float) -> ChatAnswer:
+    return ChatAnswer({"choices": [], "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                                                  "predicted_per_second": per_s}}, "t", True)
+
+
+def test_measured_figures_come_from_the_servers_timings_and_are_compared() -> None:
+    m = measured_figures(Timing.of(answer(16000, 80_000.0, 12.5)), Timing.of(answer(1500, 6000.0, 12.0)))
+    assert (m["prompt_tokens"], m["first_token_s"], m["prefill_tokens_per_s"], m["decode_tokens_per_s"]) == \
+        (16000, 80.0, 200.0, 12.5)
+    assert (m["follow_up_prompt_tokens"], m["follow_up_first_token_s"]) == (1500, 6.0)
+    same = {"prompt_tokens": 16000, "prefill_tokens_per_s": 250.0, "decode_tokens_per_s": 10.0, "first_token_s": 64.0}
+    assert ratios(same, m) == {"prefill_tokens_per_s": 1.25, "decode_tokens_per_s": 0.8, "first_token_s": 0.8}
+    other = dict(same, prompt_tokens=16384)  # another length: the rates compare, the first-token time does not
+    assert set(ratios(other, m)) == {"prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert ratios(None, m) == {}
+    misses = floor_misses(m, same, SpeedFloors(min_decode_tokens_per_s=20, max_first_token_s=60))
+    assert misses == ["measured 12.5 generated tokens/s < 20 (predicted 10.0)",
+                      "measured first token after 80 s > 60 s for 16000 prompt tokens (predicted 64.0 s for 16000)"]
+    assert floor_misses(m, same, SpeedFloors(min_decode_tokens_per_s=12, max_first_token_s=90)) == []
+    assert SpeedFloorMissed("x").exit_code == 5
+    text = "\n".join(speed_lines(same, {"measured": m, "ratio": ratios(same, m)}))
+    assert "speed measured  prefill 200 tok/s" in text and "decode_tokens_per_s 0.8" in text
+
+
+def test_the_speed_check_runs_unless_skipped_by_its_flag() -> None:
+    names = [s.name for s in provisioning_stages(AutoOptions())]
+    assert names[-2:] == ["re-check", SPEED_STAGE]
+    assert SPEED_STAGE not in [s.name for s in provisioning_stages(AutoOptions(skip_speed_check=True))]
+    job = next(s for s in provisioning_stages(AutoOptions(agent_prompt_tokens=4096, max_first_token_s=30))
+               if s.name == SPEED_STAGE).job
+    assert isinstance(job, SpeedCheckJob) and job.prompt_tokens == 4096 and job.floors.max_first_token_s == 30
+
+
+# ----------------------------------------------------------------------------- per-machine calibration
+
+
+from hotfit.registry.speed import calibration_from  # noqa: E402
+from hotfit.stages.measure_speed import read_calibration, write_calibration  # noqa: E402
+
+
+def test_a_measurement_calibrates_later_plans_on_the_same_device_and_probe_figure(tmp_path: Path) -> None:
+    base = plan()
+    big = base.plan
+    assert big is not None and big.speed_predicted is not None
+    measured = {"prefill_tokens_per_s": big.speed_predicted["prefill_tokens_per_s"] / 2,
+                "decode_tokens_per_s": big.speed_predicted["decode_tokens_per_s"] / 4}
+    cal = calibration_from(CPU, dict(big.speed_predicted), measured, "run r1 (big-32b, llama build b1, now)")
+    assert cal is not None and (cal.prefill_factor, cal.decode_factor) == pytest.approx((0.5, 0.25), rel=1e-2)
+    path = tmp_path / "speed-calibration.json"
+    write_calibration(path, cal)
+    assert read_calibration(path) == cal
+    calibrated = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, SpeedFloors(), cal))
+    p = calibrated.plan
+    assert p is not None and p.speed_predicted is not None
+    assert p.speed_predicted["decode_tokens_per_s"] == pytest.approx(measured["decode_tokens_per_s"], abs=0.01)
+    assert "calibrated x0.25 by run r1" in p.speed_predicted["basis"]["bandwidth"]
+    # the measured shortfall moves the next plan on: a floor the old prediction met, the calibrated one misses
+    floor = SpeedFloors(min_decode_tokens_per_s=big.speed_predicted["decode_tokens_per_s"] * 0.9)
+    before = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, floor)).plan
+    assert before is not None and before.entry.name == "big-32b"
+    moved = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, floor, cal)).plan
+    assert moved is not None and moved.entry.name != "big-32b"
+    # another probe figure (a new measurement) or another device resets it
+    other = dataclasses.replace(CPU, read_bandwidth_bytes_per_s=50_000_000_000)
+    assert not cal.applies_to(other) and not cal.applies_to(GPU) and cal.applies_to(CPU)
+
+
+GOOD_CALIBRATION = {"schema": 1, "device_kind": "cpu", "device_name": "h", "read_bandwidth_bytes_per_s": 1,
+                    "prefill_factor": 0.5, "decode_factor": 1.0, "provenance": "x"}
+
+
+@pytest.mark.parametrize("damage", [None, [], {"schema": 9}, {"prefill_factor": -1}, {"decode_factor": "fast"},
+                                    {"provenance": None, "extra": 1}])
+def test_a_damaged_calibration_is_ignored_not_a_traceback(tmp_path: Path, damage: Any) -> None:
+    (tmp_path / "c.json").write_text("{" if damage is None else json.dumps(
+        damage if isinstance(damage, list) else {**GOOD_CALIBRATION, **damage}))
+    assert read_calibration(tmp_path / "c.json") is None and read_calibration(tmp_path / "absent.json") is None
+    (tmp_path / "c.json").write_text(json.dumps(GOOD_CALIBRATION))
+    assert read_calibration(tmp_path / "c.json") is not None
+
+
+# ----------------------------------------------------------------------------- the extrapolated check
+
+
+from hotfit.stages.measure_speed import (  # noqa: E402
+    SPEED_CHECK_BUDGET_S,
+    extrapolated_figures,
+    fit_prefill,
+    short_depths,
+)
+
+
+@pytest.mark.parametrize(("a", "b"), [(0.004, 0.0), (0.004, 2e-7), (0.0001, 1e-6)])
+def test_a_prefill_curve_through_two_depths_extrapolates_exactly(a: float, b: float) -> None:
+    def t(n: int) -> float:
+        return a * n + b * n * n
+    fa, fb = fit_prefill(1024, t(1024), 2048, t(2048))
+    assert (fa, fb) == (pytest.approx(a), pytest.approx(b, abs=1e-12))
+    # decode: a step's time linear in the depth
+    def rate(d: int) -> float:
+        return 1 / (0.05 + 1e-6 * d)
+    m = extrapolated_figures(Timing(1024, t(1024), rate(1024)), Timing(2048, t(2048), rate(2048)),
+                             Timing(1500, None, None), 16384)
+    assert m["first_token_s"] == pytest.approx(t(16384)) and m["decode_tokens_per_s"] == pytest.approx(rate(16384))
+    assert m["follow_up_first_token_s"] == pytest.approx(t(16384 + 1500) - t(16384))
+    assert m["prompt_tokens"] == 16384 and "extrapolated to 16384" in m["basis"]
+
+
+def test_a_noisy_pair_is_read_as_linear_never_as_a_cheaper_long_prompt() -> None:
+    assert fit_prefill(1000, 10.0, 2000, 15.0) == (15.0 / 2000, 0.0)
+
+
+@pytest.mark.parametrize(("wanted", "expected_s", "depths"), [
+    (16384, None, None), (16384, SPEED_CHECK_BUDGET_S, None), (16384, 770.0, (851, 1702)),
+    (16384, 1e6, (512, 1024)), (1500, 1e6, None)])
+def test_the_check_measures_short_depths_only_when_the_full_prompt_is_slow(wanted, expected_s, depths) -> None:
+    assert short_depths(wanted, expected_s) == depths
+
+
+def test_the_agent_prompt_is_sized_with_the_models_own_characters_per_token() -> None:
+    from hotfit.stages.measure_speed import chars_per_token
+    from hotfit.stages.probe_tool_call import probe_request
+
+    req = probe_request()
+    size = len(json.dumps(req))
+    assert chars_per_token(req, size) == 1.0  # a byte vocabulary: one character a token
+    assert chars_per_token(req, size // 3) == pytest.approx(size / (size // 3))
+    assert chars_per_token(req, 1) == CHARS_PER_TOKEN and chars_per_token(req, None) == CHARS_PER_TOKEN
+    small = agent_request(16384, chars_per_token=1.0)
+    assert len(json.dumps(small["tools"])) + sum(len(m["content"]) for m in small["messages"]) <= 16384 * 1.05
+    assert speed_lines(None, {"measured": {"basis": "not measured: the openvino backend ..."}}) == [
+        "  speed measured  not measured: the openvino backend ..."]
