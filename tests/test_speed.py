@@ -38,6 +38,8 @@ from hotfit.stages._host_speed import machine_fingerprint, physical_cores
 from hotfit.stages.plan import build_plan
 from tests.entries import GiB, entry
 
+TIER = "unit"  # the model, selection and the CLI in-process (CONTRIBUTING.md "Test tiers")
+
 F16 = KV_CACHE_TYPES["f16"]
 Q8 = KV_CACHE_TYPES["q8_0"]
 
