@@ -18,6 +18,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -32,7 +33,9 @@ import pytest
 from hotfit.core.errors import CertificateError
 from hotfit.planner.probe import ProbeResult
 from hotfit.download.hub_errors import hub_error_from_hf_exception, is_retryable_hf_exception
+from hotfit.core.settings import load_settings
 from hotfit.pipeline.cli import main
+from hotfit.pipeline.metrics import shared_textfile_name
 from hotfit.state.store import SyncStateStore
 from tests.e2e_support import LARGE, GiB, World, write_probe, write_provisioned_home, write_registry
 from tests.gguf_fixtures import tool_template_text
@@ -120,9 +123,11 @@ def test_an_unwritable_textfile_dir_after_a_successful_run_keeps_exit_0(textfile
         assert main(["--home", str(made.home), "--log-format", "json", "--json", *made.argv], out=out) == 0
         assert json.loads(out.getvalue())["noop"] is True
         warnings = named(events(made.home), "metrics.unwritable")
-        assert [w["paths"] for w in warnings] == [[str(target / "hotfit.prom")]], warnings
+        shared = target / shared_textfile_name(load_settings(home=str(made.home)))  # this home's own name there
+        assert [w["paths"] for w in warnings] == [[str(shared)]], warnings
         assert warnings[0]["exit_code"] == 0 and warnings[0]["error"]
-        assert "hotfit_last_run_exit_code 0\n" in (made.home / "metrics" / "hotfit.prom").read_text()
+        written = (made.home / "metrics" / "hotfit.prom").read_text()
+        assert re.search(r"^hotfit_last_run_exit_code(\{[^}]*\})? 0$", written, re.MULTILINE), written
         last = json.loads((made.home / "metrics" / "last-run.json").read_text())
         assert last["exit_code"] == 0 and last["outcome"] == "noop"
         assert [p.name for p in collector.iterdir() if p.name.endswith(".tmp")] == []  # no temp file left

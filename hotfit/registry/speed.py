@@ -301,7 +301,7 @@ class SpeedRequest:
         if facts is None:
             return None
         p = predict(facts, self.device, self.prompt_tokens)
-        if entry.backend != "llama":  # the constants were fitted on llama.cpp's kernels only
+        if entry.layout.file_format != "GGUF":  # the constants were fitted on GGUF weights in llama.cpp's kernels
             p = replace(p, basis={**p.basis, "efficiency": f"{p.basis['efficiency']} (llama.cpp's, not measured "
                                                           f"for the {entry.backend} backend)"})
         return p

@@ -244,7 +244,9 @@ class SpeedCheckJob:
 async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     job = ctx.job(SpeedCheckJob)
     plan = ctx.require_plan()
-    if plan.backend != "llama":  # recorded and logged, never silent: no server timings to read
+    # A snapshot backend (OpenVINO's IR) reports no per-request server timings: recorded and logged,
+    # never silent (the entry's layout says which; tests/test_backend_closed.py)
+    if plan.entry.layout.snapshot:
         why = f"not measured: the {plan.backend} backend reports no server timings for an agent-sized prompt"
         log.warning("speed.not_measured", backend=plan.backend, reason=why)
         return SpeedResult({"basis": why}, dict(plan.speed_predicted) if plan.speed_predicted else None)
