@@ -370,17 +370,22 @@ def test_the_portable_build_loads_the_expected_cpu_variant(row: Row) -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("row", [r for r in ROWS if "cuda_preflight" in r.expected], ids=lambda r: r.machine)
-def test_the_preflight_refuses_a_cuda_build_without_code_for_the_planned_gpu(row: Row, tmp_path: Path) -> None:
+def test_the_preflight_refuses_a_cuda_build_without_code_for_the_planned_gpu(row: Row, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The load stage's preflight (before any download) on each captured NVIDIA machine, with the
     probe's compute capability from NVML, for a CUDA build of each architecture list: the build made
     here ("90"), the fleet build measured in docs/builds.md ("75;86": machine code and PTX) and one
     with machine code only ("75-real;86-real", which no Hopper runs)."""
+    import hotfit.backends.llama_server.backend
     from hotfit.backends.select import backend_for
     from hotfit.core.settings import load_settings
     from hotfit.pipeline.registry_file import load_registry
     from hotfit.registry.kv import KV_CACHE_TYPES
     from hotfit.stages.plan import build_plan
 
+    # What is tested is the build's CUDA architectures against the GPU's capability; the stand-in
+    # binary lists no device, so the planned-device check (tests/test_device_check.py) is waived.
+    monkeypatch.setattr(hotfit.backends.llama_server.backend, "check_planned_device", lambda *a, **k: None)
     probe = row_probe(row, tmp_path)
     outcome = build_plan(probe, load_registry().entries, KV_CACHE_TYPES["f16"], backend="llama", device="nvidia")
     assert outcome.plan is not None and outcome.plan.placement.device.kind == "nvidia"

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from hotfit.pipeline.metrics import last_run, render, shared_textfile_name
 from hotfit.pipeline.status import last_run_failed
 from hotfit.state.store import RunRecord
 from tests.hubserver import LocalHub
+from tests.polling import wait_until
 from tests.test_pull_cli import env_for, model  # noqa: F401 - the pull fixture (a pinned model on the local Hub)
 
 TIER = "unit"
@@ -180,15 +180,19 @@ def scrape_node_exporter(textfile_dir: Path, tmp_path: Path) -> str:
     server = subprocess.Popen([exporter, "--collector.disable-defaults", "--collector.textfile",
                                f"--collector.textfile.directory={textfile_dir}",
                                f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    scraped: list[str] = []
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                scraped.append(answer.read().decode())
+                return True
+        except OSError:
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:  # poll until it answers (or has exited)
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-                    return str(answer.read().decode())
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "node-exporter.log").read_text()
-                time.sleep(0.05)
+        wait_until(answers, "node_exporter to answer on its port", timeout_s=30, proc=server)
+        return scraped[0]
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -206,6 +210,7 @@ def served_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], st
     return found
 
 
+@pytest.mark.integration  # node_exporter and promtool run
 def test_two_homes_sharing_a_textfile_dir_are_told_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two homes, one HOTFIT_TEXTFILE_DIR: two files, two label sets, both served by node_exporter."""
     textfile_dir = tmp_path / "node-exporter"
