@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -23,6 +22,7 @@ from tests.e2e_support import LARGE, SMALL, GiB, World, write_probe
 from tests.gguf_fixtures import free_port
 from tests.hubserver import LocalHub
 from tests.polling import wait_until
+from tests.serve_support import stop
 
 TIER = "e2e"
 
@@ -131,12 +131,7 @@ def test_rerun_while_serving_keeps_the_served_model_and_changes_nothing(hub: Loc
         assert llama_servers_of(home) == {serve.pid}  # the run's own llama-server is gone again
         assert health(port) == 200 and serve.poll() is None
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait()
+        stop(serve)
 
     # The worker is gone; its pid file is stale and no longer trusted.
     assert (home / "serve.pid").exists()
