@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hotfit.backends.llama_server.device_check import PlannedDevice, device_problem, parse_listed_gpus
+from hotfit.backends.llama_server.device_check import PlannedDevice, device_problem
+from hotfit.backends.llama_server.devices import parse_list_devices
 from hotfit.planner.probe import Device, ProbeResult
 from tests.e2e_support import SMALL, World
 from tests.hubserver import LocalHub
@@ -55,7 +56,7 @@ RX_7600 = PlannedDevice("amd", "Radeon RX 7600", 8 * GiB, ggml_device="Vulkan0")
     (LAVAPIPE_PLAN, LAVAPIPE, None),
 ])
 def test_the_planned_device_against_the_listing(planned: PlannedDevice, listing: str, refusal: str | None) -> None:
-    problem = device_problem(planned, parse_listed_gpus(listing))
+    problem = device_problem(planned, parse_list_devices(listing))
     if refusal is None:
         assert problem is None
     else:

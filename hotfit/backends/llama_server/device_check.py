@@ -29,37 +29,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hotfit.backends.base import ListedDevice
+from hotfit.backends.llama_server.devices import LIST_DEVICES_TIMEOUT_S, parse_list_devices
 from hotfit.backends.llama_server.flags import child_env
 from hotfit.core.errors import DeviceMismatch
 from hotfit.core.log import get_logger
 from hotfit.planner.plan import Plan
 
-__all__ = ["ListedGpu", "PlannedDevice", "check_planned_device", "device_problem", "is_software_device",
-           "parse_listed_gpus", "planned_device"]
+__all__ = ["PlannedDevice", "check_planned_device", "device_problem", "is_software_device", "planned_device"]
 
 log = get_logger()
 
 MiB = 1 << 20
-# `--list-devices` initialises every backend; lavapipe's first start compiles nothing, a few s.
-LIST_DEVICES_TIMEOUT_S = 60.0
 # NVML/sysfs and ggml round differently (MiB, reserved regions); beyond this they are two devices.
 SAME_DEVICE_TOTAL_RATIO = 0.05
 # Software Vulkan/GL implementations (Mesa's lavapipe names its device "llvmpipe (LLVM …)", Google's
 # SwiftShader "SwiftShader Device"): they run on the CPU, however ggml types them.
 _SOFTWARE_DEVICE = re.compile(r"\b(llvmpipe|lavapipe|softpipe|swiftshader|swrast)\b", re.IGNORECASE)
-# llama.cpp common/arg.cpp, common_print_available_devices: "  <dev>: <description> (<total> MiB, <free> MiB free)"
-_LISTED_RE = re.compile(r"^\s*(?P<dev>[A-Za-z][A-Za-z_-]*\d+): (?P<desc>.*) \((?P<total>\d+) MiB, \d+ MiB free\)\s*$")
-
-
-@dataclass(frozen=True)
-class ListedGpu:
-    """A device a build lists: its ggml name ("Vulkan0"), description and total memory."""
-
-    name: str
-    description: str
-    total_bytes: int
-
-
 @dataclass(frozen=True)
 class PlannedDevice:
     """What the plan says of the device it was computed for."""
@@ -87,18 +73,18 @@ def is_software_device(description: str) -> bool:
     return bool(_SOFTWARE_DEVICE.search(description))
 
 
-def _describe(listed: ListedGpu) -> str:
+def _describe(listed: ListedDevice) -> str:
     return f"{listed.name}: {listed.description} ({listed.total_bytes // MiB} MiB)"
 
 
-def _same_device(planned: PlannedDevice, listed: ListedGpu) -> bool:
+def _same_device(planned: PlannedDevice, listed: ListedDevice) -> bool:
     a, b = planned.name.lower(), listed.description.lower()
     same_name = bool(a) and (a in b or b.split(" (")[0] in a)
     same_memory = abs(listed.total_bytes - planned.total_bytes) <= SAME_DEVICE_TOTAL_RATIO * planned.total_bytes
     return same_name or same_memory
 
 
-def device_problem(planned: PlannedDevice, listed: Sequence[ListedGpu]) -> str | None:
+def device_problem(planned: PlannedDevice, listed: Sequence[ListedDevice]) -> str | None:
     """Pure: why a session started on what the build ``listed`` would not run on the ``planned``
     device (None: it would). The session uses the device it is pinned to with -dev, else every
     device listed (llama.cpp offloads to all of them)."""
@@ -116,13 +102,7 @@ def device_problem(planned: PlannedDevice, listed: Sequence[ListedGpu]) -> str |
     return None
 
 
-def parse_listed_gpus(text: str) -> list[ListedGpu]:
-    """Pure: the devices in ``--list-devices`` output (whole MiB)."""
-    return [ListedGpu(m["dev"], m["desc"].strip(), int(m["total"]) * MiB)
-            for line in text.splitlines() if (m := _LISTED_RE.match(line))]
-
-
-def _listing(binary: Path, env: Mapping[str, str]) -> list[ListedGpu]:
+def _listing(binary: Path, env: Mapping[str, str]) -> list[ListedDevice]:
     try:
         proc = subprocess.run([str(binary), "--list-devices"], stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=LIST_DEVICES_TIMEOUT_S, check=False, env=dict(env))
@@ -130,7 +110,7 @@ def _listing(binary: Path, env: Mapping[str, str]) -> list[ListedGpu]:
         raise DeviceMismatch(f"{binary} --list-devices failed ({exc}): cannot confirm it runs on the planned device",
                              hint="check that this llama-server runs here (scripts/install-llama-server), then rerun",
                              binary=str(binary)) from None
-    return parse_listed_gpus(proc.stdout + "\n" + proc.stderr)
+    return parse_list_devices(proc.stdout + "\n" + proc.stderr)
 
 
 def check_planned_device(plan: Plan, binary: Path, env: Mapping[str, str] | None = None) -> None:
