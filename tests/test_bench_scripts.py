@@ -215,16 +215,30 @@ def test_locate_runs_fetch_test_models_when_the_receipt_is_missing(tmp_path: Pat
     assert realmodels.locate(SMOLLM2, fetch=False) == target
 
 
-def test_bench_speed_fits_the_constants_its_short_runs_say() -> None:
-    """scripts/bench-speed --fit: predicted twice the measured decode and half the measured prefill on
-    the shortest runs halve the decode efficiency and double the per-thread FLOP rate."""
+def test_bench_speed_fit_recovers_the_constants_of_runs_the_model_made() -> None:
+    """scripts/bench-speed --fit, on 'measurements' the speed model itself produced from known
+    constants (three models of different size, depth and quant): it gives those constants back."""
     bench = load_script("bench-speed")
     from hotfit.registry import speed
 
-    figures = {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0, "first_token_s": 5.0}
-    runs = [bench.Run(m, "Q4", 512, figures, {"prefill_tokens_per_s": 50.0, "decode_tokens_per_s": 20.0,
-                                              "first_token_s": 10.0}) for m in ("a", "b")]
-    assert runs[0].ratios() == {"prefill_tokens_per_s": 0.5, "decode_tokens_per_s": 2.0, "first_token_s": 2.0}
-    fitted = bench.fit(runs, 2)
-    assert fitted["CPU_DECODE_BANDWIDTH_EFFICIENCY"] == round(speed.CPU_DECODE_BANDWIDTH_EFFICIENCY / 2, 3)
-    assert fitted["CPU_PREFILL_FLOPS_PER_THREAD"] == round(speed.CPU_PREFILL_FLOPS_PER_THREAD * 2, -8)
+    threads, bandwidth = 2, 30e9
+    device = speed.DeviceSpeedFacts("cpu", bandwidth, 0.5, threads * 50e9, "test", "test",
+                                    attention_prefill_flops_per_s=threads * 20e9,
+                                    attention_decode_flops_per_s=threads * 5e9, decode_overhead_s_per_layer=2e-4)
+    facts = {"small": speed.ModelSpeedFacts(1e8, 1e8, (speed.AttentionGroup(30, 576, 768),), "GGUF tensors (Q4_1)",
+                                            matmul_efficiency=0.4, n_layers=30),
+             "mid": speed.ModelSpeedFacts(2.5e8, 1e8, (speed.AttentionGroup(15, 1024, 1024, 512),
+                                                       speed.AttentionGroup(3, 1024, 1024)), "GGUF tensors (Q4_K_M)",
+                                          n_layers=18),
+             "big": speed.ModelSpeedFacts(4e8, 3.6e8, (speed.AttentionGroup(24, 896, 512),), "GGUF tensors (Q4_K_M)",
+                                          n_layers=24)}
+    measured = {k: [{"depth": d, "prefill_tokens_per_s": p.prefill_tokens_per_s,
+                     "decode_tokens_per_s": p.decode_tokens_per_s, "first_token_s": p.first_token_s}
+                    for d in (512, 8192, 16384) for p in (speed.predict(f, device, d),)] for k, f in facts.items()}
+    fitted = bench.fit(measured, facts, bandwidth, threads)
+    assert fitted["CPU_DECODE_BANDWIDTH_EFFICIENCY"] == pytest.approx(0.5, rel=0.01)
+    assert fitted["CPU_DECODE_OVERHEAD_S_PER_LAYER"] == pytest.approx(2e-4, rel=0.02)
+    assert fitted["CPU_PREFILL_FLOPS_PER_THREAD"] == pytest.approx(50e9, rel=0.01)
+    assert fitted["CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD"] == pytest.approx(20e9, rel=0.01)
+    assert fitted["CPU_ATTENTION_DECODE_FLOPS_PER_THREAD"] == pytest.approx(5e9, rel=0.01)
+    assert fitted["QUANT_MATMUL_EFFICIENCY (per model)"]["small (Q4_1)"] == pytest.approx(0.4, abs=0.01)

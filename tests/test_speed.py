@@ -32,6 +32,7 @@ from hotfit.registry.speed import (
     device_speed_facts,
     model_speed_facts,
     predict,
+    quant_matmul_efficiency,
     speed_shortfalls,
 )
 from hotfit.stages._host_speed import machine_fingerprint, physical_cores
@@ -99,6 +100,44 @@ def test_a_longer_prompt_is_slower_per_token_and_later_to_answer() -> None:
     assert long.prefill_tokens_per_s < short.prefill_tokens_per_s
     assert long.decode_tokens_per_s < short.decode_tokens_per_s
     assert long.first_token_s > 64 * short.first_token_s * 0.99
+
+
+def test_decode_attention_is_the_slower_of_its_kv_read_and_its_flops_plus_a_cost_a_layer() -> None:
+    # 10 layers x 4 x 1000 FLOPs a cached cell; the KV read is 10 x 2000 B a cell at 50 GB/s
+    dev = dataclasses.replace(flat_device(100e9, 1e12), attention_decode_flops_per_s=1e9,
+                              decode_overhead_s_per_layer=1e-4)
+    compute_bound = 1e9 / 50e9 + 10 * 4 * 1000 * 16384 / 1e9 + 10 * 1e-4
+    assert predict(DENSE, dev, 16384).decode_tokens_per_s == pytest.approx(1 / compute_bound)
+    fast = dataclasses.replace(dev, attention_decode_flops_per_s=1e15)  # then the KV read bounds it
+    read_bound = (1e9 + 10 * 2000 * 16384) / 50e9 + 10 * 1e-4
+    assert predict(DENSE, fast, 16384).decode_tokens_per_s == pytest.approx(1 / read_bound)
+    assert predict(DENSE, fast, 16384).decode_start_tokens_per_s == pytest.approx(1 / (1e9 / 50e9 + 10 * 1e-4))
+
+
+def test_prompt_attention_runs_at_its_own_rate_and_the_matmuls_at_the_quants() -> None:
+    dev = dataclasses.replace(flat_device(100e9, 1e12), attention_prefill_flops_per_s=2e11)
+    q4_1 = dataclasses.replace(DENSE, matmul_efficiency=0.5)
+    expected = 16384 * 4e9 / (1e12 * 0.5) + 10 * 4 * 1000 * 16383 * 16384 / 2 / 2e11
+    assert predict(q4_1, dev, 16384).first_token_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("label", "factor", "said"), [
+    ("Q4_K_M", 1.0, ""), ("Qwen3-8B-UD-Q4_K_XL.gguf", 1.0, ""), ("SmolLM2-135M-Instruct.Q4_1.gguf", 0.42, "Q4_1"),
+    ("model-q4_0.gguf", 1.0, "not measured"), ("IQ4_K", 1.0, "not measured"), (None, 1.0, "not measured"),
+])
+def test_a_quants_matmul_rate_is_read_from_its_name_and_an_unmeasured_one_says_so(label, factor, said) -> None:
+    got, basis = quant_matmul_efficiency(label)
+    assert got == factor
+    assert said in basis and (said or basis == "")
+
+
+def test_a_calibration_scales_every_decode_term_and_every_prefill_term_exactly() -> None:
+    dev = device_speed_facts(CPU)
+    before = predict(DENSE, dev, 8192)
+    after = predict(DENSE, dev.scaled(decode=2.0, prefill=3.0), 8192)
+    assert after.decode_tokens_per_s == pytest.approx(2 * before.decode_tokens_per_s)
+    assert after.decode_start_tokens_per_s == pytest.approx(2 * before.decode_start_tokens_per_s)
+    assert after.first_token_s == pytest.approx(before.first_token_s / 3)
 
 
 # ----------------------------------------------------------------------------- from the registry

@@ -6,11 +6,15 @@ estimate that fits "is not a throughput guarantee: prefill and long-context infe
 on memory bandwidth and hardware execution support"). Two bounds, docs/benchmarks.md
 ("Predicted against measured speed") shows how close they come on real GGUFs:
 
-- generation (decode): every generated token reads the active weights once and the KV cells it
-  attends, so ``tokens/s = bandwidth x efficiency / (active weight bytes + KV bytes at that depth)``;
-- prompt processing (prefill): compute bound, ``2 FLOPs x multiplied parameters`` per prompt token
-  plus attention, ``4 x query width x depth`` per layer (QK and PV; a sliding-window layer stops at
-  its window), at the device's compute rate. Time to first token = the prompt's FLOPs / that rate.
+- generation (decode): every generated token streams the active weights once and attends its KV
+  cells, so a token takes ``active weight bytes / (bandwidth x efficiency)``, plus the attention at that
+  depth (the KV read, or on a CPU its f16 multiply-adds, ``4 x query width x cells`` a layer, whichever
+  is slower), plus a fixed cost a layer (the graph's small kernels and thread hand-offs: it matters only
+  for tiny models);
+- prompt processing (prefill): compute bound, ``2 FLOPs x multiplied parameters`` per prompt token at the
+  quantized matmuls' rate, plus attention, ``4 x query width x depth`` per layer (QK and PV; a
+  sliding-window layer stops at its window), at the attention kernels' own, slower rate. Time to first
+  token = the prompt's matmul time + its attention time.
 
 Every figure carries its ``basis``: which bandwidth (measured, NVML's, or assumed), which efficiency
 and which parameter count (MoE: active only) it rests on.
@@ -19,6 +23,7 @@ and which parameter count (MoE: active only) it rests on.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -28,25 +33,35 @@ from hotfit.registry.kv import KVCacheType
 GB = 1e9
 
 # --------------------------------------------------------------------------- constants
-# Decode on a CPU reaches this fraction of the host's streaming-read bandwidth (probe: one pass of
-# memchr per thread). Fitted on the quiet bench-backend run of the real Q4_K_M test GGUFs (Gemma 3 0.57,
-# Qwen2.5 0.55 at 32.8 GB/s, 2 cores of an AMD EPYC Zen 5 VM; docs/benchmarks.md, "Predicted against
-# measured speed"); SmolLM2 Q4_1 reaches 0.33.
-CPU_DECODE_BANDWIDTH_EFFICIENCY = 0.55
+# The CPU constants were fitted on one quiet scripts/bench-speed run of the real test GGUFs (SmolLM2 Q4_1,
+# Gemma 3 and Qwen2.5 Q4_K_M at prompt depths 512 to 16k; 2 threads of an AMD EPYC Zen 5 VM, 33.8 GB/s
+# measured by the probe's readers) and checked on later runs, at 2 threads and at 1 (docs/benchmarks.md,
+# "Predicted against measured speed").
+# Decode streams the weights at this fraction of the host's read bandwidth (the probe's memchr readers).
+CPU_DECODE_BANDWIDTH_EFFICIENCY = 0.71
+# Each generated token also pays this much a layer, whatever the weights' size: a decode graph is
+# ~20 small kernels a layer with a thread hand-off each (0.16 ms a layer fitted: 5 ms of SmolLM2's
+# 11 ms a token, 3 % of a 7B model's).
+CPU_DECODE_OVERHEAD_S_PER_LAYER = 1.6e-4
+# Quantized matmul FLOP/s one llama-server thread sustains in a prompt batch (Q4_K: Qwen2.5 94, Gemma 3
+# 76 GFLOP/s a thread at 512 tokens). Other quants reach a share of it (QUANT_MATMUL_EFFICIENCY).
+CPU_PREFILL_FLOPS_PER_THREAD = 85e9
+# Attention runs f16 kernels at its own rate: in a prompt batch (the QK and PV products over the cached
+# depth; 62 GFLOP/s for 2 threads on all three models at 8k and 16k) and in decode, where one token's
+# query meets every cached cell (14-23 GFLOP/s for 2 threads: compute, not the KV read, limits it).
+CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD = 31e9
+CPU_ATTENTION_DECODE_FLOPS_PER_THREAD = 8.5e9
+# A quant's matmul rate against Q4_K's, where measured: llama.cpp's CPU backend repacks Q4_0, Q4_K and
+# IQ4_NL into interleaved kernels for prompt batches; Q4_1 has no such path (SmolLM2 Q4_1: 36 GFLOP/s a
+# thread against 85). A quant not listed is taken at Q4_K's rate, and the basis says so.
+QUANT_MATMUL_EFFICIENCY = {"Q4_K": 1.0, "Q4_1": 0.42}
 # A GPU decode step reaches this fraction of NVML's peak bandwidth (clock x bus width). Not measured
 # here (no GPU): llmfit's published factor (0.55) rounded up for llama.cpp's CUDA kernels; an estimate.
 GPU_DECODE_BANDWIDTH_EFFICIENCY = 0.6
-# Prefill FLOP/s one llama-server thread sustains on the quantized matmuls (AVX-512 VNNI, Q4_K), fitted
-# on the same quiet runs (Qwen2.5 87, Gemma 3 73 GFLOP/s a thread at 256 tokens; SmolLM2's Q4_1 kernel
-# 32: over-predicted 2.7x; docs/benchmarks.md).
-CPU_PREFILL_FLOPS_PER_THREAD = 90e9
-# Attention at depth runs f16 kernels, maybe slower per FLOP than the quantized matmuls: this many matmul
-# FLOPs' time per attention FLOP. Not yet fitted (no quiet deep run here; scripts/bench-speed --fit
-# fits it from its 8k/16k runs): 1 = the same rate.
-ATTENTION_FLOP_COST = 1.0
 # A GPU's prefill FLOP/s per byte/s of its bandwidth: recent cards offer 150-300 dense f16 FLOPs per
 # byte (H100 295, RTX 4090 165, RTX 3060 142) and llama.cpp's quantized matmuls reach about a third.
-# Not measured here (no GPU): an estimate, and the basis says so.
+# Attention is taken at the same rate, decode attention as bandwidth bound, with no fixed cost a layer
+# (the CUDA backend replays a decode graph). Not measured here (no GPU): estimates, and the basis says so.
 GPU_PREFILL_FLOPS_PER_BYTE = 50.0
 # Used when the probe did not measure the device (an old probe file): a dual-channel DDR4 desktop,
 # 4 threads; a mid-range GPU. The basis then says "assumed".
@@ -79,29 +94,45 @@ class AttentionGroup:
 @dataclass(frozen=True)
 class ModelSpeedFacts:
     """What speed depends on in the model. ``weights_read_per_token_bytes``: weights one decode step
-    reads (MoE: the active experts only); ``matmul_params``: parameters multiplied per prompt token."""
+    reads (MoE: the active experts only); ``matmul_params``: parameters multiplied per prompt token;
+    ``matmul_efficiency``: its quant's matmul rate against Q4_K's (QUANT_MATMUL_EFFICIENCY);
+    ``n_layers``: the blocks a decode step runs (None: the attention layers')."""
 
     weights_read_per_token_bytes: float
     matmul_params: float
     attention: tuple[AttentionGroup, ...]
     basis: str  # which parameter count and bytes per weight
+    matmul_efficiency: float = 1.0
+    n_layers: int | None = None
+
+    @property
+    def layers(self) -> int:
+        return self.n_layers if self.n_layers is not None else sum(g.count for g in self.attention)
 
     def kv_read_bytes(self, depth_tokens: int) -> float:
         """KV bytes one decode step at ``depth_tokens`` reads (a window layer: its window at most)."""
         return float(sum(g.count * g.kv_bytes_per_token * _attended(depth_tokens, g.window_tokens)
                          for g in self.attention))
 
-    def prompt_flops(self, prompt_tokens: int) -> float:
-        """FLOPs of prefilling ``prompt_tokens``: the matmuls, and attention over the growing depth
-        (token d attends min(d, window) cells), weighted by ATTENTION_FLOP_COST."""
-        attention = sum(g.count * 4 * g.query_width * _depth_sum(prompt_tokens, g.window_tokens)
-                        for g in self.attention)
-        return 2.0 * self.matmul_params * prompt_tokens + ATTENTION_FLOP_COST * attention
+    def decode_attention_flops(self, depth_tokens: int) -> float:
+        """FLOPs of one generated token's attention at ``depth_tokens``: QK and PV over its cells."""
+        return float(sum(g.count * 4 * g.query_width * _attended(depth_tokens, g.window_tokens)
+                         for g in self.attention))
+
+    def prompt_matmul_flops(self, prompt_tokens: int) -> float:
+        return 2.0 * self.matmul_params * prompt_tokens
+
+    def prompt_attention_flops(self, prompt_tokens: int) -> float:
+        """FLOPs of the prompt's attention over the growing depth (token d attends min(d, window) cells)."""
+        return float(sum(g.count * 4 * g.query_width * _depth_sum(prompt_tokens, g.window_tokens)
+                         for g in self.attention))
 
 
 @dataclass(frozen=True)
 class DeviceSpeedFacts:
-    """What speed depends on in the device: its read bandwidth and compute rate, and their basis."""
+    """What speed depends on in the device: its read bandwidth and compute rates, and their basis.
+    ``attention_prefill_flops_per_s`` None: attention at the matmuls' rate; ``attention_decode_flops_per_s``
+    None: decode attention is bound by the KV read alone."""
 
     kind: str
     read_bandwidth_bytes_per_s: float
@@ -109,6 +140,20 @@ class DeviceSpeedFacts:
     prefill_flops_per_s: float
     bandwidth_basis: str  # "measured ...", "NVML ...", "assumed ..."
     compute_basis: str
+    attention_prefill_flops_per_s: float | None = None
+    attention_decode_flops_per_s: float | None = None
+    decode_overhead_s_per_layer: float = 0.0
+
+    def scaled(self, *, decode: float = 1.0, prefill: float = 1.0) -> DeviceSpeedFacts:
+        """These facts with every decode term ``decode`` times as fast and every prefill term ``prefill``
+        times (a calibration: measured / predicted rates on this device)."""
+        def times(x: float | None, k: float) -> float | None:
+            return None if x is None else x * k
+        return replace(self, decode_efficiency=self.decode_efficiency * decode,
+                       attention_decode_flops_per_s=times(self.attention_decode_flops_per_s, decode),
+                       decode_overhead_s_per_layer=self.decode_overhead_s_per_layer / decode,
+                       prefill_flops_per_s=self.prefill_flops_per_s * prefill,
+                       attention_prefill_flops_per_s=times(self.attention_prefill_flops_per_s, prefill))
 
 
 def _attended(depth: int, window: int | None) -> int:
@@ -154,19 +199,31 @@ def fmt_seconds(s: float) -> str:
 
 
 def decode_tokens_per_s(model: ModelSpeedFacts, device: DeviceSpeedFacts, depth_tokens: int) -> float:
-    read = model.weights_read_per_token_bytes + model.kv_read_bytes(depth_tokens)
-    return device.read_bandwidth_bytes_per_s * device.decode_efficiency / read
+    streamed_bytes_per_s = device.read_bandwidth_bytes_per_s * device.decode_efficiency
+    attention_s = model.kv_read_bytes(depth_tokens) / streamed_bytes_per_s
+    if device.attention_decode_flops_per_s is not None:
+        attention_s = max(attention_s, model.decode_attention_flops(depth_tokens) / device.attention_decode_flops_per_s)
+    token_s = (model.weights_read_per_token_bytes / streamed_bytes_per_s + attention_s
+               + model.layers * device.decode_overhead_s_per_layer)
+    return 1.0 / token_s
+
+
+def first_token_s(model: ModelSpeedFacts, device: DeviceSpeedFacts, prompt_tokens: int) -> float:
+    """The prompt's matmuls at the quant's rate, plus its attention at the attention kernels' rate."""
+    attention_rate = device.attention_prefill_flops_per_s or device.prefill_flops_per_s
+    return (model.prompt_matmul_flops(prompt_tokens) / (device.prefill_flops_per_s * model.matmul_efficiency)
+            + model.prompt_attention_flops(prompt_tokens) / attention_rate)
 
 
 def predict(model: ModelSpeedFacts, device: DeviceSpeedFacts, prompt_tokens: int) -> SpeedPrediction:
     """Prefill, time to first token and generation (at depth 0 and after the prompt) for an agent
     prompt of ``prompt_tokens`` tokens."""
     n = max(1, prompt_tokens)
-    first_token_s = model.prompt_flops(n) / device.prefill_flops_per_s
+    first_s = first_token_s(model, device, n)
     return SpeedPrediction(
-        prompt_tokens=n, prefill_tokens_per_s=n / first_token_s,
+        prompt_tokens=n, prefill_tokens_per_s=n / first_s,
         decode_tokens_per_s=decode_tokens_per_s(model, device, n),
-        decode_start_tokens_per_s=decode_tokens_per_s(model, device, 0), first_token_s=first_token_s,
+        decode_start_tokens_per_s=decode_tokens_per_s(model, device, 0), first_token_s=first_s,
         basis={"bandwidth": device.bandwidth_basis,
                "efficiency": f"decode {device.decode_efficiency:g} of that bandwidth",
                "compute": device.compute_basis, "parameters": model.basis})
@@ -201,12 +258,18 @@ def device_speed_facts(device: Device) -> DeviceSpeedFacts:
         bw_basis = (device.bandwidth_basis or "measured") if bw else (
             f"assumed {ASSUMED_HOST_BANDWIDTH_BYTES_PER_S / GB:.0f} GB/s: the probe did not measure this host "
             "(an old probe file); run 'hotfit probe' on it")
-        compute_basis = (f"{threads} threads x {CPU_PREFILL_FLOPS_PER_THREAD / GB:.0f} GFLOP/s per thread "
-                         f"(fitted on an AVX-512 Zen 5 with Q4_K: docs/benchmarks.md)"
+        compute_basis = (f"{threads} threads x {CPU_PREFILL_FLOPS_PER_THREAD / GB:.0f} GFLOP/s per thread in "
+                         f"matmuls, {CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD / GB:.0f} in prompt attention, "
+                         f"{CPU_ATTENTION_DECODE_FLOPS_PER_THREAD / GB:.1f} in decode attention, "
+                         f"{CPU_DECODE_OVERHEAD_S_PER_LAYER * 1e3:g} ms a layer a token (fitted on an AVX-512 Zen 5 "
+                         "with Q4_K: docs/benchmarks.md)"
                          + ("" if device.compute_threads else "; threads assumed: not probed"))
         return DeviceSpeedFacts("cpu", bandwidth, CPU_DECODE_BANDWIDTH_EFFICIENCY,
                                 threads * CPU_PREFILL_FLOPS_PER_THREAD, f"{bandwidth / GB:.1f} GB/s, {bw_basis}",
-                                compute_basis)
+                                compute_basis,
+                                attention_prefill_flops_per_s=threads * CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD,
+                                attention_decode_flops_per_s=threads * CPU_ATTENTION_DECODE_FLOPS_PER_THREAD,
+                                decode_overhead_s_per_layer=CPU_DECODE_OVERHEAD_S_PER_LAYER)
     bandwidth = float(bw) if bw else ASSUMED_GPU_BANDWIDTH_BYTES_PER_S
     bw_basis = (device.bandwidth_basis or "probed") if bw else (
         f"assumed {ASSUMED_GPU_BANDWIDTH_BYTES_PER_S / GB:.0f} GB/s: the probe could not read this GPU's "
@@ -215,6 +278,17 @@ def device_speed_facts(device: Device) -> DeviceSpeedFacts:
                             bandwidth * GPU_PREFILL_FLOPS_PER_BYTE, f"{bandwidth / GB:.0f} GB/s, {bw_basis}",
                             f"{GPU_PREFILL_FLOPS_PER_BYTE:g} FLOP per byte of bandwidth (estimated, not measured "
                             "on a GPU)")
+
+
+def quant_matmul_efficiency(quant_label: str | None) -> tuple[float, str]:
+    """The matmul rate of the quant named in ``quant_label`` (a GGUF file type, or an artifact's file
+    name: 'Q4_K_M', 'model-Q4_1.gguf') against Q4_K's, and what the basis says of it."""
+    label = (quant_label or "").upper()
+    for quant in sorted(QUANT_MATMUL_EFFICIENCY, key=len, reverse=True):
+        if re.search(rf"(?<![A-Z0-9]){quant}(?![0-9])", label):
+            factor = QUANT_MATMUL_EFFICIENCY[quant]
+            return factor, ("" if factor == 1.0 else f"{quant} matmuls at {factor:g} of Q4_K's rate (measured)")
+    return 1.0, "matmuls taken at Q4_K's rate (this quant's not measured)"
 
 
 def estimated_query_width(active_params: float, n_layers: int) -> int:
@@ -239,9 +313,12 @@ def model_speed_facts(entry: Entry, cache_type: KVCacheType) -> ModelSpeedFacts 
                                      + cache_type.row_bytes(g.n_kv_heads * g.head_dim_v), g.window_tokens)
                       for g in groups)
     moe = f"{active_b:g}B active of {total_b:g}B (MoE)" if active_b != total_b else f"{total_b:g}B (dense)"
+    efficiency, quant_note = quant_matmul_efficiency(entry.artifact.file if entry.artifact else None)
     basis = (f"{moe} parameters x {bytes_per_weight:.3f} bytes/weight (artifact bytes / parameters); "
-             f"query width ~{width} estimated from parameters per layer; KV at {cache_type.name}")
-    return ModelSpeedFacts(active_b * GB * bytes_per_weight, active_b * GB, attention, basis)
+             f"query width ~{width} estimated from parameters per layer; KV at {cache_type.name}"
+             + (f"; {quant_note}" if quant_note else ""))
+    return ModelSpeedFacts(active_b * GB * bytes_per_weight, active_b * GB, attention, basis,
+                           matmul_efficiency=efficiency, n_layers=n_layers)
 
 
 # --------------------------------------------------------------------------- floors
@@ -326,8 +403,7 @@ class Calibration:
 
     def apply(self, facts: DeviceSpeedFacts) -> DeviceSpeedFacts:
         note = f"; calibrated x{{:.2f}} by {self.provenance}"
-        return replace(facts, decode_efficiency=facts.decode_efficiency * self.decode_factor,
-                       prefill_flops_per_s=facts.prefill_flops_per_s * self.prefill_factor,
+        return replace(facts.scaled(decode=self.decode_factor, prefill=self.prefill_factor),
                        bandwidth_basis=facts.bandwidth_basis + note.format(self.decode_factor),
                        compute_basis=facts.compute_basis + note.format(self.prefill_factor))
 
