@@ -57,7 +57,11 @@ def spec(name: str) -> Any:
 
 def locate(name: str, explicit: Path | None = None, *, fetch: bool = True) -> Path:
     """The GGUF of model ``name``: ``explicit`` as is (named by the operator), else the cached file
-    whose receipt matches the pins, else (``fetch``) what ``fetch-test-models --only NAME`` assembles."""
+    whose receipt matches the pins, else (``fetch``) what ``fetch-test-models --only NAME`` assembles.
+    ``NAME@QUANT`` (``qwen2.5-coder-0.5b@Q8_0``): that model's weights requantized (:func:`requantized`)."""
+    base, _, quant = name.partition("@")
+    if quant:
+        return requantized(locate(base, explicit, fetch=fetch), quant)
     model = spec(name)
     if explicit is not None:
         if not explicit.is_file():
@@ -80,6 +84,59 @@ def locate(name: str, explicit: Path | None = None, *, fetch: bool = True) -> Pa
                                "(or pass the GGUF's path)")
     print(proc.stderr, end="", file=sys.stderr, flush=True)  # its download and check timings
     return hit
+
+
+REQUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16")  # the types gguf-py's quants.quantize writes
+
+
+def requantized(source: Path, quant: str) -> Path:
+    """``source``'s weights dequantized and quantized again as ``quant`` by gguf-py (the quants it can
+    write: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16), metadata copied, cached beside the models as
+    ``derived/<stem>.<quant>.gguf``: a third quant type for the speed benchmark from real weights (the
+    tests' GGUFs ship as Q4_1 and Q4_K_M only). The same bytes each time; built in about a minute."""
+    import gguf
+    import numpy as np
+
+    try:
+        qtype = gguf.GGMLQuantizationType[quant.upper()]
+    except KeyError:
+        raise ModelUnavailable(f"unknown quant {quant!r}: name a GGML type such as Q8_0") from None
+    if qtype.name not in REQUANTIZABLE:
+        raise ModelUnavailable(f"gguf-py cannot write {qtype.name}: name one of {', '.join(REQUANTIZABLE)}")
+    target = cache_dir() / "derived" / f"{source.stem}.{qtype.name}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(source)
+    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    writer = gguf.GGUFWriter(partial, arch)
+    try:
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            value = field.contents()
+            if field.name == gguf.Keys.General.FILE_TYPE:
+                value = int(gguf.LlamaFileType[f"MOSTLY_{qtype.name}"])
+            vtype = field.types[0]
+            writer.add_key_value(field.name, value, vtype,
+                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        for t in reader.tensors:
+            if t.tensor_type in (gguf.GGMLQuantizationType.F32, qtype) or len(t.shape) < 2:
+                writer.add_tensor(t.name, t.data, raw_shape=t.data.shape if t.tensor_type != gguf.GGMLQuantizationType.F32
+                                  else None, raw_dtype=t.tensor_type)
+                continue
+            weights = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            data = gguf.quants.quantize(weights, qtype)
+            writer.add_tensor(t.name, data, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
 
 
 # ---------------------------------------------------------------- GGUF facts

@@ -174,6 +174,32 @@ def test_the_scripts_models_are_fetch_test_models_pins(realmodels: ModuleType) -
         realmodels.locate("smollm2")
 
 
+def test_a_requantized_model_keeps_the_real_weights_in_another_quant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    realmodels: ModuleType) -> None:
+    """``NAME@Q8_0``: the benchmark's third quant type, made from the real SmolLM2 weights by gguf-py."""
+    real = require_model(SMOLLM2)
+    monkeypatch.setenv(fetch_script().CACHE_ENV, str(tmp_path))
+    made = realmodels.requantized(real.path, "Q8_0")
+    assert made.parent == tmp_path / "derived" and realmodels.gguf_facts(made).file_type == "Q8_0"
+    source, copy = gguf.GGUFReader(real.path), gguf.GGUFReader(made)
+    assert [(t.name, list(t.shape)) for t in copy.tensors] == [(t.name, list(t.shape)) for t in source.tensors]
+    for a, b in zip(source.tensors, copy.tensors):
+        if b.tensor_type == gguf.GGMLQuantizationType.Q8_0 and a.name == "blk.0.attn_q.weight":
+            x = gguf.quants.dequantize(a.data, a.tensor_type)
+            y = gguf.quants.dequantize(b.data, b.tensor_type)
+            assert abs(x - y).max() <= 0.01 * abs(x).max()  # Q8_0 of the Q4_1 weights, not other weights
+            break
+    else:
+        pytest.fail("blk.0.attn_q.weight was not requantized to Q8_0")
+    stamp = made.stat().st_mtime_ns
+    assert realmodels.requantized(real.path, "q8_0") == made and made.stat().st_mtime_ns == stamp  # cached
+    with pytest.raises(realmodels.ModelUnavailable, match="unknown quant 'Q9'"):
+        realmodels.requantized(real.path, "Q9")
+    with pytest.raises(realmodels.ModelUnavailable, match="gguf-py cannot write Q4_K"):
+        realmodels.requantized(real.path, "Q4_K")
+    assert not list((tmp_path / "derived").glob("*.partial-*"))
+
+
 def test_locate_without_fetch_names_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 realmodels: ModuleType) -> None:
     monkeypatch.setenv(fetch_script().CACHE_ENV, str(tmp_path))
