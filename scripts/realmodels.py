@@ -157,6 +157,22 @@ class GGUFFacts:
     head_dim_k: int
     head_dim_v: int
     n_heads: int = 0  # query heads
+    n_expert: int = 0  # MoE: experts per layer (0: dense)
+    n_expert_used: int = 0  # MoE: experts a token is routed to
+
+
+EXPERT_TENSOR_MARK = "_exps."  # llama.cpp's stacked expert tensors: blk.N.ffn_{gate,up,down}_exps.weight
+
+
+def expert_share(meta: dict[str, Any], arch: str) -> float:
+    """The share of an expert tensor one token uses: experts used / experts (1: dense)."""
+    n, used = meta.get(f"{arch}.expert_count"), meta.get(f"{arch}.expert_used_count")
+    return int(used) / int(n) if n and used else 1.0
+
+
+def _used(name: str, value: int, share: float) -> int:
+    """What a token touches of tensor ``name`` (bytes or parameters): ``share`` of a stacked expert tensor."""
+    return round(value * share) if EXPERT_TENSOR_MARK in name else value
 
 
 def tensor_infos(path: Path, header_bytes: int, tensor_count: int) -> list[tuple[str, tuple[int, ...], int]]:
@@ -197,18 +213,23 @@ def read_tensor_sizes(path: Path, header_bytes: int, tensor_count: int) -> dict[
     return out
 
 
-def matmul_params(path: Path) -> int:
+def matmul_params(path: Path, *, all_experts: bool = False) -> int:
     """Parameters a prompt token is multiplied with: every 2-D weight of the blocks (the token
-    embedding is a row lookup, and prefill computes the output projection for the last token only)."""
+    embedding is a row lookup, and prefill computes the output projection for the last token only);
+    of an MoE's expert tensors, the routed share (``all_experts``: every expert, as if dense)."""
     header = read_gguf_header(path)
-    return sum(_elements(dims) for name, dims, _ in tensor_infos(path, header.header_bytes, header.tensor_count)
+    share = 1.0 if all_experts else expert_share(header.metadata, str(header.architecture))
+    return sum(_used(name, _elements(dims), share)
+               for name, dims, _ in tensor_infos(path, header.header_bytes, header.tensor_count)
                if len(dims) >= 2 and name.startswith("blk."))
 
 
-def gguf_facts(path: Path) -> GGUFFacts:
+def gguf_facts(path: Path, *, all_experts: bool = False) -> GGUFFacts:
     """Weights one generated token reads: every tensor once, except the token embedding, of which
     a decode step reads one row, unless the output projection is tied to it (no ``output.weight``:
-    then the logits matmul reads it whole)."""
+    then the logits matmul reads it whole), and an MoE's expert tensors, of which it reads the
+    experts it is routed to (``expert_used_count`` of ``expert_count``; ``all_experts``: every
+    expert, as a prediction from the total parameter count would have it)."""
     from gguf import LlamaFileType
 
     header = read_gguf_header(path)
@@ -223,7 +244,9 @@ def gguf_facts(path: Path) -> GGUFFacts:
     total = sum(sizes.values())
     embd = sizes.get("token_embd.weight", 0)
     tied = "output.weight" not in sizes
-    read = total if tied else total - embd + (embd // rows if rows else 0)
+    share = 1.0 if all_experts else expert_share(meta, arch)
+    active = sum(_used(name, size, share) for name, size in sizes.items())
+    read = active if tied else active - embd + (embd // rows if rows else 0)
     ftype = meta.get("general.file_type")
     try:
         ftype_name = LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_") if ftype is not None else "?"
@@ -240,7 +263,7 @@ def gguf_facts(path: Path) -> GGUFFacts:
         tensor_bytes=total, weights_read_per_token_bytes=read, token_embd_bytes=embd, tied_output=tied,
         file_type=ftype_name, n_kv_heads=int(n_kv) if n_kv is not None else n_head,
         head_dim_k=int(head_k) if head_k else head_default, head_dim_v=int(head_v) if head_v else head_default,
-        n_heads=n_head,
+        n_heads=n_head, n_expert=int(key("expert_count") or 0), n_expert_used=int(key("expert_used_count") or 0),
     )  # fmt: skip
 
 

@@ -147,6 +147,7 @@ class FakeBackend:
 
     def __init__(self, **session: Any) -> None:
         self.session_args = session
+        self.build = ("fake-build-1", "the fake server, build 1")  # what build_identity answers
         self.preflights = 0
         self.opened: list[tuple[ModelFiles, Any]] = []
 
@@ -200,6 +201,9 @@ class FakeBackend:
 
     def grade_build(self, entry: Any, device_kind: str, settings: Any) -> tuple[str, str]:
         raise BuildUnavailable("the fake server keeps no grade evidence")
+
+    def build_identity(self, device_kind: str, settings: Any) -> tuple[str, str]:
+        return self.build
 
     @contextlib.asynccontextmanager
     async def open(self, plan: Any, files: ModelFiles, *, run_dir: Path, binary: Any,

@@ -199,6 +199,9 @@ class ScriptedLlama:
     def grade_build(self, entry: Any, device_kind: str, settings: Settings) -> tuple[str, str]:
         return LlamaServerBackend().grade_build(entry, device_kind, settings)  # the real build's identity
 
+    def build_identity(self, device_kind: str, settings: Settings) -> tuple[str, str]:
+        return LlamaServerBackend().build_identity(device_kind, settings)
+
     @contextlib.asynccontextmanager
     async def open(self, plan: Any, files: Any, *, run_dir: Path, binary: Any,
                    settings: Any) -> AsyncIterator[ScriptedSession]:

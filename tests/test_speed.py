@@ -463,18 +463,22 @@ from hotfit.registry.speed import calibration_from  # noqa: E402
 from hotfit.stages.measure_speed import read_calibration, write_calibration  # noqa: E402
 
 
-def test_a_measurement_calibrates_later_plans_on_the_same_device_and_probe_figure(tmp_path: Path) -> None:
+BUILD = ("b1-identity", "llama.cpp b1, cpu backend")
+
+
+def test_a_measurement_calibrates_later_plans_on_the_same_device_probe_figure_and_build(tmp_path: Path) -> None:
     base = plan()
     big = base.plan
     assert big is not None and big.speed_predicted is not None
     measured = {"prefill_tokens_per_s": big.speed_predicted["prefill_tokens_per_s"] / 2,
                 "decode_tokens_per_s": big.speed_predicted["decode_tokens_per_s"] / 4}
-    cal = calibration_from(CPU, dict(big.speed_predicted), measured, "run r1 (big-32b, llama build b1, now)")
+    cal = calibration_from(CPU, "llama", BUILD, dict(big.speed_predicted), measured, "run r1 (big-32b, b1, now)")
     assert cal is not None and (cal.prefill_factor, cal.decode_factor) == pytest.approx((0.5, 0.25), rel=1e-2)
+    assert (cal.backend, cal.backend_build, cal.backend_build_described) == ("llama", *BUILD)
     path = tmp_path / "speed-calibration.json"
     write_calibration(path, cal)
     assert read_calibration(path) == cal
-    calibrated = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, SpeedFloors(), cal))
+    calibrated = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, SpeedFloors(), cal, BUILD))
     p = calibrated.plan
     assert p is not None and p.speed_predicted is not None
     assert p.speed_predicted["decode_tokens_per_s"] == pytest.approx(measured["decode_tokens_per_s"], abs=0.01)
@@ -483,19 +487,86 @@ def test_a_measurement_calibrates_later_plans_on_the_same_device_and_probe_figur
     floor = SpeedFloors(min_decode_tokens_per_s=big.speed_predicted["decode_tokens_per_s"] * 0.9)
     before = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, floor)).plan
     assert before is not None and before.entry.name == "big-32b"
-    moved = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, floor, cal)).plan
+    moved = build_plan(ProbeResult((CPU,)), ENTRIES, F16, speed=SpeedPlanning(16384, floor, cal, BUILD)).plan
     assert moved is not None and moved.entry.name != "big-32b"
     # another probe figure (a new measurement) or another device resets it
     other = dataclasses.replace(CPU, read_bandwidth_bytes_per_s=50_000_000_000)
     assert not cal.applies_to(other) and not cal.applies_to(GPU) and cal.applies_to(CPU)
 
 
-GOOD_CALIBRATION = {"schema": 1, "device_kind": "cpu", "device_name": "h", "read_bandwidth_bytes_per_s": 1,
+@pytest.mark.parametrize(("backend", "build_now", "why"), [
+    ("llama", ("b2-identity", "llama.cpp b2, cpu backend"),
+     "measured with llama.cpp b1, cpu backend, the build now is llama.cpp b2, cpu backend"),
+    ("llama", ("rebuilt", BUILD[1]), "the same version, other bytes: a rebuild"),
+    ("llama", ("v-identity", "llama.cpp b1, vulkan backend"), "the build now is llama.cpp b1, vulkan backend"),
+    ("llama", None, "no llama build is found now"),
+    ("openvino", BUILD, "measured with the llama backend, this plan runs openvino"),
+])
+def test_a_calibration_from_another_build_is_set_aside_and_the_basis_says_why(backend, build_now, why) -> None:
+    big = plan().plan
+    assert big is not None and big.speed_predicted is not None
+    halved = {k: big.speed_predicted[k] / 2 for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    cal = calibration_from(CPU, "llama", BUILD, dict(big.speed_predicted), halved, "run r1 (big-32b, b1, now)")
+    assert cal is not None
+    planning = SpeedPlanning(16384, SpeedFloors(), cal, build_now)
+    assert why in (planning.calibration_set_aside(backend) or "")
+    request = planning.on(CPU, backend)
+    assert request.device == dataclasses.replace(
+        device_speed_facts(CPU), bandwidth_basis=request.device.bandwidth_basis,
+        compute_basis=request.device.compute_basis)  # the probe's figures, uncalibrated
+    note = "not calibrated: this machine's calibration (run r1 (big-32b, b1, now)) was "
+    for basis in (request.device.bandwidth_basis, request.device.compute_basis):
+        assert note in basis and why in basis
+    # the same build on the same backend: it holds
+    assert SpeedPlanning(16384, SpeedFloors(), cal, BUILD).on(CPU, "llama").device.decode_efficiency \
+        == pytest.approx(device_speed_facts(CPU).decode_efficiency / 2, rel=1e-3)
+
+
+def test_measure_speed_keys_its_calibration_by_the_build_and_a_new_build_resets_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import structlog.testing
+
+    from hotfit.pipeline.provision import speed_planning
+    from hotfit.stages.measure_speed import calibrate
+    from tests.test_backend_boundary import FakeBackend, _use
+
+    fake = FakeBackend()
+    _use(monkeypatch, fake)  # a backend registered where backends are: its build identity is the test's
+    big = plan().plan
+    assert big is not None and big.speed_predicted is not None
+    served = dataclasses.replace(big, entry=dataclasses.replace(big.entry, backend="fake"))
+    settings = load_settings({}, home=tmp_path / "home")
+    halved = {k: big.speed_predicted[k] / 2 for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    calibrate(served, settings, "r1", dict(big.speed_predicted), halved)
+    stored = json.loads(settings.speed_calibration_path.read_text())
+    assert (stored["backend"], stored["backend_build"], stored["schema"]) == ("fake", "fake-build-1", 2)
+    assert "the fake server, build 1" in stored["provenance"] and stored["decode_factor"] == pytest.approx(0.5)
+
+    with structlog.testing.capture_logs() as events:
+        same = speed_planning(settings, ProbeResult((CPU,)), backend="fake")
+    assert same.calibration_set_aside("fake") is None and "calibrated x0.50" in same.on(CPU, "fake").device.bandwidth_basis
+    assert not [e for e in events if e["event"] == "speed.calibration_reset"]
+
+    fake.build = ("fake-build-2", "the fake server, build 2")  # a new build in place
+    with structlog.testing.capture_logs() as events:
+        rebuilt = speed_planning(settings, ProbeResult((CPU,)), backend="fake")
+    reset = [e for e in events if e["event"] == "speed.calibration_reset"]
+    assert len(reset) == 1 and "the build now is the fake server, build 2" in reset[0]["reason"]
+    basis = rebuilt.on(CPU, "fake").device
+    assert "not calibrated" in basis.bandwidth_basis and basis.decode_efficiency == device_speed_facts(CPU).decode_efficiency
+    # another machine's probe (a fleet's file): the calibration is not this device's, no build is asked for
+    fake.build = ("fake-build-1", "the fake server, build 1")
+    elsewhere = speed_planning(settings, ProbeResult((GPU,)), backend="fake")
+    assert elsewhere.calibration_build_now is None and elsewhere.on(GPU, "fake").device == device_speed_facts(GPU)
+
+
+GOOD_CALIBRATION = {"schema": 2, "device_kind": "cpu", "device_name": "h", "read_bandwidth_bytes_per_s": 1,
+                    "backend": "llama", "backend_build": "b1", "backend_build_described": "llama.cpp b1",
                     "prefill_factor": 0.5, "decode_factor": 1.0, "provenance": "x"}
 
 
 @pytest.mark.parametrize("damage", [None, [], {"schema": 9}, {"prefill_factor": -1}, {"decode_factor": "fast"},
-                                    {"provenance": None, "extra": 1}])
+                                    {"provenance": None, "extra": 1}, {"schema": 1}, {"backend_build": None}])
 def test_a_damaged_calibration_is_ignored_not_a_traceback(tmp_path: Path, damage: Any) -> None:
     (tmp_path / "c.json").write_text("{" if damage is None else json.dumps(
         damage if isinstance(damage, list) else {**GOOD_CALIBRATION, **damage}))

@@ -412,6 +412,13 @@ class Backend(Protocol):
         ``aarch64``), or None where nothing is built (a runtime installed from PyPI). Pure."""
         ...
 
+    def build_identity(self, device_kind: str, settings: Settings) -> tuple[str, str]:
+        """(identity, description) of the build this backend would run on a ``device_kind`` device
+        now — the same search as the load stage; another build, flavour or version has another
+        identity (a speed calibration is kept per build: registry/speed.py). Raises
+        :class:`BuildUnavailable`."""
+        ...
+
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         """(identity, description) of the build that would serve ``entry`` on a ``device_kind`` device
         now — the same search and checks as the load stage; the identity covers the build's facts

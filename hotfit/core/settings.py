@@ -51,7 +51,8 @@ On-disk layout under the home directory (the one place it is written down)::
       serve.pid                the llama-server `hotfit serve` exec'd (JSON: pid, start time, port,
                                model, window); trusted only while that process is it (pipeline/worker.py)
       speed-calibration.json   measured / predicted speed of the last measure-speed on this machine,
-                               with its device, probe figure and provenance (registry/speed.py)
+                               with its device, probe figure, backend build and provenance
+                               (registry/speed.py; another build sets it aside)
 """
 
 from __future__ import annotations

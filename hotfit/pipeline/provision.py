@@ -14,6 +14,7 @@ check run :func:`planning_stages`; ``hotfit pull`` runs :func:`fetch_stages` for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,14 +31,14 @@ from hotfit.pipeline.evidence import admission
 from hotfit.pipeline.probe import probe_machine
 from hotfit.pipeline.registry_file import load_registry
 from hotfit.pipeline.session_stages import SESSION_STAGES, session_stages
-from hotfit.registry.select import normalize_origin
+from hotfit.registry.select import normalize_backend, normalize_origin
 from hotfit.stages import fetch_template, fetch_weights, measure_speed, plan, probe, verify
 from hotfit.stages.fetch_weights import FetchJob
 from hotfit.planner.devices import KVSource, PlanOutcome, PreviousModel
 from hotfit.registry.catalog import Registry
 from hotfit.registry.kv import KVCacheType
 from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, SpeedFloors, SpeedPlanning
-from hotfit.stages.measure_speed import SpeedCheckJob, read_calibration
+from hotfit.stages.measure_speed import SpeedCheckJob, calibration_build_now, read_calibration
 from hotfit.stages.plan import PlanJob, build_plan, resolve_kv_cache_type
 from hotfit.stages.probe import ProbeJob
 
@@ -99,13 +100,23 @@ class AutoOptions:
 # ------------------------------------------------------------------------ probe and plan
 
 
-def speed_planning(settings: Settings, *, agent_prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS,
-                   min_decode_tokens_per_s: float | None = None, max_first_token_s: float | None = None,
-                   min_context_tokens: int | None = None) -> SpeedPlanning:
-    """The run's speed inputs: a flag wins over its environment variable (core/settings.py)."""
-    return SpeedPlanning(agent_prompt_tokens, SpeedFloors(min_decode_tokens_per_s, max_first_token_s, min_context_tokens)
-                         .over(settings.min_decode_tokens_per_s, settings.max_first_token_s),
-                         read_calibration(settings.speed_calibration_path))
+def speed_planning(settings: Settings, probe: ProbeResult, *, backend: str = DEFAULT_BACKEND,
+                   agent_prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS, min_decode_tokens_per_s: float | None = None,
+                   max_first_token_s: float | None = None, min_context_tokens: int | None = None) -> SpeedPlanning:
+    """The run's speed inputs: a flag wins over its environment variable (core/settings.py); this
+    machine's calibration, with the build its backend would run now (it holds for that build only)."""
+    calibration = read_calibration(settings.speed_calibration_path)
+    planning = SpeedPlanning(agent_prompt_tokens, SpeedFloors(min_decode_tokens_per_s, max_first_token_s,
+                                                              min_context_tokens)
+                             .over(settings.min_decode_tokens_per_s, settings.max_first_token_s), calibration)
+    if calibration is None or not any(calibration.applies_to(d) for d in probe.devices):
+        return planning  # none, or another machine's devices (a fleet's probe file): no build to ask for
+    planning = dataclasses.replace(planning, calibration_build_now=calibration_build_now(calibration, settings))
+    why = planning.calibration_set_aside(normalize_backend(backend))
+    if why is not None:
+        log.info("speed.calibration_reset", path=str(settings.speed_calibration_path), reason=why,
+                 provenance=calibration.provenance, hint="the next measure-speed stores one for this build")
+    return planning
 
 
 def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
@@ -119,7 +130,7 @@ def compute_plan(opts: AutoOptions, settings: Settings, probe: ProbeResult,
         outcome = build_plan(probe, registry.entries, cache_type, source, origin=opts.origin,
                              backend=opts.backend, previous=previous, model=opts.model, device=opts.device,
                              admission=admitted, speed=speed_planning(
-                                 settings, agent_prompt_tokens=opts.agent_prompt_tokens,
+                                 settings, probe, backend=opts.backend, agent_prompt_tokens=opts.agent_prompt_tokens,
                                  min_decode_tokens_per_s=opts.min_decode_tokens_per_s,
                                  max_first_token_s=opts.max_first_token_s, min_context_tokens=opts.min_context_tokens))
         if outcome.plan is None:
@@ -183,7 +194,8 @@ def plan_probe(settings: Settings, prepared: PreparedSelection, probe: ProbeResu
                       origin=prepared.origin, backend=opts.backend,
                       previous=previous if previous is not None else opts.previous, device=opts.device,
                       admission=admission(settings, entries, probe) if opts.admit_graded else None,
-                      speed=speed_planning(settings, agent_prompt_tokens=opts.agent_prompt_tokens,
+                      speed=speed_planning(settings, probe, backend=opts.backend,
+                                           agent_prompt_tokens=opts.agent_prompt_tokens,
                                            min_decode_tokens_per_s=opts.min_decode_tokens_per_s,
                                            max_first_token_s=opts.max_first_token_s,
                                            min_context_tokens=opts.min_context_tokens))

@@ -177,7 +177,7 @@ def _budget(device: Device, free_bytes: int | None = None) -> DeviceBudget:
 def _plan_device(device: Device, entries: tuple[Entry, ...], cache_type: KVCacheType, *, origin: str | None,
                  backend: str, previous: PreviousModel | None, model: str | None, considered: bool,
                  admitted: frozenset[str] = frozenset(), speed: SpeedPlanning = SpeedPlanning()) -> DevicePlan:
-    fast = speed.on(device)  # the device's speed figures and the floors (registry/speed.py)
+    fast = speed.on(device, normalize_backend(backend))  # the device's speed figures and the floors (registry/speed.py)
     if model:
         try:
             sel = select_explicit(entries, model, _budget(device), cache_type, origin=origin, backend=backend,

@@ -387,12 +387,16 @@ class SpeedRequest:
 @dataclass(frozen=True)
 class Calibration:
     """What a measurement on this machine taught the model: measured / predicted for prefill and
-    decode, on one device with the bandwidth figure the probe had then (a new probe figure or another
-    device resets it), and where it came from (run, model, build)."""
+    decode, on one device with the bandwidth figure the probe had then, by one backend build (another
+    device, a new probe figure, another backend or build resets it: kernels differ between builds
+    and flavours), and where it came from (run, model, build)."""
 
     device_kind: str
     device_name: str
     read_bandwidth_bytes_per_s: int | None
+    backend: str
+    backend_build: str  # the backend's build identity (Backend.build_identity): facts and bytes
+    backend_build_described: str
     prefill_factor: float
     decode_factor: float
     provenance: str
@@ -401,17 +405,35 @@ class Calibration:
         return (device.kind, device.name, device.read_bandwidth_bytes_per_s) == (
             self.device_kind, self.device_name, self.read_bandwidth_bytes_per_s)
 
+    def build_change(self, backend: str | None, build_now: tuple[str, str] | None) -> str | None:
+        """Why this calibration does not hold for a plan on ``backend`` whose build is ``build_now``
+        ((identity, description); None: no build found), or None when it was measured by that build."""
+        if backend is not None and backend != self.backend:
+            return f"measured with the {self.backend} backend, this plan runs {backend}"
+        if build_now is None:
+            return f"measured with {self.backend_build_described}; no {self.backend} build is found now"
+        if build_now[0] != self.backend_build:
+            same = " (the same version, other bytes: a rebuild)" if build_now[1] == self.backend_build_described else ""
+            return f"measured with {self.backend_build_described}, the build now is {build_now[1]}{same}"
+        return None
+
     def apply(self, facts: DeviceSpeedFacts) -> DeviceSpeedFacts:
         note = f"; calibrated x{{:.2f}} by {self.provenance}"
         return replace(facts.scaled(decode=self.decode_factor, prefill=self.prefill_factor),
                        bandwidth_basis=facts.bandwidth_basis + note.format(self.decode_factor),
                        compute_basis=facts.compute_basis + note.format(self.prefill_factor))
 
+    def ignored(self, facts: DeviceSpeedFacts, why: str) -> DeviceSpeedFacts:
+        """``facts`` uncalibrated, the basis saying which calibration was set aside and why."""
+        note = f"; not calibrated: this machine's calibration ({self.provenance}) was {why}"
+        return replace(facts, bandwidth_basis=facts.bandwidth_basis + note, compute_basis=facts.compute_basis + note)
 
-def calibration_from(device: Device, predicted: dict[str, Any], measured: dict[str, Any],
-                     provenance: str) -> Calibration | None:
-    """measured / predicted rates as a calibration of ``device`` (the prompt lengths may differ: rates
-    are compared, not times); None when a figure is missing."""
+
+def calibration_from(device: Device, backend: str, build: tuple[str, str], predicted: dict[str, Any],
+                     measured: dict[str, Any], provenance: str) -> Calibration | None:
+    """measured / predicted rates as a calibration of ``device`` by ``backend``'s ``build``
+    ((identity, description)); the prompt lengths may differ: rates are compared, not times. None
+    when a figure is missing."""
     try:
         prefill = float(measured["prefill_tokens_per_s"]) / float(predicted["prefill_tokens_per_s"])
         decode = float(measured["decode_tokens_per_s"]) / float(predicted["decode_tokens_per_s"])
@@ -419,21 +441,32 @@ def calibration_from(device: Device, predicted: dict[str, Any], measured: dict[s
         return None
     if not (prefill > 0 and decode > 0):
         return None
-    return Calibration(device.kind, device.name, device.read_bandwidth_bytes_per_s, round(prefill, 4),
-                       round(decode, 4), provenance)
+    return Calibration(device.kind, device.name, device.read_bandwidth_bytes_per_s, backend, build[0], build[1],
+                       round(prefill, 4), round(decode, 4), provenance)
 
 
 @dataclass(frozen=True)
 class SpeedPlanning:
     """The run's speed inputs (``--agent-prompt-tokens`` and the floors), made a
-    :class:`SpeedRequest` per device from the probe's figures and this machine's calibration."""
+    :class:`SpeedRequest` per device from the probe's figures and this machine's calibration.
+    ``calibration_build_now``: (identity, description) of the build the calibration's backend would
+    run on its device now (None: none found); the calibration holds only for that same build."""
 
     prompt_tokens: int = DEFAULT_AGENT_PROMPT_TOKENS
     floors: SpeedFloors = SpeedFloors()
     calibration: Calibration | None = None
+    calibration_build_now: tuple[str, str] | None = None
 
-    def on(self, device: Device) -> SpeedRequest:
+    def calibration_set_aside(self, backend: str | None = None) -> str | None:
+        """Why this machine's calibration holds for no plan on ``backend`` (None: any), or None."""
+        if self.calibration is None:
+            return None
+        return self.calibration.build_change(backend, self.calibration_build_now)
+
+    def on(self, device: Device, backend: str | None = None) -> SpeedRequest:
+        """The request for candidates served by ``backend`` (None: the calibration's own) on ``device``."""
         facts = device_speed_facts(device)
         if self.calibration is not None and self.calibration.applies_to(device):
-            facts = self.calibration.apply(facts)
+            why = self.calibration_set_aside(backend)
+            facts = self.calibration.apply(facts) if why is None else self.calibration.ignored(facts, why)
         return SpeedRequest(facts, self.prompt_tokens, self.floors)

@@ -20,14 +20,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hotfit.backends.base import ChatAnswer, ChatFailed
-from hotfit.core.errors import BackendError, SpeedFloorMissed
+from hotfit.backends.base import BuildUnavailable, ChatAnswer, ChatFailed
+from hotfit.backends.select import backend_for
+from hotfit.core.errors import BackendError, SpeedFloorMissed, StageRecordError, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.records import decode_record
+from hotfit.core.settings import Settings
+from hotfit.planner.plan import Plan
 from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, Calibration, SpeedFloors, calibration_from
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.load import SERVER_SESSION, LoadResult
-from hotfit.stages.plan import PlannedRun
 from hotfit.stages.probe_tool_call import ProbeToolCallResult
 from hotfit.state.files import write_text_atomic
 
@@ -41,7 +43,8 @@ FOLLOW_UP_TOKENS = 1536
 ANSWER_TOKENS = 32
 CHARS_PER_TOKEN = 4  # English prose and JSON in BPE vocabularies: 3.5-4.5 characters a token
 SPEED_TIMEOUT_S = 3600.0
-CALIBRATION_SCHEMA = 1
+CALIBRATION_SCHEMA = 2  # 2: keyed by the backend build that measured it
+OLD_CALIBRATION_SCHEMAS = (1,)
 # Predicted past this, the check measures two shorter prompts and extrapolates (its cost stays near it).
 SPEED_CHECK_BUDGET_S = 120.0
 MIN_DEPTH_TOKENS = 512
@@ -281,15 +284,8 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     result = SpeedResult(measured, predicted, ratios(predicted, measured))
     (session.run_dir / SPEED_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
     log.info("speed.measured", **{k: v for k, v in measured.items() if k != "basis"}, ratio=result.ratio)
-    if predicted is not None:  # later plans on this machine start from what was measured here
-        planned = ctx.result("plan", PlannedRun)
-        build = planned.backend.to_json().get("build") if planned.backend is not None else None
-        provenance = (f"run {ctx.run_id} ({plan.entry.name}, {plan.backend} build "
-                      f"{(build or {}).get('version', '?') if isinstance(build, Mapping) else '?'}, "
-                      f"{utc_now()})")
-        calibration = calibration_from(plan.placement.device, predicted, measured, provenance)
-        if calibration is not None:
-            write_calibration(ctx.settings.speed_calibration_path, calibration)
+    if predicted is not None:  # later plans on this machine, with this build, start from what was measured here
+        calibrate(plan, ctx.settings, ctx.run_id, predicted, measured)
     floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
     missed = floor_misses(measured, predicted, floors)
     if missed:
@@ -299,6 +295,22 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
                                     "misses excludes it at plan time); see " + str(session.run_dir / SPEED_FILE),
                                measured=measured, predicted=predicted)
     return result
+
+
+def calibrate(plan: Plan, settings: Settings, run_id: str, predicted: dict[str, Any], measured: dict[str, Any]) -> None:
+    """Store measured / predicted for the plan's device, keyed by the build that measured it (the one
+    the load stage ran: the same search); a build that cannot be named keeps no calibration."""
+    device = plan.placement.device
+    try:
+        build = backend_for(plan.backend).build_identity(device.kind, settings)
+    except BuildUnavailable as exc:
+        log.warning("speed.calibration_unwritten", path=str(settings.speed_calibration_path),
+                    error=f"the build that measured cannot be named: {exc.what}")
+        return
+    provenance = f"run {run_id} ({plan.entry.name}, {build[1]}, {utc_now()})"
+    calibration = calibration_from(device, plan.backend, build, predicted, measured, provenance)
+    if calibration is not None:
+        write_calibration(settings.speed_calibration_path, calibration)
 
 
 def write_calibration(path: Path, calibration: Calibration) -> None:
@@ -315,17 +327,31 @@ def read_calibration(path: Path) -> Calibration | None:
     ignored: it is a cache of a measurement, measured again by the next run)."""
     try:
         doc = json.loads(path.read_text())
-        if doc.pop("schema", None) != CALIBRATION_SCHEMA:
+        schema = doc.pop("schema", None)
+        if schema in OLD_CALIBRATION_SCHEMAS:
+            log.info("speed.calibration_reset", path=str(path), reason="it does not name the build that measured it "
+                     "(written by an older hotfit)", hint="the next measure-speed stores one for its build")
+            return None
+        if schema != CALIBRATION_SCHEMA:
             raise ValueError("unknown schema")
-        cal = Calibration(**doc)
+        cal = decode_record(Calibration, doc)
         if not (float(cal.prefill_factor) > 0 and float(cal.decode_factor) > 0):
             raise ValueError("factors must be positive")
         return cal
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError, StageRecordError) as exc:
         log.warning("speed.calibration_ignored", path=str(path), error=str(exc),
                     hint="it is rewritten by the next measure-speed; delete it to silence this")
+        return None
+
+
+def calibration_build_now(calibration: Calibration, settings: Settings) -> tuple[str, str] | None:
+    """(identity, description) of the build the calibration's backend would run on its device kind
+    now; None where none is found (the calibration then holds for no plan)."""
+    try:
+        return backend_for(calibration.backend).build_identity(calibration.device_kind, settings)
+    except (BuildUnavailable, UsageError):  # no build found; a backend this hotfit no longer has
         return None
 
 

@@ -142,7 +142,7 @@ class LlamaServerBackend:
                          per_gpu_code=kind == "cuda",
                          cuda_capability=capability_number(device.compute_capability or "") if kind == "cuda" else None)
 
-    def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
+    def build_identity(self, device_kind: str, settings: Settings) -> tuple[str, str]:
         """The llama-server the load stage would start (same search, same checks): its build facts
         and the binary's sha256 (a rebuild of the same version is another build: pipeline/evidence.py)."""
         try:
@@ -154,6 +154,9 @@ class LlamaServerBackend:
         identity = hashlib.sha256(json.dumps({"build": facts, "binary_sha256": sha256_file(binary.server_path)},
                                              sort_keys=True).encode()).hexdigest()
         return identity, binary.build.describe()
+
+    def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
+        return self.build_identity(device_kind, settings)  # the same build whichever model it serves
 
     @contextlib.asynccontextmanager
     async def open(self, plan: Plan, files: ModelFiles, *, run_dir: Path, binary: BackendBinary | None,

@@ -154,6 +154,16 @@ class OpenVinoBackend:
     def build_for(self, device: Device, arch: str) -> BuildNeed | None:
         return None  # OpenVINO GenAI is a wheel from PyPI (pyproject's openvino extra): nothing to build
 
+    def build_identity(self, device_kind: str, settings: Settings) -> tuple[str, str]:
+        """The installed GenAI and OpenVINO releases (wheels: the release is the build)."""
+        try:
+            releases = {name: importlib.metadata.version(name) for name in ("openvino-genai", "openvino")}
+        except importlib.metadata.PackageNotFoundError as exc:
+            raise BuildUnavailable(f"OpenVINO is not installed ({exc.name} is missing)",
+                                   hint="install hotfit's openvino extra: pip install 'hotfit[openvino]'") from None
+        described = ", ".join(f"{name} {version}" for name, version in releases.items())
+        return described, described
+
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         raise BuildUnavailable(f"{entry.name} is an {entry.backend} entry: grade evidence is kept for "
                                "llama-server models only (an OpenVINO snapshot has no single model sha256)")
