@@ -349,7 +349,7 @@ def test_plan_cli_rejects_a_bad_speed_flag(probe_file: Path, flag: str, value: s
 # ----------------------------------------------------------------------------- measured after the load
 
 
-from hotfit.backends.base import ChatAnswer  # noqa: E402
+from hotfit.grading.protocol import ChatReply  # noqa: E402
 from hotfit.core.errors import SpeedFloorMissed  # noqa: E402
 from hotfit.pipeline.cli.render import speed_lines  # noqa: E402
 from hotfit.pipeline.provision import AutoOptions, provisioning_stages  # noqa: E402
@@ -384,13 +384,14 @@ def test_the_prompt_is_clipped_to_the_opened_window(window, wanted: int, expecte
     assert prompt_size(window, wanted) == expected
 
 
-def answer(prompt_n: int, prompt_ms: float, per_s: float) -> ChatAnswer:
-    return ChatAnswer({"choices": [], "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                                                  "predicted_per_second": per_s}}, "t", True)
+def answer(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float) -> ChatReply:
+    return ChatReply.of_body({"choices": [], "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                                                         "predicted_n": predicted_n, "predicted_ms": predicted_ms}})
 
 
 def test_measured_figures_come_from_the_servers_timings_and_are_compared() -> None:
-    m = measured_figures(Timing.of(answer(16000, 80_000.0, 12.5)), Timing.of(answer(1500, 6000.0, 12.0)))
+    m = measured_figures(Timing.of(answer(16000, 80_000.0, 100, 8000.0)),
+                         Timing.of(answer(1500, 6000.0, 120, 10_000.0)))
     assert (m["prompt_tokens"], m["first_token_s"], m["prefill_tokens_per_s"], m["decode_tokens_per_s"]) == \
         (16000, 80.0, 200.0, 12.5)
     assert (m["follow_up_prompt_tokens"], m["follow_up_first_token_s"]) == (1500, 6.0)
