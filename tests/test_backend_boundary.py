@@ -111,7 +111,7 @@ class FakeSession:
         if isinstance(self._answer, ChatFailed):
             raise self._answer
         return ChatReply(body=self._answer, template="fake template", supports_tools=True,
-                         generated_tokens=25, generated_ms=2000.0, facts={"family": "fake-family"})
+                         generation_tokens_per_s=12.5, facts={"family": "fake-family"})
 
     def tool_call_fix(self, cause: str, answer: ChatReply | None) -> str:
         return f"fix the fake server ({cause})"

@@ -384,14 +384,13 @@ def test_the_prompt_is_clipped_to_the_opened_window(window, wanted: int, expecte
     assert prompt_size(window, wanted) == expected
 
 
-def answer(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float) -> ChatReply:
+def answer(prompt_n: int, prompt_ms: float, per_s: float) -> ChatReply:
     return ChatReply.of_body({"choices": [], "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                                                         "predicted_n": predicted_n, "predicted_ms": predicted_ms}})
+                                                         "predicted_per_second": per_s}})
 
 
 def test_measured_figures_come_from_the_servers_timings_and_are_compared() -> None:
-    m = measured_figures(Timing.of(answer(16000, 80_000.0, 100, 8000.0)),
-                         Timing.of(answer(1500, 6000.0, 120, 10_000.0)))
+    m = measured_figures(Timing.of(answer(16000, 80_000.0, 12.5)), Timing.of(answer(1500, 6000.0, 12.0)))
     assert (m["prompt_tokens"], m["first_token_s"], m["prefill_tokens_per_s"], m["decode_tokens_per_s"]) == \
         (16000, 80.0, 200.0, 12.5)
     assert (m["follow_up_prompt_tokens"], m["follow_up_first_token_s"]) == (1500, 6.0)
@@ -517,3 +516,14 @@ def test_the_agent_prompt_is_sized_with_the_models_own_characters_per_token() ->
     assert len(json.dumps(small["tools"])) + sum(len(m["content"]) for m in small["messages"]) <= 16384 * 1.05
     assert speed_lines(None, {"measured": {"basis": "not measured: the openvino backend ..."}}) == [
         "  speed measured  not measured: the openvino backend ..."]
+
+
+def test_the_decode_rate_is_the_servers_own_and_one_generated_token_leaves_it_unmeasured() -> None:
+    # llama-server leaves the first generated token out of predicted_per_second (it comes with the
+    # prompt): one token generated reports 0, which is no rate — tokens / ms would make one up
+    one = ChatReply.of_body({"choices": [], "timings": {"prompt_n": 100, "prompt_ms": 50.0, "predicted_n": 1,
+                                                        "predicted_ms": 0.5, "predicted_per_second": 0.0}})
+    assert Timing.of(one).decode_tokens_per_s is None
+    more = ChatReply.of_body({"choices": [], "timings": {"prompt_n": 100, "prompt_ms": 50.0, "predicted_n": 11,
+                                                         "predicted_ms": 1000.0, "predicted_per_second": 10.0}})
+    assert Timing.of(more).decode_tokens_per_s == 10.0

@@ -87,18 +87,15 @@ def _float(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _per_s(tokens: int | None, ms: float | None) -> float | None:
-    # as llama-server computes its timings' prompt_per_second and predicted_per_second
-    return 1e3 / ms * tokens if tokens is not None and ms else None
-
-
 @dataclass(frozen=True)
 class ChatReply:
     """One answered chat completion, as the caller judges it.
 
     ``body`` is the OpenAI chat-completions body with the tool calls parsed into
     ``choices[0].message.tool_calls`` (llama-server parses them; for OpenVINO the backend does,
-    with the model family's parser). The figures are the server's own (None: it did not say);
+    with the model family's parser). The figures are the server's own (None: it did not say) —
+    its rates too, never derived here: llama-server leaves the first generated token out of its
+    generation rate (it comes with the prompt), which tokens / ms would not;
     ``template``, ``supports_tools`` and ``facts`` are what a backend's session adds for the probe's
     record (which template formatted the prompt, what the server says of it, backend-specific fields)."""
 
@@ -108,6 +105,8 @@ class ChatReply:
     prompt_ms: float | None = None
     generated_ms: float | None = None
     cache_n: int | None = None  # llama-server: prompt tokens taken from the slot's cache
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
     template: str = ""  # named in a failed probe ("": the caller does not know, as over plain HTTP)
     supports_tools: bool | None = None  # what the server says of the template; None: it did not say
     facts: Mapping[str, Any] = field(default_factory=dict)
@@ -126,6 +125,8 @@ class ChatReply:
             "prompt_ms": _float(timings.get("prompt_ms")),
             "generated_ms": _float(timings.get("predicted_ms")),
             "cache_n": _int(timings.get("cache_n")),
+            "prompt_tokens_per_s": _float(timings.get("prompt_per_second")),
+            "generation_tokens_per_s": _float(timings.get("predicted_per_second")),
         }
         return cls(body=body, **(figures | known))
 
@@ -161,13 +162,6 @@ class ChatReply:
     def tool_calls(self) -> list[Mapping[str, Any]]:
         return list(self.message.get("tool_calls") or [])
 
-    @property
-    def prompt_tokens_per_s(self) -> float | None:
-        return _per_s(self.prompt_tokens, self.prompt_ms)
-
-    @property
-    def generation_tokens_per_s(self) -> float | None:
-        return _per_s(self.generated_tokens, self.generated_ms)
 
 
 @dataclass(frozen=True)

@@ -137,10 +137,13 @@ class Timing:
 
     @classmethod
     def of(cls, got: ChatReply) -> Timing:
-        """The server's own timings of one answer (llama-server: timings.prompt_ms, predicted_n and
-        predicted_ms); a server that does not time the prompt (OpenVINO) gives no first-token time."""
-        first_s = got.prompt_ms / 1000 if got.prompt_ms is not None else None
-        return cls(got.prompt_tokens, first_s, got.generation_tokens_per_s)
+        """The server's own timings of one answer (llama-server: timings.prompt_ms and
+        predicted_per_second, 0 when it generated one token only: unmeasured)."""
+        if got.prompt_ms is not None:
+            return cls(got.prompt_tokens, got.prompt_ms / 1000, got.generation_tokens_per_s or None)
+        first = (got.prompt_tokens / got.prompt_tokens_per_s
+                 if got.prompt_tokens and got.prompt_tokens_per_s else None)
+        return cls(got.prompt_tokens, first, got.generation_tokens_per_s)
 
 
 @dataclass(frozen=True)

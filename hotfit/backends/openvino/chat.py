@@ -121,6 +121,7 @@ async def call_tools(session: OpenVinoSession, request: Mapping[str, Any], *, ti
         prompt_tokens=int(out["prompt_tokens"]),
         generated_tokens=generated,
         generated_ms=seconds * 1000 if seconds > 0 else None,
+        generation_tokens_per_s=(generated / seconds) if seconds > 0 and generated else None,
         facts={"family": fam, "forced": forced, "status": status, "text": text, "generation_seconds": seconds,
                "template_renders_tools": renders_tools},
     )
