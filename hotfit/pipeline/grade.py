@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ from hotfit.stages.plan import PlannedRun
 from hotfit.stages.verify import verify
 from hotfit.state.locks import FileLock
 
-__all__ = ["TARGET_STAGE", "GradeTarget", "grade_model", "grade_server"]
+__all__ = ["TARGET_STAGE", "GradeTarget", "grade_model", "grade_server", "grade_stages"]
 
 log = get_logger()
 
@@ -133,7 +133,7 @@ def _target_plan(target: GradeTarget) -> Plan:
     return target.plan
 
 
-def _target_stage(work: Any) -> Stage[GradeTarget]:
+def _target_stage(work: Callable[[StageContext], Awaitable[GradeTarget]]) -> Stage[GradeTarget]:
     return Stage(TARGET_STAGE, work, always_run=True, plan_of=_target_plan, result_type=GradeTarget)
 
 
