@@ -7,6 +7,7 @@ deadline only turns a hang into a failure that names what never happened; it is 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Generator
@@ -40,11 +41,13 @@ def _stderr_tail(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> str:
 
 
 def wait_until(predicate: Callable[[], object], what: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-               proc: subprocess.Popen[str] | subprocess.Popen[bytes] | None = None) -> None:
+               proc: subprocess.Popen[str] | subprocess.Popen[bytes] | None = None,
+               interval_s: float = POLL_INTERVAL_S) -> None:
     """Return once ``predicate()`` is true; an AssertionError naming ``what`` when ``timeout_s``
-    passes first, or when ``proc`` (the process expected to bring it about) exits before it."""
+    passes first, or when ``proc`` (the process expected to bring it about) exits before it.
+    ``interval_s``: between looks (shorter to catch a brief state, longer for a costly look)."""
     for _ in _polls(predicate, what, timeout_s, proc):
-        time.sleep(POLL_INTERVAL_S)
+        time.sleep(interval_s)
 
 
 async def wait_until_async(predicate: Callable[[], object], what: str, *,
@@ -52,6 +55,15 @@ async def wait_until_async(predicate: Callable[[], object], what: str, *,
     """:func:`wait_until` for a test whose event loop must keep running while it waits."""
     for _ in _polls(predicate, what, timeout_s, None):
         await anyio.sleep(POLL_INTERVAL_S)
+
+
+def accepts_connections(port: int) -> bool:
+    """Whether a server on 127.0.0.1:``port`` accepts a TCP connection now."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 # /proc/net/tcp's states (include/net/tcp_states.h)

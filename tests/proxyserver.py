@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from tests.hubserver import free_port_closed
+from tests.polling import accepts_connections, wait_until
 
 # "CONNECT   Dec 01 21:10:11.480 [18335]: Request (file descriptor 5): GET http://127.0.0.1:18999/ HTTP/1.1"
 _REQUEST_RE = re.compile(r"Request \(file descriptor \d+\): (\S+) (\S+) HTTP/")
@@ -63,16 +62,13 @@ class TinyProxy:
                         + (f"BasicAuth {self.basic_auth[0]} {self.basic_auth[1]}\n" if self.basic_auth else ""))
         self._proc = subprocess.Popen([self.exe, "-d", "-c", str(conf)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10  # a start-up guard, not a timing assertion
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"tinyproxy did not start: {self.log_text()[-2000:]}") from None
-                time.sleep(0.02)
+        try:
+            wait_until(lambda: accepts_connections(self.port), "tinyproxy to accept connections", timeout_s=10,
+                       proc=self._proc)
+        except AssertionError as exc:
+            self.stop()
+            raise RuntimeError(f"tinyproxy did not start ({exc}): {self.log_text()[-2000:]}") from None
+        return self
 
     def stop(self) -> None:
         if self._proc is not None:

@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 READY_LIMIT_S = 90.0  # a hang guard, not a timing assertion
 
 
-def healthy(base: str) -> bool:
-    """Whether llama-server at ``base`` answers /health with 200."""
+def healthy(base: str, route: str = "/health") -> bool:
+    """Whether the server at ``base`` answers ``route`` with 200 (llama-server's /health)."""
     try:
-        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+        with urllib.request.urlopen(f"{base}{route}", timeout=2) as resp:
             return resp.status == 200
     except (OSError, urllib.error.HTTPError):
         return False

@@ -22,12 +22,13 @@ import pytest
 import hotfit.backends.llama_server.backend
 import hotfit.backends.llama_server.discovery
 import hotfit.backends.select
-from hotfit.backends.base import (Backend, BuildUnavailable, ChatAnswer, ChatFailed, DeviceListing, ManifestFacts,
+from hotfit.backends.base import (Backend, BuildUnavailable, DeviceListing, ManifestFacts,
                                   ModelFiles, ServeCommand, ServicePin)
 from hotfit.backends.llama_server.backend import LlamaServerBackend
 from hotfit.backends.llama_server.flags import API_KEY_ENV
 from hotfit.core.entry import WEIGHTS_LAYOUTS
 from hotfit.core.errors import AllocationMismatch, HotfitError, StageRecordError, ToolCallProbeFailed, UsageError
+from hotfit.grading.protocol import ChatFailed, ChatReply
 from hotfit.planner.plan import Placement
 from hotfit.planner.probe import Device, ProbeResult
 from hotfit.core.settings import load_settings
@@ -105,14 +106,14 @@ class FakeSession:
     def load_figures(self) -> dict[str, Any]:
         return {"pid": self.pid}
 
-    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatAnswer:
+    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatReply:
         self.requests.append(dict(request))
         if isinstance(self._answer, ChatFailed):
             raise self._answer
-        return ChatAnswer(answer=self._answer, template="fake template", supports_tools=True,
-                          generation_tokens_per_s=12.5, facts={"family": "fake-family"})
+        return ChatReply(body=self._answer, template="fake template", supports_tools=True,
+                         generation_tokens_per_s=12.5, facts={"family": "fake-family"})
 
-    def tool_call_fix(self, cause: str, answer: ChatAnswer | None) -> str:
+    def tool_call_fix(self, cause: str, answer: ChatReply | None) -> str:
         return f"fix the fake server ({cause})"
 
     def chat_endpoint(self) -> Any:

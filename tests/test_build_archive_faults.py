@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import tarfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +29,7 @@ from hotfit.core.settings import LLAMA_SDIST_VERSION
 from tests.conftest import REPO_ROOT
 from tests.test_build_archive import _llama_build, _refused, _script, exported  # noqa: F401 - a fixture
 from tests.test_fault_matrix_disk import tmpfs
+from tests.polling import wait_until
 
 TIER = "integration"
 
@@ -307,16 +307,11 @@ def test_a_killed_import_leaves_staging_that_the_next_one_removes(exported: Path
         return version_dir.is_dir() and any(p.name.startswith(".import-") and any(p.rglob("libggml*"))
                                             for p in version_dir.iterdir())
 
-    deadline = time.monotonic() + 120
-    seen = False
-    while proc.poll() is None and time.monotonic() < deadline:  # poll the condition: a staged library
-        if staged():
-            os.killpg(proc.pid, signal.SIGKILL)
-            seen = True
-            break
-        time.sleep(0.002)
+    # looked at often: unpacking may take a fraction of a second, and the import must not finish first
+    wait_until(staged, "a library staged in a .import-* folder (the import killed while unpacking)",
+               timeout_s=120, proc=proc, interval_s=0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    assert seen, "the import finished before it could be killed while unpacking"
     assert any(p.name.startswith(".import-") for p in version_dir.iterdir())
     again = _script("--from", str(exported), cache=cache)
     assert again.returncode == 0, again.stderr

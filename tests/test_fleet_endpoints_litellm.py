@@ -16,8 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,7 +27,8 @@ from hotfit.planner.probe import Device, ProbeResult
 from hotfit.pipeline.endpoints import API_KEY_ENV
 from tests.e2e_support import HOST_TOTAL_BYTES, GiB, write_probe, write_provisioned_home
 from tests.gguf_fixtures import PROBE_TOOL, free_port, pinned_template, require_llama_server
-from tests.serve_support import REPO, READY_LIMIT_S, hotfit_serve, stop
+from tests.polling import wait_until
+from tests.serve_support import REPO, READY_LIMIT_S, healthy, hotfit_serve, stop
 
 TIER = "e2e"
 
@@ -54,17 +53,9 @@ def hotfit(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def wait_proxy(proc: subprocess.Popen[bytes], base: str) -> None:
-    deadline = time.monotonic() + READY_LIMIT_S * 2  # a hang guard: the proxy imports a lot
-    while True:
-        assert proc.poll() is None, (proc.stderr.read().decode() if proc.stderr else "")[-4000:]
-        try:
-            with urllib.request.urlopen(f"{base}/health/liveliness", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (OSError, urllib.error.HTTPError):
-            pass
-        assert time.monotonic() < deadline, "the LiteLLM proxy did not come up"
-        time.sleep(0.5)
+    # a hang guard, twice the server's: the proxy imports a lot; looked at twice a second meanwhile
+    wait_until(lambda: healthy(base, "/health/liveliness"), "the LiteLLM proxy to come up",
+               timeout_s=READY_LIMIT_S * 2, proc=proc, interval_s=0.5)
 
 
 def ask(client: Any) -> tuple[Any, str]:

@@ -13,11 +13,9 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from hotfit.core.entry import Entry, TemplateSource
 from tests.e2e_support import sha256_of, write_registry
 from tests.gguf_fixtures import free_port
 from tests.hubserver import LocalHub
+from tests.polling import accepts_connections, wait_until
 from tests.test_fetch_weights import make_entry, make_gguf
 from tests.test_pull_cli import env_for
 
@@ -100,15 +99,8 @@ class Nginx:
             f"  server {{\n    listen 127.0.0.1:{self.port};\n    root {root};\n  }}\n}}\n")
         self.proc = subprocess.Popen([exe, "-p", str(workdir), "-c", str(workdir / "nginx.conf")],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 30
-        while True:  # poll until it accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                    raise RuntimeError(f"nginx did not start: {err}")
+        wait_until(lambda: accepts_connections(self.port), f"nginx to accept connections on port {self.port}",
+                   timeout_s=30, proc=self.proc)
 
     @property
     def url(self) -> str:

@@ -236,8 +236,9 @@ class _Scripted:
             ((name, args),) = turn.pinned.items()
             args = self.arguments if self.arguments is not None else args
             call = {"id": "x", "type": "function", "function": {"name": name, "arguments": json.dumps(dict(args))}}
-            return ChatReply({"role": "assistant", "content": "", "tool_calls": [call]}, "tool_calls")
-        return ChatReply({"role": "assistant", "content": ""}, "stop")
+            return ChatReply({"choices": [{"message": {"role": "assistant", "content": "", "tool_calls": [call]},
+                                           "finish_reason": "tool_calls"}]})
+        return ChatReply({"choices": [{"message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]})
 
     async def reset(self) -> str:
         return "erased"

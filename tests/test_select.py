@@ -422,6 +422,19 @@ def test_explicit_model_beyond_the_device_names_the_empty_device_size() -> None:
         select_explicit(CATALOGUE, "qwen3.8-27b", device_budget("nvidia", empty - 1, empty - 1), F16)
 
 
+def test_a_named_model_and_the_refusal_word_one_need_alike() -> None:
+    # one rule (registry/refusal.py, RequiredMemory.described): the same need beyond the device, the
+    # same sentence, whether the planner refuses by itself or a model named cannot hold the floor
+    budget = device_budget("nvidia", 2 * GiB, 2 * GiB)
+    refused = select_auto(CATALOGUE, budget, F16, origin="china")
+    assert refused.refusal is not None and refused.refusal.smallest is not None
+    smallest = refused.refusal.smallest
+    with pytest.raises(NoModelQualifies) as exc:
+        select_explicit(CATALOGUE, smallest.name, budget, F16)
+    sentence = smallest.described(budget)
+    assert "needs at least" in sentence and sentence in refused.refusal.message and sentence in str(exc.value)
+
+
 def test_explicit_model_errors() -> None:
     with pytest.raises(UsageError, match="did you mean"):
         select_explicit(CATALOGUE, "qwen3.5-4", DeviceBudget.from_usable(80 * GiB), F16)

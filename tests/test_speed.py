@@ -388,7 +388,7 @@ def test_plan_cli_rejects_a_bad_speed_flag(probe_file: Path, flag: str, value: s
 # ----------------------------------------------------------------------------- measured after the load
 
 
-from hotfit.backends.base import ChatAnswer  # noqa: E402
+from hotfit.grading.protocol import ChatReply  # noqa: E402
 from hotfit.core.errors import SpeedFloorMissed  # noqa: E402
 from hotfit.pipeline.cli.render import speed_lines  # noqa: E402
 from hotfit.pipeline.provision import AutoOptions, provisioning_stages  # noqa: E402
@@ -423,9 +423,9 @@ def test_the_prompt_is_clipped_to_the_opened_window(window, wanted: int, expecte
     assert prompt_size(window, wanted) == expected
 
 
-def answer(prompt_n: int, prompt_ms: float, per_s: float) -> ChatAnswer:
-    return ChatAnswer({"choices": [], "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                                                  "predicted_per_second": per_s}}, "t", True)
+def answer(prompt_n: int, prompt_ms: float, per_s: float) -> ChatReply:
+    return ChatReply.of_body({"choices": [], "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                                                         "predicted_per_second": per_s}})
 
 
 def test_measured_figures_come_from_the_servers_timings_and_are_compared() -> None:
@@ -626,3 +626,14 @@ def test_the_agent_prompt_is_sized_with_the_models_own_characters_per_token() ->
     assert len(json.dumps(small["tools"])) + sum(len(m["content"]) for m in small["messages"]) <= 16384 * 1.05
     assert speed_lines(None, {"measured": {"basis": "not measured: the openvino backend ..."}}) == [
         "  speed measured  not measured: the openvino backend ..."]
+
+
+def test_the_decode_rate_is_the_servers_own_and_one_generated_token_leaves_it_unmeasured() -> None:
+    # llama-server leaves the first generated token out of predicted_per_second (it comes with the
+    # prompt): one token generated reports 0, which is no rate — tokens / ms would make one up
+    one = ChatReply.of_body({"choices": [], "timings": {"prompt_n": 100, "prompt_ms": 50.0, "predicted_n": 1,
+                                                        "predicted_ms": 0.5, "predicted_per_second": 0.0}})
+    assert Timing.of(one).decode_tokens_per_s is None
+    more = ChatReply.of_body({"choices": [], "timings": {"prompt_n": 100, "prompt_ms": 50.0, "predicted_n": 11,
+                                                         "predicted_ms": 1000.0, "predicted_per_second": 10.0}})
+    assert Timing.of(more).decode_tokens_per_s == 10.0

@@ -19,9 +19,10 @@ pick one with :func:`backends.select.backend_for` from the plan and never touch 
   :meth:`~Session.allocation_report` (what the opened session really allocated, judged against the
   plan), log tail and exit description.
 
-Failures of the call itself (no answer, a dead process, an HTTP error) raise :class:`ChatFailed`,
-which the caller turns into its own error (the probe: ``ToolCallProbeFailed``; the grade: a stack
-failure). This module is pure: protocols and frozen result types only. Nothing outside ``backends/`` imports
+A chat call answers with the one reply type, :class:`~grading.protocol.ChatReply`; failures of the
+call itself (no answer, a dead process, an HTTP error) raise the one failure type,
+:class:`~grading.protocol.ChatFailed`, which the caller turns into its own error (the probe:
+``ToolCallProbeFailed``; the grade: a stack failure). This module is pure: protocols and frozen result types only. Nothing outside ``backends/`` imports
 more of a backend than this module and :mod:`backends.select` (an import-linter contract,
 CONTRIBUTING.md "Adding a backend"); what differs between servers is asked here, never decided by
 comparing a backend's name.
@@ -41,7 +42,7 @@ from hotfit.planner.plan import Plan
 from hotfit.planner.probe import Device
 from hotfit.core.records import JsonRecord
 from hotfit.core.settings import Settings
-from hotfit.grading.protocol import ChatEndpoint
+from hotfit.grading.protocol import ChatEndpoint, ChatReply
 
 __all__ = [
     "KV_EXCESS_TOLERANCE",
@@ -54,8 +55,6 @@ __all__ = [
     "BackendName",
     "BuildNeed",
     "BuildUnavailable",
-    "ChatAnswer",
-    "ChatFailed",
     "DeviceListing",
     "ListedDevice",
     "ModelFiles",
@@ -187,36 +186,6 @@ class BuildUnavailable(Exception):
 
 
 @dataclass(frozen=True)
-class ChatAnswer:
-    """One answered chat completion, as the caller judges it.
-
-    ``answer`` is the OpenAI chat-completions body with the tool calls parsed into
-    ``choices[0].message.tool_calls`` (llama-server parses them; for OpenVINO the backend does,
-    with the model family's parser). ``facts`` are backend-specific fields for the record."""
-
-    answer: dict[str, Any]
-    template: str  # which template formatted the prompt (named in a failed probe)
-    supports_tools: bool | None  # what the server says of the template; None: it did not say
-    prompt_tokens: int | None = None
-    generated_tokens: int | None = None
-    prompt_tokens_per_s: float | None = None
-    generation_tokens_per_s: float | None = None
-    facts: Mapping[str, Any] = field(default_factory=dict)
-
-
-class ChatFailed(Exception):
-    """The call got no usable answer: ``cause`` (timeout, transport, server_exited, http_status,
-    runtime_error, status, prose), ``what`` happened, ``hint`` what to do, ``details`` for the record."""
-
-    def __init__(self, cause: str, what: str, hint: str, **details: Any) -> None:
-        super().__init__(what)
-        self.cause = cause
-        self.what = what
-        self.hint = hint
-        self.details = details
-
-
-@dataclass(frozen=True)
 class AllocationVerdict(JsonRecord):
     """The fields every backend's allocation report opens with (its own facts follow them), and
     its JSON: the fields, in that order."""
@@ -308,12 +277,12 @@ class Session(Protocol):
         """The load stage's figures for the run summary."""
         ...
 
-    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatAnswer:
+    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatReply:
         """One chat completion of ``request`` (OpenAI body: messages, tools, tool_choice, max_tokens);
-        raises :class:`ChatFailed`. ``purpose`` names the call in messages ("the tool-call probe")."""
+        raises :class:`~grading.protocol.ChatFailed`. ``purpose`` names the call in messages ("the tool-call probe")."""
         ...
 
-    def tool_call_fix(self, cause: str, answer: ChatAnswer | None) -> str:
+    def tool_call_fix(self, cause: str, answer: ChatReply | None) -> str:
         """What the operator does about a failed tool call of ``cause`` on this server."""
         ...
 

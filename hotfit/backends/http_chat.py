@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any, Self
 
 from hotfit.core.lazy_import import lazy_module
 from hotfit.grading.protocol import (
-    HTTP_ERROR,
     SLOT_ERASED,
     SLOT_FRESH_PROMPT,
     SLOT_UNSUPPORTED,
+    ChatFailed,
     ChatReply,
-    EndpointFailure,
     ServerFacts,
     parse_chat_body,
 )
@@ -69,7 +68,9 @@ class HttpChatEndpoint:
         try:
             response = await self._client.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:  # refused, reset, timed out: the stack, not the model
-            raise EndpointFailure(HTTP_ERROR, f"{type(exc).__name__}: {exc}") from None
+            raise ChatFailed("transport", f"{type(exc).__name__}: {exc}",
+                             f"no answer from {self.base_url}: check that the server is running and reachable "
+                             "(the stack failed, not the model)") from None
         return parse_chat_body(response.status_code, response.content)
 
     async def reset(self) -> str:

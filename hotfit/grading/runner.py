@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotfit.grading.protocol import SAMPLING, ChatEndpoint, ChatReply, EndpointFailure
+from hotfit.grading.protocol import HTTP_ERROR, MALFORMED_BODY, SAMPLING, ChatEndpoint, ChatFailed, ChatReply
 from hotfit.grading.scenarios import (
     FORBID_ANY_CALL,
     FORBID_WRITES,
@@ -58,12 +58,21 @@ __all__ = [
     "find_call_markup",
     "outcome_class",
     "run_scenario",
+    "stack_outcome",
 ]
 
 PASS = "pass"
 NOT_RUN = "not_run"  # the budget ran out before or during the scenario
 MODEL_FAILURES = ("wrong_state", "forbidden_call", "missing_read", "communicate_miss", "step_limit")
 STACK_FAILURES = ("http_error", "malformed_body", "unparsed_call", "truncated", "preflight_failed")
+
+
+def stack_outcome(failure: ChatFailed) -> str:
+    """The outcome of a scenario whose request failed: ``malformed_body`` when the server answered
+    something that is not a chat completion, ``http_error`` for every other failure of the stack."""
+    return MALFORMED_BODY if failure.cause == MALFORMED_BODY else HTTP_ERROR
+
+
 # Model requests per user turn. The longest reference turn needs 4 requests done one call at a
 # time; BFCL allows 20, but a loop that long on 2-3 step tasks is already a failure.
 STEP_LIMIT = 8
@@ -248,8 +257,8 @@ async def run_scenario(endpoint: ChatEndpoint, scenario: Scenario, *, step_limit
                              if step == 0 and turn.tool_choice != "auto" else sampling)
             try:
                 reply = await endpoint.chat(list(run.messages), tool_defs, **step_sampling)
-            except EndpointFailure as exc:
-                return run.result(exc.kind, f"turn {t + 1} request {step + 1}: {exc.detail}")
+            except ChatFailed as exc:
+                return run.result(stack_outcome(exc), f"turn {t + 1} request {step + 1}: {exc.what}")
             run.account(reply)
             markup = find_call_markup(reply.content, reply.reasoning)
             if reply.finish_reason == "length" and (reply.tool_calls or markup):

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import shutil
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -39,6 +39,7 @@ from hotfit.pipeline.engine import STOP_SIGNALS, PipelineOutcome, Runner, signal
 from hotfit.pipeline.evidence import record_grade
 from hotfit.pipeline.manifest import (
     Manifest,
+    grade_summary,
     provisioned_device,
     read_manifest,
     utc_now_iso,
@@ -74,15 +75,6 @@ class AutoOutcome:
     manifest: Manifest | None = None  # noop: the standing one; provisioned: the new one
     resumed: bool = False
     skipped: tuple[str, ...] = ()
-
-
-def grade_summary(grade: Mapping[str, Any], *, run_id: str | None) -> dict[str, Any]:
-    """What the manifest keeps of a grade (a stage record or a report): verdict, score, tier, record path."""
-    return {"verdict": grade.get("verdict"), "stack_problem": grade.get("stack_problem"),
-            "provisional": grade.get("provisional"), "passed": grade.get("passed"), "total": grade.get("total"),
-            "fraction": grade.get("fraction"), "tier": grade.get("tier"), "categories": grade.get("categories"),
-            "speeds": grade.get("speeds"), "fingerprint": grade.get("fingerprint"), "path": grade.get("path"),
-            "graded_at": utc_now_iso(), "graded_by_run": run_id}
 
 
 def grade_problems(manifest: Manifest, grade: GradeOptions | None) -> list[str]:

@@ -178,6 +178,15 @@ def utc_now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def grade_summary(grade: Mapping[str, Any], *, run_id: str | None) -> dict[str, Any]:
+    """What the manifest keeps of a grade (a stage record or a report): verdict, score, tier, record path."""
+    return {"verdict": grade.get("verdict"), "stack_problem": grade.get("stack_problem"),
+            "provisional": grade.get("provisional"), "passed": grade.get("passed"), "total": grade.get("total"),
+            "fraction": grade.get("fraction"), "tier": grade.get("tier"), "categories": grade.get("categories"),
+            "speeds": grade.get("speeds"), "fingerprint": grade.get("fingerprint"), "path": grade.get("path"),
+            "graded_at": utc_now_iso(), "graded_by_run": run_id}
+
+
 def write_manifest(path: Path, manifest: Manifest) -> None:
     """Atomic, durable replace: a reader (or a power cut) sees the old file or the new one."""
     write_text_atomic(path, json.dumps(manifest.to_json(), indent=2, sort_keys=True, default=str) + "\n",

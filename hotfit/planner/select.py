@@ -230,14 +230,7 @@ def select_explicit(entries: Iterable[Entry], name: str, budget: DeviceBudget, c
         else:
             what = (f"{name} holds {fit.hot_context_tokens} hot tokens at {cache_type.name} in a usable budget of "
                     f"{fmt_bytes(budget.usable_bytes)}, below the {MIN_AGENTIC_HOT_CONTEXT}-token floor; it needs "
-                    f"{fmt_bytes(need.required_free_bytes)} ({need.required_free_bytes} bytes) "
-                    f"{'free' if budget.kind else 'usable'}: weights {fmt_bytes(need.weights_bytes)} + allowance "
-                    f"{fmt_bytes(need.allowance_bytes)} + KV {fmt_bytes(need.kv_floor_bytes)} + reserve "
-                    f"{fmt_bytes(need.reserve_bytes)} + headroom {fmt_bytes(need.headroom_bytes)}")
-            if need.required_device_bytes is not None:
-                what += (f"; that is more than {words.total} {fmt_bytes(budget.total_bytes)}: {words.empty} "
-                         f"needs at least {fmt_bytes(need.required_device_bytes)} "
-                         f"({need.required_device_bytes} bytes)")
+                    f"{need.described(budget)}")
         raise NoModelQualifies(what, hint=f"free {words.memory} on {words.this_one}, use q8_0 KV, or choose a "
                                           f"smaller model",
                                model=name, kv_cache_type=cache_type.name,

@@ -54,6 +54,23 @@ class RequiredMemory:
         headline = {"name": self.name, "required_free_bytes": self.required_free_bytes}  # the sum before its parts
         return headline | field_dict(self, omit=headline)
 
+    def described(self, budget: DeviceBudget) -> str:
+        """What this need is, of which memory, broken down, and — where even the whole device of
+        ``budget`` is too small — the least empty device that holds it: the one wording of the
+        refusal and of a model named that cannot hold the floor (planner/select.py)."""
+        words = words_for(budget.kind)
+        unit = f"free {words.memory}" if budget.kind is not None else "usable memory"
+        parts = (f"weights {fmt_bytes(self.weights_bytes)} + runtime allowance {fmt_bytes(self.allowance_bytes)} + "
+                 f"KV for {MIN_AGENTIC_HOT_CONTEXT} tokens {fmt_bytes(self.kv_floor_bytes)}")
+        if budget.kind is not None:
+            parts += f" + reserve {fmt_bytes(self.reserve_bytes)} + headroom {fmt_bytes(self.headroom_bytes)}"
+        text = f"{fmt_bytes(self.required_free_bytes)} ({self.required_free_bytes} bytes) of {unit}: {parts}."
+        if self.required_device_bytes is not None:
+            text += (f" That is more than {words.total} {fmt_bytes(budget.total_bytes)}; {words.empty} needs at "
+                     f"least {fmt_bytes(self.required_device_bytes)} ({self.required_device_bytes} bytes), its "
+                     "reserve being larger.")
+        return text
+
 
 def required_memory(entry: Entry, budget: DeviceBudget, cache_type: KVCacheType) -> RequiredMemory | None:
     """Free memory ``entry`` needs on this device to hold 32768 tokens; None if it never can."""
@@ -172,20 +189,8 @@ def build_refusal(entries: tuple[Entry, ...], verdicts: tuple[Verdict, ...], bud
         lines.append(f"There is no curated agentic model of {where} that holds {MIN_AGENTIC_HOT_CONTEXT} tokens "
                      f"at any budget.")
     else:
-        unit = f"free {words.memory}" if budget.kind is not None else "usable memory"
-        parts = (f"weights {fmt_bytes(smallest.weights_bytes)} + runtime allowance "
-                 f"{fmt_bytes(smallest.allowance_bytes)} + KV for {MIN_AGENTIC_HOT_CONTEXT} tokens "
-                 f"{fmt_bytes(smallest.kv_floor_bytes)}")
-        if budget.kind is not None:
-            parts += (f" + reserve {fmt_bytes(smallest.reserve_bytes)} + headroom "
-                      f"{fmt_bytes(smallest.headroom_bytes)}")
         line = (f"The smallest curated agentic model of {where} is {smallest.name}; at {cache_type.name} it needs "
-                f"{fmt_bytes(smallest.required_free_bytes)} ({smallest.required_free_bytes} bytes) of {unit}: "
-                f"{parts}.")
-        if smallest.required_device_bytes is not None:
-            line += (f" That is more than {words.total} {fmt_bytes(budget.total_bytes)}; {words.empty} "
-                     f"needs at least {fmt_bytes(smallest.required_device_bytes)} "
-                     f"({smallest.required_device_bytes} bytes), its reserve being larger.")
+                f"{smallest.described(budget)}")
         lines.append(line)
     fitting_below = sorted(
         (v for v in verdicts

@@ -29,7 +29,8 @@ from hotfit.core.settings import Settings
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.plan import PlannedRun
 
-__all__ = ["DECLARATION", "SERVER_SESSION", "LoadResult", "decode_load", "model_files", "open_session", "preflight"]
+__all__ = ["DECLARATION", "SERVER_SESSION", "LoadJob", "LoadResult", "OpenTarget", "decode_load", "model_files",
+           "open_session", "preflight"]
 
 # The engine skips or runs the stages on one opened session (load, probe-tool-call, re-check, grade) together.
 SERVER_SESSION = "llama-server"
@@ -119,13 +120,39 @@ def decode_load_for_plan(record: Mapping[str, Any], plan: Plan) -> LoadResult:
     return decode_load_as(record, plan.backend)
 
 
+@dataclass(frozen=True)
+class OpenTarget:
+    """What load opens: the verified files, the binary a preflight found (None: resolve it now) and
+    the directory the session writes its log to."""
+
+    files: ModelFiles
+    binary: BackendBinary | None
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Where load finds its :class:`OpenTarget`. ``target_stage`` None (``hotfit auto``): the verify
+    stage's files, the plan stage's preflight and the run's directory; else the result of that stage
+    (``hotfit grade``'s target, pipeline/grade.py), which is an OpenTarget."""
+
+    target_stage: str | None = None
+
+
+def _target(ctx: StageContext) -> OpenTarget:
+    stage = ctx.job(LoadJob).target_stage
+    if stage is not None:
+        return ctx.result(stage, OpenTarget)
+    return OpenTarget(model_files(ctx.result("verify", VerifyResult)), ctx.result("plan", PlannedRun).backend,
+                      ctx.run_dir)
+
+
 async def load_work(ctx: StageContext) -> LoadResult:
     plan = ctx.require_plan()
-    files = model_files(ctx.result("verify", VerifyResult))
-    binary = ctx.result("plan", PlannedRun).backend  # the plan stage's preflight (None: resolve it now)
-    session = await ctx.enter_context(open_session(plan, files, run_dir=ctx.run_dir, settings=ctx.settings,
-                                                   binary=binary))
-    return LoadResult.opened(session, binary)
+    target = _target(ctx)
+    session = await ctx.enter_context(open_session(plan, target.files, run_dir=target.run_dir,
+                                                   settings=ctx.settings, binary=target.binary))
+    return LoadResult.opened(session, target.binary)
 
 
 def load_fingerprint(loaded: LoadResult) -> Any:
@@ -140,4 +167,4 @@ def load_figures(loaded: LoadResult) -> dict[str, Any]:
 DECLARATION = StageDeclaration(
     "load", load_work, deps=("verify",), session=SERVER_SESSION, decode=decode_load,
     decode_for_plan=decode_load_for_plan, fingerprint=load_fingerprint, figures=load_figures, version=1,
-    result_type=LoadResult)
+    result_type=LoadResult, job=LoadJob())

@@ -20,12 +20,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hotfit.backends.base import BuildUnavailable, ChatAnswer, ChatFailed
+from hotfit.backends.base import BuildUnavailable
 from hotfit.backends.select import backend_for
 from hotfit.core.errors import BackendError, SpeedFloorMissed, StageRecordError, UsageError
 from hotfit.core.log import get_logger
 from hotfit.core.records import decode_record
 from hotfit.core.settings import Settings
+from hotfit.grading.protocol import ChatFailed, ChatReply
 from hotfit.planner.plan import Plan
 from hotfit.registry.speed import DEFAULT_AGENT_PROMPT_TOKENS, Calibration, SpeedFloors, calibration_from
 from hotfit.stages.declaration import StageContext, StageDeclaration
@@ -139,11 +140,11 @@ class Timing:
     decode_tokens_per_s: float | None
 
     @classmethod
-    def of(cls, got: ChatAnswer) -> Timing:
-        t = got.answer.get("timings") if isinstance(got.answer, Mapping) else None
-        if isinstance(t, Mapping) and t.get("prompt_ms") is not None:
-            return cls(int(t.get("prompt_n") or 0), float(t["prompt_ms"]) / 1000,
-                       float(t.get("predicted_per_second") or 0) or None)
+    def of(cls, got: ChatReply) -> Timing:
+        """The server's own timings of one answer (llama-server: timings.prompt_ms and
+        predicted_per_second, 0 when it generated one token only: unmeasured)."""
+        if got.prompt_ms is not None:
+            return cls(got.prompt_tokens, got.prompt_ms / 1000, got.generation_tokens_per_s or None)
         first = (got.prompt_tokens / got.prompt_tokens_per_s
                  if got.prompt_tokens and got.prompt_tokens_per_s else None)
         return cls(got.prompt_tokens, first, got.generation_tokens_per_s)
@@ -260,7 +261,7 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     expected_s = (plan.speed_predicted or {}).get("first_token_s")
     depths = short_depths(wanted, expected_s if isinstance(expected_s, (int, float)) else None)
 
-    async def ask(request: dict[str, Any], what: str) -> ChatAnswer:
+    async def ask(request: dict[str, Any], what: str) -> ChatReply:
         try:
             return await session.call_tools(request, timeout_s=SPEED_TIMEOUT_S, purpose=what)
         except ChatFailed as exc:
@@ -269,14 +270,14 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     if depths is None:
         request = agent_request(wanted, chars_per_token=ratio)
         first = await ask(request, "the speed check")
-        second = await ask(follow_up(request, first.answer), "the speed check's follow-up turn")
+        second = await ask(follow_up(request, first.body), "the speed check's follow-up turn")
         measured = measured_figures(Timing.of(first), Timing.of(second))
     else:  # the full prompt would take too long: two shorter ones, extrapolated (docs/benchmarks.md)
         n1, n2 = depths
         short = await ask(agent_request(n1, fresh=True, chars_per_token=ratio), "the speed check (first depth)")
         request = agent_request(n2, fresh=True, chars_per_token=ratio)
         longer = await ask(request, "the speed check (second depth)")
-        second = await ask(follow_up(request, longer.answer), "the speed check's follow-up turn")
+        second = await ask(follow_up(request, longer.body), "the speed check's follow-up turn")
         measured = extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
     predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
     if predicted is not None:

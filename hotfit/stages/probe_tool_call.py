@@ -35,10 +35,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hotfit.backends.base import ChatFailed, Session
+from hotfit.backends.base import Session
 from hotfit.core.errors import ToolCallProbeFailed
 from hotfit.core.log import get_logger
 from hotfit.core.records import decode_record
+from hotfit.grading.protocol import ChatFailed
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.stages.load import SERVER_SESSION, LoadResult
 
@@ -119,7 +120,7 @@ class ToolCallVerdict:
     reasoning_content: str | None = None  # a thinking model's reasoning, where the server split it off
 
 
-def judge_answer(answer: dict[str, Any]) -> ToolCallVerdict:
+def judge_answer(answer: Mapping[str, Any]) -> ToolCallVerdict:
     """Pure: pass only for a parsed call of the probe tool whose arguments are a JSON object
     holding the required string parameter."""
     try:
@@ -327,7 +328,7 @@ async def probe_tool_call(
     except ChatFailed as exc:
         raise fail(exc.what, exc.hint, cause=exc.cause, **exc.details) from None
 
-    verdict = judge_answer(got.answer)
+    verdict = judge_answer(got.body)
     result = ProbeToolCallResult(
         verdict=verdict,
         template=got.template,
@@ -337,7 +338,7 @@ async def probe_tool_call(
         prompt_tokens=got.prompt_tokens,
         generated_tokens=got.generated_tokens,
         request=request,
-        answer=got.answer,
+        answer=dict(got.body),
         backend_facts=dict(got.facts),
     )
     record = {"outcome": "pass" if verdict.passed else "fail", **result.to_json()}

@@ -4,7 +4,7 @@ llama-server parses the model's tool calls itself (``--jinja``, the template's m
 reports ``chat_template_caps.supports_tools`` in ``/props``: a template that cannot express tools
 makes it drop them silently and answer in prose with HTTP 200 (ggml-org/llama.cpp#27129,
 anchors.md §4), which the caller must judge. This module only turns what happened on the wire
-into a :class:`~backends.base.ChatAnswer` or a :class:`~backends.base.ChatFailed` whose cause
+into a :class:`~grading.protocol.ChatReply` or a :class:`~grading.protocol.ChatFailed` whose cause
 names the stack failure: no answer in time, a dropped connection, an HTTP error, or the server
 dead (by a signal: diagnosed from the build, as at load).
 """
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from hotfit.core.lazy_import import lazy_module
-from hotfit.backends.base import ChatAnswer, ChatFailed
 from hotfit.backends.llama_server.crash import signal_death_report
 from hotfit.backends.llama_server.logs import relevant_log_lines
+from hotfit.grading.protocol import ChatFailed, ChatReply
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -51,7 +51,7 @@ async def supports_tools(client: httpx.AsyncClient) -> bool | None:
 
 
 async def call_tools(server: LoadedServer, request: Mapping[str, Any], *, timeout_s: float,
-                     purpose: str) -> ChatAnswer:
+                     purpose: str) -> ChatReply:
     """POST ``request`` to ``/v1/chat/completions`` of ``server``; a dead server must not look
     like a slow one, so the process is watched while the request runs."""
     outcome: dict[str, Any] = {}
@@ -112,19 +112,11 @@ async def call_tools(server: LoadedServer, request: Mapping[str, Any], *, timeou
             status=response.status_code,
             answer=answer,
         )
-    timings = (answer.get("timings") or {}) if isinstance(answer, dict) else {}
-    return ChatAnswer(
-        answer=answer if isinstance(answer, dict) else {"raw": answer},
-        template=server.template.describe(),
-        supports_tools=tools_supported,
-        prompt_tokens=timings.get("prompt_n"),
-        generated_tokens=timings.get("predicted_n"),
-        prompt_tokens_per_s=timings.get("prompt_per_second"),
-        generation_tokens_per_s=timings.get("predicted_per_second"),
-    )
+    return ChatReply.of_body(answer if isinstance(answer, dict) else {"raw": answer},
+                             template=server.template.describe(), supports_tools=tools_supported)
 
 
-def tool_call_fix(cause: str, answer: ChatAnswer | None = None) -> str:
+def tool_call_fix(cause: str, answer: ChatReply | None = None) -> str:
     """What the operator does about a failed tool call on llama-server (the probe's hint)."""
     if cause in ("call_without_markers", "ignored_tools"):
         return ("Load the chat template the model was trained with (the registry's chat_template: "

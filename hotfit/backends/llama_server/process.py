@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, ClassVar, Litera
 
 import anyio
 
-from hotfit.backends.base import AllocationReport, ChatAnswer
+from hotfit.backends.base import AllocationReport
 from hotfit.backends.http_chat import HttpChatEndpoint
 from hotfit.backends.llama_server import allocation, chat
 from hotfit.backends.llama_server.crash import signal_death_report
@@ -62,7 +62,7 @@ from hotfit.core.errors import LoadError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
 from hotfit.planner.plan import Plan
-from hotfit.grading.protocol import ChatEndpoint
+from hotfit.grading.protocol import ChatEndpoint, ChatReply
 
 if TYPE_CHECKING:  # the type checker reads the real module; at run time it loads on first use
     import httpx
@@ -163,10 +163,10 @@ class LoadedServer:
         return {"pid": self.pid, "load_seconds": round(self.load_seconds, 3), "template": self.template.describe(),
                 "llama_server": self.argv[0]}
 
-    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatAnswer:
+    async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str) -> ChatReply:
         return await chat.call_tools(self, request, timeout_s=timeout_s, purpose=purpose)
 
-    def tool_call_fix(self, cause: str, answer: ChatAnswer | None) -> str:
+    def tool_call_fix(self, cause: str, answer: ChatReply | None) -> str:
         return chat.tool_call_fix(cause, answer)
 
     def chat_endpoint(self) -> AbstractAsyncContextManager[ChatEndpoint]:

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from hotfit.backends.base import ChatAnswer, ChatFailed
 from hotfit.backends.openvino.protocol import WorkerGone
 from hotfit.backends.openvino.toolcall import (
     PARSERS,
@@ -31,14 +30,7 @@ from hotfit.backends.openvino.toolcall import (
     tool_call_family,
     unrendered_tool_template,
 )
-from hotfit.grading.protocol import (
-    HTTP_ERROR,
-    MAX_TOKENS_PER_STEP,
-    SLOT_FRESH_PROMPT,
-    ChatReply,
-    EndpointFailure,
-    ServerFacts,
-)
+from hotfit.grading.protocol import MAX_TOKENS_PER_STEP, SLOT_FRESH_PROMPT, ChatFailed, ChatReply, ServerFacts
 
 if TYPE_CHECKING:  # annotations only: session.py imports this module
     from hotfit.backends.openvino.session import OpenVinoSession
@@ -83,7 +75,7 @@ def _export_template_files(ir_dir: Path) -> dict[str, str]:
 
 
 async def call_tools(session: OpenVinoSession, request: Mapping[str, Any], *, timeout_s: float, purpose: str,
-                     family: str | None = None) -> ChatAnswer:
+                     family: str | None = None) -> ChatReply:
     """One chat completion of ``request`` on ``session`` (``family`` overrides the template's)."""
     messages = list(request.get("messages") or [])
     tools = list(request.get("tools") or [])
@@ -122,19 +114,20 @@ async def call_tools(session: OpenVinoSession, request: Mapping[str, Any], *, ti
                 "the cache holds fewer tokens than the plan" if status == "IGNORED" else "see the worker log")
         raise ChatFailed("status", f"{purpose} failed: generation ended with status {status}", hint, status=status)
     answer = answer_from_text(text, fam, "tool_calls" if PARSERS[fam](text, tools) else "stop", tools)
-    return ChatAnswer(
-        answer=answer,
+    return ChatReply(
+        body=answer,
         template=f"the export's own ({fam} syntax)",
         supports_tools=True if renders_tools else None,
         prompt_tokens=int(out["prompt_tokens"]),
         generated_tokens=generated,
+        generated_ms=seconds * 1000 if seconds > 0 else None,
         generation_tokens_per_s=(generated / seconds) if seconds > 0 and generated else None,
         facts={"family": fam, "forced": forced, "status": status, "text": text, "generation_seconds": seconds,
                "template_renders_tools": renders_tools},
     )
 
 
-def tool_call_fix(cause: str, answer: ChatAnswer | None = None) -> str:
+def tool_call_fix(cause: str, answer: ChatReply | None = None) -> str:
     """What the operator does about a failed tool call on OpenVINO: the export is the only lever."""
     fam = (answer.facts.get("family") if answer is not None else None) or "its own"
     return (f"The model does not call tools in its template's {fam} syntax, so its registry entry must not be "
@@ -160,15 +153,7 @@ class SessionChatEndpoint:
     async def chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]],
                    **sampling: Any) -> ChatReply:
         request = {"messages": list(messages), "tools": list(tools), **sampling}
-        try:
-            got = await call_tools(self.session, request, timeout_s=self.timeout_s, purpose="a grade step")
-        except ChatFailed as exc:  # the stack, not the model
-            raise EndpointFailure(HTTP_ERROR, f"{exc.cause}: {exc.what}") from None
-        choice = got.answer["choices"][0]
-        seconds = float(got.facts.get("generation_seconds") or 0.0)
-        return ChatReply(message=choice["message"], finish_reason=choice.get("finish_reason"),
-                         prompt_tokens=got.prompt_tokens, generated_tokens=got.generated_tokens,
-                         generated_ms=seconds * 1000 if seconds else None)
+        return await call_tools(self.session, request, timeout_s=self.timeout_s, purpose="a grade step")
 
     async def reset(self) -> str:
         return SLOT_FRESH_PROMPT

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import anyio
 
-from hotfit.backends.base import AllocationReport, ChatAnswer
+from hotfit.backends.base import AllocationReport
 from hotfit.backends.openvino import allocation, chat
 from hotfit.backends.openvino.config import (
     CLOSE_GRACE_S,
@@ -42,7 +42,7 @@ from hotfit.backends.openvino.protocol import WorkerGone, worker_request
 from hotfit.core.errors import LoadError
 from hotfit.core.log import get_logger
 from hotfit.planner.plan import Plan
-from hotfit.grading.protocol import ChatEndpoint
+from hotfit.grading.protocol import ChatEndpoint, ChatReply
 
 __all__ = ["OpenVinoSession", "open_openvino_session", "worker_env"]
 
@@ -100,10 +100,10 @@ class OpenVinoSession:
                 "capacity_tokens": self.config.capacity_tokens, "device": self.config.device}
 
     async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str,
-                         family: str | None = None) -> ChatAnswer:
+                         family: str | None = None) -> ChatReply:
         return await chat.call_tools(self, request, timeout_s=timeout_s, purpose=purpose, family=family)
 
-    def tool_call_fix(self, cause: str, answer: ChatAnswer | None) -> str:
+    def tool_call_fix(self, cause: str, answer: ChatReply | None) -> str:
         return chat.tool_call_fix(cause, answer)
 
     def chat_endpoint(self) -> AbstractAsyncContextManager[ChatEndpoint]:
