@@ -24,7 +24,8 @@ from hotfit.pipeline.registry_lock import (
     needs_lock,
     write_atomic,
 )
-from tests.hubserver import LocalHub
+from hotfit.core.model_files import snapshot_listing_sha256
+from tests.hubserver import LocalHub, git_blob_sha1
 
 TIER = "integration"
 
@@ -100,9 +101,13 @@ def test_lock_fills_open_values_from_the_hub_and_keeps_the_rest(tmp_path: Path, 
     assert locked["pinned-old"]["artifact"]["revision"] == repos["first"]
     assert locked["pinned-old"]["artifact"]["size_bytes"] == len(GGUF)
     assert locked["pinned-old"]["artifact"]["sha256"] == hashlib.sha256(GGUF).hexdigest()
-    # a snapshot: the whole repository, recorded total confirmed, revision pinned
+    # a snapshot: the whole repository, recorded total confirmed, revision pinned, and its file list
+    # pinned by its sha256 (each file's path, size and LFS sha256 or git blob id)
     assert locked["snapshot"]["artifact"]["revision"] == repos["snap"]
     assert locked["snapshot"]["artifact"]["size_bytes"] == 5002
+    assert locked["snapshot"]["artifact"]["sha256"] == snapshot_listing_sha256([
+        ("openvino_model.bin", 5000, hashlib.sha256(b"\0" * 5000).hexdigest(), None),
+        ("tokenizer_config.json", 2, None, git_blob_sha1(b"{}"))])
     assert json.loads(out.read_text())["description"] == "kept"
     assert load_registry(out).get("open").artifact.revision == repos["second"]  # still schema-valid
     assert {c.field for c in report.changes if c.entry == "open"} == {
@@ -270,7 +275,9 @@ def test_needs_lock_only_for_open_values() -> None:
         e["chat_template"][path] = None
         assert needs_lock(e), f"chat_template.{path}"
     snapshot = _entry("s", artifact=_art("o/r", "a" * 40, None, 5), template=None)
-    assert not needs_lock(snapshot), "a snapshot has no per-file sha256 to resolve"
+    assert needs_lock(snapshot), "a snapshot's file list is pinned by its sha256"
+    snapshot["artifact"]["sha256"] = "e" * 64
+    assert not needs_lock(snapshot)
 
 
 def test_apply_hub_facts_is_pure_and_never_overwrites() -> None:

@@ -8,6 +8,9 @@ file sizes, LFS sha256) and fill the nulls. Rules:
   (``mismatch``) and nothing of that artifact is written — a revision resolved from ``main`` must not
   be paired with bytes recorded from another snapshot;
 * an unpinned revision resolves to the repository's current ``main`` commit;
+* a whole-repository snapshot (OpenVINO: an artifact without a file) gets the commit, its total size
+  and, as its ``sha256``, the pin of its file list (core.model_files.snapshot_listing_sha256): what a
+  static mirror serving the snapshot is trusted for (docs/fleet.md, "OpenVINO snapshots");
 * a template inside an OpenVINO snapshot (same repository, an artifact without a file) takes the
   snapshot's revision, and stays unpinned while the snapshot does: pinned alone, it would name a commit
   the snapshot's fetch no longer loads;
@@ -37,6 +40,7 @@ from typing import Any, Callable, Mapping
 
 from hotfit.core.errors import HubError, PinMismatch, UsageError
 from hotfit.core.log import get_logger
+from hotfit.core.model_files import snapshot_listing_sha256
 from hotfit.core.records import JsonRecord
 from hotfit.pipeline.registry_file import bundled_registry_path
 from hotfit.registry.catalog import parse_registry, parse_registry_text
@@ -122,7 +126,7 @@ def needs_lock(entry: Mapping[str, Any]) -> bool:
     for key in ARTIFACT_KEYS:
         art = entry.get(key)
         if art and (art.get("revision") is None or art.get("size_bytes") is None
-                    or (art.get("file") is not None and art.get("sha256") is None)):
+                    or art.get("sha256") is None):
             return True
     tpl = entry.get(TEMPLATE_KEY)
     return bool(tpl and _template_open(tpl))
@@ -143,7 +147,7 @@ def queries_for(entry: Mapping[str, Any], *, verify_pinned: bool = False) -> lis
             open_ = _template_open(comp)
         else:
             open_ = (comp.get("revision") is None or comp.get("size_bytes") is None
-                     or (comp.get("file") is not None and comp.get("sha256") is None))
+                     or comp.get("sha256") is None)
         if open_ or verify_pinned:
             pair = (comp["repo"], comp.get("revision"))
             if pair not in out:
@@ -175,7 +179,7 @@ def apply_hub_facts(
         if not art:
             continue
         is_open = (art.get("revision") is None or art.get("size_bytes") is None
-                   or (art.get("file") is not None and art.get("sha256") is None))
+                   or art.get("sha256") is None)
         if not (is_open or verify_pinned):
             continue
         facts = lookup(art["repo"], art.get("revision"))
@@ -258,9 +262,10 @@ def _artifact_updates(name: str, key: str, art: Mapping[str, Any],
     updates: dict[str, Any] = {}
     problems: list[LockProblem] = []
     where = f"{art['repo']}@{facts.commit}"
-    if art.get("file") is None:  # a whole-repository snapshot (OpenVINO)
+    sha: str | None
+    if art.get("file") is None:  # a whole-repository snapshot (OpenVINO): its file list is pinned
         size = sum(f.size_bytes for f in facts.files.values())
-        sha = None
+        sha = snapshot_listing_sha256((path, f.size_bytes, f.sha256, f.blob_id) for path, f in facts.files.items())
     else:
         found = facts.files.get(art["file"])
         if found is None:
@@ -272,7 +277,7 @@ def _artifact_updates(name: str, key: str, art: Mapping[str, Any],
     elif art["size_bytes"] != size:
         problems.append(LockProblem(name, f"{key}.size_bytes", "mismatch",
                                     f"recorded {art['size_bytes']} bytes, the Hub has {size} at {where}"))
-    if art.get("file") is not None and sha is not None:
+    if sha is not None:
         if art.get("sha256") is None:
             updates["sha256"] = sha
         elif art["sha256"] != sha:
