@@ -250,6 +250,9 @@ def test_mirror_from_a_fleet_plan_places_the_builds_and_names_the_missing(
     assert placed["cpu"]["status"] == "placed" and placed["cuda"]["status"] == "missing"
     sums = (tmp_path / "m" / "builds" / "SHA256SUMS").read_text()
     assert f"{sha256_of(builds / 'llama-server-cpu.tar.gz')}  llama-server-cpu.tar.gz" in sums
+    # and beside the archive, where `install-llama-server --from URL` looks (URL.sha256)
+    beside = (tmp_path / "m" / "builds" / "llama-server-cpu.tar.gz.sha256").read_text()
+    assert beside == f"{sha256_of(builds / 'llama-server-cpu.tar.gz')}  llama-server-cpu.tar.gz\n"
 
 
 def test_filling_from_the_hugging_face_cache_makes_no_request(local_hub: LocalHub, world: dict[str, Any],

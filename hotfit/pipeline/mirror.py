@@ -277,7 +277,8 @@ def _unpinned_note(a: MirrorArtifact) -> str | None:
 
 def _place_builds(directory: Path, builds: Sequence[dict[str, Any]], builds_from: Path | None) -> list[MirrorBuild]:
     """Each build's export archive (``llama-server-<flavour>.tar.gz`` in ``builds_from``) copied into
-    ``DIR/builds/`` with its sha256 in ``DIR/builds/SHA256SUMS``; the ones not found are listed."""
+    ``DIR/builds/`` with its sha256 in ``DIR/builds/SHA256SUMS`` and beside it (``<archive>.sha256``,
+    which ``install-llama-server --from URL`` reads); the ones not found are listed."""
     out = []
     target = directory / BUILDS_DIR
     sums: dict[str, str] = {}
@@ -301,6 +302,8 @@ def _place_builds(directory: Path, builds: Sequence[dict[str, Any]], builds_from
         os.replace(tmp, dest)
         sums[name] = sha
         out.append(MirrorBuild(flavour, "placed", str(dest), sha, dest.stat().st_size))
+    for name, sha in sums.items():  # what `install-llama-server --from URL` checks (URL.sha256)
+        write_text_atomic(target / f"{name}.sha256", f"{sha}  {name}\n")
     if sums:
         existing = _read_sums(target / "SHA256SUMS")
         existing.update(sums)
