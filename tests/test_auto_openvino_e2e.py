@@ -344,3 +344,41 @@ def test_a_missing_openvino_extra_is_refused_before_download(hub: LocalHub, ov_w
     assert err["code"] == "backend_not_found" and "openvino-genai" in err["message"]
     assert 'pip install -e ".[openvino]"' in err["hint"]
     assert not (home / "models").exists()
+
+
+def test_auto_provisions_a_locked_snapshot_from_a_static_mirror_with_0_upstream_requests(
+        hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:
+    # The real layout (the template a file of the snapshot) locked by `hotfit registry lock`, filled
+    # into a mirror by `hotfit fleet mirror`, served read-only by Debian's nginx; `hotfit auto` loads
+    # the real export from it and passes the tool-call probe with 0 requests to the upstream Hub
+    # (docs/fleet.md, "OpenVINO snapshots").
+    import stat
+
+    from tests.test_fleet_mirror import Nginx
+
+    locked = tmp_path / "locked.json"
+    done = hotfit(hub, tmp_path / "locker", "registry", "lock", "--registry",
+                  str(ov_world.in_snapshot["tokenizer_config.json"]), "--output", str(locked))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    mirror = tmp_path / "mirror"
+    done = hotfit(hub, tmp_path / "filler", "fleet", "mirror", str(mirror), "fx-ov-tokcfg", "--registry", str(locked))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(f["role"], f["status"]) for f in json.loads(done.stdout)["files"]] == [("snapshot", "fetched")]
+    for p in [mirror, *mirror.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    nginx = Nginx(mirror, tmp_path / "nginx")
+    try:
+        upstream = len(hub.requests)
+        probe = write_probe(tmp_path / "probe.json", ROOMY_FREE_BYTES)
+        done = auto(hub, tmp_path / "home", locked, probe, env={"HF_ENDPOINT": nginx.url})
+        assert done.returncode == 0, done.stderr[-4000:]
+        manifest = json.loads(done.stdout)
+        assert manifest["entry_name"] == "fx-ov-tokcfg" and manifest["probe_verdict"]["passed"] is True
+        assert manifest["extra"]["openvino"]["snapshot_commit"] == json.loads(locked.read_text())["entries"][0][
+            "artifact"]["revision"]
+        assert len(hub.requests) == upstream
+        assert any("/api/models/OpenVINO/fx-ov-tokcfg-ov/tree/" in line for line in nginx.requests())
+    finally:
+        nginx.stop()
+        for p in [mirror, *mirror.rglob("*")]:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)

@@ -568,12 +568,12 @@ async def test_corrupt_non_lfs_file_fails_its_blob_id_and_is_refetched(local_hub
 
 def test_snapshot_disk_check_counts_what_the_partials_already_hold(tmp_path: Path) -> None:
     # A resumed snapshot needs room only for the bytes still missing, like a single file's resume.
-    from hotfit.stages.fetch_weights import _ListedFile, _snapshot_needed_bytes
+    from hotfit.stages.fetch_weights import ListedFile, _snapshot_needed_bytes
 
     partial_dir = tmp_path / ".partial"
     partial_dir.mkdir()
-    a = _ListedFile("a.bin", 4 << 20, None, "a" * 64)
-    b = _ListedFile("sub/b.bin", 2 << 20, None, "b" * 64)
+    a = ListedFile("a.bin", 4 << 20, None, "a" * 64)
+    b = ListedFile("sub/b.bin", 2 << 20, None, "b" * 64)
     assert _snapshot_needed_bytes(partial_dir, "o/r", [a, b]) == 6 << 20
     part, _side, _lock = partial_paths(partial_dir, "o/r", "a.bin")
     part.write_bytes(b"x" * (3 << 20))  # 3 MiB of a.bin already on disk

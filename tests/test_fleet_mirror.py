@@ -242,6 +242,9 @@ def test_mirror_from_a_fleet_plan_places_the_builds_and_names_the_missing(
     assert placed["cpu"]["status"] == "placed" and placed["cuda"]["status"] == "missing"
     sums = (tmp_path / "m" / "builds" / "SHA256SUMS").read_text()
     assert f"{sha256_of(builds / 'llama-server-cpu.tar.gz')}  llama-server-cpu.tar.gz" in sums
+    # and beside the archive, where `install-llama-server --from URL` looks (URL.sha256)
+    beside = (tmp_path / "m" / "builds" / "llama-server-cpu.tar.gz.sha256").read_text()
+    assert beside == f"{sha256_of(builds / 'llama-server-cpu.tar.gz')}  llama-server-cpu.tar.gz\n"
 
 
 def test_filling_from_the_hugging_face_cache_makes_no_request(local_hub: LocalHub, world: dict[str, Any],
@@ -333,3 +336,42 @@ def test_machines_run_hotfit_auto_from_the_static_mirror(local_hub: LocalHub, tm
         nginx.stop()
         for p in [mirror, *mirror.rglob("*")]:
             p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+def test_a_locked_registry_provisions_its_template_from_the_static_mirror_and_refuses_other_bytes(
+        local_hub: LocalHub, world: dict[str, Any], tmp_path: Path) -> None:
+    # `registry lock` pins the template (by commit alone in the world's registry) by size and sha256:
+    # the static mirror then serves it, verified; bytes that differ from the lock are refused.
+    locked = tmp_path / "locked.json"
+    out = hotfit(tmp_path / "locker", "--json", "registry", "lock", "--registry", str(world["registry"]),
+                 "--output", str(locked), env=env_for(local_hub))
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    tpl = next(e for e in json.loads(locked.read_text())["entries"] if e["name"] == "mt-commit-only")["chat_template"]
+    assert tpl["size_bytes"] == world["template_bytes"] and len(tpl["sha256"]) == 64
+    mirror = tmp_path / "mirror"
+    out = hotfit(tmp_path / "filler", "--json", "fleet", "mirror", str(mirror), "mt-commit-only",
+                 "--registry", str(locked), env=env_for(local_hub))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all(f["pinned"] for f in json.loads(out.stdout)["files"])
+    nginx = Nginx(mirror, tmp_path / "nginx")
+    try:
+        upstream = len(local_hub.requests)
+        env = {**env_for(local_hub), "HF_ENDPOINT": nginx.url}
+        out = hotfit(tmp_path / "m1", "--json", "pull", "mt-commit-only", "--registry", str(locked), env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert sha256_of(tmp_path / "m1" / "models" / "mt-commit-only" / "chat_template.jinja") is not None
+        served = resolve_path_of(mirror, tpl)
+        data = served.read_bytes()
+        served.write_bytes(data.replace(b"content", b"CONTENT"))  # the same size, other bytes
+        out = hotfit(tmp_path / "m2", "--json", "pull", "mt-commit-only", "--registry", str(locked), env=env)
+        assert out.returncode != 0
+        err = json.loads(out.stdout)["error"]
+        assert tpl["sha256"] in err["message"] and "chat_template.jinja" in err["message"], err
+        assert not (tmp_path / "m2" / "models" / "mt-commit-only" / "chat_template.jinja").exists()
+        assert len(local_hub.requests) == upstream
+    finally:
+        nginx.stop()
+
+
+def resolve_path_of(mirror: Path, source: dict[str, Any]) -> Path:
+    return mirror / source["repo"] / "resolve" / source["revision"] / source["file"]

@@ -282,3 +282,29 @@ def test_a_saved_manifest_keeps_that_machines_previous_model(tmp_path: Path) -> 
     a, b = fleet["machines"]
     assert a["model"] == small.name and a["reused_previous"] and a["previous_from"] == str(manifests / "a.json")
     assert b["model"] == best and not b["reused_previous"]  # no manifest: planned afresh
+
+
+def test_an_openvino_pick_lists_its_snapshot_once_with_its_template_and_pinned_once_locked(tmp_path: Path) -> None:
+    # Three CPU machines planned for OpenVINO: the mirror holds the whole repository once (its size
+    # counted once); the template, a file of that snapshot, is not a second artifact. Pinned (what a
+    # static mirror serves) only once `registry lock` gave it a commit and its file list's sha256:
+    # the values below stand in for the lock's (tests/test_fleet_mirror_openvino.py runs it).
+    from hotfit.pipeline.registry_file import bundled_registry_path
+
+    for i in range(3):
+        saved_probe(tmp_path / "probes" / f"m{i}.json", [("cpu", "host memory", 32 * GiB, (30 - i) * GiB, None)],
+                    name=f"m{i}")
+    doc = json.loads(bundled_registry_path().read_text(encoding="utf-8"))
+    for locked in (False, True):
+        for e in doc["entries"]:
+            if e["backend"] == "openvino" and locked:
+                e["artifact"].update(revision="a" * 40, sha256="b" * 64)
+                e["chat_template"]["revision"] = "a" * 40
+        registry = tmp_path / f"registry-{locked}.json"
+        registry.write_text(json.dumps(doc))
+        rc, fleet = fleet_json(str(tmp_path / "probes"), "--backend", "openvino", "--registry", str(registry))
+        assert rc == 0, fleet
+        [art] = fleet["artifacts"]
+        models = {m["model"] for m in fleet["machines"]}
+        assert (art["role"], art["file"], art["machines"], art["entries"]) == ("snapshot", None, 3, sorted(models))
+        assert art["pinned"] is locked and fleet["summary"]["mirror_bytes"] == art["size_bytes"] > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import io
 import json
 import os
@@ -732,3 +733,75 @@ def test_ansible_fleet_flow_provisions_then_is_a_noop(hub: LocalHub, world: Worl
     rc, report = run_playbook(FLEET_PLAYBOOK, extra, tmp_path, "--tags", "provision")
     auto = task_results(report)["Provision the planned model at the planned KV type from the mirror"]
     assert rc == 0 and auto["changed"] is False and hub.requests_for(method="GET") == []
+
+
+def test_cloud_init_takes_llama_server_from_nginx_serving_the_fleet_mirror(tmp_path: Path) -> None:
+    """The recipe's `--from "$HOTFIT_BUILD_URL"` for real: a real export (install-llama-server
+    --export) placed by `hotfit fleet mirror --builds`, Debian's nginx serving the mirror on
+    loopback, and the provision script running the real install-llama-server: the build is
+    downloaded, checked against the sha256 the mirror wrote beside it, installed without a compiler,
+    and not fetched again by the daily run. A checksum the archive does not match installs nothing."""
+    from hotfit.core.settings import LLAMA_SDIST_VERSION
+    from tests.test_fleet_mirror import Nginx
+    from tests.test_portable_build import _require_build
+
+    _require_build("cpu")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "install-llama-server"
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    archive = exports / "llama-server-cpu.tar.gz"
+    done = subprocess.run([str(script), "--backend", "cpu", "--export", str(archive)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"machines": [], "builds": [
+        {"flavour": "cpu", "export_command": "scripts/install-llama-server --backend cpu --export "
+                                             "llama-server-cpu.tar.gz"}]}))
+    mirror = tmp_path / "mirror"
+    out = io.StringIO()
+    assert main(["--home", str(tmp_path / "filler"), "--json", "fleet", "mirror", str(mirror), "--plan", str(plan),
+                 "--builds", str(exports)], out=out) == 0
+    assert [b["status"] for b in json.loads(out.getvalue())["builds"]] == ["placed"]
+    nginx = Nginx(mirror, tmp_path / "nginx")
+    try:
+        url = f"{nginx.url}/builds/llama-server-cpu.tar.gz"
+        node = CloudInitNode(tmp_path / "node", f"HOTFIT_BUILD_URL={url}\n")
+        installer = node.root / "opt/hotfit/scripts/install-llama-server"
+        installer.write_text(f'#!/bin/sh\nexec {shlex.quote(str(script))} "$@"\n')  # the real one
+        boot = node.first_boot(auto_rc=0)
+        assert boot.returncode == 0, boot.stdout + boot.stderr
+        cache = node.root / "opt/hotfit-cache/llama.cpp"
+        server = cache / LLAMA_SDIST_VERSION / "cpu" / "bin" / "llama-server"
+        assert subprocess.run([str(server), "--version"], capture_output=True, timeout=60).returncode == 0
+        assert (cache / ".installed-from").read_text().strip() == url
+        assert not (cache / LLAMA_SDIST_VERSION / "work").exists()  # nothing compiled
+        served = nginx.requests()
+        assert "GET /builds/llama-server-cpu.tar.gz.sha256 200 auth=-" in served, served
+        assert "GET /builds/llama-server-cpu.tar.gz 200 auth=-" in served, served
+        assert node.unit.exists()
+        cron = node.cron(auto_rc=0)  # the daily run: the build is in place, not fetched again
+        assert cron.returncode == 0, cron.stdout + cron.stderr
+        assert nginx.requests() == served
+
+        # a mirror whose checksum the archive does not match: refused, nothing installed
+        sums = mirror / "builds" / "llama-server-cpu.tar.gz.sha256"
+        sums.write_text("0" * 64 + "  llama-server-cpu.tar.gz\n")
+        other = CloudInitNode(tmp_path / "other", f"HOTFIT_BUILD_URL={url}\n")
+        (other.root / "opt/hotfit/scripts/install-llama-server").write_text(installer.read_text())
+        boot = other.first_boot(auto_rc=0)
+        assert boot.returncode != 0 and "0" * 64 in boot.stderr, boot.stderr
+        other_cache = other.root / "opt/hotfit-cache/llama.cpp"
+        assert not (other_cache / LLAMA_SDIST_VERSION / "cpu").exists()
+        assert not (other_cache / ".installed-from").exists() and not other.unit.exists()
+
+        # HOTFIT_BUILD_SHA256 pins the build apart from the mirror: its checksum is not asked, and
+        # the archive must match the pin
+        true_sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+        for name, pin, installs in (("pinned", true_sha, True), ("mispinned", "1" * 64, False)):
+            node = CloudInitNode(tmp_path / name, f"HOTFIT_BUILD_URL={url}\nHOTFIT_BUILD_SHA256={pin}\n")
+            (node.root / "opt/hotfit/scripts/install-llama-server").write_text(installer.read_text())
+            boot = node.first_boot(auto_rc=0)
+            built = node.root / "opt/hotfit-cache/llama.cpp" / LLAMA_SDIST_VERSION / "cpu" / "bin" / "llama-server"
+            assert (boot.returncode == 0) is installs and built.is_file() is installs, boot.stderr
+    finally:
+        nginx.stop()

@@ -24,7 +24,8 @@ from hotfit.pipeline.registry_lock import (
     needs_lock,
     write_atomic,
 )
-from tests.hubserver import LocalHub
+from hotfit.core.model_files import snapshot_listing_sha256
+from tests.hubserver import LocalHub, git_blob_sha1
 
 TIER = "integration"
 
@@ -90,18 +91,28 @@ def test_lock_fills_open_values_from_the_hub_and_keeps_the_rest(tmp_path: Path, 
     # unpinned → main's head, with that commit's bytes and LFS sha256
     assert locked["open"]["artifact"] == _art("org/m-GGUF", repos["second"], "m-Q4_K_M.gguf",
                                               len(requant), hashlib.sha256(requant).hexdigest())
-    assert locked["open"]["chat_template"]["revision"] == repos["tpl"]
+    # the template kept in git: its bytes read at that commit, pinned by size and sha256 (what a
+    # static mirror is trusted for)
+    assert locked["open"]["chat_template"] == {"repo": "org/m", "revision": repos["tpl"], "file": "chat_template.jinja",
+                                               "size_bytes": len(TEMPLATE),
+                                               "sha256": hashlib.sha256(TEMPLATE.encode()).hexdigest()}
+    assert locked["pinned-old"]["chat_template"]["sha256"] == hashlib.sha256(TEMPLATE.encode()).hexdigest()
     # pinned to the older commit → its own (older) bytes, never main's
     assert locked["pinned-old"]["artifact"]["revision"] == repos["first"]
     assert locked["pinned-old"]["artifact"]["size_bytes"] == len(GGUF)
     assert locked["pinned-old"]["artifact"]["sha256"] == hashlib.sha256(GGUF).hexdigest()
-    # a snapshot: the whole repository, recorded total confirmed, revision pinned
+    # a snapshot: the whole repository, recorded total confirmed, revision pinned, and its file list
+    # pinned by its sha256 (each file's path, size and LFS sha256 or git blob id)
     assert locked["snapshot"]["artifact"]["revision"] == repos["snap"]
     assert locked["snapshot"]["artifact"]["size_bytes"] == 5002
+    assert locked["snapshot"]["artifact"]["sha256"] == snapshot_listing_sha256([
+        ("openvino_model.bin", 5000, hashlib.sha256(b"\0" * 5000).hexdigest(), None),
+        ("tokenizer_config.json", 2, None, git_blob_sha1(b"{}"))])
     assert json.loads(out.read_text())["description"] == "kept"
     assert load_registry(out).get("open").artifact.revision == repos["second"]  # still schema-valid
     assert {c.field for c in report.changes if c.entry == "open"} == {
-        "artifact.revision", "artifact.size_bytes", "artifact.sha256", "chat_template.revision"}
+        "artifact.revision", "artifact.size_bytes", "artifact.sha256", "chat_template.revision",
+        "chat_template.size_bytes", "chat_template.sha256"}
 
 
 def test_a_recorded_value_that_disagrees_is_reported_never_overwritten(tmp_path: Path, local_hub: LocalHub,
@@ -252,17 +263,21 @@ def test_the_schema_refuses_a_snapshot_template_pinned_apart_from_its_snapshot(t
 
 def test_needs_lock_only_for_open_values() -> None:
     full = _entry("x", artifact=_art("o/r", "a" * 40, "m.gguf", 1, "b" * 64),
-                  template={"repo": "o/r", "revision": "c" * 40, "file": "chat_template.jinja"})
+                  template={"repo": "o/r", "revision": "c" * 40, "file": "chat_template.jinja", "size_bytes": 3,
+                            "sha256": "d" * 64})
     assert not needs_lock(full)
     for path, value in (("revision", None), ("size_bytes", None), ("sha256", None)):
         e = copy.deepcopy(full)
         e["artifact"][path] = value
         assert needs_lock(e), path
-    e = copy.deepcopy(full)
-    e["chat_template"]["revision"] = None
-    assert needs_lock(e)
+    for path in ("revision", "size_bytes", "sha256"):
+        e = copy.deepcopy(full)
+        e["chat_template"][path] = None
+        assert needs_lock(e), f"chat_template.{path}"
     snapshot = _entry("s", artifact=_art("o/r", "a" * 40, None, 5), template=None)
-    assert not needs_lock(snapshot), "a snapshot has no per-file sha256 to resolve"
+    assert needs_lock(snapshot), "a snapshot's file list is pinned by its sha256"
+    snapshot["artifact"]["sha256"] = "e" * 64
+    assert not needs_lock(snapshot)
 
 
 def test_apply_hub_facts_is_pure_and_never_overwrites() -> None:
@@ -279,7 +294,10 @@ def test_apply_hub_facts_is_pure_and_never_overwrites() -> None:
     assert problems == []
     assert entry["artifact"] == _art("o/r", "d" * 40, "m.gguf", 10, "e" * 64)
     assert entry["chat_template"]["revision"] == "d" * 40
-    assert [c.field for c in changes] == ["artifact.sha256", "artifact.revision", "chat_template.revision"]
+    # no reader for the template's bytes: its size from the listing, its sha256 left open
+    assert [c.field for c in changes] == ["artifact.sha256", "artifact.revision", "chat_template.revision",
+                                          "chat_template.size_bytes"]
+    assert entry["chat_template"].get("sha256") is None
     assert asked == [("o/r", None), ("o/r", None)]
 
     disagreeing = _entry("y", artifact=_art("o/r", None, "m.gguf", 11, None), template=None)
@@ -328,3 +346,44 @@ def test_cli_lock_with_every_lookup_failing_does_not_claim_mismatches(tmp_path: 
     text = buf.getvalue()
     assert "mismatch" not in text
     assert "no lookup succeeded" in text and "nothing to write" in text
+
+
+def test_a_template_in_git_is_read_once_and_a_recorded_sha256_that_differs_is_a_mismatch(
+        tmp_path: Path, local_hub: LocalHub, repos: dict[str, str]) -> None:
+    good = hashlib.sha256(TEMPLATE.encode()).hexdigest()
+    src = _write(tmp_path, [
+        _entry("revision-only", artifact=_art("org/m-GGUF", repos["first"], "m-Q4_K_M.gguf", len(GGUF),
+                                              hashlib.sha256(GGUF).hexdigest()),
+               template={"repo": "org/m", "revision": repos["tpl"], "file": "chat_template.jinja"}),
+        _entry("wrong-sha", artifact=_art("org/m-GGUF", repos["first"], "m-Q4_K_M.gguf", len(GGUF),
+                                          hashlib.sha256(GGUF).hexdigest()),
+               template={"repo": "org/m", "revision": None, "file": "chat_template.jinja", "size_bytes": None,
+                         "sha256": "0" * 64}),
+    ])
+    local_hub.reset_counters()
+    report = lock_registry(src, tmp_path / "out.json", endpoint=local_hub.endpoint)
+    locked = _by_name(tmp_path / "out.json")
+    assert locked["revision-only"]["chat_template"]["size_bytes"] == len(TEMPLATE)
+    assert locked["revision-only"]["chat_template"]["sha256"] == good
+    # a recorded sha256 the bytes contradict: reported, and nothing of that template is written
+    assert locked["wrong-sha"]["chat_template"] == {"repo": "org/m", "revision": None, "file": "chat_template.jinja",
+                                                    "size_bytes": None, "sha256": "0" * 64}
+    assert [(p.entry, p.field, p.kind) for p in report.problems] == [("wrong-sha", "chat_template.sha256", "mismatch")]
+    assert good in report.problems[0].message and report.exit_code == 4
+    reads = [r for r in local_hub.requests if r.method == "GET" and (r.file or "") == "chat_template.jinja"]
+    assert len(reads) == 1  # main is the pinned commit here: its bytes are read once for both entries
+
+
+def test_a_template_whose_bytes_are_not_the_listed_blob_is_not_pinned(tmp_path: Path) -> None:
+    class Api:  # a Hub whose file is not the blob it lists (a mirror serving another file)
+        endpoint = "http://mirror.invalid"
+
+        def hf_hub_download(self, *, repo_id: str, filename: str, revision: str, local_dir: str) -> str:
+            path = Path(local_dir) / filename
+            path.write_text("{{ other }}")
+            return str(path)
+
+    from hotfit.pipeline.registry_lock import file_content_facts
+
+    said = file_content_facts(Api(), "o/r", "a" * 40, "t.jinja", FileFacts(11, None, "b" * 40))
+    assert isinstance(said, str) and "not the file the Hub lists" in said

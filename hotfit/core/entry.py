@@ -94,6 +94,7 @@ class Artifact:
     revision: str | None  # 40-hex commit; None = not yet pinned (`hotfit registry lock`)
     file: str | None
     size_bytes: int | None
+    # a snapshot's: the pin of its file list (model_files.snapshot_listing_sha256; docs/fleet.md)
     sha256: str | None
 
 

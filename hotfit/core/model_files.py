@@ -15,6 +15,9 @@ downstream the same type a fresh one does. Nothing here touches the disk.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +27,7 @@ from hotfit.core.records import JsonRecord
 __all__ = [
     "TEMPLATE_FILENAME", "SNAPSHOT_DIRNAME", "SNAPSHOT_MANIFEST", "PARTIAL_DIRNAME", "TEMPLATE_PARTIAL_DIRNAME",
     "FileIdentity", "FetchedFile", "SnapshotFile", "SnapshotResult", "FetchResult", "TemplateResult",
-    "FieldCheck", "GGUFFacts", "VerifyResult", "check_integrity",
+    "FieldCheck", "GGUFFacts", "VerifyResult", "check_integrity", "snapshot_listing_sha256",
 ]
 
 # The model directory's layout (``<home>/models/<entry>/``), named once for every stage.
@@ -99,6 +102,17 @@ class SnapshotFile:
     git_sha1: str | None = None
     identity: FileIdentity | None = None
 
+
+
+def snapshot_listing_sha256(files: Iterable[tuple[str, int, str | None, str | None]]) -> str:
+    """The pin of an OpenVINO snapshot's file list (the registry's ``artifact.sha256`` for an
+    artifact without a file): the sha256 of its files as ``[path, size, LFS sha256, git blob id]``,
+    sorted by path, as compact JSON. An LFS file is named by its sha256 (its blob id is the pointer's),
+    a file kept in git by its git blob id: the hashes each file is checked against when fetched, so a
+    listing that hashes to the pin fixes every byte of the snapshot (docs/fleet.md, "OpenVINO
+    snapshots"). ``files``: (path, size_bytes, lfs_sha256, blob_id)."""
+    rows = sorted([path, size, lfs, None if lfs else blob] for path, size, lfs, blob in files)
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from hotfit.download.disk import (
 from hotfit.download.engine import DownloadOutcome, adopt_as_partial, discard_partial, download_to_partial, plan_blocks
 from hotfit.download.hashing import OrderedHasher
 from hotfit.download.hf_cache import CacheHit, CacheMiss, snapshot_path, take_from_cache, take_into_partial
-from hotfit.download.hub import HubSession, RemoteFile, check_endpoint, resolve_token
+from hotfit.download.hub import HubSession, RemoteFile, StaticPins, check_endpoint, resolve_token, speaks_hub_endpoint
 from hotfit.download.hub_errors import (
     NOT_A_HUB,
     hf_exception_not_a_hub,
@@ -40,10 +40,10 @@ from hotfit.state.files import finalize_file, write_text_atomic
 
 __all__ = [
     "CacheHit", "CacheMiss", "DISK_MARGIN_BYTES", "DownloadOutcome", "HubSession", "NOT_A_HUB", "OrderedHasher",
-    "ProgressReporter", "Proxy", "ProxyConfig", "RemoteFile", "TransferOptions", "adopt_as_partial",
+    "ProgressReporter", "Proxy", "ProxyConfig", "RemoteFile", "StaticPins", "TransferOptions", "adopt_as_partial",
     "bytes_held", "bytes_to_write", "check_disk", "check_disk_space", "check_endpoint", "discard_partial", "disk_needed_bytes",
     "download_to_partial", "finalize_file", "head_retrying", "hf_exception_not_a_hub", "hub_call_retrying",
     "hub_error_from_hf_exception", "is_commit", "is_not_a_hub", "log_retry", "not_a_hub_error", "partial_paths",
-    "plan_blocks", "proxy_config", "redact_url", "resolve_token", "safe_relpath", "snapshot_path",
+    "plan_blocks", "proxy_config", "redact_url", "resolve_token", "safe_relpath", "snapshot_path", "speaks_hub_endpoint",
     "take_from_cache", "take_into_partial", "write_text_atomic",
 ]

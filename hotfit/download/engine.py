@@ -33,7 +33,7 @@ from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
 from hotfit.download.disk import bytes_held, check_disk_space, preallocate, release_unclaimed
 from hotfit.download.hashing import OrderedHasher
-from hotfit.download.hub import HubSession, RemoteFile
+from hotfit.download.hub import HubSession, RemoteFile, StaticPins
 from hotfit.download.hub_errors import Retryable
 from hotfit.download.options import MAX_BLOCKS, TransferOptions, is_commit, partial_paths
 from hotfit.download.progress import ProgressReporter
@@ -123,7 +123,8 @@ async def download_to_partial(session: HubSession, **kw: Any) -> DownloadOutcome
     """Bring ``<repo>@<revision>/<path>`` into a complete, hashed partial file (see the module doc).
 
     Keyword arguments: ``repo, revision, path, expected_size, expected_sha256, partial_dir,
-    connections=None, progress=None, git_sha1=False, max_size_bytes=None``; ``progress(total, done)``
+    connections=None, progress=None, git_sha1=False, max_size_bytes=None, static=None``
+    (``static``: what a static mirror is trusted with, hub.StaticPins); ``progress(total, done)``
     builds a reporter; a file the HEAD says is larger than ``max_size_bytes`` is refused unfetched.
     The caller holds the per-target lock and decides what the hashes mean (verify); nothing is
     renamed here. Raises PinMismatch, HubError, DiskSpaceError, or TransferError once retries are
@@ -153,6 +154,7 @@ async def _download_to_partial(
     progress: Callable[[int, int], ProgressReporter] | None = None,
     git_sha1: bool = False,
     max_size_bytes: int | None = None,
+    static: StaticPins | None = None,
 ) -> DownloadOutcome:
     if not is_commit(revision):
         raise PinMismatch(f"{repo}/{path}: revision {revision!r} is not a 40-hex commit",
@@ -171,7 +173,7 @@ async def _download_to_partial(
     remote = await head_retrying(session, repo, revision, path, expected_size=expected_size,
                                  expected_sha256=expected_sha256, pinned=True,
                                  deadline=counters["deadline"], counters=counters,
-                                 done_bytes=lambda: _claimed(partial_dir, repo, path))
+                                 done_bytes=lambda: _claimed(partial_dir, repo, path), static=static)
     size = remote.size_bytes if remote.size_bytes is not None else expected_size
     if size is None:
         raise HubError(f"{repo}/{path}: the Hub did not report a size and the registry has none",
@@ -222,7 +224,7 @@ async def _download_to_partial(
                 hasher.mark_on_disk(b.start, b.start + b.done)
             try:
                 await _run_blocks(session, remote, side, blocks, fd, partial, sidecar_path, hasher,
-                                  reporter, conns, counters, expected_size)
+                                  reporter, conns, counters, expected_size, static)
             except RangeIgnored:
                 hasher.abort()
                 restarts += 1
@@ -267,7 +269,7 @@ async def _download_to_partial(
 async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, blocks: list[Block], fd: int,
                       partial: Path, sidecar_path: Path, hasher: OrderedHasher,
                       reporter: ProgressReporter | None, conns: int, counters: dict[str, Any],
-                      expected_size: int | None) -> None:
+                      expected_size: int | None, static: StaticPins | None = None) -> None:
     """Run the workers over the pending blocks, checkpointing the sidecar; the last checkpoint is
     written even on failure or cancellation so a rerun resumes."""
     pending = [b for b in blocks if not b.complete]
@@ -292,7 +294,8 @@ async def _run_blocks(session: HubSession, remote: RemoteFile, side: Sidecar, bl
     async def fresh_url() -> str:
         """Re-HEAD before a resume (CDN links expire); re-checks the pin and size each time."""
         async with lock:
-            again = await session.head_pinned(side.repo, side.revision, side.file, expected_size, side.expected_sha256)
+            again = await session.head_pinned(side.repo, side.revision, side.file, expected_size, side.expected_sha256,
+                                              static)
             state["url"] = again.download_url
             return again.download_url
 

@@ -79,6 +79,12 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint_url(endpoint)
 
 
+def speaks_hub_endpoint(settings: Settings) -> bool:
+    """Whether the token may go to ``HF_ENDPOINT`` before it has answered: the Hub itself, or the
+    operator asked with HOTFIT_MIRROR_TOKEN (docs/fleet.md, "Serving the mirror")."""
+    return origin(settings.hf_endpoint) == origin(DEFAULT_HF_ENDPOINT) or settings.mirror_token
+
+
 def origin(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     return parts.scheme.lower(), parts.netloc.lower()
@@ -100,11 +106,18 @@ class StaticPins:
 
     size_bytes: int | None
     sha256: str | None
+    # a file of an OpenVINO snapshot kept in git: its git blob id from the snapshot's listing, which
+    # the registry pins by its sha256 (core.model_files.snapshot_listing_sha256)
+    git_sha1: str | None = None
+    listing_unpinned: bool = False  # a snapshot file whose listing the registry does not pin
 
     @property
     def unpinned(self) -> str | None:
         """Why a static mirror cannot serve the file (None: it can)."""
-        missing = [what for what, v in (("size", self.size_bytes), ("sha256", self.sha256)) if v is None]
+        if self.listing_unpinned:
+            return "the snapshot's file list (artifact.sha256)"
+        missing = [what for what, v in (("size", self.size_bytes), ("sha256", self.sha256 or self.git_sha1))
+                   if v is None]
         return None if not missing else " and ".join(missing)
 
 
@@ -138,7 +151,7 @@ class HubSession:
         self._origin = origin(self.endpoint)
         # The token goes to the endpoint once it has answered like a Hub (or is the Hub, or the
         # operator asked with HOTFIT_MIRROR_TOKEN): never to a static mirror by default.
-        self._speaks_hub = self._origin == origin(DEFAULT_HF_ENDPOINT) or settings.mirror_token
+        self._speaks_hub = speaks_hub_endpoint(settings)
         self.static_mirror = False  # set when the endpoint answered a resolve without X-Repo-Commit
         limits = httpx.Limits(max_connections=max(8, self.options.connections * 2),
                               max_keepalive_connections=max(8, self.options.connections * 2))
@@ -278,9 +291,10 @@ class HubSession:
                           etag=None, size_bytes=size, lfs_sha256=None, accept_ranges=accept_ranges)
 
     async def head_pinned(self, repo: str, revision: str, path: str, expected_size: int | None,
-                          expected_sha256: str | None = None) -> RemoteFile:
-        """HEAD and fail closed unless the commit is the pin and the size the registry's."""
-        remote = await self.head(repo, revision, path, StaticPins(expected_size, expected_sha256))
+                          expected_sha256: str | None = None, static: StaticPins | None = None) -> RemoteFile:
+        """HEAD and fail closed unless the commit is the pin and the size the registry's.
+        ``static``: what a static mirror is trusted with (default: the size and sha256 given)."""
+        remote = await self.head(repo, revision, path, static or StaticPins(expected_size, expected_sha256))
         if remote.commit != revision:
             raise PinMismatch(
                 f"{repo}/{path}: the Hub served commit {remote.commit} but the registry pins {revision}",

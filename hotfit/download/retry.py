@@ -36,7 +36,7 @@ from tenacity import (
 from hotfit.core.errors import TransferError, TransientTransferError
 from hotfit.core.lazy_import import lazy_module
 from hotfit.core.log import get_logger
-from hotfit.download.hub import HubSession, RemoteFile
+from hotfit.download.hub import HubSession, RemoteFile, StaticPins
 from hotfit.download.hub_errors import Retryable, is_retryable_hf_exception, redact_url
 from hotfit.download.options import TransferOptions
 
@@ -173,7 +173,7 @@ async def head_retrying(session: HubSession, repo: str, revision: str, path: str
                         expected_size: int | None = None, expected_sha256: str | None = None,
                         pinned: bool = False, deadline: float | None = None,
                         counters: dict[str, Any] | None = None,
-                        done_bytes: Callable[[], int] = lambda: 0) -> RemoteFile:
+                        done_bytes: Callable[[], int] = lambda: 0, static: StaticPins | None = None) -> RemoteFile:
     """``session.head`` (``pinned``: ``head_pinned``, checking commit and size) under the retry policy;
     exhausted retries end as TransferError (never an internal retryable error). ``counters["attempts"]``
     counts the attempts; ``done_bytes`` says what the error may promise is kept on disk."""
@@ -185,7 +185,7 @@ async def head_retrying(session: HubSession, repo: str, revision: str, path: str
                 if counters is not None:
                     counters["attempts"] += 1
                 if pinned:
-                    return await session.head_pinned(repo, revision, path, expected_size, expected_sha256)
+                    return await session.head_pinned(repo, revision, path, expected_size, expected_sha256, static)
                 return await session.head(repo, revision, path)
     except (Retryable, httpx.TransportError) as exc:
         raise gave_up(repo, path, exc, done_bytes()) from exc

@@ -290,7 +290,8 @@ def plan_fleet(settings: Settings, opts: SelectionOptions, paths: Sequence[str |
 
 def entry_artifacts(entry: Entry) -> list[tuple[str, str, str | None, str | None, int | None, str | None]]:
     """(role, repo, revision, file, size_bytes, sha256) of every file an entry's provisioning
-    fetches: weights (or the whole snapshot), projector, chat-template source."""
+    fetches: weights (or the whole snapshot), projector, chat-template source (unless the snapshot
+    holds it)."""
     out = []
     a = entry.artifact
     if a is not None:
@@ -298,8 +299,11 @@ def entry_artifacts(entry: Entry) -> list[tuple[str, str, str | None, str | None
     if entry.projector is not None:
         p = entry.projector
         out.append(("projector", p.repo, p.revision, p.file, p.size_bytes, p.sha256))
-    if entry.chat_template is not None:
-        t = entry.chat_template
+    t = entry.chat_template
+    # a template that is a file of the entry's snapshot is in the snapshot (fetch-template reads it
+    # there): mirrored, and counted, once with it
+    if t is not None and not (a is not None and a.file is None and t.repo == a.repo
+                              and t.revision in (None, a.revision)):
         out.append(("template", t.repo, t.revision, t.file, t.size_bytes, t.sha256))
     return out
 

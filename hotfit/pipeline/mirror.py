@@ -13,6 +13,7 @@ entries (and the builds) wanted.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -25,14 +26,16 @@ from hotfit.core.entry import Entry
 from hotfit.core.errors import HotfitError, IntegrityError, UsageError
 from hotfit.core.records import Fields, parse_json
 from hotfit.core.settings import Settings
-from hotfit.download import (CacheHit, HubSession, discard_partial, download_to_partial, finalize_file, partial_paths,
-                             take_into_partial)
+from hotfit.download import (CacheHit, HubSession, StaticPins, discard_partial, download_to_partial, finalize_file,
+                             partial_paths, safe_relpath, take_into_partial)
 from hotfit.pipeline.fleet import MirrorArtifact, artifacts_of
 from hotfit.pipeline.registry_file import load_registry
 from hotfit.state.files import read_text_document, write_text_atomic
-from hotfit.state.receipts import sha256_file
+from hotfit.stages.fetch_weights import ListedFile, list_snapshot, snapshot_file_pins
+from hotfit.state.receipts import git_blob_sha1, sha256_file
 
-__all__ = ["MirrorFile", "MirrorBuild", "MirrorResult", "fill_mirror", "wanted_from_plan", "resolve_path"]
+__all__ = ["MirrorFile", "MirrorBuild", "MirrorResult", "fill_mirror", "wanted_from_plan", "resolve_path",
+           "tree_listing_path"]
 
 _log = log.get_logger()
 BUILDS_DIR = "builds"  # beside the repositories: export archives and their SHA256SUMS
@@ -147,48 +150,121 @@ async def fill_mirror(settings: Settings, directory: Path, wanted: Sequence[tupl
 
 
 async def _one(session: HubSession, settings: Settings, directory: Path, a: MirrorArtifact) -> MirrorFile:
-    if a.file is None or a.revision is None:
-        why = "a whole-repository snapshot (OpenVINO) follows its repository" if a.file is None \
-            else "its revision is not pinned (hotfit registry lock)"
-        return MirrorFile(a, "skipped", reason=f"not mirrored: {why}")
-    final = resolve_path(directory, a.repo, a.revision, a.file)
-    partial_dir = directory / PARTIAL_DIR
+    if a.file is None:
+        return await _snapshot(session, settings, directory, a)
+    if a.revision is None:
+        return MirrorFile(a, "skipped", reason="not mirrored: its revision is not pinned (hotfit registry lock)")
     try:
-        if final.is_file() and (a.size_bytes is None or final.stat().st_size == a.size_bytes):
-            if a.sha256 is None or sha256_file(final) == a.sha256:
-                return MirrorFile(a, "present", str(final), reason=_unpinned_note(a))
-            _log.warning("mirror.replaced", file=str(final), reason="sha256 differs from the registry's pin")
-        partial, sidecar, _lock = partial_paths(partial_dir, a.repo, a.file)
-        partial_dir.mkdir(parents=True, exist_ok=True)
-        if a.sha256 is not None:
-            hit = take_into_partial(settings.hf_hub_cache, partial=partial, sidecar=sidecar, repo=a.repo,
-                                    commit=a.revision, file=a.file, size_bytes=a.size_bytes, sha256=a.sha256)
-            if isinstance(hit, CacheHit):
-                finalize_file(partial, final)
-                return MirrorFile(a, "hf-cache", str(final), reason=_unpinned_note(a))
-        outcome = await download_to_partial(
-            session, repo=a.repo, revision=a.revision, path=a.file, expected_size=a.size_bytes,
-            expected_sha256=a.sha256, partial_dir=partial_dir, git_sha1=a.sha256 is None)
-        problem = _verify(a, outcome.size_bytes, outcome.sha256, outcome.etag, outcome.git_sha1)
-        if problem is not None:
-            discard_partial(partial, sidecar)
-            raise IntegrityError(f"{a.repo}/{a.file}: {problem}", hint="rerun; the file is fetched again",
-                                 repo=a.repo, file=a.file)
-        finalize_file(outcome.partial_path, final)
-        sidecar.unlink(missing_ok=True)
-        return MirrorFile(a, "fetched", str(final), outcome.bytes_transferred, reason=_unpinned_note(a))
+        status, fetched = await _bring(session, settings, directory, a.repo, a.revision, a.file,
+                                       size_bytes=a.size_bytes, sha256=a.sha256, blob_id=None)
+        return MirrorFile(a, status, str(resolve_path(directory, a.repo, a.revision, a.file)), fetched,
+                          reason=_unpinned_note(a))
     except HotfitError as exc:
         _log.error("mirror.failed", repo=a.repo, file=a.file, error=exc.to_json())
         return MirrorFile(a, "failed", reason=exc.what, error=exc)
 
 
-def _verify(a: MirrorArtifact, size: int, sha256: str, etag: str | None, git_sha1: str | None) -> str | None:
-    """Size and sha256 against the registry's pins; a file pinned by commit only (a chat-template
-    source) against the git blob id the Hub named it by, as fetch-template checks it."""
-    if a.size_bytes is not None and size != a.size_bytes:
-        return f"{size} bytes, the registry pins {a.size_bytes}"
-    if a.sha256 is not None:
-        return None if sha256 == a.sha256 else f"sha256 {sha256}, the registry pins {a.sha256}"
+async def _bring(session: HubSession, settings: Settings, directory: Path, repo: str, revision: str, file: str, *,
+                 size_bytes: int | None, sha256: str | None, blob_id: str | None,
+                 static: StaticPins | None = None) -> tuple[str, int]:
+    """One file into ``{repo}/resolve/{revision}/{file}``, checked against its pins (size; sha256, or
+    the git blob id a verified snapshot listing gives a file kept in git). Returns (status, bytes fetched)."""
+    final = resolve_path(directory, repo, revision, file)
+    partial_dir = directory / PARTIAL_DIR
+    if final.is_file() and (size_bytes is None or final.stat().st_size == size_bytes):
+        if _holds(final, sha256, blob_id):
+            return "present", 0
+        _log.warning("mirror.replaced", file=str(final), reason="its hash differs from the pin")
+    partial, sidecar, _lock = partial_paths(partial_dir, repo, file)
+    partial_dir.mkdir(parents=True, exist_ok=True)
+    if sha256 is not None or blob_id is not None:
+        hit = take_into_partial(settings.hf_hub_cache, partial=partial, sidecar=sidecar, repo=repo, commit=revision,
+                                file=file, size_bytes=size_bytes, sha256=sha256,
+                                git_sha1=None if sha256 is not None else blob_id)
+        if isinstance(hit, CacheHit):
+            finalize_file(partial, final)
+            return "hf-cache", 0
+    outcome = await download_to_partial(
+        session, repo=repo, revision=revision, path=file, expected_size=size_bytes, expected_sha256=sha256,
+        partial_dir=partial_dir, git_sha1=sha256 is None, static=static)
+    problem = _verify(size_bytes, sha256, blob_id, outcome.size_bytes, outcome.sha256, outcome.etag, outcome.git_sha1)
+    if problem is not None:
+        discard_partial(partial, sidecar)
+        raise IntegrityError(f"{repo}/{file}: {problem}", hint="rerun; the file is fetched again", repo=repo, file=file)
+    finalize_file(outcome.partial_path, final)
+    sidecar.unlink(missing_ok=True)
+    return "fetched", outcome.bytes_transferred
+
+
+def _holds(path: Path, sha256: str | None, blob_id: str | None) -> bool:
+    if sha256 is not None:
+        return sha256_file(path) == sha256
+    return blob_id is None or git_blob_sha1(path) == blob_id
+
+
+async def _snapshot(session: HubSession, settings: Settings, directory: Path, a: MirrorArtifact) -> MirrorFile:
+    """A whole-repository snapshot (OpenVINO): its listing at the pinned commit, checked against the
+    registry's pin of it, every file it lists (each checked against the listing), then the listing
+    itself where the Hub's tree API answers (``api/models/{repo}/tree/{commit}``), so a static server
+    answers the listing request too — and a machine checks it against the same pin (docs/fleet.md,
+    "OpenVINO snapshots")."""
+    if a.revision is None or a.sha256 is None:
+        return MirrorFile(a, "skipped", reason="not mirrored: the snapshot's revision and file list (artifact.sha256) "
+                                               "are not pinned, so a static mirror could not vouch for it "
+                                               "(hotfit registry lock pins them)")
+    try:
+        commit, listed = await list_snapshot(settings, a.repo, a.revision, session.options, listing_sha256=a.sha256)
+        for f in listed:
+            try:
+                safe_relpath(f.path)
+            except ValueError:
+                raise IntegrityError(f"{a.repo}@{commit}: listed path {f.path!r} would leave the mirror",
+                                     hint="refusing this snapshot; report the repository", repo=a.repo,
+                                     path=f.path) from None
+        fetched = 0
+        statuses = set()
+        for f in listed:
+            status, n = await _bring(session, settings, directory, a.repo, commit, f.path, size_bytes=f.size_bytes,
+                                     sha256=f.lfs_sha256, blob_id=None if f.lfs_sha256 else f.blob_id,
+                                     static=snapshot_file_pins(f, listing_pinned=True))
+            statuses.add(status)
+            fetched += n
+        listing = tree_listing_path(directory, a.repo, commit)
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(listing, json.dumps([_tree_item(f) for f in listed], indent=1))
+    except HotfitError as exc:
+        _log.error("mirror.failed", repo=a.repo, file=None, error=exc.to_json())
+        return MirrorFile(a, "failed", reason=exc.what, error=exc)
+    status = "fetched" if "fetched" in statuses else "hf-cache" if "hf-cache" in statuses else "present"
+    return MirrorFile(a, status, str(directory / a.repo / "resolve" / commit), fetched)
+
+
+def tree_listing_path(directory: Path, repo: str, commit: str) -> Path:
+    """Where the Hub's tree API answers ``GET /api/models/{repo}/tree/{commit}`` (the query string,
+    ``?recursive=...``, is not part of a static server's path)."""
+    return directory / "api" / "models" / repo / "tree" / commit
+
+
+def _tree_item(f: ListedFile) -> dict[str, Any]:
+    """One file as the Hub's tree API lists it (what huggingface_hub's RepoFile reads)."""
+    item: dict[str, Any] = {"type": "file", "oid": f.blob_id, "size": f.size_bytes, "path": f.path}
+    if f.lfs_sha256 is not None:
+        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{f.lfs_sha256}\nsize {f.size_bytes}\n"
+        item["lfs"] = {"oid": f.lfs_sha256, "size": f.size_bytes, "pointerSize": len(pointer.encode())}
+    return item
+
+
+def _verify(size_pin: int | None, sha_pin: str | None, blob_pin: str | None, size: int, sha256: str,
+            etag: str | None, git_sha1: str | None) -> str | None:
+    """Size and sha256 against the registry's pins; a file of a verified snapshot listing kept in git
+    against its git blob id; a file pinned by commit only (a chat-template source) against the git
+    blob id the Hub named it by, as fetch-template checks it."""
+    if size_pin is not None and size != size_pin:
+        return f"{size} bytes, the registry pins {size_pin}"
+    if sha_pin is not None:
+        return None if sha256 == sha_pin else f"sha256 {sha256}, the registry pins {sha_pin}"
+    if blob_pin is not None:
+        return None if git_sha1 == blob_pin else f"git blob id {git_sha1}, the pinned listing has {blob_pin}"
     if etag and git_sha1 and etag not in (git_sha1, sha256):
         return f"git blob id {git_sha1} differs from the Hub's {etag}"
     return None
@@ -201,7 +277,8 @@ def _unpinned_note(a: MirrorArtifact) -> str | None:
 
 def _place_builds(directory: Path, builds: Sequence[dict[str, Any]], builds_from: Path | None) -> list[MirrorBuild]:
     """Each build's export archive (``llama-server-<flavour>.tar.gz`` in ``builds_from``) copied into
-    ``DIR/builds/`` with its sha256 in ``DIR/builds/SHA256SUMS``; the ones not found are listed."""
+    ``DIR/builds/`` with its sha256 in ``DIR/builds/SHA256SUMS`` and beside it (``<archive>.sha256``,
+    which ``install-llama-server --from URL`` reads); the ones not found are listed."""
     out = []
     target = directory / BUILDS_DIR
     sums: dict[str, str] = {}
@@ -225,6 +302,8 @@ def _place_builds(directory: Path, builds: Sequence[dict[str, Any]], builds_from
         os.replace(tmp, dest)
         sums[name] = sha
         out.append(MirrorBuild(flavour, "placed", str(dest), sha, dest.stat().st_size))
+    for name, sha in sums.items():  # what `install-llama-server --from URL` checks (URL.sha256)
+        write_text_atomic(target / f"{name}.sha256", f"{sha}  {name}\n")
     if sums:
         existing = _read_sums(target / "SHA256SUMS")
         existing.update(sums)

@@ -8,9 +8,15 @@ file sizes, LFS sha256) and fill the nulls. Rules:
   (``mismatch``) and nothing of that artifact is written — a revision resolved from ``main`` must not
   be paired with bytes recorded from another snapshot;
 * an unpinned revision resolves to the repository's current ``main`` commit;
+* a whole-repository snapshot (OpenVINO: an artifact without a file) gets the commit, its total size
+  and, as its ``sha256``, the pin of its file list (core.model_files.snapshot_listing_sha256): what a
+  static mirror serving the snapshot is trusted for (docs/fleet.md, "OpenVINO snapshots");
 * a template inside an OpenVINO snapshot (same repository, an artifact without a file) takes the
   snapshot's revision, and stays unpinned while the snapshot does: pinned alone, it would name a commit
   the snapshot's fetch no longer loads;
+* a chat template is pinned by size and sha256 too — the only pins a static mirror is trusted for
+  (docs/fleet.md, "Serving the mirror"). The Hub names only a git blob id for a file kept in git, so
+  its bytes are read once at the pinned commit, checked against that blob id and size, and hashed;
 * a file missing at the revision, an unknown repository or revision, a gated repository are reported
   (``error``) and leave the entry as it was;
 * an endpoint that does not answer like a Hub (a 404 without X-Error-Code, an HTML page where the
@@ -27,17 +33,21 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from hotfit.core.errors import HubError, PinMismatch, UsageError
 from hotfit.core.log import get_logger
+from hotfit.core.model_files import snapshot_listing_sha256
 from hotfit.core.records import JsonRecord
 from hotfit.pipeline.registry_file import bundled_registry_path
 from hotfit.registry.catalog import parse_registry, parse_registry_text
 from hotfit.download import Proxy, hub_error_from_hf_exception, is_not_a_hub, proxy_config
+from hotfit.stages.fetch_template import MAX_TEMPLATE_SOURCE_BYTES
 from hotfit.state.files import write_text_atomic
+from hotfit.state.receipts import git_blob_sha1, sha256_file
 
 log = get_logger()
 
@@ -49,6 +59,7 @@ TEMPLATE_KEY = "chat_template"
 class FileFacts:
     size_bytes: int
     sha256: str | None  # the LFS oid; None for a file kept in git (the Hub gives only its git blob id)
+    blob_id: str | None = None  # the git blob id the Hub lists (of the LFS pointer, for an LFS file)
 
 
 @dataclass(frozen=True)
@@ -115,10 +126,14 @@ def needs_lock(entry: Mapping[str, Any]) -> bool:
     for key in ARTIFACT_KEYS:
         art = entry.get(key)
         if art and (art.get("revision") is None or art.get("size_bytes") is None
-                    or (art.get("file") is not None and art.get("sha256") is None)):
+                    or art.get("sha256") is None):
             return True
     tpl = entry.get(TEMPLATE_KEY)
-    return bool(tpl and tpl.get("revision") is None)
+    return bool(tpl and _template_open(tpl))
+
+
+def _template_open(tpl: Mapping[str, Any]) -> bool:
+    return any(tpl.get(k) is None for k in ("revision", "size_bytes", "sha256"))
 
 
 def queries_for(entry: Mapping[str, Any], *, verify_pinned: bool = False) -> list[tuple[str, str | None]]:
@@ -129,10 +144,10 @@ def queries_for(entry: Mapping[str, Any], *, verify_pinned: bool = False) -> lis
         if not comp:
             continue
         if key == TEMPLATE_KEY:
-            open_ = comp.get("revision") is None
+            open_ = _template_open(comp)
         else:
             open_ = (comp.get("revision") is None or comp.get("size_bytes") is None
-                     or (comp.get("file") is not None and comp.get("sha256") is None))
+                     or comp.get("sha256") is None)
         if open_ or verify_pinned:
             pair = (comp["repo"], comp.get("revision"))
             if pair not in out:
@@ -140,13 +155,19 @@ def queries_for(entry: Mapping[str, Any], *, verify_pinned: bool = False) -> lis
     return out
 
 
+ContentLookup = Callable[[str, str, str, FileFacts], "FileFacts | str"]
+
+
 def apply_hub_facts(
     entry: dict[str, Any],
     lookup: Callable[[str, str | None], HubFacts | str],
     *,
     verify_pinned: bool = False,
+    content: ContentLookup | None = None,
 ) -> tuple[list[LockChange], list[LockProblem]]:
     """Fill ``entry``'s open values from ``lookup`` (repo, revision) → facts or an error text.
+    ``content`` (repo, commit, file, listed facts) → the facts of the bytes read there (size and
+    sha256), or an error text: how a template kept in git gets its sha256 (None: left unpinned).
 
     Mutates ``entry`` in place; returns what changed and what disagreed or failed (pure: no I/O).
     """
@@ -158,7 +179,7 @@ def apply_hub_facts(
         if not art:
             continue
         is_open = (art.get("revision") is None or art.get("size_bytes") is None
-                   or (art.get("file") is not None and art.get("sha256") is None))
+                   or art.get("sha256") is None)
         if not (is_open or verify_pinned):
             continue
         facts = lookup(art["repo"], art.get("revision"))
@@ -187,7 +208,7 @@ def apply_hub_facts(
                 "(see the artifact's problem); both are pinned together once it is"))
             return changes, problems
         ask_at = art["revision"]
-    if tpl.get("revision") is None or verify_pinned:
+    if _template_open(tpl) or verify_pinned:
         facts = lookup(tpl["repo"], ask_at)
         if isinstance(facts, str):
             problems.append(LockProblem(name, TEMPLATE_KEY, "error", facts))
@@ -195,10 +216,45 @@ def apply_hub_facts(
             problems.append(LockProblem(
                 name, f"{TEMPLATE_KEY}.file", "error",
                 f"{tpl['file']} is not in {tpl['repo']} at {facts.commit}; correct the template source"))
-        elif tpl.get("revision") is None:
-            tpl["revision"] = facts.commit
-            changes.append(LockChange(name, f"{TEMPLATE_KEY}.revision", facts.commit))
+        else:
+            c, p = _template_updates(name, tpl, facts, content, verify_pinned=verify_pinned)
+            changes.extend(c)
+            problems.extend(p)
     return changes, problems
+
+
+def _template_updates(name: str, tpl: dict[str, Any], facts: HubFacts, content: ContentLookup | None, *,
+                      verify_pinned: bool) -> tuple[list[LockChange], list[LockProblem]]:
+    """The template's revision, size and sha256 from the Hub at ``facts.commit``; the sha256 of a
+    file kept in git from its bytes (``content``). A recorded value that disagrees writes nothing."""
+    listed = facts.files[tpl["file"]]
+    read: FileFacts | str = listed
+    # read the bytes where a sha256 is to be pinned, or a recorded one checked against a commit
+    # being pinned now (never pair recorded bytes with another commit)
+    if listed.sha256 is None and content is not None and (
+            tpl.get("sha256") is None or tpl.get("revision") is None or verify_pinned):
+        read = content(tpl["repo"], facts.commit, tpl["file"], listed)
+    if isinstance(read, str):
+        return [], [LockProblem(name, f"{TEMPLATE_KEY}.sha256", "error",
+                                f"{tpl['file']} at {tpl['repo']}@{facts.commit}: {read}")]
+    where = f"{tpl['repo']}@{facts.commit}"
+    updates: dict[str, Any] = {}
+    problems: list[LockProblem] = []
+    for fld, value in (("size_bytes", read.size_bytes), ("sha256", read.sha256)):
+        if value is None:
+            continue
+        if tpl.get(fld) is None:
+            updates[fld] = value
+        elif tpl[fld] != value:
+            problems.append(LockProblem(name, f"{TEMPLATE_KEY}.{fld}", "mismatch",
+                                        f"recorded {fld} {tpl[fld]}, the Hub has {value} at {where}"))
+    if problems:
+        return [], problems  # never pair recorded bytes with another commit
+    if tpl.get("revision") is None:
+        updates = {"revision": facts.commit, **updates}
+    for fld, value in updates.items():
+        tpl[fld] = value
+    return [LockChange(name, f"{TEMPLATE_KEY}.{fld}", value) for fld, value in updates.items()], []
 
 
 def _artifact_updates(name: str, key: str, art: Mapping[str, Any],
@@ -206,9 +262,10 @@ def _artifact_updates(name: str, key: str, art: Mapping[str, Any],
     updates: dict[str, Any] = {}
     problems: list[LockProblem] = []
     where = f"{art['repo']}@{facts.commit}"
-    if art.get("file") is None:  # a whole-repository snapshot (OpenVINO)
+    sha: str | None
+    if art.get("file") is None:  # a whole-repository snapshot (OpenVINO): its file list is pinned
         size = sum(f.size_bytes for f in facts.files.values())
-        sha = None
+        sha = snapshot_listing_sha256((path, f.size_bytes, f.sha256, f.blob_id) for path, f in facts.files.items())
     else:
         found = facts.files.get(art["file"])
         if found is None:
@@ -220,7 +277,7 @@ def _artifact_updates(name: str, key: str, art: Mapping[str, Any],
     elif art["size_bytes"] != size:
         problems.append(LockProblem(name, f"{key}.size_bytes", "mismatch",
                                     f"recorded {art['size_bytes']} bytes, the Hub has {size} at {where}"))
-    if art.get("file") is not None and sha is not None:
+    if sha is not None:
         if art.get("sha256") is None:
             updates["sha256"] = sha
         elif art["sha256"] != sha:
@@ -264,8 +321,32 @@ def hub_facts(api: Any, repo: str, revision: str | None, proxy: Proxy | None = N
         size = lfs.size if lfs is not None else sib.size
         if size is None:
             return f"the Hub gave no size for {repo}/{sib.rfilename}; retry later"
-        files[sib.rfilename] = FileFacts(size_bytes=int(size), sha256=lfs.sha256 if lfs is not None else None)
+        files[sib.rfilename] = FileFacts(size_bytes=int(size), sha256=lfs.sha256 if lfs is not None else None,
+                                         blob_id=getattr(sib, "blob_id", None))
     return HubFacts(repo=repo, commit=info.sha, files=files)
+
+
+def file_content_facts(api: Any, repo: str, commit: str, file: str, listed: FileFacts,
+                       proxy: Proxy | None = None) -> FileFacts | str:
+    """Read a file kept in git at ``commit`` (into a temporary directory) and hash it: its size and
+    git blob id must be the ones the Hub listed, else the bytes are not the commit's file."""
+    if listed.size_bytes > MAX_TEMPLATE_SOURCE_BYTES:
+        return f"{listed.size_bytes} bytes is too large for a template source"
+    endpoint = str(getattr(api, "endpoint", "") or "")
+    with tempfile.TemporaryDirectory(prefix="hotfit-lock-") as tmp:
+        try:
+            path = Path(api.hf_hub_download(repo_id=repo, filename=file, revision=commit, local_dir=tmp))
+        except Exception as exc:
+            mapped = hub_error_from_hf_exception(exc, repo=repo, revision=commit, endpoint=endpoint,
+                                                 url=f"{endpoint}/{repo}/resolve/{commit}/{file}", proxy=proxy)
+            if mapped is None:
+                raise
+            return f"reading it failed: {mapped.what}"
+        size = path.stat().st_size
+        if size != listed.size_bytes or (listed.blob_id is not None and git_blob_sha1(path) != listed.blob_id):
+            return (f"the bytes read ({size}) are not the file the Hub lists ({listed.size_bytes} bytes, "
+                    f"git blob {listed.blob_id}); retry, or check HF_ENDPOINT")
+        return FileFacts(size_bytes=size, sha256=sha256_file(path), blob_id=listed.blob_id)
 
 
 @dataclass
@@ -273,6 +354,7 @@ class _Cache:
     api: Any
     proxy: Proxy | None = None
     seen: dict[tuple[str, str | None], HubFacts | str] = field(default_factory=dict)
+    read: dict[tuple[str, str, str], FileFacts | str] = field(default_factory=dict)
 
     def __call__(self, repo: str, revision: str | None) -> HubFacts | str:
         key = (repo, revision)
@@ -280,6 +362,13 @@ class _Cache:
             log.info("registry.lock.query", repo=repo, revision=revision or "main")
             self.seen[key] = hub_facts(self.api, repo, revision, self.proxy)
         return self.seen[key]
+
+    def content(self, repo: str, commit: str, file: str, listed: FileFacts) -> FileFacts | str:
+        key = (repo, commit, file)
+        if key not in self.read:
+            log.info("registry.lock.read", repo=repo, revision=commit, file=file, size_bytes=listed.size_bytes)
+            self.read[key] = file_content_facts(self.api, repo, commit, file, listed, self.proxy)
+        return self.read[key]
 
 
 def lock_registry(
@@ -328,7 +417,7 @@ def lock_registry(
         if not (needs_lock(entry) or verify_pinned):
             continue
         checked.append(entry["name"])
-        c, p = apply_hub_facts(entry, lookup, verify_pinned=verify_pinned)
+        c, p = apply_hub_facts(entry, lookup, verify_pinned=verify_pinned, content=lookup.content)
         changes.extend(c)
         problems.extend(p)
 

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import anyio
 
 from hotfit.core.entry import Artifact, Entry
-from hotfit.core.errors import HubError, IntegrityError, RegistryError, TransferError
+from hotfit.core.errors import HubError, IntegrityError, PinMismatch, RegistryError, TransferError
 from hotfit.core.log import get_logger
 from hotfit.core.model_files import (
     PARTIAL_DIRNAME,
@@ -54,6 +54,7 @@ from hotfit.core.model_files import (
     SnapshotFile,
     SnapshotResult,
     check_integrity,
+    snapshot_listing_sha256,
 )
 from hotfit.core.settings import Settings
 from hotfit.download import (
@@ -75,17 +76,23 @@ from hotfit.download import (
     partial_paths,
     proxy_config,
     resolve_token,
+    StaticPins,
+    is_not_a_hub,
+    redact_url,
     safe_relpath,
     snapshot_path,
+    speaks_hub_endpoint,
     take_into_partial,
 )
+from hotfit.download.hub_errors import speaks_hub
 from hotfit.stages.declaration import StageContext, StageDeclaration
 from hotfit.state.locks import FileLock
 from hotfit.state.receipts import drop_receipt, file_identity, git_blob_sha1, read_receipt, receipt_matches, sha256_file
 
 log = get_logger()
 
-__all__ = ["fetch_weights", "fetch_artifact", "fetch_snapshot", "fetched_still_on_disk"]
+__all__ = ["fetch_weights", "fetch_artifact", "fetch_snapshot", "fetched_still_on_disk", "list_snapshot", "ListedFile",
+           "snapshot_file_pins"]
 
 DEFAULT_INTEGRITY_RETRIES = 2  # a corrupt download is fetched again at most this many times
 
@@ -323,14 +330,14 @@ def fetched_still_on_disk(fetched: FetchResult, *, rehash: bool = False) -> bool
 
 
 @dataclass(frozen=True)
-class _ListedFile:
+class ListedFile:
     path: str
     size_bytes: int
     blob_id: str | None
     lfs_sha256: str | None
 
 
-def _list_snapshot_sync(settings: Settings, repo: str, revision: str, token: str | None) -> tuple[str, list[_ListedFile]]:
+def _list_snapshot_sync(settings: Settings, repo: str, revision: str, token: str | None) -> tuple[str, list[ListedFile]]:
     """Resolve ``revision`` to its current commit and list every file there (huggingface_hub metadata)."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
@@ -341,16 +348,22 @@ def _list_snapshot_sync(settings: Settings, repo: str, revision: str, token: str
         raise HubError(f"{repo}@{revision}: the Hub did not name the commit",
                        hint="check HF_ENDPOINT points at a Hugging Face Hub (or a faithful mirror)",
                        repo=repo, revision=revision)
-    files: list[_ListedFile] = []
+    files: list[ListedFile] = []
     for item in api.list_repo_tree(repo, revision=commit, recursive=True):
         if isinstance(item, RepoFile):
-            files.append(_ListedFile(path=item.path, size_bytes=int(item.size), blob_id=item.blob_id,
+            files.append(ListedFile(path=item.path, size_bytes=int(item.size), blob_id=item.blob_id,
                                      lfs_sha256=item.lfs.sha256 if item.lfs else None))
     return commit, files
 
 
-async def _list_snapshot(settings: Settings, repo: str, revision: str,
-                         options: TransferOptions) -> tuple[str, list[_ListedFile]]:
+async def list_snapshot(settings: Settings, repo: str, revision: str, options: TransferOptions, *,
+                        listing_sha256: str | None = None) -> tuple[str, list[ListedFile]]:
+    """The commit ``revision`` names and every file there, from ``HF_ENDPOINT``'s tree API — or the
+    listing a static mirror holds at that URL (``hotfit fleet mirror`` writes it). ``listing_sha256``:
+    the registry's pin of the file list (core.model_files.snapshot_listing_sha256); a listing that
+    does not hash to it is refused before anything is fetched. The token goes with the first request
+    only to the Hub itself (or with HOTFIT_MIRROR_TOKEN); elsewhere only once the endpoint has answered
+    like a Hub asking for it, as the Hub session sends it (download.hub)."""
     if settings.hf_offline:
         raise HubError(f"HF_HUB_OFFLINE is set and the {repo} snapshot is not on disk",
                        hint="unset HF_HUB_OFFLINE to download", repo=repo)
@@ -359,10 +372,17 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str,
     # checks here (a malformed one is exit 2 before a request) and names in errors
     proxy = proxy_config(dict(settings.proxy_env)).for_url(settings.hf_endpoint)
     token = resolve_token()
+    first = token if speaks_hub_endpoint(settings) else None
     listing_url = f"{settings.hf_endpoint}/api/models/{repo}/tree/{revision}"
     try:
-        return await hub_call_retrying(_list_snapshot_sync, settings, repo, revision, token, options=options,
-                                       repo=repo, url=listing_url)
+        try:
+            commit, files = await hub_call_retrying(_list_snapshot_sync, settings, repo, revision, first,
+                                                    options=options, repo=repo, url=listing_url)
+        except Exception as exc:
+            if first is not None or not token or not _hub_asks_for_token(exc):
+                raise
+            commit, files = await hub_call_retrying(_list_snapshot_sync, settings, repo, revision, token,
+                                                    options=options, repo=repo, url=listing_url)
     except TransferError:
         raise
     except Exception as exc:
@@ -371,10 +391,38 @@ async def _list_snapshot(settings: Settings, repo: str, revision: str,
         if mapped is None:
             raise HubError(f"listing {repo}@{revision} failed: {exc}", hint="check HF_ENDPOINT and rerun",
                            repo=repo, revision=revision) from exc
+        if is_not_a_hub(mapped) and listing_sha256 is None:
+            raise HubError(f"{mapped.what}; a static mirror serves an OpenVINO snapshot only when the registry "
+                           "pins its revision and its file list (artifact.sha256)",
+                           hint="pin the entry (hotfit registry lock) and fill the mirror again, or use the Hub "
+                                "or a mirror that speaks its protocol", **mapped.details) from exc
         raise mapped from exc
+    if listing_sha256 is not None:
+        listed = snapshot_listing_sha256((f.path, f.size_bytes, f.lfs_sha256, f.blob_id) for f in files)
+        if listed != listing_sha256:
+            raise PinMismatch(
+                f"{repo}@{commit}: {redact_url(settings.hf_endpoint)} lists {len(files)} files whose list hashes "
+                f"to {listed}; the registry pins {listing_sha256}",
+                hint="the server holds another snapshot than the registry pins (a static mirror: fill it again "
+                     "with `hotfit fleet mirror`); the pin stands, nothing was fetched",
+                repo=repo, revision=commit, listing_sha256=listed, pinned_sha256=listing_sha256)
+    return commit, files
 
 
-def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile], *, commit: str | None = None,
+def _hub_asks_for_token(exc: BaseException) -> bool:
+    """A Hub's answer (X-Error-Code) refusing a tokenless request: sent again with the token."""
+    resp = getattr(exc, "response", None)
+    return resp is not None and resp.status_code in (401, 403, 404) and speaks_hub(resp.headers)
+
+
+def snapshot_file_pins(f: ListedFile, *, listing_pinned: bool) -> StaticPins:
+    """What a static mirror is trusted with for one file of a snapshot: the listing's size and LFS
+    sha256 or git blob id — only when the registry pins that listing (list_snapshot checked it)."""
+    return StaticPins(f.size_bytes, f.lfs_sha256, None if f.lfs_sha256 else f.blob_id,
+                      listing_unpinned=not listing_pinned)
+
+
+def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[ListedFile], *, commit: str | None = None,
                            hf_hub_cache: Path | None = None) -> int:
     """Disk the snapshot still needs: what each file still writes (download.disk.bytes_to_write: its
     size less what its partial already holds — a resume on a nearly full disk must not be refused for
@@ -383,7 +431,7 @@ def _snapshot_needed_bytes(partial_dir: Path, repo: str, todo: list[_ListedFile]
                for f in todo)
 
 
-def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str, *, rehash: bool = False) -> bool:
+def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: ListedFile, commit: str, *, rehash: bool = False) -> bool:
     final = dest_dir / SNAPSHOT_DIRNAME / rel
     r = read_receipt(dest_dir, f"{SNAPSHOT_DIRNAME}/{rel}")
     vouched = (r is not None and final.is_file() and final.stat().st_size == f.size_bytes
@@ -400,7 +448,7 @@ def _snapshot_receipt_ok(dest_dir: Path, rel: str, f: _ListedFile, commit: str, 
     return vouched
 
 
-async def _snapshot_file_from_hf_cache(settings: Settings, entry: Entry, repo: str, commit: str, f: _ListedFile,
+async def _snapshot_file_from_hf_cache(settings: Settings, entry: Entry, repo: str, commit: str, f: ListedFile,
                                        partial_dir: Path) -> SnapshotFile | None:
     """One listed file from the Hugging Face cache at the listed commit, checked against the listing's
     LFS sha256 or git blob id (download.hf_cache); None to download it."""
@@ -434,8 +482,9 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
     partial_dir = dest_dir / PARTIAL_DIRNAME
     lock_path = partial_dir / "snapshot.lock"
     async with FileLock(lock_path, wait=wait, what=f"snapshot of {entry.name}").async_held():
-        commit, listed = await _list_snapshot(settings, artifact.repo, revision,
-                                               options or TransferOptions(connections=settings.download_connections))
+        commit, listed = await list_snapshot(settings, artifact.repo, revision,
+                                              options or TransferOptions(connections=settings.download_connections),
+                                              listing_sha256=artifact.sha256)
         for f in listed:  # refuse the whole listing before writing anything
             try:
                 safe_relpath(f.path)
@@ -453,6 +502,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
         if needed:  # the margin only where something is written (download.disk.check_disk)
             check_disk_space(partial_dir, needed, f"{artifact.repo} snapshot")
         transferred = reread = 0
+        pinned_listing = artifact.sha256 is not None
         hashed: dict[str, SnapshotFile] = {}
         async with HubSession(settings, options) as session:
             for f in todo:
@@ -466,7 +516,7 @@ async def fetch_snapshot(entry: Entry, dest_dir: Path, *, settings: Settings, co
                         session, repo=artifact.repo, revision=commit, path=f.path, expected_size=f.size_bytes,
                         expected_sha256=f.lfs_sha256, partial_dir=partial_dir,
                         connections=connections, progress=_reporter_factory(progress, f.path),
-                        git_sha1=f.lfs_sha256 is None)
+                        git_sha1=f.lfs_sha256 is None, static=snapshot_file_pins(f, listing_pinned=pinned_listing))
                     transferred += outcome.bytes_transferred
                     reread += outcome.bytes_reread
                     try:
