@@ -146,7 +146,7 @@ class LlamaServerBackend:
         """The llama-server the load stage would start (same search, same checks): its build facts
         and the binary's sha256 (a rebuild of the same version is another build: pipeline/evidence.py)."""
         try:
-            binary = find_llama_server(settings, device_kind=device_kind)
+            binary = find_llama_server(settings, device_kind=device_kind, announce=False)
         except HotfitError as exc:
             raise BuildUnavailable(f"no usable llama-server for a {device_kind} device: {exc.what}",
                                    hint=exc.hint) from None

@@ -495,10 +495,11 @@ def check_cuda_architectures(backend: ServerBinary, gpu_capability: str | None) 
 
 def find_llama_server(settings: Settings, *, path_env: str | None = None, device_kind: str | None = None,
                       gpu_capability: str | None = None,
-                      cpuinfo_path: Path = Path("/proc/cpuinfo")) -> ServerBinary:
+                      cpuinfo_path: Path = Path("/proc/cpuinfo"), announce: bool = True) -> ServerBinary:
     """Locate llama-server (order in the module docstring), check it suits this CPU and, given
     ``device_kind``, the plan's device (an NVIDIA GPU of CUDA compute ``gpu_capability``, "8.9": a
-    CUDA build must hold code for it); log ``backend.found``.
+    CUDA build must hold code for it); log ``backend.found`` (``announce``: a run logs it once, for
+    the binary it starts; naming the build again, as the speed calibration does, logs nothing).
 
     ``path_env`` replaces ``$PATH`` for the last step, ``cpuinfo_path`` the CPU's flags (tests)."""
     log = get_logger()
@@ -567,19 +568,20 @@ def find_llama_server(settings: Settings, *, path_env: str | None = None, device
             raise BackendError(f"{message} ({server}, {chosen.described})", hint=hint,
                                path=str(server), backend=build.backend, device_kind=device_kind)
         check_cuda_architectures(backend, gpu_capability)
-    log.info(
-        "backend.found",
-        path=str(server),
-        source=chosen.source,
-        version=build.version,
-        commit=build.commit,
-        backend=build.backend,
-        variant=build.variant,
-        cpu_variant=build.cpu_variant,
-        cpu_features=list(build.cpu_features) if build.cpu_features is not None else None,
-        build_info_origin=build.origin,
-        fit_params=str(backend.fit_params_path) if backend.fit_params_path else None,
-    )
+    if announce:
+        log.info(
+            "backend.found",
+            path=str(server),
+            source=chosen.source,
+            version=build.version,
+            commit=build.commit,
+            backend=build.backend,
+            variant=build.variant,
+            cpu_variant=build.cpu_variant,
+            cpu_features=list(build.cpu_features) if build.cpu_features is not None else None,
+            build_info_origin=build.origin,
+            fit_params=str(backend.fit_params_path) if backend.fit_params_path else None,
+        )
     return backend
 
 
