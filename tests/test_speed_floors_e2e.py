@@ -30,6 +30,7 @@ import pytest
 
 from hotfit.core.entry import Entry
 from hotfit.planner.probe import Device, ProbeResult
+from hotfit.stages.measure_speed import FOLLOW_UP_TOKENS
 from tests.e2e_support import GiB, World, fixture_entry, sha256_of, write_registry
 from tests.gguf_fixtures import write_standin_llama_server, write_tool_call_model
 from tests.hubserver import LocalHub
@@ -186,3 +187,126 @@ def test_an_impossible_floor_exits_3_naming_the_fastest_and_its_predicted_figure
     assert f"generation {fig['decode_tokens_per_s']:.1f} tok/s" in error["message"]
     assert f"{flag} {floor:.6g}" in error["message"]
     assert hub.requests == [] and not (home / "models").exists()  # refused before any download
+
+
+# ---------------------------------------------------------------- a measured shortfall, and the rerun
+
+
+SLOW, QUICK = "fx-speed-slow", "fx-speed-quick"
+# More and wider zeroed blocks (the same answers): a 100 MB file whose 2.5k-token agent prompt took
+# 16 s on 2 loaded cores, against 0.2-1.9 s for the one-block model (110 kB) on the same machine.
+SLOW_SHAPE: dict[str, Any] = {"n_layers": 4, "n_ff": 65536, "tensor_type": "f16"}
+QUICK_SHAPE: dict[str, Any] = {"tensor_type": "f16"}
+
+
+def parameters(path: Path) -> int:
+    """The parameters a GGUF holds (its tensors' elements): the registry's params_total_b, so that
+    the speed model weighs the two fixtures by the work they really do."""
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+
+
+@dataclass(frozen=True)
+class SpeedWorld:
+    registry: Path
+    entries: dict[str, Entry]
+
+    def file(self, name: str) -> str:
+        artifact = self.entries[name].artifact
+        assert artifact is not None
+        return artifact.file
+
+
+@pytest.fixture(scope="module")
+def speed_world(hub: LocalHub, plain_world: World, tmp_path_factory: pytest.TempPathFactory) -> SpeedWorld:
+    """The slow and the quick tool-call model on the module's Hub, with the pinned template."""
+    root = tmp_path_factory.mktemp("speed-world")
+    template = next(iter(plain_world.entries.values())).chat_template
+    entries = {}
+    for name, shape in ((SLOW, SLOW_SHAPE), (QUICK, QUICK_SHAPE)):
+        info = write_tool_call_model(root / f"{name}.gguf", **shape)
+        repo = f"hotfit-fixtures/{name}-GGUF"
+        commit = hub.create_repo(repo, {info.path.name: info.path}, lfs=True)
+        entries[name] = fixture_entry(name, info, repo=repo, revision=commit, sha256=sha256_of(info.path),
+                                      params_b=parameters(info.path) / 1e9, template=template)
+    registry = root / "registry.json"
+    write_registry(registry, entries.values())
+    return SpeedWorld(registry, entries)
+
+
+def file_identity(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def failed_run(home: Path) -> str:
+    """The last run of ``home`` that did not end done (from the JSON log)."""
+    ends = [e for e in events(home) if e["event"] == "run.done" and e.get("status") != "done"]
+    assert ends, "no failed run in the log"
+    return str(ends[-1]["run_id"])
+
+
+@pytest.mark.llama
+def test_a_measured_shortfall_exits_5_and_the_rerun_moves_on_without_downloading_again(
+        hub: LocalHub, world: World, speed_world: SpeedWorld, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    registry = speed_world.registry
+    plain = write_probe(tmp_path / "probe.json")
+
+    # The home holds both models, verified (provisioned by name, the speed check skipped: cheap). The
+    # prompt rate each tool-call probe measured brackets the floor: the geometric mean of the first
+    # tokens they imply for the agent prompt, on this machine as loaded as it is now.
+    hub.reset_counters()
+    rates, paths = {}, {}
+    for name in (SLOW, QUICK):
+        done = auto(hub, home, registry, plain, "--model", name, "--skip-speed-check")
+        assert done.returncode == 0, done.stderr[-3000:]
+        manifest = json.loads(done.stdout)
+        rates[name] = manifest["probe_verdict"]["prompt_tokens_per_s"]
+        paths[name] = Path(manifest["model_path"])
+        assert hub.bytes_sent(speed_world.file(name)) == paths[name].stat().st_size  # downloaded once
+    identities = {name: file_identity(path) for name, path in paths.items()}
+    prompt_tokens = int(AGENT_PROMPT_TOKENS)
+    floor = float(f"{between(prompt_tokens / rates[QUICK], prompt_tokens / rates[SLOW]):.3g}")
+    floor_args = ("--refresh", "--max-first-token-s", f"{floor:g}")
+
+    # Prediction must pass and measurement miss, whatever the speed model's constants: a saved probe
+    # of the same device with its bandwidth and threads raised 1000-fold predicts the slow model's
+    # first token far under the floor; the session then measures what the machine really does. (The
+    # figures are the planner's alone: llama-server's threads do not come from the probe file.)
+    optimistic = write_probe(tmp_path / "optimistic.json", bandwidth_bytes_per_s=10**13, threads=2000)
+    cands = plan_candidates(hub, home, registry, optimistic, "--max-first-token-s", f"{floor:g}")
+    assert cands[SLOW]["verdict"] == "selected" and predicted(cands[SLOW])["first_token_s"] < floor
+
+    hub.reset_counters()
+    missed = auto(hub, home, registry, optimistic, *floor_args)
+    assert missed.returncode == 5, missed.stderr[-3000:]
+    error = json.loads(missed.stdout)["error"]
+    assert error["code"] == "speed_floor"
+    measured, said = error["details"]["measured"], error["details"]["predicted"]
+    assert measured["first_token_s"] > floor
+    assert (f"measured first token after {measured['first_token_s']:.0f} s > {floor:g} s for "
+            f"{measured['prompt_tokens']} prompt tokens (predicted {said['first_token_s']} s for "
+            f"{said['prompt_tokens']})") in error["message"]
+    assert hub.bytes_sent() == 0  # the slow model was verified in this home: nothing downloaded again
+
+    # The measurement is kept: the next plan on this device weighs the slow model by it.
+    cands = plan_candidates(hub, home, registry, optimistic, "--max-first-token-s", f"{floor:g}")
+    assert (cands[SLOW]["verdict"], cands[SLOW]["reason_code"]) == ("excluded", "speed")
+    assert f"> {floor:g} s" in cands[SLOW]["reason"]
+    assert "calibrated" in predicted(cands[SLOW])["basis"]["compute"] and cands[QUICK]["verdict"] == "selected"
+
+    # The operator's rerun moves on to the quick model, verified here already: nothing downloaded,
+    # both verified files where they were.
+    hub.reset_counters()
+    rerun = auto(hub, home, registry, optimistic, *floor_args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    manifest = json.loads(rerun.stdout)
+    assert manifest["entry_name"] == QUICK and Path(manifest["model_path"]) == paths[QUICK]
+    assert hub.bytes_sent() == 0, [(r.method, r.file) for r in hub.requests if r.body_bytes]
+    assert {name: file_identity(path) for name, path in paths.items()} == identities
+    speed = manifest["speed"]
+    assert speed["measured"]["first_token_s"] <= floor
+    assert f"by run {failed_run(home)} ({SLOW}" in speed["predicted"]["basis"]["compute"]
+    # the follow-up turn adds about FOLLOW_UP_TOKENS in this model's own characters per token (this
+    # byte vocabulary holds ~1 character a token: at 4 characters a token the turn was ~6k tokens)
+    assert speed["measured"]["follow_up_prompt_tokens"] < 1.5 * FOLLOW_UP_TOKENS
