@@ -212,7 +212,7 @@ class SpeedWorld:
 
     def file(self, name: str) -> str:
         artifact = self.entries[name].artifact
-        assert artifact is not None
+        assert artifact is not None and artifact.file is not None
         return artifact.file
 
 
