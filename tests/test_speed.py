@@ -661,3 +661,30 @@ def test_the_decode_rate_is_the_servers_own_and_one_generated_token_leaves_it_un
     more = ChatReply.of_body({"choices": [], "timings": {"prompt_n": 100, "prompt_ms": 50.0, "predicted_n": 11,
                                                          "predicted_ms": 1000.0, "predicted_per_second": 10.0}})
     assert Timing.of(more).decode_tokens_per_s == 10.0
+
+
+# ----------------------------------------------------------------------------- reuse of a measurement
+
+
+def test_another_floor_or_prompt_size_measures_again_never_a_record_made_without_it(tmp_path: Path) -> None:
+    from hotfit.pipeline.engine import RunContext, inputs_hash
+
+    chosen = plan().plan
+    assert chosen is not None
+
+    async def enter(cm: Any) -> Any:
+        raise AssertionError("not entered")
+
+    def key(opts: AutoOptions, env: dict[str, str] | None = None) -> str:
+        stage = next(s for s in provisioning_stages(opts) if s.name == SPEED_STAGE)
+        ctx = RunContext(run_id="r", run_dir=tmp_path, settings=load_settings({"HOME": str(tmp_path), **(env or {})}),
+                         plan=chosen, results={}, enter_context=enter, stage_job=stage.job)
+        return inputs_hash(stage, ctx, {"load": {"port": 1}})
+
+    without = key(AutoOptions(agent_prompt_tokens=2048))
+    assert key(AutoOptions(agent_prompt_tokens=2048)) == without  # the same run again reuses it
+    assert key(AutoOptions(agent_prompt_tokens=2048, max_first_token_s=5)) != without
+    assert key(AutoOptions(agent_prompt_tokens=2048), {"HOTFIT_MIN_DECODE_TOKENS_PER_S": "5"}) != without
+    assert key(AutoOptions(agent_prompt_tokens=2048, min_decode_tokens_per_s=5.0)) == \
+        key(AutoOptions(agent_prompt_tokens=2048), {"HOTFIT_MIN_DECODE_TOKENS_PER_S": "5"})  # flag or variable
+    assert key(AutoOptions(agent_prompt_tokens=4096)) != without

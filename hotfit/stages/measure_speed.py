@@ -363,6 +363,15 @@ def speed_figures(result: SpeedResult) -> dict[str, Any]:
     return {**{k: v for k, v in result.measured.items() if k != "basis"}, "ratio": result.ratio}
 
 
+def _inputs(ctx: StageContext) -> Any:
+    job = ctx.job(SpeedCheckJob)
+    floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
+    # Another prompt size or floor measures again, with its session: a floor is checked against figures
+    # measured under it, never against a record a run without it left (the plan id leaves speed out)
+    return {"plan_id": ctx.require_plan().plan_id, "prompt_tokens": job.prompt_tokens, "floors": floors.to_json()}
+
+
 DECLARATION = StageDeclaration(
-    SPEED_STAGE, measure_speed_work, deps=("load", "probe-tool-call", "re-check"), session=SERVER_SESSION, decode=SpeedResult.decode,
-    figures=speed_figures, version=1, result_type=SpeedResult, job=SpeedCheckJob())
+    SPEED_STAGE, measure_speed_work, deps=("load", "probe-tool-call", "re-check"), inputs=_inputs,
+    session=SERVER_SESSION, decode=SpeedResult.decode, figures=speed_figures, version=1, result_type=SpeedResult,
+    job=SpeedCheckJob())
