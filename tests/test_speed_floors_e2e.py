@@ -8,10 +8,10 @@
 - A measured shortfall (exit 5) and the rerun that moves on need a session that reaches
   measure-speed, which runs after the tool-call probe; none of the real test GGUFs passes that
   probe (tests/real_models.py says why), so this part runs the deterministic tool-call model of
-  tests/gguf_fixtures.py in the real llama-server, in two sizes: one a few blocks wide enough
-  that its prompt costs ~20 times the small one's.
+  tests/gguf_fixtures.py in the real llama-server, in two sizes: one with blocks wide enough that
+  its agent prompt costs 8-100 times the small one's (more on an idle machine).
 
-These runs stop before load (a dry run, a refusal at plan) need no llama-server: the refusal runs
+The runs that stop before load (a dry run, a refusal at plan) need no llama-server: the refusal runs
 against the stand-in binary that only answers ``--version``, as tests/test_auto_e2e.py does.
 """
 
