@@ -713,6 +713,8 @@ def write_tool_call_model(
     tensor_type: str = "f32",
     name: str = "hotfit-fixture-tool-call",
     vocab: FixtureVocab = LLAMA_VOCAB,
+    n_layers: int = 1,
+    n_ff: int = 32,
 ) -> FixtureInfo:
     """A llama model whose greedy output is fixed by construction.
 
@@ -752,13 +754,16 @@ def write_tool_call_model(
     with ``--jinja --chat-template-file``. ``tensor_type``: the matrices' type ("f32" | "f16").
     ``vocab``: tokens appended after the specials (ids past every one the recipe uses, so they
     take only the default direction) and the merge list; see :class:`FixtureVocab`.
+    ``n_layers``, ``n_ff``: more and wider blocks (each zeroed the same way, so the answer is the
+    same) make a model that is slower by construction: every decode step reads their weights and
+    every prompt token multiplies them (the speed floors' end-to-end tests).
     """
     path = Path(path)
-    n_embd, n_heads, n_kv_heads, head_dim, n_ff = 64, 2, 1, 32, 32
+    n_embd, n_heads, n_kv_heads, head_dim = 64, 2, 1, 32
     template = chat_template
     if embed_template and template is None:
         template = pinned_template().read_text(encoding="utf-8")
-    shape = _Shape(1, n_heads, n_kv_heads, head_dim, n_embd, n_ff, n_ctx_train, tensor_type)
+    shape = _Shape(n_layers, n_heads, n_kv_heads, head_dim, n_embd, n_ff, n_ctx_train, tensor_type)
     rand = _gaussian(1)
     nl, quote, lbrace, rbrace = ord("\n"), ord('"'), ord("{"), ord("}")
     dim_default, dim_tool_call, dim_quote = 0, 1, 2
@@ -785,7 +790,8 @@ def write_tool_call_model(
     _tensor(w, "token_embd.weight", embd, tensor_type)
     _tensor(w, "output_norm.weight", np.ones(n_embd), tensor_type)
     _tensor(w, "output.weight", out, tensor_type)
-    _llama_block(w, 0, rand, shape, zero_out=True)
+    for i in range(n_layers):
+        _llama_block(w, i, rand, shape, zero_out=True)
     _finish(w)
     return _fixture_info(path, "tool-call", "llama", shape, template, vocab)
 

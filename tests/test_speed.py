@@ -394,6 +394,7 @@ from hotfit.pipeline.cli.render import speed_lines  # noqa: E402
 from hotfit.pipeline.provision import AutoOptions, provisioning_stages  # noqa: E402
 from hotfit.stages.measure_speed import (  # noqa: E402
     CHARS_PER_TOKEN,
+    FOLLOW_UP_TOKENS,
     SPEED_STAGE,
     SpeedCheckJob,
     Timing,
@@ -415,6 +416,14 @@ def test_the_agent_prompt_has_tools_and_about_the_asked_size(tokens: int) -> Non
     nxt = follow_up(req, {"choices": [{"message": {"content": "I read it."}}]})
     assert nxt["messages"][:len(req["messages"])] == req["messages"]  # the cached prefix, then the new turn
     assert nxt["messages"][-2] == {"role": "assistant", "content": "I read it."}
+
+
+@pytest.mark.parametrize("chars_per_token", [1.0, 2.5, CHARS_PER_TOKEN])
+def test_the_follow_up_turn_adds_its_tokens_in_the_models_own_characters(chars_per_token: float) -> None:
+    req = agent_request(4096, chars_per_token=chars_per_token)
+    added = follow_up(req, {"choices": [{"message": {"content": ""}}]}, chars_per_token=chars_per_token)
+    new_chars = len(added["messages"][-1]["content"])
+    assert new_chars / chars_per_token == pytest.approx(FOLLOW_UP_TOKENS, rel=0.01)
 
 
 @pytest.mark.parametrize(("window", "wanted", "expected"), [(None, 16384, 16384), (131072, 16384, 16384),
@@ -560,6 +569,21 @@ def test_measure_speed_keys_its_calibration_by_the_build_and_a_new_build_resets_
     assert elsewhere.calibration_build_now is None and elsewhere.on(GPU, "fake").device == device_speed_facts(GPU)
 
 
+def test_a_measurement_without_a_generation_rate_still_calibrates_the_prefill() -> None:
+    # an answer that ends at its first token (the tool-call fixtures') has no generation rate: the
+    # prefill it did measure must still reach later plans, the decode factor left at 1 and said so
+    predicted = {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 50.0}
+    cal = calibration_from(CPU, "llama", BUILD, predicted, {"prefill_tokens_per_s": 250.0, "decode_tokens_per_s": None},
+                           "run r1")
+    assert cal is not None and (cal.prefill_factor, cal.decode_factor) == (0.25, 1.0)
+    assert cal.provenance == "run r1; decode not measured (factor 1)"
+    assert calibration_from(CPU, "llama", BUILD, predicted, {"prefill_tokens_per_s": None,
+                                                             "decode_tokens_per_s": None}, "r") is None
+    assert calibration_from(CPU, "llama", BUILD, predicted, {"prefill_tokens_per_s": 0, "decode_tokens_per_s": 5.0},
+                            "r") == dataclasses.replace(cal, prefill_factor=1.0, decode_factor=0.1,
+                                                        provenance="r; prefill not measured (factor 1)")
+
+
 GOOD_CALIBRATION = {"schema": 2, "device_kind": "cpu", "device_name": "h", "read_bandwidth_bytes_per_s": 1,
                     "backend": "llama", "backend_build": "b1", "backend_build_described": "llama.cpp b1",
                     "prefill_factor": 0.5, "decode_factor": 1.0, "provenance": "x"}
@@ -637,3 +661,30 @@ def test_the_decode_rate_is_the_servers_own_and_one_generated_token_leaves_it_un
     more = ChatReply.of_body({"choices": [], "timings": {"prompt_n": 100, "prompt_ms": 50.0, "predicted_n": 11,
                                                          "predicted_ms": 1000.0, "predicted_per_second": 10.0}})
     assert Timing.of(more).decode_tokens_per_s == 10.0
+
+
+# ----------------------------------------------------------------------------- reuse of a measurement
+
+
+def test_another_floor_or_prompt_size_measures_again_never_a_record_made_without_it(tmp_path: Path) -> None:
+    from hotfit.pipeline.engine import RunContext, inputs_hash
+
+    chosen = plan().plan
+    assert chosen is not None
+
+    async def enter(cm: Any) -> Any:
+        raise AssertionError("not entered")
+
+    def key(opts: AutoOptions, env: dict[str, str] | None = None) -> str:
+        stage = next(s for s in provisioning_stages(opts) if s.name == SPEED_STAGE)
+        ctx = RunContext(run_id="r", run_dir=tmp_path, settings=load_settings({"HOME": str(tmp_path), **(env or {})}),
+                         plan=chosen, results={}, enter_context=enter, stage_job=stage.job)
+        return inputs_hash(stage, ctx, {"load": {"port": 1}})
+
+    without = key(AutoOptions(agent_prompt_tokens=2048))
+    assert key(AutoOptions(agent_prompt_tokens=2048)) == without  # the same run again reuses it
+    assert key(AutoOptions(agent_prompt_tokens=2048, max_first_token_s=5)) != without
+    assert key(AutoOptions(agent_prompt_tokens=2048), {"HOTFIT_MIN_DECODE_TOKENS_PER_S": "5"}) != without
+    assert key(AutoOptions(agent_prompt_tokens=2048, min_decode_tokens_per_s=5.0)) == \
+        key(AutoOptions(agent_prompt_tokens=2048), {"HOTFIT_MIN_DECODE_TOKENS_PER_S": "5"})  # flag or variable
+    assert key(AutoOptions(agent_prompt_tokens=4096)) != without

@@ -432,17 +432,25 @@ class Calibration:
 def calibration_from(device: Device, backend: str, build: tuple[str, str], predicted: dict[str, Any],
                      measured: dict[str, Any], provenance: str) -> Calibration | None:
     """measured / predicted rates as a calibration of ``device`` by ``backend``'s ``build``
-    ((identity, description)); the prompt lengths may differ: rates are compared, not times. None
-    when a figure is missing."""
+    ((identity, description)); the prompt lengths may differ: rates are compared, not times. A rate
+    the session did not measure (an answer that ended at its first token has no generation rate)
+    keeps factor 1, said in the provenance; None when neither was."""
+    factors = {key: _rate_factor(predicted, measured, key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    if all(f is None for f in factors.values()):
+        return None
+    unmeasured = [key.removesuffix("_tokens_per_s") for key, f in factors.items() if f is None]
+    note = f"; {' and '.join(unmeasured)} not measured (factor 1)" if unmeasured else ""
+    return Calibration(device.kind, device.name, device.read_bandwidth_bytes_per_s, backend, build[0], build[1],
+                       round(factors["prefill_tokens_per_s"] or 1.0, 4), round(factors["decode_tokens_per_s"] or 1.0, 4),
+                       provenance + note)
+
+
+def _rate_factor(predicted: dict[str, Any], measured: dict[str, Any], key: str) -> float | None:
     try:
-        prefill = float(measured["prefill_tokens_per_s"]) / float(predicted["prefill_tokens_per_s"])
-        decode = float(measured["decode_tokens_per_s"]) / float(predicted["decode_tokens_per_s"])
+        factor = float(measured[key]) / float(predicted[key])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
-    if not (prefill > 0 and decode > 0):
-        return None
-    return Calibration(device.kind, device.name, device.read_bandwidth_bytes_per_s, backend, build[0], build[1],
-                       round(prefill, 4), round(decode, 4), provenance)
+    return factor if factor > 0 else None
 
 
 @dataclass(frozen=True)

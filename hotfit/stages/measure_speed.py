@@ -115,10 +115,13 @@ def short_depths(wanted_tokens: int, expected_first_token_s: float | None) -> tu
     return n2 // 2, n2
 
 
-def follow_up(request: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
-    """The next turn on the cached prefix: the answer, and about FOLLOW_UP_TOKENS more of the conversation."""
+def follow_up(request: Mapping[str, Any], answer: Mapping[str, Any], *,
+              chars_per_token: float = CHARS_PER_TOKEN) -> dict[str, Any]:
+    """The next turn on the cached prefix: the answer, and about FOLLOW_UP_TOKENS more of the
+    conversation (in this model's characters per token, as :func:`agent_request` sizes the prompt)."""
     said = ((answer.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
-    more = (_TURN * (FOLLOW_UP_TOKENS * CHARS_PER_TOKEN // len(_TURN) + 1))[:FOLLOW_UP_TOKENS * CHARS_PER_TOKEN]
+    chars = int(FOLLOW_UP_TOKENS * chars_per_token)
+    more = (_TURN * (chars // len(_TURN) + 1))[:chars]
     return {**request, "messages": [*request["messages"], {"role": "assistant", "content": said},
                                     {"role": "user", "content": more}]}
 
@@ -270,14 +273,14 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     if depths is None:
         request = agent_request(wanted, chars_per_token=ratio)
         first = await ask(request, "the speed check")
-        second = await ask(follow_up(request, first.body), "the speed check's follow-up turn")
+        second = await ask(follow_up(request, first.body, chars_per_token=ratio), "the speed check's follow-up turn")
         measured = measured_figures(Timing.of(first), Timing.of(second))
     else:  # the full prompt would take too long: two shorter ones, extrapolated (docs/benchmarks.md)
         n1, n2 = depths
         short = await ask(agent_request(n1, fresh=True, chars_per_token=ratio), "the speed check (first depth)")
         request = agent_request(n2, fresh=True, chars_per_token=ratio)
         longer = await ask(request, "the speed check (second depth)")
-        second = await ask(follow_up(request, longer.body), "the speed check's follow-up turn")
+        second = await ask(follow_up(request, longer.body, chars_per_token=ratio), "the speed check's follow-up turn")
         measured = extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
     predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
     if predicted is not None:
@@ -360,6 +363,15 @@ def speed_figures(result: SpeedResult) -> dict[str, Any]:
     return {**{k: v for k, v in result.measured.items() if k != "basis"}, "ratio": result.ratio}
 
 
+def _inputs(ctx: StageContext) -> Any:
+    job = ctx.job(SpeedCheckJob)
+    floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
+    # Another prompt size or floor measures again, with its session: a floor is checked against figures
+    # measured under it, never against a record a run without it left (the plan id leaves speed out)
+    return {"plan_id": ctx.require_plan().plan_id, "prompt_tokens": job.prompt_tokens, "floors": floors.to_json()}
+
+
 DECLARATION = StageDeclaration(
-    SPEED_STAGE, measure_speed_work, deps=("load", "probe-tool-call", "re-check"), session=SERVER_SESSION, decode=SpeedResult.decode,
-    figures=speed_figures, version=1, result_type=SpeedResult, job=SpeedCheckJob())
+    SPEED_STAGE, measure_speed_work, deps=("load", "probe-tool-call", "re-check"), inputs=_inputs,
+    session=SERVER_SESSION, decode=SpeedResult.decode, figures=speed_figures, version=1, result_type=SpeedResult,
+    job=SpeedCheckJob())
