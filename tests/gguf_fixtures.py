@@ -235,7 +235,9 @@ def _add_vocab(w: gguf.GGUFWriter, vocab: FixtureVocab = LLAMA_VOCAB) -> None:
 
 
 _DTYPES = {"f32": np.float32, "f16": np.float16}
-_FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
+# "q8_0": tests/moe_fixture.py writes its own Q8_0 blocks through _open_writer
+_FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 
 
 def _tensor(w: gguf.GGUFWriter, name: str, array: np.ndarray, tensor_type: str) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tests.gguf_fixtures import LLAMA_VOCAB, _add_vocab
+from tests.gguf_fixtures import LLAMA_VOCAB, _open_writer, _Shape
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 Q8_BLOCK, Q8_BLOCK_BYTES = gguf.GGML_QUANT_SIZES[Q8_0]  # 32 weights in 34 bytes (an f16 scale, 32 int8)
@@ -73,27 +73,15 @@ def write_moe_model(path: Path, shape: MoEShape = MoEShape(), *, dense_twin: boo
     the control that separates routing's cost from the rest (Q8_0 kernels, small matrices)."""
     s = shape
     rng = np.random.default_rng(s.seed)
-    w = gguf.GGUFWriter(path, DENSE_ARCH if dense_twin else ARCH)
-    w.add_name("hotfit-fixture-" + (DENSE_ARCH if dense_twin else ARCH))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    w.add_context_length(s.n_ctx_train)
-    w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layers)
-    if dense_twin:
-        w.add_feed_forward_length(s.n_ff_expert * s.n_expert_used)
-    else:
-        w.add_feed_forward_length(s.n_ff_expert)
+    arch = DENSE_ARCH if dense_twin else ARCH
+    n_ff = s.n_ff_expert * s.n_expert_used if dense_twin else s.n_ff_expert
+    header = _Shape(n_layers=s.n_layers, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
+                    n_embd=s.n_embd, n_ff=n_ff, n_ctx_train=s.n_ctx_train, tensor_type="q8_0")
+    w = _open_writer(path, arch, "hotfit-fixture-" + arch, header, chat_template=None)
+    if not dense_twin:
         w.add_expert_feed_forward_length(s.n_ff_expert)
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
-    w.add_head_count(s.n_heads)
-    w.add_head_count_kv(s.n_kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    _add_vocab(w)
 
     def q8(name: str, *numpy_shape: int) -> None:
         w.add_tensor(name, _q8_0(rng, *numpy_shape), raw_dtype=Q8_0)
@@ -116,7 +104,6 @@ def write_moe_model(path: Path, shape: MoEShape = MoEShape(), *, dense_twin: boo
         ones(p + "attn_k_norm.weight", s.head_dim)
         ones(p + "ffn_norm.weight", s.n_embd)
         if dense_twin:
-            n_ff = s.n_ff_expert * s.n_expert_used
             q8(p + "ffn_gate.weight", n_ff, s.n_embd)
             q8(p + "ffn_up.weight", n_ff, s.n_embd)
             q8(p + "ffn_down.weight", s.n_embd, n_ff)
