@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from tests.e2e_support import World, build_world
 from tests.gguf_fixtures import pinned_template, require_llama_server, tool_template_text
 from tests.hubserver import LocalHub, serve_handler
+from tests.real_models import realmodels_script
 
 pytest_plugins = ("tests.tiers",)  # each module's tier, and the unit tier's guard (CONTRIBUTING.md "Test tiers")
 
@@ -54,6 +56,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print(f"\nconftest: modules loaded outside the hotfit namespace (import them as hotfit.<layer>): "
               f"{', '.join(bare[:10])}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def realmodels() -> ModuleType:
+    """scripts/realmodels.py as a module (tests/real_models.realmodels_script)."""
+    return realmodels_script()
 
 
 @pytest.fixture

@@ -105,6 +105,18 @@ def fetch_script() -> ModuleType:
     return module
 
 
+@cache
+def realmodels_script() -> ModuleType:
+    """scripts/realmodels.py (the benchmarks' llama-server runner and GGUF facts), imported as the
+    scripts import it: from the scripts folder on sys.path."""
+    scripts = str(FETCH_SCRIPT.parent)
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import realmodels
+
+    return realmodels
+
+
 def cache_dir() -> Path:
     return fetch_script().default_cache_dir()
 

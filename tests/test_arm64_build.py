@@ -24,10 +24,10 @@ import pytest
 
 from hotfit.backends.llama_server.discovery import loaded_cpu_variant
 from hotfit.core.isa import cpu_feature_names, ggml_cpu_variant
-from tests.real_models import SMOLLM2, require_model
+from tests.real_models import SMOLLM2, realmodels_script, require_model
 from hotfit.core.settings import LLAMA_SDIST_VERSION
 from tests.test_build_archive import _llama_build, _refused, _script
-from tests.test_portable_build import HARDWARE, _bin_dir, _info, _realmodels, _run_here
+from tests.test_portable_build import HARDWARE, _bin_dir, _info, _run_here
 
 TIER = "integration"
 
@@ -149,7 +149,7 @@ def test_the_graviton2_row_of_the_hardware_matrix_is_what_its_emulated_cpu_loads
 def test_under_qemu_the_arm64_build_generates_from_a_real_gguf(cpu_model: str, tmp_path: Path) -> None:
     bin_dir = require_arm64_build()
     model = require_model(SMOLLM2)
-    realmodels = _realmodels()
+    realmodels = realmodels_script()
     # Tiny on purpose: every instruction is translated (a few seconds each on 2 busy cores).
     with realmodels.Server(bin_dir / "llama-server", model.path, tmp_path / "run", threads=2, ctx_tokens=256,
                            wrapper=emulator(cpu_model)) as server:

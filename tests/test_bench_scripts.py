@@ -48,14 +48,6 @@ def load_script(name: str) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def realmodels() -> ModuleType:
-    sys.path.insert(0, str(SCRIPTS))
-    import realmodels as mod
-
-    return mod
-
-
-@pytest.fixture(scope="module")
 def gpu_check() -> ModuleType:
     return load_script("gpu-check")
 

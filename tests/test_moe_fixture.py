@@ -7,7 +7,6 @@ ships on PyPI: random weights, random routing.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,16 +22,7 @@ from hotfit.stages.verify import read_gguf_header
 
 TIER = "integration"
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SHAPE = MoEShape()
-
-
-@pytest.fixture(scope="module")
-def realmodels() -> ModuleType:
-    sys.path.insert(0, str(SCRIPTS))
-    import realmodels as mod
-
-    return mod
 
 
 @pytest.fixture(scope="module")

@@ -27,18 +27,12 @@ from hotfit.backends.llama_server.discovery import (GGML_ASK, BackendError, ask_
                                              find_llama_server, loaded_cpu_variant, with_loaded_variant)
 from hotfit.core.isa import AMX_CPUINFO, cpuinfo_flags, features_from_macros, ggml_cpu_variant
 from hotfit.core.settings import LLAMA_SDIST_VERSION, default_llama_cache, load_settings
-from tests.conftest import REPO_ROOT
 from tests.gguf_fixtures import REQUIRE_ENV
-from tests.real_models import require_model
+from tests.real_models import realmodels_script, require_model
 
 TIER = "integration"
 
 
-def _realmodels():  # scripts/realmodels.py: the benchmarks' llama-server runner
-    import sys
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    import realmodels
-    return realmodels
 
 HARDWARE = Path(__file__).parent / "data" / "hardware"
 # Instructions a compiler only emits for an intrinsic or inline asm (core.isa.INTRINSIC_ONLY_CPUINFO).
@@ -203,7 +197,7 @@ def test_under_qemu_ggml_loads_the_variant_hotfit_predicts(cpu_model: str, expec
 def test_under_qemu_haswell_the_portable_build_generates_from_a_real_gguf(tmp_path: Path) -> None:
     bin_dir = _require_build("cpu")
     model = require_model("smollm2-135m")
-    realmodels = _realmodels()
+    realmodels = realmodels_script()
     with realmodels.Server(bin_dir / "llama-server", model.path, tmp_path / "run", threads=2, ctx_tokens=512,
                            wrapper=(_need_qemu(), "-cpu", "Haswell")) as server:
         server.wait_healthy(600)
@@ -229,7 +223,7 @@ def test_under_qemu_haswell_an_avx512_build_dies_by_sigill_and_hotfit_refuses_it
         check_cpu_features(native, f"flags\t: {' '.join(sorted(flags))}\n")
     # And by execution: the same binary, a real GGUF, the emulated Haswell: SIGILL.
     model = require_model("smollm2-135m")
-    realmodels = _realmodels()
+    realmodels = realmodels_script()
     server = realmodels.Server(bin_dir / "llama-server", model.path, tmp_path / "run", threads=2, ctx_tokens=512,
                                wrapper=(_need_qemu(), "-cpu", "Haswell"))
     try:
