@@ -127,9 +127,13 @@ class FakeSession:
 @dataclasses.dataclass(frozen=True)
 class FakeBinary:
     path: str = "/opt/fake-server"
+    build: tuple[str, str] = ("fake-build-1", "the fake server, build 1")  # what its build_identity answers
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path}
+
+    def build_identity(self) -> tuple[str, str]:
+        return self.build
 
     def manifest_facts(self, *, report: Any, session: Mapping[str, Any], snapshot_commit: str | None,
                        call_facts: Mapping[str, Any]) -> ManifestFacts:

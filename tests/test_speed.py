@@ -537,7 +537,7 @@ def test_measure_speed_keys_its_calibration_by_the_build_and_a_new_build_resets_
 
     from hotfit.pipeline.provision import speed_planning
     from hotfit.stages.measure_speed import calibrate
-    from tests.test_backend_boundary import FakeBackend, _use
+    from tests.test_backend_boundary import FakeBackend, FakeBinary, _use
 
     fake = FakeBackend()
     _use(monkeypatch, fake)  # a backend registered where backends are: its build identity is the test's
@@ -546,10 +546,17 @@ def test_measure_speed_keys_its_calibration_by_the_build_and_a_new_build_resets_
     served = dataclasses.replace(big, entry=dataclasses.replace(big.entry, backend="fake"))
     settings = load_settings({}, home=tmp_path / "home")
     halved = {k: big.speed_predicted[k] / 2 for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
-    calibrate(served, settings, "r1", dict(big.speed_predicted), halved)
+    # the binary the load ran names the build: no search (the backend's answer is another build)
+    fake.build = ("fake-build-searched", "what a search would find")
+    calibrate(served, settings, "r1", dict(big.speed_predicted), halved, FakeBinary())
     stored = json.loads(settings.speed_calibration_path.read_text())
     assert (stored["backend"], stored["backend_build"], stored["schema"]) == ("fake", "fake-build-1", 2)
     assert "the fake server, build 1" in stored["provenance"] and stored["decode_factor"] == pytest.approx(0.5)
+    # a load that found its own binary: the same search names it
+    calibrate(served, settings, "r1", dict(big.speed_predicted), halved, None)
+    assert json.loads(settings.speed_calibration_path.read_text())["backend_build"] == "fake-build-searched"
+    fake.build = ("fake-build-1", "the fake server, build 1")
+    calibrate(served, settings, "r1", dict(big.speed_predicted), halved, FakeBinary())
 
     with structlog.testing.capture_logs() as events:
         same = speed_planning(settings, ProbeResult((CPU,)), backend="fake")
@@ -567,6 +574,24 @@ def test_measure_speed_keys_its_calibration_by_the_build_and_a_new_build_resets_
     fake.build = ("fake-build-1", "the fake server, build 1")
     elsewhere = speed_planning(settings, ProbeResult((GPU,)), backend="fake")
     assert elsewhere.calibration_build_now is None and elsewhere.on(GPU, "fake").device == device_speed_facts(GPU)
+
+
+def test_a_llama_server_binary_names_its_build_by_its_facts_and_its_bytes(tmp_path: Path) -> None:
+    # measure-speed keys the calibration by the binary the load ran (ServerBinary.build_identity);
+    # the search (LlamaServerBackend.build_identity) answers what the binary it finds answers
+    from hotfit.backends.llama_server.discovery import BuildInfo, ServerBinary
+
+    server = tmp_path / "llama-server"
+    server.write_bytes(b"build one")
+    build = BuildInfo("build-info.json", "0.0.1", 7000, "abc1234", "0.3.36", backend="cpu", variant="native")
+    binary = ServerBinary(server, "cache", build, None)
+    identity, described = binary.build_identity()
+    assert described == build.describe() and binary.build_identity() == (identity, described)
+    server.write_bytes(b"build two")  # a rebuild of the same version in place
+    rebuilt = binary.build_identity()
+    assert rebuilt[0] != identity and rebuilt[1] == described
+    generic = dataclasses.replace(binary, build=dataclasses.replace(build, variant="generic")).build_identity()
+    assert generic[0] not in (identity, rebuilt[0])
 
 
 def test_a_measurement_without_a_generation_rate_still_calibrates_the_prefill() -> None:

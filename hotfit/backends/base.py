@@ -94,6 +94,11 @@ class BackendBinary(Protocol):
 
     def to_json(self) -> dict[str, Any]: ...
 
+    def build_identity(self) -> tuple[str, str]:
+        """(identity, description) of this build: what :meth:`Backend.build_identity` names when the
+        search finds it, read from what was found, without searching again."""
+        ...
+
     def manifest_facts(self, *, report: AllocationReport, session: Mapping[str, Any], snapshot_commit: str | None,
                        call_facts: Mapping[str, Any]) -> ManifestFacts:
         """What the manifest keeps of the session this binary ran, from the re-check's ``report``

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hotfit.backends.base import BuildUnavailable
+from hotfit.backends.base import BackendBinary, BuildUnavailable
 from hotfit.backends.select import backend_for
 from hotfit.core.errors import BackendError, SpeedFloorMissed, StageRecordError, UsageError
 from hotfit.core.log import get_logger
@@ -289,7 +289,7 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     (session.run_dir / SPEED_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
     log.info("speed.measured", **{k: v for k, v in measured.items() if k != "basis"}, ratio=result.ratio)
     if predicted is not None:  # later plans on this machine, with this build, start from what was measured here
-        calibrate(plan, ctx.settings, ctx.run_id, predicted, measured)
+        calibrate(plan, ctx.settings, ctx.run_id, predicted, measured, ctx.result("load", LoadResult).binary)
     floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
     missed = floor_misses(measured, predicted, floors)
     if missed:
@@ -301,15 +301,19 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     return result
 
 
-def calibrate(plan: Plan, settings: Settings, run_id: str, predicted: dict[str, Any], measured: dict[str, Any]) -> None:
-    """Store measured / predicted for the plan's device, keyed by the build that measured it (the one
-    the load stage ran: the same search); a build that cannot be named keeps no calibration."""
+def calibrate(plan: Plan, settings: Settings, run_id: str, predicted: dict[str, Any], measured: dict[str, Any],
+              binary: BackendBinary | None) -> None:
+    """Store measured / predicted for the plan's device, keyed by the build that measured it: the
+    ``binary`` the load ran (the plan stage's preflight found it), or where the load found its own,
+    the same search again; a build that cannot be named keeps no calibration."""
     device = plan.placement.device
     try:
-        build = backend_for(plan.backend).build_identity(device.kind, settings)
-    except BuildUnavailable as exc:
+        build = (binary.build_identity() if binary is not None
+                 else backend_for(plan.backend).build_identity(device.kind, settings))
+    except (BuildUnavailable, OSError) as exc:  # OSError: the binary's bytes could not be read to name it
+        what = exc.what if isinstance(exc, BuildUnavailable) else str(exc)
         log.warning("speed.calibration_unwritten", path=str(settings.speed_calibration_path),
-                    error=f"the build that measured cannot be named: {exc.what}")
+                    error=f"the build that measured cannot be named: {what}")
         return
     provenance = f"run {run_id} ({plan.entry.name}, {build[1]}, {utc_now()})"
     calibration = calibration_from(device, plan.backend, build, predicted, measured, provenance)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,6 @@ from hotfit.planner.plan import Plan
 from hotfit.planner.probe import Device
 from hotfit.core.settings import Settings
 from hotfit.registry.select import DEVICE_KINDS
-from hotfit.state.receipts import sha256_file
 
 __all__ = ["LlamaServerBackend"]
 
@@ -143,17 +140,15 @@ class LlamaServerBackend:
                          cuda_capability=capability_number(device.compute_capability or "") if kind == "cuda" else None)
 
     def build_identity(self, device_kind: str, settings: Settings) -> tuple[str, str]:
-        """The llama-server the load stage would start (same search, same checks): its build facts
-        and the binary's sha256 (a rebuild of the same version is another build: pipeline/evidence.py)."""
+        """The llama-server the load stage would start (same search, same checks): its
+        :meth:`ServerBinary.build_identity`. The search logs nothing: the run's preflight announces the
+        binary it runs."""
         try:
             binary = find_llama_server(settings, device_kind=device_kind, announce=False)
         except HotfitError as exc:
             raise BuildUnavailable(f"no usable llama-server for a {device_kind} device: {exc.what}",
                                    hint=exc.hint) from None
-        facts = binary.to_json()["build"]
-        identity = hashlib.sha256(json.dumps({"build": facts, "binary_sha256": sha256_file(binary.server_path)},
-                                             sort_keys=True).encode()).hexdigest()
-        return identity, binary.build.describe()
+        return binary.build_identity()
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         return self.build_identity(device_kind, settings)  # the same build whichever model it serves

@@ -30,6 +30,7 @@ order over modules.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -49,6 +50,7 @@ from hotfit.core.isa import (cpuinfo_flags, executable_features, ggml_cpu_varian
                              missing_features)
 from hotfit.core.log import get_logger
 from hotfit.core.settings import LLAMA_SDIST_VERSION, Settings
+from hotfit.state.receipts import sha256_file
 
 __all__ = [
     "INSTALL_HINT",
@@ -174,6 +176,14 @@ class ServerBinary:
                 "cpu_variant": self.build.cpu_variant,
             },
         }
+
+    def build_identity(self) -> tuple[str, str]:
+        """Its build facts and the binary's sha256 (a rebuild of the same version is another build:
+        pipeline/evidence.py), and the build described."""
+        facts = self.to_json()["build"]
+        identity = hashlib.sha256(json.dumps({"build": facts, "binary_sha256": sha256_file(self.server_path)},
+                                             sort_keys=True).encode()).hexdigest()
+        return identity, self.build.describe()
 
     def manifest_facts(self, *, report: AllocationReport, session: Mapping[str, Any], snapshot_commit: str | None,
                        call_facts: Mapping[str, Any]) -> ManifestFacts:

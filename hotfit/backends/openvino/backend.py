@@ -61,6 +61,18 @@ def ovms_argv(*, model_name: str, model_path: str, device: str, kv_bytes: int, f
     return argv
 
 
+def installed_releases() -> tuple[str, str]:
+    """(identity, description) of the installed GenAI and OpenVINO releases (wheels: the release is
+    the build). Raises :class:`BuildUnavailable`."""
+    try:
+        releases = {name: importlib.metadata.version(name) for name in ("openvino-genai", "openvino")}
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise BuildUnavailable(f"OpenVINO is not installed ({exc.name} is missing)",
+                               hint="install hotfit's openvino extra: pip install 'hotfit[openvino]'") from None
+    described = ", ".join(f"{name} {version}" for name, version in releases.items())
+    return described, described
+
+
 @dataclass(frozen=True)
 class OpenVinoRuntime:
     """What the OpenVINO preflight checked (OpenVINO's :class:`backends.base.BackendBinary`)."""
@@ -80,6 +92,9 @@ class OpenVinoRuntime:
                                                   "configured_kv_blocks", "block_tokens")},
             extra={"openvino": {"genai_version": self.genai_version, "session": session.get("config"),
                                 "snapshot_commit": snapshot_commit, "tool_call_family": call_facts.get("family")}})
+
+    def build_identity(self) -> tuple[str, str]:
+        return installed_releases()  # the wheels this process runs: the release is the build
 
     @classmethod
     def decode(cls, record: Mapping[str, Any], *, path: str = "") -> OpenVinoRuntime:
@@ -155,14 +170,7 @@ class OpenVinoBackend:
         return None  # OpenVINO GenAI is a wheel from PyPI (pyproject's openvino extra): nothing to build
 
     def build_identity(self, device_kind: str, settings: Settings) -> tuple[str, str]:
-        """The installed GenAI and OpenVINO releases (wheels: the release is the build)."""
-        try:
-            releases = {name: importlib.metadata.version(name) for name in ("openvino-genai", "openvino")}
-        except importlib.metadata.PackageNotFoundError as exc:
-            raise BuildUnavailable(f"OpenVINO is not installed ({exc.name} is missing)",
-                                   hint="install hotfit's openvino extra: pip install 'hotfit[openvino]'") from None
-        described = ", ".join(f"{name} {version}" for name, version in releases.items())
-        return described, described
+        return installed_releases()
 
     def grade_build(self, entry: Entry, device_kind: str, settings: Settings) -> tuple[str, str]:
         raise BuildUnavailable(f"{entry.name} is an {entry.backend} entry: grade evidence is kept for "
