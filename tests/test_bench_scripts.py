@@ -233,7 +233,8 @@ def test_locate_runs_fetch_test_models_when_the_receipt_is_missing(tmp_path: Pat
     assert realmodels.locate(SMOLLM2, fetch=False) == target
 
 
-def test_bench_speed_fit_recovers_the_constants_of_runs_the_model_made() -> None:
+@pytest.mark.parametrize("decode_bytes_per_thread", [None, 5e9])
+def test_bench_speed_fit_recovers_the_constants_of_runs_the_model_made(decode_bytes_per_thread: float | None) -> None:
     """scripts/bench-speed --fit, on 'measurements' the speed model itself produced from known
     constants (three models of different size, depth and quant): it gives those constants back."""
     bench = load_script("bench-speed")
@@ -242,7 +243,9 @@ def test_bench_speed_fit_recovers_the_constants_of_runs_the_model_made() -> None
     threads, bandwidth = 2, 30e9
     device = speed.DeviceSpeedFacts("cpu", bandwidth, 0.5, threads * 50e9, "test", "test",
                                     attention_prefill_flops_per_s=threads * 20e9,
-                                    attention_decode_flops_per_s=threads * 5e9, decode_overhead_s_per_layer=2e-4)
+                                    attention_decode_flops_per_s=threads * 5e9, decode_overhead_s_per_layer=2e-4,
+                                    decode_weight_bytes_per_s=None if decode_bytes_per_thread is None
+                                    else threads * decode_bytes_per_thread)
     facts = {"small": speed.ModelSpeedFacts(1e8, 1e8, (speed.AttentionGroup(30, 576, 768),), "GGUF tensors (Q4_1)",
                                             matmul_efficiency=0.4, n_layers=30),
              "mid": speed.ModelSpeedFacts(2.5e8, 1e8, (speed.AttentionGroup(15, 1024, 1024, 512),
@@ -254,7 +257,10 @@ def test_bench_speed_fit_recovers_the_constants_of_runs_the_model_made() -> None
                      "decode_tokens_per_s": p.decode_tokens_per_s, "first_token_s": p.first_token_s}
                     for d in (512, 8192, 16384) for p in (speed.predict(f, device, d),)] for k, f in facts.items()}
     fitted = bench.fit(measured, facts, bandwidth, threads)
-    assert fitted["CPU_DECODE_BANDWIDTH_EFFICIENCY"] == pytest.approx(0.5, rel=0.01)
+    if decode_bytes_per_thread is None:  # the bus binds decode: its share is the efficiency
+        assert fitted["CPU_DECODE_BANDWIDTH_EFFICIENCY"] == pytest.approx(0.5, rel=0.01)
+    else:  # 2 threads x 5 GB/s, slower than the bus's 15: the fit is the threads' rate
+        assert fitted["CPU_DECODE_WEIGHT_BYTES_PER_S_PER_THREAD"] == pytest.approx(decode_bytes_per_thread, rel=0.01)
     assert fitted["CPU_DECODE_OVERHEAD_S_PER_LAYER"] == pytest.approx(2e-4, rel=0.02)
     assert fitted["CPU_PREFILL_FLOPS_PER_THREAD"] == pytest.approx(50e9, rel=0.01)
     assert fitted["CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD"] == pytest.approx(20e9, rel=0.01)

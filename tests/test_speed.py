@@ -23,6 +23,8 @@ from hotfit.registry.select import device_budget
 from hotfit.registry.speed import (
     ASSUMED_HOST_BANDWIDTH_BYTES_PER_S,
     CPU_DECODE_BANDWIDTH_EFFICIENCY,
+    CPU_DECODE_WEIGHT_BYTES_PER_S_PER_THREAD,
+    CPU_LONE_THREAD_SPEEDUP,
     AttentionGroup,
     DeviceSpeedFacts,
     ModelSpeedFacts,
@@ -123,12 +125,43 @@ def test_prompt_attention_runs_at_its_own_rate_and_the_matmuls_at_the_quants() -
 
 @pytest.mark.parametrize(("label", "factor", "said"), [
     ("Q4_K_M", 1.0, ""), ("Qwen3-8B-UD-Q4_K_XL.gguf", 1.0, ""), ("SmolLM2-135M-Instruct.Q4_1.gguf", 0.42, "Q4_1"),
-    ("model-q4_0.gguf", 1.0, "not measured"), ("IQ4_K", 1.0, "not measured"), (None, 1.0, "not measured"),
+    ("model-Q8_0.gguf", 1.0, ""), ("model-q4_0.gguf", 1.0, "not measured"), ("IQ4_K", 1.0, "not measured"),
+    (None, 1.0, "not measured"),
 ])
 def test_a_quants_matmul_rate_is_read_from_its_name_and_an_unmeasured_one_says_so(label, factor, said) -> None:
     got, basis = quant_matmul_efficiency(label)
     assert got == factor
     assert said in basis and (said or basis == "")
+
+
+def test_decode_streams_the_weights_at_the_bus_or_the_threads_rate_whichever_is_slower() -> None:
+    # 1 GB of weights; the bus streams 50 GB/s; the threads dequantize and multiply 20 GB/s of weights
+    dev = dataclasses.replace(flat_device(100e9, 1e12), decode_weight_bytes_per_s=20e9)
+    assert predict(DENSE, dev, 0).decode_start_tokens_per_s == pytest.approx(20.0)
+    many_threads = dataclasses.replace(dev, decode_weight_bytes_per_s=200e9)  # then the bus binds again
+    assert predict(DENSE, many_threads, 0).decode_start_tokens_per_s == pytest.approx(50.0)
+    assert predict(DENSE, dataclasses.replace(dev, decode_weight_bytes_per_s=None), 0
+                   ).decode_start_tokens_per_s == pytest.approx(50.0)  # a GPU: the bus alone
+    # a calibration scales the threads' rate with the rest of decode
+    assert predict(DENSE, dev.scaled(decode=0.5), 0).decode_start_tokens_per_s == pytest.approx(10.0)
+
+
+def test_a_cpus_decode_rate_grows_with_its_threads_until_the_bus_binds() -> None:
+    one, two, many = (device_speed_facts(dataclasses.replace(CPU, compute_threads=n)) for n in (1, 2, 64))
+    assert one.decode_weight_bytes_per_s == pytest.approx(CPU_LONE_THREAD_SPEEDUP * CPU_DECODE_WEIGHT_BYTES_PER_S_PER_THREAD)
+    rates = [predict(DENSE, d, 0).decode_start_tokens_per_s for d in (one, two, many)]
+    assert rates[0] < rates[1] <= rates[2]
+    assert rates[2] == pytest.approx(predict(DENSE, dataclasses.replace(many, decode_weight_bytes_per_s=None), 0)
+                                     .decode_start_tokens_per_s)
+
+
+def test_a_lone_thread_computes_faster_than_each_of_two_and_the_basis_says_so() -> None:
+    one, two, four = (device_speed_facts(dataclasses.replace(CPU, compute_threads=n)) for n in (1, 2, 4))
+    for rate in ("prefill_flops_per_s", "attention_prefill_flops_per_s", "attention_decode_flops_per_s",
+                 "decode_weight_bytes_per_s"):
+        assert getattr(one, rate) == pytest.approx(getattr(two, rate) / 2 * CPU_LONE_THREAD_SPEEDUP)
+        assert getattr(four, rate) == pytest.approx(2 * getattr(two, rate))  # past one: linear in threads
+    assert "a lone thread" in one.compute_basis and "a lone thread" not in two.compute_basis
 
 
 def test_a_calibration_scales_every_decode_term_and_every_prefill_term_exactly() -> None:

@@ -7,7 +7,9 @@ on memory bandwidth and hardware execution support"). Two bounds, docs/benchmark
 ("Predicted against measured speed") shows how close they come on real GGUFs:
 
 - generation (decode): every generated token streams the active weights once and attends its KV
-  cells, so a token takes ``active weight bytes / (bandwidth x efficiency)``, plus the attention at that
+  cells, so a token takes ``active weight bytes / (bandwidth x efficiency)`` — or, where the CPU's
+  threads cannot dequantize and multiply the weights that fast (one core, say),
+  ``active weight bytes / (threads x a thread's decode rate)`` — plus the attention at that
   depth (the KV read, or on a CPU its f16 multiply-adds, ``4 x query width x cells`` a layer, whichever
   is slower), plus a fixed cost a layer (the graph's small kernels and thread hand-offs: it matters only
   for tiny models);
@@ -53,8 +55,20 @@ CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD = 31e9
 CPU_ATTENTION_DECODE_FLOPS_PER_THREAD = 8.5e9
 # A quant's matmul rate against Q4_K's, where measured: llama.cpp's CPU backend repacks Q4_0, Q4_K and
 # IQ4_NL into interleaved kernels for prompt batches; Q4_1 has no such path (SmolLM2 Q4_1: 36 GFLOP/s a
-# thread against 85). A quant not listed is taken at Q4_K's rate, and the basis says so.
-QUANT_MATMUL_EFFICIENCY = {"Q4_K": 1.0, "Q4_1": 0.42}
+# thread against 85); Qwen2.5 requantized to Q8_0 runs at Q4_K's rate. A quant not listed is taken at
+# Q4_K's rate, and the basis says so.
+QUANT_MATMUL_EFFICIENCY = {"Q4_K": 1.0, "Q4_1": 0.42, "Q8_0": 1.0}
+# A CPU thread dequantizes and multiplies at most this many weight bytes a second in a decode step: with
+# few threads that, not the memory bus, bounds generation. One core of the Zen 5 VM, two runs: Qwen2.5
+# Q4_K 14 and 11 GB/s, its Q8_0 copy 10 and >= 19 (a shared core moves one run 30 %: the quants are the
+# same within that), Gemma 3 14-18; taken at 13 for each of two threads (a lone one runs 1.2x: below).
+# Two cores share ~23 GB/s of streamed bandwidth, so the bus binds first there.
+CPU_DECODE_WEIGHT_BYTES_PER_S_PER_THREAD = 13e9
+# A lone thread runs every compute term (matmuls, attention, the decode rate above) this much faster than
+# each of two does: no barrier waits between a graph's ops, the caches to itself. One core's runs against
+# two cores' on the same VM (docs/benchmarks.md); more threads are taken at two's rate a thread (not
+# measured here: no machine with more cores).
+CPU_LONE_THREAD_SPEEDUP = 1.2
 # A GPU decode step reaches this fraction of NVML's peak bandwidth (clock x bus width). Not measured
 # here (no GPU): llmfit's published factor (0.55) rounded up for llama.cpp's CUDA kernels; an estimate.
 GPU_DECODE_BANDWIDTH_EFFICIENCY = 0.6
@@ -132,7 +146,8 @@ class ModelSpeedFacts:
 class DeviceSpeedFacts:
     """What speed depends on in the device: its read bandwidth and compute rates, and their basis.
     ``attention_prefill_flops_per_s`` None: attention at the matmuls' rate; ``attention_decode_flops_per_s``
-    None: decode attention is bound by the KV read alone."""
+    None: decode attention is bound by the KV read alone; ``decode_weight_bytes_per_s``: weight bytes a
+    second its threads dequantize and multiply in a decode step (None: the bandwidth alone bounds it)."""
 
     kind: str
     read_bandwidth_bytes_per_s: float
@@ -143,6 +158,7 @@ class DeviceSpeedFacts:
     attention_prefill_flops_per_s: float | None = None
     attention_decode_flops_per_s: float | None = None
     decode_overhead_s_per_layer: float = 0.0
+    decode_weight_bytes_per_s: float | None = None
 
     def scaled(self, *, decode: float = 1.0, prefill: float = 1.0) -> DeviceSpeedFacts:
         """These facts with every decode term ``decode`` times as fast and every prefill term ``prefill``
@@ -152,6 +168,7 @@ class DeviceSpeedFacts:
         return replace(self, decode_efficiency=self.decode_efficiency * decode,
                        attention_decode_flops_per_s=times(self.attention_decode_flops_per_s, decode),
                        decode_overhead_s_per_layer=self.decode_overhead_s_per_layer / decode,
+                       decode_weight_bytes_per_s=times(self.decode_weight_bytes_per_s, decode),
                        prefill_flops_per_s=self.prefill_flops_per_s * prefill,
                        attention_prefill_flops_per_s=times(self.attention_prefill_flops_per_s, prefill))
 
@@ -203,7 +220,10 @@ def decode_tokens_per_s(model: ModelSpeedFacts, device: DeviceSpeedFacts, depth_
     attention_s = model.kv_read_bytes(depth_tokens) / streamed_bytes_per_s
     if device.attention_decode_flops_per_s is not None:
         attention_s = max(attention_s, model.decode_attention_flops(depth_tokens) / device.attention_decode_flops_per_s)
-    token_s = (model.weights_read_per_token_bytes / streamed_bytes_per_s + attention_s
+    weights_bytes_per_s = streamed_bytes_per_s  # the bus, or the threads' dequantize-and-multiply rate
+    if device.decode_weight_bytes_per_s is not None:
+        weights_bytes_per_s = min(weights_bytes_per_s, device.decode_weight_bytes_per_s)
+    token_s = (model.weights_read_per_token_bytes / weights_bytes_per_s + attention_s
                + model.layers * device.decode_overhead_s_per_layer)
     return 1.0 / token_s
 
@@ -248,12 +268,19 @@ class Device(Protocol):
     def compute_threads(self) -> int | None: ...
 
 
+def cpu_thread_units(threads: int) -> float:
+    """What ``threads`` llama-server threads compute, in units of one of two threads' rates (the
+    per-thread constants' unit): a lone thread runs CPU_LONE_THREAD_SPEEDUP of one."""
+    return CPU_LONE_THREAD_SPEEDUP if threads == 1 else float(threads)
+
+
 def device_speed_facts(device: Device) -> DeviceSpeedFacts:
     """The probe's figures for ``device`` (bandwidth, threads), or the assumed ones an old probe
     file without them gets — the basis names which."""
     bw = device.read_bandwidth_bytes_per_s
     if device.kind == "cpu":
         threads = device.compute_threads or ASSUMED_HOST_THREADS
+        units = cpu_thread_units(threads)
         bandwidth = float(bw) if bw else ASSUMED_HOST_BANDWIDTH_BYTES_PER_S
         bw_basis = (device.bandwidth_basis or "measured") if bw else (
             f"assumed {ASSUMED_HOST_BANDWIDTH_BYTES_PER_S / GB:.0f} GB/s: the probe did not measure this host "
@@ -261,15 +288,18 @@ def device_speed_facts(device: Device) -> DeviceSpeedFacts:
         compute_basis = (f"{threads} threads x {CPU_PREFILL_FLOPS_PER_THREAD / GB:.0f} GFLOP/s per thread in "
                          f"matmuls, {CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD / GB:.0f} in prompt attention, "
                          f"{CPU_ATTENTION_DECODE_FLOPS_PER_THREAD / GB:.1f} in decode attention, "
+                         f"{CPU_DECODE_WEIGHT_BYTES_PER_S_PER_THREAD / GB:.0f} GB/s of weights in decode, "
                          f"{CPU_DECODE_OVERHEAD_S_PER_LAYER * 1e3:g} ms a layer a token (fitted on an AVX-512 Zen 5 "
                          "with Q4_K: docs/benchmarks.md)"
+                         + (f"; x{CPU_LONE_THREAD_SPEEDUP:g}: a lone thread" if threads == 1 else "")
                          + ("" if device.compute_threads else "; threads assumed: not probed"))
         return DeviceSpeedFacts("cpu", bandwidth, CPU_DECODE_BANDWIDTH_EFFICIENCY,
-                                threads * CPU_PREFILL_FLOPS_PER_THREAD, f"{bandwidth / GB:.1f} GB/s, {bw_basis}",
+                                units * CPU_PREFILL_FLOPS_PER_THREAD, f"{bandwidth / GB:.1f} GB/s, {bw_basis}",
                                 compute_basis,
-                                attention_prefill_flops_per_s=threads * CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD,
-                                attention_decode_flops_per_s=threads * CPU_ATTENTION_DECODE_FLOPS_PER_THREAD,
-                                decode_overhead_s_per_layer=CPU_DECODE_OVERHEAD_S_PER_LAYER)
+                                attention_prefill_flops_per_s=units * CPU_ATTENTION_PREFILL_FLOPS_PER_THREAD,
+                                attention_decode_flops_per_s=units * CPU_ATTENTION_DECODE_FLOPS_PER_THREAD,
+                                decode_overhead_s_per_layer=CPU_DECODE_OVERHEAD_S_PER_LAYER,
+                                decode_weight_bytes_per_s=units * CPU_DECODE_WEIGHT_BYTES_PER_S_PER_THREAD)
     bandwidth = float(bw) if bw else ASSUMED_GPU_BANDWIDTH_BYTES_PER_S
     bw_basis = (device.bandwidth_basis or "probed") if bw else (
         f"assumed {ASSUMED_GPU_BANDWIDTH_BYTES_PER_S / GB:.0f} GB/s: the probe could not read this GPU's "
@@ -288,7 +318,7 @@ def quant_matmul_efficiency(quant_label: str | None) -> tuple[float, str]:
         if re.search(rf"(?<![A-Z0-9]){quant}(?![0-9])", label):
             factor = QUANT_MATMUL_EFFICIENCY[quant]
             return factor, ("" if factor == 1.0 else f"{quant} matmuls at {factor:g} of Q4_K's rate (measured)")
-    return 1.0, "matmuls taken at Q4_K's rate (this quant's not measured)"
+    return 1.0, "matmuls and a thread's decode rate taken at Q4_K's (this quant's not measured)"
 
 
 def estimated_query_width(active_params: float, n_layers: int) -> int:
