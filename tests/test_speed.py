@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from hotfit.core.errors import UsageError
@@ -457,6 +458,57 @@ def test_the_follow_up_turn_adds_its_tokens_in_the_models_own_characters(chars_p
     added = follow_up(req, {"choices": [{"message": {"content": ""}}]}, chars_per_token=chars_per_token)
     new_chars = len(added["messages"][-1]["content"])
     assert new_chars / chars_per_token == pytest.approx(FOLLOW_UP_TOKENS, rel=0.01)
+
+
+class TokenizingServer:
+    """What the speed check needs of a server: it counts a request's tokens at ``chars_per_token`` of
+    its text plus ``template_tokens`` of its own, and with the prompt cache on evaluates only what
+    follows the previous request's messages (llama-server's slot reuse)."""
+
+    def __init__(self, chars_per_token: float, template_tokens: int = 80) -> None:
+        self.chars_per_token, self.template_tokens = chars_per_token, template_tokens
+        self.sent: list[dict[str, Any]] = []
+
+    def tokens(self, messages: list[dict[str, Any]]) -> int:
+        return round(sum(len(m["content"]) for m in messages) / self.chars_per_token)
+
+    def count(self, request: dict[str, Any]) -> int:
+        """The request's tokens evaluated whole."""
+        return self.template_tokens + round(len(json.dumps(request["tools"])) / self.chars_per_token) \
+            + self.tokens(request["messages"])
+
+    async def ask(self, request: dict[str, Any], what: str) -> ChatReply:
+        last = self.sent[-1]["messages"] if self.sent else None
+        self.sent.append(request)
+        msgs = request["messages"]
+        if request.get("cache_prompt") and last is not None and msgs[:len(last)] == last:
+            n = self.tokens(msgs[len(last):])
+        else:
+            n = self.count(request)
+        return ChatReply.of_body({"choices": [{"message": {"content": "Read."}}],
+                                  "timings": {"prompt_n": n, "prompt_ms": n * 2.0, "predicted_per_second": 10.0}})
+
+
+@pytest.mark.parametrize("depths", [None, (2560, 5120)])
+def test_the_check_sizes_its_prompts_in_tokens_the_server_counts_and_caches_the_follow_up(depths) -> None:
+    # the probe's estimate (4 characters a token, its template's tokens counted in) is off: this
+    # model reads 6 characters a token of the agent prompt (Qwen2.5 sent 65 % of the tokens asked)
+    from hotfit.stages.measure_speed import timed_check
+
+    server = TokenizingServer(chars_per_token=6.0)
+    measured = anyio.run(timed_check, server.ask, 16384, depths, 4.0)
+    first_measured = server.sent[-2]  # the full prompt, or the second depth: evaluated whole
+    assert first_measured["cache_prompt"] is False and server.sent[0]["cache_prompt"] is False
+    want = 16384 if depths is None else depths[1]
+    assert abs(server.count(first_measured) - want) / want < 0.05  # sized by the server's count of a shorter one
+    assert server.sent[-1]["cache_prompt"] is True  # the follow-up turn, on the cached prefix
+    # only the new turn is evaluated (before, a fresh first turn left the follow-up uncached: all of it again)
+    assert measured["follow_up_prompt_tokens"] == pytest.approx(FOLLOW_UP_TOKENS, rel=0.1)
+    if depths is None:
+        assert abs(measured["prompt_tokens"] - 16384) / 16384 < 0.05 and len(server.sent) == 3
+        assert server.tokens(server.sent[0]["messages"]) < 16384 / 4  # the sizing prompt: a quarter at most
+    else:
+        assert measured["prompt_tokens"] == 16384 and len(server.sent) == 3
 
 
 @pytest.mark.parametrize(("window", "wanted", "expected"), [(None, 16384, 16384), (131072, 16384, 16384),

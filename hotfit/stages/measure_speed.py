@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,15 @@ def agent_request(prompt_tokens: int, *, fresh: bool = False, chars_per_token: f
             "cache_prompt": not fresh}
 
 
+def sized_chars_per_token(asked_tokens: int, chars_per_token_sent: float, got_tokens: int | None) -> float:
+    """This model's characters a token of the agent prompt itself, from one the server counted: the
+    probe's estimate is off by its template's own tokens (Qwen2.5's tool preamble: the agent prompt
+    came out at 65 % of the tokens asked, docs/benchmarks.md)."""
+    if not got_tokens:
+        return chars_per_token_sent
+    return min(4 * CHARS_PER_TOKEN, max(1.0, int(asked_tokens * chars_per_token_sent) / got_tokens))
+
+
 def chars_per_token(request: Mapping[str, Any], prompt_tokens: int | None) -> float:
     """Characters a token of this model's vocabulary holds, from a request it tokenized (the
     tool-call probe's; its template's own tokens make it an underestimate: the agent prompt comes out
@@ -117,13 +126,14 @@ def short_depths(wanted_tokens: int, expected_first_token_s: float | None) -> tu
 
 def follow_up(request: Mapping[str, Any], answer: Mapping[str, Any], *,
               chars_per_token: float = CHARS_PER_TOKEN) -> dict[str, Any]:
-    """The next turn on the cached prefix: the answer, and about FOLLOW_UP_TOKENS more of the
-    conversation (in this model's characters per token, as :func:`agent_request` sizes the prompt)."""
+    """The next turn on the cached prefix (sent with the prompt cache on, whatever the first turn
+    was sent with): the answer, and about FOLLOW_UP_TOKENS more of the conversation (in this
+    model's characters per token, as :func:`agent_request` sizes the prompt)."""
     said = ((answer.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
     chars = int(FOLLOW_UP_TOKENS * chars_per_token)
     more = (_TURN * (chars // len(_TURN) + 1))[:chars]
-    return {**request, "messages": [*request["messages"], {"role": "assistant", "content": said},
-                                    {"role": "user", "content": more}]}
+    return {**request, "cache_prompt": True,
+            "messages": [*request["messages"], {"role": "assistant", "content": said}, {"role": "user", "content": more}]}
 
 
 def prompt_size(window_tokens: int | None, wanted_tokens: int) -> int:
@@ -213,6 +223,34 @@ def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
     return a, b
 
 
+# The sizing prompt before a full one: a quarter of it, at most 4096 tokens, so the template's own
+# tokens (Qwen2.5: ~80) are a small share of its count (prefill cost: under a quarter of the full one's)
+SIZING_MAX_TOKENS = 4096
+
+
+async def timed_check(ask: Callable[[dict[str, Any], str], Awaitable[ChatReply]], wanted: int,
+                      depths: tuple[int, int] | None, ratio: float) -> dict[str, Any]:
+    """The speed check's requests, through ``ask``: every measured prompt evaluated whole, sized in
+    this model's characters per token as counted by the server on a shorter one first (a sizing
+    prompt, or the first of the two depths), and the follow-up turn on its cached prefix. The full
+    prompt (``depths`` None) or the two shorter ones, extrapolated to ``wanted``."""
+    if depths is None:
+        size = max(MIN_DEPTH_TOKENS, min(SIZING_MAX_TOKENS, wanted // 4))
+        sizing = await ask(agent_request(size, fresh=True, chars_per_token=ratio), "the speed check (sizing)")
+        ratio = sized_chars_per_token(size, ratio, sizing.prompt_tokens)
+        request = agent_request(wanted, fresh=True, chars_per_token=ratio)
+        first = await ask(request, "the speed check")
+        second = await ask(follow_up(request, first.body, chars_per_token=ratio), "the speed check's follow-up turn")
+        return measured_figures(Timing.of(first), Timing.of(second))
+    n1, n2 = depths  # the full prompt would take too long: two shorter ones, extrapolated (docs/benchmarks.md)
+    short = await ask(agent_request(n1, fresh=True, chars_per_token=ratio), "the speed check (first depth)")
+    ratio = sized_chars_per_token(n1, ratio, short.prompt_tokens)
+    request = agent_request(n2, fresh=True, chars_per_token=ratio)
+    longer = await ask(request, "the speed check (second depth)")
+    second = await ask(follow_up(request, longer.body, chars_per_token=ratio), "the speed check's follow-up turn")
+    return extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
+
+
 def ratios(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any]) -> dict[str, float]:
     """predicted / measured for each figure both carry (a prediction for another prompt length is
     still compared: the rates scale little with it, first_token_s only when the lengths match)."""
@@ -270,18 +308,7 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
         except ChatFailed as exc:
             raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
 
-    if depths is None:
-        request = agent_request(wanted, chars_per_token=ratio)
-        first = await ask(request, "the speed check")
-        second = await ask(follow_up(request, first.body, chars_per_token=ratio), "the speed check's follow-up turn")
-        measured = measured_figures(Timing.of(first), Timing.of(second))
-    else:  # the full prompt would take too long: two shorter ones, extrapolated (docs/benchmarks.md)
-        n1, n2 = depths
-        short = await ask(agent_request(n1, fresh=True, chars_per_token=ratio), "the speed check (first depth)")
-        request = agent_request(n2, fresh=True, chars_per_token=ratio)
-        longer = await ask(request, "the speed check (second depth)")
-        second = await ask(follow_up(request, longer.body, chars_per_token=ratio), "the speed check's follow-up turn")
-        measured = extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
+    measured = await timed_check(ask, wanted, depths, ratio)
     predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
     if predicted is not None:
         predicted.pop("warning", None)
