@@ -105,8 +105,9 @@ def sized_chars_per_token(asked_tokens: int, chars_per_token_sent: float, got_to
 
 def chars_per_token(request: Mapping[str, Any], prompt_tokens: int | None) -> float:
     """Characters a token of this model's vocabulary holds, from a request it tokenized (the
-    tool-call probe's; its template's own tokens make it an underestimate: the agent prompt comes out
-    no longer than asked), between 1 (a byte vocabulary) and CHARS_PER_TOKEN."""
+    tool-call probe's; its template's own tokens make it an underestimate), between 1 (a byte
+    vocabulary) and CHARS_PER_TOKEN: the first estimate, which :func:`sized_chars_per_token` corrects
+    from the server's count of the first prompt the check sends."""
     if not prompt_tokens:
         return CHARS_PER_TOKEN
     return min(CHARS_PER_TOKEN, max(1.0, len(json.dumps(request)) / prompt_tokens))
