@@ -21,6 +21,7 @@ from hotfit.core.isa import cpuinfo_flags
 from hotfit.core.settings import LLAMA_SDIST_VERSION, load_settings
 from tests.conftest import REPO_ROOT
 from tests.test_portable_build import _require_build
+from tests.test_vulkan import LAVAPIPE_ENV
 
 TIER = "integration"
 
@@ -215,8 +216,7 @@ def test_a_real_vulkan_build_round_trips_and_is_refused_without_a_vulkan_driver(
     with tarfile.open(archive) as tar:
         names = tar.getnames()
     assert "vulkan/bin/libggml-vulkan.so" in names and "vulkan/bin/libggml-cpu-x64.so" in names
-    # lavapipe is a CPU-type Vulkan device ggml hides unless GGML_VK_VISIBLE_DEVICES names it
-    lavapipe = {"GGML_VK_VISIBLE_DEVICES": "0"}
+    lavapipe = LAVAPIPE_ENV
     ok = _script("--from", str(archive), cache=tmp_path / "with-driver", extra_env=lavapipe)
     assert ok.returncode == 0, ok.stderr
     assert "vulkan build runs here" in ok.stderr

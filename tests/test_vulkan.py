@@ -31,7 +31,10 @@ from tests.test_load import fixture_plan
 TIER = "integration"
 
 GiB = 1 << 30
-LAVAPIPE_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
+# lavapipe is a CPU-type Vulkan device ggml hides unless GGML_VK_VISIBLE_DEVICES names it; with more
+# than one of its threads Mesa 22.3.6 segfaults at random in prompt processing (CONTRIBUTING.md,
+# "Real models"): one thread, so a test fails for hotfit's faults, not the driver's
+LAVAPIPE_ENV = {"GGML_VK_VISIBLE_DEVICES": "0", "LP_NUM_THREADS": "1"}
 
 pytestmark = [pytest.mark.llama, pytest.mark.vulkan]
 
@@ -171,9 +174,10 @@ def test_hotfit_auto_provisions_on_the_vulkan_device_end_to_end(tmp_path: Path) 
         proc = subprocess.run(
             [sys.executable, "-m", "hotfit", "--home", str(home), "--llama-server", str(binary),
              "--log-format", "json", "auto", "--registry", str(world.registry_path), "--model", SMALL, "--device", "vulkan",
-             # the speed check's agent prompt kept small: at the 16k default its follow-up turn crashed
-             # llama-server inside lavapipe (SIGSEGV, Mesa's software device), which hotfit reported as exit 5
-             "--agent-prompt-tokens", "2048"],
+             # the speed check skipped, by its flag: its long prompts are where lavapipe (Mesa 22.3.6)
+             # segfaults inside its driver at random (CONTRIBUTING.md, "Real models"); measure-speed is
+             # tested on the CPU build (tests/test_speed_floors_e2e.py, tests/test_auto_e2e.py)
+             "--skip-speed-check"],
             cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     manifest = json.loads((home / "manifest.json").read_text())
@@ -189,6 +193,7 @@ def test_hotfit_auto_provisions_on_the_vulkan_device_end_to_end(tmp_path: Path) 
     assert done["probe-tool-call"]["passed"] is True
     assert done["re-check"]["verdict"] == "pass"
     assert abs(done["re-check"]["ratio"] - 1) <= 0.01
+    assert manifest["speed"]["skipped"] == "--skip-speed-check" and "measure-speed" not in done
 
 
 def _fa_off_wrapper(binary: Path, directory: Path) -> Path:

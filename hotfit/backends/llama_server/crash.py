@@ -97,9 +97,13 @@ def signal_known_causes(sig: int, build: BuildInfo | None, isa: IsaComparison) -
                           "(CUDA: a driver older than the toolkit; Vulkan: another loader or ICD)")
         if backend in ("vulkan", None):
             # seen here: Mesa lavapipe 22.3.6 dies in its own thread running ggml's flash-attention
-            # shader for head_dim 256 (Gemma 3); the same model runs with -fa off
+            # shader for head_dim 256 (Gemma 3); the same model runs with -fa off. And at random in
+            # prompt processing with more than one of its threads, flash attention on or off (gdb:
+            # libvulkan_lvp.so; every try with 8, never in 20 with LP_NUM_THREADS=1: docs/hardware.md)
             causes.append("a Vulkan driver bug in one of ggml's shaders (seen: Mesa's lavapipe 22.3.6 crashes in "
-                          "flash attention for Gemma 3's head_dim 256; the backtrace ends in the driver's library)")
+                          "flash attention for Gemma 3's head_dim 256, and at random in prompt processing with "
+                          "more than one of its threads, which LP_NUM_THREADS=1 avoids; the backtrace ends in "
+                          "the driver's library)")
         causes.append("a llama.cpp bug with this model's architecture or tensor types: the backtrace says where")
     elif name == "SIGILL":
         if isa.missing:
