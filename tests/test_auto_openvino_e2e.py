@@ -158,6 +158,21 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     ov = manifest["extra"]["openvino"]
     assert ov["genai_version"].startswith("2026.4.1") and ov["tool_call_family"] == "hermes"
     assert ov["session"]["num_kv_blocks"] == tokens // 32 and ov["session"]["kv_precision"] == precision
+    # GenAI's GGUF reader (which made this export) bakes an 8192-token limit into the tokenizer: the
+    # load finds it and says so; nothing longer is sent to be cut
+    assert ov["prompt_max_tokens"] == 8192
+    assert [e["prompt_max_tokens"] for e in evs if e.get("event") == "openvino.prompt_cap"] == [8192]
+    # measure-speed read GenAI's own timings (TTFT, TPOT) of an agent prompt within that limit (less the
+    # follow-up's margin), sized in this model's tokens (this toy vocabulary's tool catalogue makes it
+    # 11 % long; measured), and of the follow-up turn, which GenAI evaluates whole: prefix caching is off
+    speed = manifest["speed"]["measured"]
+    assert speed["first_token_s"] > 0 and speed["prefill_tokens_per_s"] > 0, speed
+    assert abs(speed["prompt_tokens"] / (8192 - 4096) - 1) <= 0.25 and "8192 tokens" in speed["basis"], speed
+    assert speed["follow_up_prompt_tokens"] > speed["prompt_tokens"] and speed["follow_up_first_token_s"] > 0
+    # cut to a quarter of the 16,384 tokens predicted: recorded, neither compared nor calibrated on
+    assert "OpenVINO GenAI" in speed["basis"] and manifest["speed"]["ratio"] == {}
+    assert [e["measured_prompt_tokens"] for e in evs if e.get("event") == "speed.not_compared"] == [speed["prompt_tokens"]]
+    assert not (home / "speed-calibration.json").exists()
     assert ov["snapshot_commit"]
     assert manifest["backend_build"] == {}
     # nothing left running once hotfit exited

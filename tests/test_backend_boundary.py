@@ -85,6 +85,7 @@ class FakeReport:
 class FakeSession:
     backend: Any = "fake"  # no real backend's name: nothing outside backends/ may branch on it
     server_name = "fake server"
+    prompt_max_tokens = None
     load_seconds = 0.25
     pid = 4242
 

@@ -59,5 +59,6 @@ def test_the_backend_facts_come_from_the_loaded_binary_and_a_reused_session_writ
     else:
         assert manifest["backend_build"] == {} and measured["kv_precision"] == "u8"
         assert manifest["extra"]["openvino"] == {"genai_version": "2026.4", "session": OV_LOAD_RECORD["config"],
-                                                 "snapshot_commit": "c" * 40, "tool_call_family": "hermes"}
+                                                 "snapshot_commit": "c" * 40, "tool_call_family": "hermes",
+                                                 "prompt_max_tokens": None}
     assert measured["opened_context_tokens"] == report.opened_context_tokens

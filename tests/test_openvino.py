@@ -151,6 +151,24 @@ async def test_a_prompt_that_does_not_fit_the_cache_is_not_a_pass(tool_ir: OvFix
     assert err.value.details["cause"] == "status" and err.value.details["status"] == "IGNORED"
 
 
+async def test_a_prompt_longer_than_the_tokenizer_passes_is_refused_not_cut(tool_ir: OvFixture, tmp_path: Path) -> None:
+    """GenAI's GGUF reader bakes an 8192-token limit into the fixture's tokenizer, which encode's
+    truncation=False does not lift: the session finds it on opening, a prompt under it is answered,
+    and a longer one fails naming the limit instead of being answered cut (docs/openvino.md)."""
+    from hotfit.grading.protocol import ChatFailed
+    from hotfit.stages.measure_speed import agent_request
+
+    async with open_openvino_session(ov_plan(tool_ir, 32768), tool_ir.ir_dir, tmp_path / "run") as session:
+        assert session.prompt_max_tokens == 8192
+        short = await session.call_tools(agent_request(2048, chars_per_token=1.0), timeout_s=120,
+                                           purpose="a short prompt")  # this toy vocabulary: about a token a byte
+        assert 0 < (short.prompt_tokens or 0) < 8192 and (short.prompt_ms or 0) > 0
+        with pytest.raises(ChatFailed) as err:
+            await session.call_tools(agent_request(16384, chars_per_token=1.0), timeout_s=120, purpose="a long prompt")
+    assert err.value.details == {"status": "TRUNCATED", "prompt_max_tokens": 8192}
+    assert "8192" in err.value.what and "openvino_tokenizer.xml" in err.value.what
+
+
 async def test_a_truncated_weights_file_is_a_damaged_ir(tool_ir: OvFixture, tmp_path: Path) -> None:
     fx = _copy(tool_ir, tmp_path / "ir")
     weights = fx.ir_dir / "openvino_model.bin"

@@ -433,6 +433,7 @@ from hotfit.stages.measure_speed import (  # noqa: E402
     SpeedCheckJob,
     Timing,
     agent_request,
+    comparable,
     floor_misses,
     follow_up,
     measured_figures,
@@ -529,8 +530,12 @@ def test_measured_figures_come_from_the_servers_timings_and_are_compared() -> No
     assert (m["follow_up_prompt_tokens"], m["follow_up_first_token_s"]) == (1500, 6.0)
     same = {"prompt_tokens": 16000, "prefill_tokens_per_s": 250.0, "decode_tokens_per_s": 10.0, "first_token_s": 64.0}
     assert ratios(same, m) == {"prefill_tokens_per_s": 1.25, "decode_tokens_per_s": 0.8, "first_token_s": 0.8}
-    other = dict(same, prompt_tokens=16384)  # another length: the rates compare, the first-token time does not
-    assert set(ratios(other, m)) == {"prefill_tokens_per_s", "decode_tokens_per_s"}
+    # the check's prompt came out 2 % short: its first token is compared at its own length, at the
+    # predicted prefill rate (16,000 tokens at 250 tok/s: 64 s predicted, 80 s measured)
+    near = dict(same, prompt_tokens=16384, first_token_s=65.5)
+    assert ratios(near, m) == {"prefill_tokens_per_s": 1.25, "decode_tokens_per_s": 0.8, "first_token_s": 0.8}
+    far = dict(same, prompt_tokens=32768, first_token_s=131.0)  # another length: nothing is compared
+    assert ratios(far, m) == {} and not comparable(far, m) and comparable(near, m)
     assert ratios(None, m) == {}
     misses = floor_misses(m, same, SpeedFloors(min_decode_tokens_per_s=20, max_first_token_s=60))
     assert misses == ["measured 12.5 generated tokens/s < 20 (predicted 10.0)",

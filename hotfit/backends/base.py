@@ -274,6 +274,12 @@ class Session(Protocol):
 
     def describe_exit(self) -> str: ...
 
+    @property
+    def prompt_max_tokens(self) -> int | None:
+        """The most prompt tokens the session takes whole, when fewer than the planned window (an
+        OpenVINO export's tokenizer limit); None: the window."""
+        ...
+
     def to_json(self) -> dict[str, Any]:
         """What the load record keeps (no secret)."""
         ...

@@ -155,8 +155,9 @@ class Timing:
 
     @classmethod
     def of(cls, got: ChatReply) -> Timing:
-        """The server's own timings of one answer (llama-server: timings.prompt_ms and
-        predicted_per_second, 0 when it generated one token only: unmeasured)."""
+        """The backend's own timings of one answer (llama-server: timings.prompt_ms and
+        predicted_per_second, 0 when it generated one token only: unmeasured; OpenVINO GenAI: the
+        request's time to first token and time per output token)."""
         if got.prompt_ms is not None:
             return cls(got.prompt_tokens, got.prompt_ms / 1000, got.generation_tokens_per_s or None)
         first = (got.prompt_tokens / got.prompt_tokens_per_s
@@ -180,13 +181,17 @@ class SpeedResult:
         return decode_record(cls, record)
 
 
+OWN_TIMINGS = ("the backend's own timings (llama-server: timings.prompt_ms, predicted_per_second; "
+               "OpenVINO GenAI: the request's TTFT and TPOT)")
+
+
 def measured_figures(first: Timing, second: Timing) -> dict[str, Any]:
     prefill = (first.prompt_tokens / first.first_token_s
                if first.prompt_tokens and first.first_token_s else None)
     return {"prompt_tokens": first.prompt_tokens, "prefill_tokens_per_s": prefill,
             "decode_tokens_per_s": first.decode_tokens_per_s, "first_token_s": first.first_token_s,
             "follow_up_prompt_tokens": second.prompt_tokens, "follow_up_first_token_s": second.first_token_s,
-            "basis": "the server's own timings (llama-server: timings.prompt_ms, predicted_per_second)"}
+            "basis": OWN_TIMINGS}
 
 
 def extrapolated_figures(short: Timing, longer: Timing, follow: Timing, wanted_tokens: int) -> dict[str, Any]:
@@ -195,7 +200,7 @@ def extrapolated_figures(short: Timing, longer: Timing, follow: Timing, wanted_t
     the follow-up turn's first token as the same curve's cost of its new tokens at the full depth."""
     n1, t1, n2, t2 = short.prompt_tokens, short.first_token_s, longer.prompt_tokens, longer.first_token_s
     if not (n1 and n2 and t1 and t2) or n1 == n2:
-        return measured_figures(longer, follow) | {"basis": "the server's own timings at a shorter prompt "
+        return measured_figures(longer, follow) | {"basis": "the backend's own timings at a shorter prompt "
                                                             f"({n2} tokens): too little to extrapolate"}
     a, b = fit_prefill(n1, t1, n2, t2)
     first = a * wanted_tokens + b * wanted_tokens ** 2
@@ -209,7 +214,7 @@ def extrapolated_figures(short: Timing, longer: Timing, follow: Timing, wanted_t
     return {"prompt_tokens": wanted_tokens, "prefill_tokens_per_s": wanted_tokens / first,
             "decode_tokens_per_s": decode, "first_token_s": first, "follow_up_prompt_tokens": added or None,
             "follow_up_first_token_s": follow_s,
-            "basis": (f"extrapolated to {wanted_tokens} tokens from the server's own timings at {n1} and {n2} "
+            "basis": (f"extrapolated to {wanted_tokens} tokens from the backend's own timings at {n1} and {n2} "
                       f"(the full prompt was predicted past {SPEED_CHECK_BUDGET_S:g} s)")}
 
 
@@ -252,15 +257,33 @@ async def timed_check(ask: Callable[[dict[str, Any], str], Awaitable[ChatReply]]
     return extrapolated_figures(Timing.of(short), Timing.of(longer), Timing.of(second), wanted)
 
 
+# A prompt measured this close to the predicted length is compared with the prediction (the check
+# sizes it to a few percent of the tokens asked, docs/benchmarks.md); a prompt cut shorter (an
+# OpenVINO tokenizer's limit) is not: a small model's prefill rate moves with the length (docs/openvino.md)
+COMPARED_WITHIN = 0.25
+
+
+def comparable(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any]) -> bool:
+    """Whether the measured prompt is within COMPARED_WITHIN of the predicted one's length."""
+    n_pred, n_meas = (predicted or {}).get("prompt_tokens"), measured.get("prompt_tokens")
+    if not (isinstance(n_pred, int) and isinstance(n_meas, int) and n_pred > 0 and n_meas > 0):
+        return False
+    return abs(n_meas / n_pred - 1) <= COMPARED_WITHIN
+
+
 def ratios(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any]) -> dict[str, float]:
-    """predicted / measured for each figure both carry (a prediction for another prompt length is
-    still compared: the rates scale little with it, first_token_s only when the lengths match)."""
-    if not predicted:
+    """predicted / measured for each figure both carry, at comparable prompt lengths (none else). The
+    first token at the measured length: the predicted prefill rate's time for the measured prompt."""
+    if predicted is None or not comparable(predicted, measured):
         return {}
-    keys = ["prefill_tokens_per_s", "decode_tokens_per_s"]
-    if predicted.get("prompt_tokens") == measured.get("prompt_tokens"):
-        keys.append("first_token_s")
-    return {k: round(predicted[k] / measured[k], 3) for k in keys if predicted.get(k) and measured.get(k)}
+    out = {k: round(predicted[k] / measured[k], 3) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")
+           if predicted.get(k) and measured.get(k)}
+    first_pred, first_meas = predicted.get("first_token_s"), measured.get("first_token_s")
+    if first_pred and first_meas and measured["prompt_tokens"] != predicted["prompt_tokens"]:
+        first_pred = measured["prompt_tokens"] / predicted["prefill_tokens_per_s"]
+    if first_pred and first_meas:
+        out["first_token_s"] = round(first_pred / first_meas, 3)
+    return out
 
 
 def floor_misses(measured: Mapping[str, Any], predicted: Mapping[str, Any] | None, floors: SpeedFloors) -> list[str]:
@@ -290,16 +313,12 @@ class SpeedCheckJob:
 async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     job = ctx.job(SpeedCheckJob)
     plan = ctx.require_plan()
-    # A snapshot backend (OpenVINO's IR) reports no per-request server timings: recorded and logged,
-    # never silent (the entry's layout says which; tests/test_backend_closed.py)
-    if plan.entry.layout.snapshot:
-        why = f"not measured: the {plan.backend} backend reports no server timings for an agent-sized prompt"
-        log.warning("speed.not_measured", backend=plan.backend, reason=why)
-        return SpeedResult({"basis": why}, dict(plan.speed_predicted) if plan.speed_predicted else None)
     session = ctx.result("load", LoadResult).live()
     probe = ctx.result("probe-tool-call", ProbeToolCallResult)
     ratio = chars_per_token(probe.request, probe.prompt_tokens)
-    wanted = prompt_size(plan.hot_context_tokens, job.prompt_tokens)
+    # within what the session takes whole (an OpenVINO export's tokenizer may cut a longer prompt)
+    takes = min(t for t in (plan.hot_context_tokens, session.prompt_max_tokens) if t is not None)
+    wanted = prompt_size(takes, job.prompt_tokens)
     expected_s = (plan.speed_predicted or {}).get("first_token_s")
     depths = short_depths(wanted, expected_s if isinstance(expected_s, (int, float)) else None)
 
@@ -310,14 +329,26 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
             raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
 
     measured = await timed_check(ask, wanted, depths, ratio)
+    if wanted < prompt_size(plan.hot_context_tokens, job.prompt_tokens):
+        measured["basis"] += (f"; the prompt kept within the {session.prompt_max_tokens} tokens this export's "
+                              "tokenizer passes")
     predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
     if predicted is not None:
         predicted.pop("warning", None)
+    if measured.get("first_token_s") is None:  # recorded and logged, never silent, never calibrated on
+        why = (f"not measured: the {plan.backend} backend's answers carried no prompt timing "
+               "(an OpenVINO GenAI release without per-request perf metrics)")
+        log.warning("speed.not_measured", backend=plan.backend, reason=why)
+        return SpeedResult({"basis": why}, predicted)
     result = SpeedResult(measured, predicted, ratios(predicted, measured))
     (session.run_dir / SPEED_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
     log.info("speed.measured", **{k: v for k, v in measured.items() if k != "basis"}, ratio=result.ratio)
-    if predicted is not None:  # later plans on this machine, with this build, start from what was measured here
+    if predicted is not None and comparable(predicted, measured):  # later plans here start from what was measured
         calibrate(plan, ctx.settings, ctx.run_id, predicted, measured, ctx.result("load", LoadResult).binary)
+    elif predicted is not None:
+        log.info("speed.not_compared", predicted_prompt_tokens=predicted.get("prompt_tokens"),
+                 measured_prompt_tokens=measured.get("prompt_tokens"),
+                 reason="the prompt measured is not the length predicted: no ratio, no calibration")
     floors = job.floors.over(ctx.settings.min_decode_tokens_per_s, ctx.settings.max_first_token_s)
     missed = floor_misses(measured, predicted, floors)
     if missed:

@@ -158,6 +158,7 @@ class LoadedServer:
 
     backend: ClassVar[Literal["llama"]] = "llama"
     server_name: ClassVar[str] = "llama-server"
+    prompt_max_tokens: ClassVar[None] = None  # llama-server takes any prompt its window holds
 
     def load_figures(self) -> dict[str, Any]:
         return {"pid": self.pid, "load_seconds": round(self.load_seconds, 3), "template": self.template.describe(),

@@ -91,7 +91,9 @@ class OpenVinoRuntime:
             measured={k: recheck.get(k) for k in ("kv_precision", "kv_bytes_per_token", "predicted_kv_bytes",
                                                   "configured_kv_blocks", "block_tokens")},
             extra={"openvino": {"genai_version": self.genai_version, "session": session.get("config"),
-                                "snapshot_commit": snapshot_commit, "tool_call_family": call_facts.get("family")}})
+                                "snapshot_commit": snapshot_commit, "tool_call_family": call_facts.get("family"),
+                                # the tokenizer's prompt limit below the plan (worker._prompt_cap); None: none
+                                "prompt_max_tokens": session.get("prompt_max_tokens")}})
 
     def build_identity(self) -> tuple[str, str]:
         return installed_releases()  # the wheels this process runs: the release is the build

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+from hotfit.backends.openvino.config import prompt_cap_problem
 from hotfit.backends.openvino.protocol import WorkerGone
 from hotfit.backends.openvino.toolcall import (
     PARSERS,
@@ -109,22 +110,37 @@ async def call_tools(session: OpenVinoSession, request: Mapping[str, Any], *, ti
     seconds = float(out["seconds"])
     generated = int(out["generated_tokens"])
     text = str(out["text"])
+    if status == "TRUNCATED":  # the worker refused a prompt its tokenizer would cut (worker._prompt_cap)
+        cap = int(out.get("prompt_max_tokens") or 0)
+        raise ChatFailed("status", f"{purpose} failed: the prompt has {cap} tokens or more, and "
+                         + prompt_cap_problem(cap, session.config.planned_tokens),
+                         "send a shorter prompt, or use an export whose tokenizer has no length limit below the "
+                         "planned window (docs/openvino.md, \"Prompt length\")",
+                         status=status, prompt_max_tokens=cap)
     if status != "FINISHED":
         hint = ("the request did not fit the KV cache (GenAI reports IGNORED for an out-of-memory condition): "
                 "the cache holds fewer tokens than the plan" if status == "IGNORED" else "see the worker log")
         raise ChatFailed("status", f"{purpose} failed: generation ended with status {status}", hint, status=status)
     answer = answer_from_text(text, fam, "tool_calls" if PARSERS[fam](text, tools) else "stop", tools)
+    # GenAI's own figures (worker._perf_metrics): the prompt's time to the first token, and the
+    # generation rate after it (the first token comes with the prompt, as in llama-server's timings)
+    ttft_ms, tpot_ms = _positive(out.get("ttft_ms")), _positive(out.get("tpot_ms"))
     return ChatReply(
         body=answer,
         template=f"the export's own ({fam} syntax)",
         supports_tools=True if renders_tools else None,
         prompt_tokens=int(out["prompt_tokens"]),
         generated_tokens=generated,
-        generated_ms=seconds * 1000 if seconds > 0 else None,
-        generation_tokens_per_s=(generated / seconds) if seconds > 0 and generated else None,
+        prompt_ms=ttft_ms,
+        generated_ms=(seconds * 1000 - (ttft_ms or 0.0)) if seconds > 0 else None,
+        generation_tokens_per_s=1000 / tpot_ms if tpot_ms else None,
         facts={"family": fam, "forced": forced, "status": status, "text": text, "generation_seconds": seconds,
                "template_renders_tools": renders_tools},
     )
+
+
+def _positive(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def tool_call_fix(cause: str, answer: ChatReply | None = None) -> str:

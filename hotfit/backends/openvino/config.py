@@ -210,6 +210,13 @@ def session_config(plan: Plan, ir_dir: Path, *, cache_dir: Path | None = None) -
     )
 
 
+def prompt_cap_problem(cap: int, planned_tokens: int) -> str:
+    """What a tokenizer that cuts prompts at ``cap`` means for a session planned for ``planned_tokens``."""
+    return (f"the export's tokenizer passes at most {cap} prompt tokens (a limit in openvino_tokenizer.xml that "
+            f"GenAI's truncation=False does not lift; GenAI's GGUF reader writes one), fewer than the {planned_tokens} "
+            "planned: hotfit refuses a longer prompt rather than let it be cut, and measures speed within the limit")
+
+
 def check_ir_dir(ir_dir: Path, names: Iterable[str] | None = None) -> None:
     """Refuse a directory that cannot serve the tool loop, before any process starts: a
     vision-language export (first: it has no ``openvino_model.xml`` either) or missing files."""

@@ -33,6 +33,7 @@ from hotfit.backends.openvino.config import (
     SESSION_FILE,
     WORKER_LOG,
     SessionConfig,
+    prompt_cap_problem,
     check_ir_dir,
     diagnose_openvino_failure,
     require_openvino,
@@ -94,10 +95,17 @@ class OpenVinoSession:
     backend: Literal["openvino"] = "openvino"
     server_name = "OpenVINO"
 
+    @property
+    def prompt_max_tokens(self) -> int | None:
+        """The most prompt tokens the export's tokenizer passes, when fewer than the plan (worker._prompt_cap)."""
+        cap = self.opened.get("prompt_max_tokens")
+        return cap if isinstance(cap, int) and cap > 0 else None
+
     def load_figures(self) -> dict[str, Any]:
         return {"pid": self.pid, "load_seconds": round(self.load_seconds, 3), "backend": "openvino",
                 "kv_precision": self.config.kv_precision, "num_kv_blocks": self.config.num_kv_blocks,
-                "capacity_tokens": self.config.capacity_tokens, "device": self.config.device}
+                "capacity_tokens": self.config.capacity_tokens, "device": self.config.device,
+                "prompt_max_tokens": self.prompt_max_tokens}
 
     async def call_tools(self, request: Mapping[str, Any], *, timeout_s: float, purpose: str,
                          family: str | None = None) -> ChatReply:
@@ -205,6 +213,7 @@ async def open_openvino_session(
             if reply.get("ok"):
                 reply = await worker_request(process, {"op": "open", "ir_dir": str(ir_dir), "device": config.device,
                                                  "scheduler": config.scheduler_json(),
+                                                 "planned_tokens": config.planned_tokens,
                                                  "properties": dict(config.properties)},
                                        max(1.0, timeout_s - (time.monotonic() - started)))
         except TimeoutError:
@@ -225,6 +234,10 @@ async def open_openvino_session(
                                   log_path=log_path, opened=reply)
         log.info("openvino.loaded", pid=process.pid, load_seconds=round(session.load_seconds, 3),
                  capacity_tokens=config.capacity_tokens)
+        if session.prompt_max_tokens is not None:
+            log.warning("openvino.prompt_cap", prompt_max_tokens=session.prompt_max_tokens,
+                        planned_tokens=config.planned_tokens, ir_dir=str(ir_dir),
+                        problem=prompt_cap_problem(session.prompt_max_tokens, config.planned_tokens))
         yield session
     finally:
         with anyio.CancelScope(shield=True):

@@ -40,6 +40,7 @@ class _Worker:
         self.tokenizer: Any = None
         self.og: Any = None
         self.request_id = 0
+        self.prompt_cap: int | None = None
 
     def open(self, req: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
@@ -57,9 +58,11 @@ class _Worker:
         sc.use_cache_eviction = bool(s["use_cache_eviction"])
         self.pipe = og.ContinuousBatchingPipeline(req["ir_dir"], sc, req["device"], dict(req["properties"]))
         self.tokenizer = self.pipe.get_tokenizer()
+        self.prompt_cap = _prompt_cap(self.tokenizer, int(req.get("planned_tokens") or 0))
         return {
             "ok": True,
             "load_seconds": time.monotonic() - started,
+            "prompt_max_tokens": self.prompt_cap,
             "genai_version": og.get_version(),
             "scheduler": sc.to_string() if hasattr(sc, "to_string") else None,
             "has_chat_template": bool(self.tokenizer.chat_template),
@@ -73,6 +76,10 @@ class _Worker:
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         og = self.og
         ids = self.tokenizer.encode(req["prompt"], add_special_tokens=False).input_ids
+        n_prompt = int(ids.get_shape()[-1])
+        if self.prompt_cap is not None and n_prompt >= self.prompt_cap:  # cut by the tokenizer: never answered
+            return {"ok": True, "status": "TRUNCATED", "text": "", "prompt_tokens": n_prompt, "generated_tokens": 0,
+                    "seconds": 0.0, "ttft_ms": None, "tpot_ms": None, "prompt_max_tokens": self.prompt_cap}
         g = og.GenerationConfig()
         g.max_new_tokens = int(req["max_new_tokens"])
         g.do_sample = False
@@ -98,9 +105,10 @@ class _Worker:
             "ok": True,
             "status": status,
             "text": text,
-            "prompt_tokens": int(ids.get_shape()[-1]),
+            "prompt_tokens": n_prompt,
             "generated_tokens": len(tokens),
             "seconds": seconds,
+            **_perf_metrics(handle),
         }
 
     def metrics(self, _req: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +120,34 @@ class _Worker:
             "max_cache_usage": float(m.max_cache_usage),
             "requests": int(m.requests),
         }
+
+
+def _prompt_cap(tokenizer: Any, planned_tokens: int) -> int | None:
+    """The most tokens the export's tokenizer passes, when that is fewer than ``planned_tokens``:
+    GenAI's GGUF reader bakes a limit into openvino_tokenizer.xml (8192, measured) that encode's
+    ``truncation=False`` does not lift, and a longer prompt is cut without a word. A text of more
+    words than the plan's tokens, then twice that text: the same count is the cap. None: no cap
+    below the plan (or the vocabulary merges words, and no cap can be told)."""
+    if planned_tokens <= 0:
+        return None
+    text = " hello" * (planned_tokens + 1)
+    first = int(tokenizer.encode(text, add_special_tokens=False).input_ids.get_shape()[-1])
+    if first > planned_tokens:
+        return None
+    second = int(tokenizer.encode(text + text, add_special_tokens=False).input_ids.get_shape()[-1])
+    return first if second == first else None
+
+
+def _perf_metrics(handle: Any) -> dict[str, Any]:
+    """GenAI's own timing of one request (its PerfMetrics, in ms): time to the first token (the
+    prompt's evaluation) and time per output token after it; None where GenAI has none (-1 with
+    one generated token, or a release without per-request metrics)."""
+    try:
+        metrics = handle.get_perf_metrics()
+        ttft_ms, tpot_ms = float(metrics.get_ttft().mean), float(metrics.get_tpot().mean)
+    except (AttributeError, RuntimeError):
+        return {"ttft_ms": None, "tpot_ms": None}
+    return {"ttft_ms": ttft_ms if ttft_ms > 0 else None, "tpot_ms": tpot_ms if tpot_ms > 0 else None}
 
 
 def _reply(out: TextIO, payload: dict[str, Any]) -> None:
