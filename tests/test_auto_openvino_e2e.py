@@ -162,6 +162,8 @@ def test_auto_provisions_an_openvino_snapshot_end_to_end(hub: LocalHub, ov_world
     # load finds it and says so; nothing longer is sent to be cut
     assert ov["prompt_max_tokens"] == 8192
     assert [e["prompt_max_tokens"] for e in evs if e.get("event") == "openvino.prompt_cap"] == [8192]
+    assert [w for w in measured["warnings"] if "at most 8192 prompt tokens" in w] == measured["warnings"] != []
+    assert any(e["event"] == "recheck.prompt_cap" for e in evs)
     # measure-speed read GenAI's own timings (TTFT, TPOT) of an agent prompt within that limit (less the
     # follow-up's margin), sized in this model's tokens (this toy vocabulary's tool catalogue makes it
     # 11 % long; measured), and of the follow-up turn, which GenAI evaluates whole: prefix caching is off
@@ -283,6 +285,12 @@ def test_pull_then_auto_serve_and_status_use_the_verified_snapshot(hub: LocalHub
     human = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "status"], cwd=REPO,
                            capture_output=True, text=True, check=False, env=os.environ | hub.env())
     assert "provisioned: fx-ov-tokcfg (q8_0 KV" in human.stdout and f"→ {snapshot}" in human.stdout
+    # the human summary (a no-op rerun) carries the re-check's warning: the tokenizer's prompt limit
+    rerun = subprocess.run([sys.executable, "-m", "hotfit", "--home", str(home), "auto", "--backend", "openvino",
+                            "--registry", str(registry), "--probe-file", str(probe), "--kv-cache-type", "q8_0"],
+                           cwd=REPO, capture_output=True, text=True, check=False, env=os.environ | hub.env())
+    assert rerun.returncode == 0 and "already provisioned" in rerun.stdout, rerun.stderr[-3000:]
+    assert "  WARNING         the export's tokenizer passes at most 8192 prompt tokens" in rerun.stdout
 
 
 def test_serve_prints_the_ovms_command_and_refuses_to_exec(hub: LocalHub, ov_world: OvWorld, tmp_path: Path) -> None:

@@ -301,6 +301,16 @@ def test_recheck_passes_when_the_allocation_is_the_plan() -> None:
     assert r.verdict == "pass" and r.opened_context_tokens == 32768 and r.ratio == 1.0
 
 
+
+def test_a_tokenizer_prompt_limit_below_the_window_is_a_recheck_warning_with_its_own_event() -> None:
+    full = {"config": _config(), "shape": SHAPE, "estimated_kv_bytes": 512 * 32768, "actual_kv_bytes": 512 * 32768}
+    r = judge_openvino_allocation(**full, prompt_max_tokens=8192)
+    assert r.verdict == "pass" and len(r.warnings) == 1 and "at most 8192 prompt tokens" in r.warnings[0]
+    assert r.warning_event(r.warnings[0]) == "recheck.prompt_cap"
+    assert judge_openvino_allocation(**full, prompt_max_tokens=32768).warnings == ()
+    assert judge_openvino_allocation(**full).warnings == ()
+
+
 @pytest.mark.parametrize(
     ("tokens", "actual", "estimate", "needle"),
     [

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from hotfit.backends.base import KV_EXCESS_TOLERANCE, KV_SHORTFALL_WARN_RATIO, AllocationVerdict
-from hotfit.backends.openvino.config import KV_PRECISIONS, KvShape, SessionConfig, kv_bytes_per_token, parse_ir_kv_shape
+from hotfit.backends.openvino.config import (KV_PRECISIONS, PROMPT_CAP_LEAD, KvShape, SessionConfig, kv_bytes_per_token,
+                                             parse_ir_kv_shape, prompt_cap_problem)
 from hotfit.backends.openvino.protocol import WorkerGone
 from hotfit.core.errors import AllocationMismatch
 from hotfit.planner.plan import Plan
@@ -72,7 +73,7 @@ class OpenVinoAllocationReport(AllocationVerdict):
         }
 
     def warning_event(self, warning: str) -> str:
-        return "recheck.kv_below_estimate"
+        return "recheck.prompt_cap" if warning.startswith(PROMPT_CAP_LEAD) else "recheck.kv_below_estimate"
 
 
 def _fallback_precision(actual: int, shape: KvShape, config: SessionConfig) -> str | None:
@@ -93,8 +94,10 @@ def judge_openvino_allocation(
     floor_tokens: int = MIN_AGENTIC_HOT_CONTEXT,
     tolerance: float = KV_EXCESS_TOLERANCE,
     max_cache_usage: float | None = None,
+    prompt_max_tokens: int | None = None,
 ) -> OpenVinoAllocationReport:
-    """Pure: the report; any problem fails the stage."""
+    """Pure: the report; any problem fails the stage. ``prompt_max_tokens``: the tokenizer's prompt
+    limit the worker found (a warning: the cache holds the window, a prompt that long is refused)."""
     problems: list[str] = []
     warnings: list[str] = []
     per_token = kv_bytes_per_token(shape, config.kv_precision) if shape.states else 0
@@ -126,6 +129,8 @@ def judge_openvino_allocation(
                 problems.append(f"the opened cache holds {opened} tokens, below the planned {config.planned_tokens}")
             if opened < floor_tokens:
                 problems.append(f"the opened cache holds {opened} tokens, below the agentic floor of {floor_tokens}")
+    if prompt_max_tokens is not None and prompt_max_tokens < config.planned_tokens:
+        warnings.append(prompt_cap_problem(prompt_max_tokens, config.planned_tokens))
     ratio = actual_kv_bytes / estimated_kv_bytes if estimated_kv_bytes > 0 and actual_kv_bytes > 0 else None
     if estimated_kv_bytes <= 0:
         problems.append(f"the plan carries no KV estimate ({estimated_kv_bytes} bytes) to check against")
@@ -187,4 +192,5 @@ async def read_allocation(
         floor_tokens=floor_tokens,
         tolerance=tolerance,
         max_cache_usage=metrics.get("max_cache_usage"),
+        prompt_max_tokens=session.prompt_max_tokens,
     )

@@ -210,9 +210,12 @@ def session_config(plan: Plan, ir_dir: Path, *, cache_dir: Path | None = None) -
     )
 
 
+PROMPT_CAP_LEAD = "the export's tokenizer passes at most"
+
+
 def prompt_cap_problem(cap: int, planned_tokens: int) -> str:
     """What a tokenizer that cuts prompts at ``cap`` means for a session planned for ``planned_tokens``."""
-    return (f"the export's tokenizer passes at most {cap} prompt tokens (a limit in openvino_tokenizer.xml that "
+    return (f"{PROMPT_CAP_LEAD} {cap} prompt tokens (a limit in openvino_tokenizer.xml that "
             f"GenAI's truncation=False does not lift; GenAI's GGUF reader writes one), fewer than the {planned_tokens} "
             "planned: hotfit refuses a longer prompt rather than let it be cut, and measures speed within the limit")
 

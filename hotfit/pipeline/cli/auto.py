@@ -117,6 +117,7 @@ def summary(manifest: Manifest, plan: Plan, *, noop: bool, resumed: bool = False
         f"  KV allocation   {manifest.measured.get('actual_kv_bytes')} bytes "
         f"(estimate {manifest.measured.get('estimated_kv_bytes')}, ratio {manifest.measured.get('kv_ratio')})",
     ]
+    lines += [f"  WARNING         {w}" for w in manifest.measured.get("warnings") or ()]  # the re-check's
     lines += speed_lines(plan.speed_predicted, manifest.speed)
     if manifest.grade:
         g = manifest.grade
