@@ -34,8 +34,9 @@ def speed_lines(predicted: Mapping[str, Any] | None, speed: Mapping[str, Any] | 
         lines.append(f"  speed measured  {measured.get('basis', 'not measured')}")
     elif isinstance(measured, Mapping):
         ratio = speed.get("ratio") if isinstance(speed, Mapping) else None
+        follow = measured.get("follow_up_first_token_s")
         lines.append(f"  speed measured  {_figures(measured)}; follow-up turn first token "
-                     f"{measured.get('follow_up_first_token_s')} s"
+                     f"{fmt_seconds(follow) if isinstance(follow, (int, float)) else '?'}"
                      + (f"; predicted/measured {', '.join(f'{k} {v}' for k, v in ratio.items())}"
                         if isinstance(ratio, Mapping) and ratio else ""))
     elif isinstance(speed, Mapping) and speed.get("skipped"):
