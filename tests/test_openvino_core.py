@@ -20,7 +20,7 @@ from hotfit.backends.openvino.toolcall import (
     structural_tag,
     tool_call_family,
 )
-from hotfit.backends.openvino.allocation import judge_openvino_allocation
+from hotfit.backends.openvino.allocation import OpenVinoAllocationReport, judge_openvino_allocation
 from hotfit.backends.openvino.config import (
     IR_REQUIRED_FILES,
     KvShape,
@@ -303,12 +303,14 @@ def test_recheck_passes_when_the_allocation_is_the_plan() -> None:
 
 
 def test_a_tokenizer_prompt_limit_below_the_window_is_a_recheck_warning_with_its_own_event() -> None:
-    full = {"config": _config(), "shape": SHAPE, "estimated_kv_bytes": 512 * 32768, "actual_kv_bytes": 512 * 32768}
-    r = judge_openvino_allocation(**full, prompt_max_tokens=8192)
+    def judged(prompt_max_tokens: int | None) -> OpenVinoAllocationReport:
+        return judge_openvino_allocation(config=_config(), shape=SHAPE, estimated_kv_bytes=512 * 32768,
+                                         actual_kv_bytes=512 * 32768, prompt_max_tokens=prompt_max_tokens)
+
+    r = judged(8192)
     assert r.verdict == "pass" and len(r.warnings) == 1 and "at most 8192 prompt tokens" in r.warnings[0]
     assert r.warning_event(r.warnings[0]) == "recheck.prompt_cap"
-    assert judge_openvino_allocation(**full, prompt_max_tokens=32768).warnings == ()
-    assert judge_openvino_allocation(**full).warnings == ()
+    assert judged(32768).warnings == () and judged(None).warnings == ()
 
 
 @pytest.mark.parametrize(
