@@ -534,6 +534,8 @@ def test_measured_figures_come_from_the_servers_timings_and_are_compared() -> No
     # predicted prefill rate (16,000 tokens at 250 tok/s: 64 s predicted, 80 s measured)
     near = dict(same, prompt_tokens=16384, first_token_s=65.5)
     assert ratios(near, m) == {"prefill_tokens_per_s": 1.25, "decode_tokens_per_s": 0.8, "first_token_s": 0.8}
+    unrated = {k: v for k, v in near.items() if k != "prefill_tokens_per_s"}  # no rate to scale the time by
+    assert ratios(unrated, m) == {"decode_tokens_per_s": 0.8}
     far = dict(same, prompt_tokens=32768, first_token_s=131.0)  # another length: nothing is compared
     assert ratios(far, m) == {} and not comparable(far, m) and comparable(near, m)
     assert ratios(None, m) == {}

@@ -279,8 +279,9 @@ def ratios(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any]) -> 
     out = {k: round(predicted[k] / measured[k], 3) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")
            if predicted.get(k) and measured.get(k)}
     first_pred, first_meas = predicted.get("first_token_s"), measured.get("first_token_s")
-    if first_pred and first_meas and measured["prompt_tokens"] != predicted["prompt_tokens"]:
-        first_pred = measured["prompt_tokens"] / predicted["prefill_tokens_per_s"]
+    if measured["prompt_tokens"] != predicted["prompt_tokens"]:
+        rate = predicted.get("prefill_tokens_per_s")
+        first_pred = measured["prompt_tokens"] / rate if rate else None
     if first_pred and first_meas:
         out["first_token_s"] = round(first_pred / first_meas, 3)
     return out
@@ -316,9 +317,9 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
     session = ctx.result("load", LoadResult).live()
     probe = ctx.result("probe-tool-call", ProbeToolCallResult)
     ratio = chars_per_token(probe.request, probe.prompt_tokens)
-    # within what the session takes whole (an OpenVINO export's tokenizer may cut a longer prompt)
-    takes = min(t for t in (plan.hot_context_tokens, session.prompt_max_tokens) if t is not None)
-    wanted = prompt_size(takes, job.prompt_tokens)
+    full = prompt_size(plan.hot_context_tokens, job.prompt_tokens)
+    cap = session.prompt_max_tokens  # an OpenVINO export's tokenizer may cut a longer prompt
+    wanted = full if cap is None else min(full, prompt_size(cap, job.prompt_tokens))
     expected_s = (plan.speed_predicted or {}).get("first_token_s")
     depths = short_depths(wanted, expected_s if isinstance(expected_s, (int, float)) else None)
 
@@ -329,9 +330,8 @@ async def measure_speed_work(ctx: StageContext) -> SpeedResult:
             raise BackendError(f"speed check: {exc.what}", hint=exc.hint, cause=exc.cause, **exc.details) from None
 
     measured = await timed_check(ask, wanted, depths, ratio)
-    if wanted < prompt_size(plan.hot_context_tokens, job.prompt_tokens):
-        measured["basis"] += (f"; the prompt kept within the {session.prompt_max_tokens} tokens this export's "
-                              "tokenizer passes")
+    if wanted < full:
+        measured["basis"] += f"; the prompt kept within the {cap} tokens this export's tokenizer passes"
     predicted = dict(plan.speed_predicted) if plan.speed_predicted else None
     if predicted is not None:
         predicted.pop("warning", None)

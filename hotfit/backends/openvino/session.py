@@ -33,9 +33,9 @@ from hotfit.backends.openvino.config import (
     SESSION_FILE,
     WORKER_LOG,
     SessionConfig,
-    prompt_cap_problem,
     check_ir_dir,
     diagnose_openvino_failure,
+    prompt_cap_problem,
     require_openvino,
     session_config,
 )
